@@ -1,0 +1,77 @@
+/* Element types shared by every kernel, and exact scalar conversions between fp32 and the
+ * 16-bit formats. Rounding is round-to-nearest-even, NaN stays NaN (quiet, sign kept for fp16),
+ * overflow becomes infinity: the same results as torch's `.to(torch.bfloat16 / torch.float16)`.
+ * Plain C11, usable from C, C++ and CUDA host code. */
+#ifndef ZERO_COMMON_DTYPES_H
+#define ZERO_COMMON_DTYPES_H
+
+#include <stdint.h>
+#include <string.h>
+
+typedef enum {
+    ZERO_F32 = 0,
+    ZERO_F16 = 1,
+    ZERO_BF16 = 2,
+    ZERO_BYTES = 3, /* opaque bytes: copied, never converted (int buffers, fp64, ...) */
+} zero_dtype;
+
+static inline int zero_dtype_size(int dtype) {
+    return dtype == ZERO_F32 ? 4 : (dtype == ZERO_F16 || dtype == ZERO_BF16) ? 2 : 1;
+}
+
+static inline uint32_t zero_f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float zero_bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+static inline float zero_bf16_to_f32(uint16_t h) { return zero_bits_f32((uint32_t)h << 16); }
+
+static inline uint16_t zero_f32_to_bf16(float f) {
+    uint32_t u = zero_f32_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                     /* round half to even */
+    return (uint16_t)(u >> 16);
+}
+
+static inline float zero_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+    if (exp == 0x1f) return zero_bits_f32(sign | 0x7f800000u | (mant << 13));
+    if (exp == 0) { /* zero or subnormal: mant * 2^-24, exact in fp32 */
+        float f = (float)mant * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    return zero_bits_f32(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+static inline uint16_t zero_f32_to_f16(float f) {
+    uint32_t u = zero_f32_bits(f);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    u &= 0x7fffffffu;
+    if (u >= 0x47800000u) /* |f| >= 2^16: inf, or NaN */
+        return sign | (u > 0x7f800000u ? 0x7e00 : 0x7c00);
+    if (u < 0x38800000u) { /* below fp16's smallest normal: let the FPU round at 2^-24 */
+        float a = zero_bits_f32(u) + 0.5f;
+        return sign | (uint16_t)(zero_f32_bits(a) - 0x3f000000u);
+    }
+    /* normal: rebias the exponent (127 -> 15) and round the 13 dropped bits to even */
+    u += 0xc8000fffu + ((u >> 13) & 1u);
+    return sign | (uint16_t)(u >> 13);
+}
+
+/* Load element i of a buffer of `dtype` (F32/F16/BF16) as fp32, and store fp32 into one. */
+static inline float zero_load_f32(const void *p, int dtype, int64_t i) {
+    switch (dtype) {
+    case ZERO_F16: return zero_f16_to_f32(((const uint16_t *)p)[i]);
+    case ZERO_BF16: return zero_bf16_to_f32(((const uint16_t *)p)[i]);
+    default: return ((const float *)p)[i];
+    }
+}
+
+static inline void zero_store_f32(void *p, int dtype, int64_t i, float v) {
+    switch (dtype) {
+    case ZERO_F16: ((uint16_t *)p)[i] = zero_f32_to_f16(v); break;
+    case ZERO_BF16: ((uint16_t *)p)[i] = zero_f32_to_bf16(v); break;
+    default: ((float *)p)[i] = v;
+    }
+}
+
+#endif

@@ -1,0 +1,9 @@
+"""Native ops: CPU Adam, fused GPU Adam, and bucket pack/unpack.
+
+Nothing is compiled when this package is imported; each op is built the first time it is used.
+`python -m zero.ops build` builds every op this machine can build; `python -m zero.env` reports.
+"""
+from zero.ops.builder import OPS, OpUnavailable, is_built, load, missing
+from zero.ops.pack import pack, unpack
+
+__all__ = ["OPS", "OpUnavailable", "is_built", "load", "missing", "pack", "unpack"]

@@ -1,0 +1,317 @@
+"""Find a compiler, JIT-build each native op once, and cache it on disk.
+
+[Note: op builds]
+Kernels live in csrc/ as C11 (CPU) and CUDA C (GPU) files with a C ABI; thin C++ files in
+csrc/bindings/ turn tensors into pointers. An op is built at its first use, never at
+`import zero` and never at `pip install` (so installing needs no torch and no compiler):
+
+1. The C files are compiled by the system C compiler as real C11 (`cc -std=c11 -O3 -fopenmp`).
+   No `-march=native`: SIMD paths carry their own `target` attributes and are picked at run time,
+   so one build runs on any x86-64 host (and on ARM, where only the portable path is compiled).
+2. The bindings (and any .cu files) are compiled and linked with the C objects by
+   `torch.utils.cpp_extension.load`, which uses ninja and nvcc.
+3. The result lands in `<cache>/<op>-<hash>/`, where the hash covers every source and header
+   under csrc/, the flags, the compiler, and the torch/Python/CUDA versions. A changed source or
+   flag therefore means a new directory and a rebuild; an unchanged one is imported directly,
+   without asking a compiler or ninja anything.
+
+The cache lives in `$ZERO_CACHE_DIR` (default `~/.cache/zero/ops`). Concurrent ranks that
+need the same op take a file lock: one builds, the others wait and import the result.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+
+class OpUnavailable(RuntimeError):
+    """A native op cannot be built or loaded on this machine; the message says why."""
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """What one native op is made of.
+
+    Args:
+        name: short name used by `load()` and the env report (`cpu_adam`, `pack`, ...).
+        what: one line for people: what the op does.
+        c_sources: C11 kernel files, relative to csrc/; compiled by the C compiler.
+        cpp_sources: C++ binding files (torch extension entry points), relative to csrc/.
+        cuda_sources: CUDA C kernel files, relative to csrc/; compiled by nvcc.
+    """
+
+    name: str
+    what: str
+    c_sources: tuple[str, ...] = ()
+    cpp_sources: tuple[str, ...] = ()
+    cuda_sources: tuple[str, ...] = ()
+    extra_cuda_cflags: tuple[str, ...] = field(default=("-O3", "--use_fast_math"))
+
+    @property
+    def needs_cuda(self) -> bool:
+        return bool(self.cuda_sources)
+
+
+OPS: dict[str, OpSpec] = {
+    spec.name: spec
+    for spec in (
+        OpSpec(
+            "cpu_adam",
+            "CPU Adam/AdamW (AVX-512 / AVX2 / portable C, OpenMP)",
+            c_sources=("adam/cpu_adam.c",),
+            cpp_sources=("bindings/cpu_adam.cpp",),
+        ),
+        OpSpec(
+            "pack",
+            "CPU bucket pack/unpack with dtype cast",
+            c_sources=("comm/pack.c",),
+            cpp_sources=("bindings/pack.cpp",),
+        ),
+        OpSpec(
+            "fused_adam",
+            "fused multi-tensor GPU Adam/AdamW",
+            cpp_sources=("bindings/fused_adam.cpp",),
+            cuda_sources=("adam/fused_adam.cu",),
+        ),
+        OpSpec(
+            "pack_cuda",
+            "CUDA bucket pack/unpack with dtype cast",
+            cpp_sources=("bindings/pack_cuda.cpp",),
+            cuda_sources=("comm/pack.cu",),
+        ),
+    )
+}
+
+
+# ----------------------------------------------------------------------------- locations
+
+
+def source_dir() -> Path:
+    """Where the C/CUDA sources are: shipped as zero/_csrc, or csrc/ in a source checkout."""
+    here = Path(__file__).resolve().parent.parent
+    for candidate in (here / "_csrc", here.parent / "csrc"):
+        if candidate.is_dir():
+            return candidate
+    raise OpUnavailable(f"zero's C/CUDA sources were not found (looked in {here / '_csrc'} and {here.parent / 'csrc'})")
+
+
+def cache_dir() -> Path:
+    """Root of the on-disk op cache: $ZERO_CACHE_DIR, or ~/.cache/zero/ops."""
+    env = os.environ.get("ZERO_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "zero" / "ops"
+
+
+# ----------------------------------------------------------------------------- toolchain
+
+
+def c_compiler() -> str | None:
+    """The C compiler used for csrc/*.c: $CC, else cc, gcc or clang on PATH."""
+    if os.environ.get("CC"):
+        return shutil.which(os.environ["CC"]) or os.environ["CC"]
+    for name in ("cc", "gcc", "clang"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def nvcc() -> str | None:
+    """nvcc from $CUDA_HOME/bin, torch's idea of CUDA_HOME, or PATH."""
+    candidates = []
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if home:
+            candidates.append(Path(home) / "bin" / "nvcc")
+    try:
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        if CUDA_HOME:
+            candidates.append(Path(CUDA_HOME) / "bin" / "nvcc")
+    except Exception:  # pragma: no cover - torch builds without cpp_extension support
+        pass
+    for c in candidates:
+        if c.is_file():
+            return str(c)
+    return shutil.which("nvcc")
+
+
+def _ninja_ok() -> bool:
+    try:
+        from torch.utils.cpp_extension import is_ninja_available
+
+        return is_ninja_available()
+    except Exception:
+        return shutil.which("ninja") is not None
+
+
+@lru_cache(maxsize=None)
+def _c_flags() -> tuple[str, ...]:
+    """C11, optimised, position independent; OpenMP when the compiler has it."""
+    flags = ["-std=c11", "-O3", "-fPIC", "-Wall", "-Wno-unknown-pragmas"]
+    cc = c_compiler()
+    if cc and _compiler_accepts(cc, "-fopenmp"):
+        flags.append("-fopenmp")
+    return tuple(flags)
+
+
+def _compiler_accepts(cc: str, flag: str) -> bool:
+    probe = "int main(void){return 0;}\n"
+    try:
+        r = subprocess.run([cc, flag, "-x", "c", "-", "-o", os.devnull], input=probe, text=True, capture_output=True, timeout=60)
+        return r.returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def missing(name: str) -> str | None:
+    """Why op `name` cannot be built here, or None if it can."""
+    spec = OPS[name]
+    if spec.c_sources and c_compiler() is None:
+        return "no C compiler found (install gcc or clang, or set CC)"
+    if (spec.cpp_sources or spec.cuda_sources) and not _ninja_ok():
+        return "ninja is not installed (pip install ninja)"
+    if spec.needs_cuda:
+        if torch.version.cuda is None:
+            return f"this torch ({torch.__version__}) was built without CUDA"
+        if nvcc() is None:
+            return "nvcc not found (set CUDA_HOME to a CUDA toolkit)"
+    return None
+
+
+# ----------------------------------------------------------------------------- build
+
+
+def _fingerprint(spec: OpSpec) -> str:
+    h = hashlib.sha256()
+    src = source_dir()
+    files = sorted({*src.rglob("*.h"), *src.rglob("*.cuh"), *(src / s for s in spec.c_sources + spec.cpp_sources + spec.cuda_sources)})
+    for f in files:
+        h.update(str(f.relative_to(src)).encode())
+        h.update(f.read_bytes())
+    h.update(repr((_c_flags(), c_compiler(), spec.extra_cuda_cflags, os.environ.get("TORCH_CUDA_ARCH_LIST"))).encode())
+    h.update(repr((torch.__version__, torch.version.cuda, sys.version_info[:2], sysconfig.get_platform())).encode())
+    return h.hexdigest()[:16]
+
+
+def build_dir(name: str) -> Path:
+    return cache_dir() / f"{name}-{_fingerprint(OPS[name])}"
+
+
+def _module_name(name: str) -> str:
+    return f"zero_{name}"
+
+
+def _built_library(name: str) -> Path:
+    return build_dir(name) / f"{_module_name(name)}{'.so' if os.name != 'nt' else '.pyd'}"
+
+
+def is_built(name: str) -> bool:
+    """True when op `name` is already compiled for this exact source, flags and torch."""
+    try:
+        return _built_library(name).is_file()
+    except OpUnavailable:
+        return False
+
+
+@contextmanager
+def _locked(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _compile_c(spec: OpSpec, out_dir: Path) -> list[str]:
+    cc = c_compiler()
+    src = source_dir()
+    objects = []
+    for rel in spec.c_sources:
+        obj = out_dir / (rel.replace("/", "_").rsplit(".", 1)[0] + ".o")
+        cmd = [cc, *_c_flags(), "-I", str(src), "-c", str(src / rel), "-o", str(obj)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise OpUnavailable(f"op '{spec.name}': compiling {rel} failed:\n$ {' '.join(cmd)}\n{r.stderr}")
+        objects.append(str(obj))
+    return objects
+
+
+def _import_library(name: str, path: Path) -> ModuleType:
+    modname = _module_name(name)
+    spec = importlib.util.spec_from_file_location(modname, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(name: str) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    spec = OPS[name]
+    out = build_dir(name)
+    out.mkdir(parents=True, exist_ok=True)
+    print(
+        f"zero: compiling native op '{name}' ({spec.what}) into {out}; this happens once per "
+        f"source/torch version and takes a moment (set ZERO_CACHE_DIR to move the cache)",
+        file=sys.stderr,
+        flush=True,
+    )
+    objects = _compile_c(spec, out)
+    src = source_dir()
+    ldflags = [*objects]
+    if "-fopenmp" in _c_flags():
+        ldflags.append("-fopenmp")
+    try:
+        return cpp_extension.load(
+            name=_module_name(name),
+            sources=[str(src / s) for s in spec.cpp_sources + spec.cuda_sources],
+            extra_cflags=["-O3", "-std=c++17"],
+            extra_cuda_cflags=list(spec.extra_cuda_cflags),
+            extra_ldflags=ldflags,
+            extra_include_paths=[str(src)],
+            build_directory=str(out),
+            with_cuda=spec.needs_cuda,
+            verbose=os.environ.get("ZERO_VERBOSE_BUILD", "0") not in ("", "0"),
+        )
+    except Exception as exc:  # the compiler's own message is the useful part
+        raise OpUnavailable(f"op '{name}' failed to build in {out}: {exc}") from exc
+
+
+_loaded: dict[str, ModuleType] = {}
+
+
+def load(name: str) -> ModuleType:
+    """Return the compiled module of op `name`, building it first if needed.
+
+    Raises:
+        OpUnavailable: the op cannot be built here (the message names the missing piece).
+    """
+    if name in _loaded:
+        return _loaded[name]
+    if name not in OPS:
+        raise KeyError(f"unknown op '{name}'; known ops: {', '.join(OPS)}")
+    reason = missing(name)
+    if reason is not None:
+        raise OpUnavailable(f"op '{name}' ({OPS[name].what}) is unavailable: {reason}")
+    library = _built_library(name)
+    module = None
+    if not library.is_file():
+        with _locked(library.parent.with_suffix(".lock")):
+            if not library.is_file():  # another process may have built it while we waited
+                module = _build(name)
+    _loaded[name] = module if module is not None else _import_library(name, library)
+    return _loaded[name]
