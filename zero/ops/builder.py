@@ -178,6 +178,13 @@ def _compiler_accepts(cc: str, flag: str) -> bool:
 def missing(name: str) -> str | None:
     """Why op `name` cannot be built here, or None if it can."""
     spec = OPS[name]
+    try:
+        src = source_dir()
+    except OpUnavailable as exc:
+        return str(exc)
+    absent = [s for s in spec.c_sources + spec.cpp_sources + spec.cuda_sources if not (src / s).is_file()]
+    if absent:
+        return f"source file(s) missing from {src}: {', '.join(absent)}"
     if spec.c_sources and c_compiler() is None:
         return "no C compiler found (install gcc or clang, or set CC)"
     if (spec.cpp_sources or spec.cuda_sources) and not _ninja_ok():
@@ -196,7 +203,11 @@ def missing(name: str) -> str | None:
 def _fingerprint(spec: OpSpec) -> str:
     h = hashlib.sha256()
     src = source_dir()
-    files = sorted({*src.rglob("*.h"), *src.rglob("*.cuh"), *(src / s for s in spec.c_sources + spec.cpp_sources + spec.cuda_sources)})
+    sources = [src / s for s in spec.c_sources + spec.cpp_sources + spec.cuda_sources]
+    # Headers an op can include: the shared ones and those beside its own sources.
+    header_dirs = {src / "common", src / "bindings", *(f.parent for f in sources)}
+    headers = [h for d in header_dirs if d.is_dir() for pat in ("*.h", "*.cuh") for h in d.glob(pat)]
+    files = sorted({*sources, *headers})
     for f in files:
         h.update(str(f.relative_to(src)).encode())
         h.update(f.read_bytes())
@@ -219,10 +230,9 @@ def _built_library(name: str) -> Path:
 
 def is_built(name: str) -> bool:
     """True when op `name` is already compiled for this exact source, flags and torch."""
-    try:
-        return _built_library(name).is_file()
-    except OpUnavailable:
+    if missing(name) is not None:
         return False
+    return _built_library(name).is_file()
 
 
 @contextmanager

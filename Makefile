@@ -1,0 +1,24 @@
+# Two commands for a fresh machine:
+#   make demo   set up, then train a small model (the main job)
+#   make test   set up, then run the test suite (what CI runs)
+PYTHON ?= python3
+# Installed only when no torch is present (pip's default torch is a large CUDA build; pass
+# TORCH_SPEC="torch==X --index-url <your CPU wheel index>" for a CPU-only machine).
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup demo test bench ops
+setup:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install $(TORCH_SPEC)
+	$(PYTHON) -m pip install --no-build-isolation -e ".[test]"
+
+demo: setup
+	$(PYTHON) examples/train_cpu_adam.py
+
+test: setup
+	$(PYTHON) -m pytest -q
+
+bench: setup
+	$(PYTHON) benchmarks/bench_adam.py
+
+ops: setup
+	$(PYTHON) -m zero.ops build

@@ -1,0 +1,1 @@
+"""Small models and data used by zero's tests, benchmarks and examples (like torch.testing)."""
