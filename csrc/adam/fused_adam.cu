@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(THREADS) adam_kernel(const AdamTable table, co
 
 /* ---------------------------------------------------------------------------- host side */
 
-AdamScalars scalars_of(const zero_adam_options &o) {
+AdamScalars scalars_of(const zero_fused_adam_config &o) {
     const double bc1 = o.bias_correction ? 1.0 - pow(o.beta1, (double)o.step) : 1.0;
     const double bc2 = o.bias_correction ? 1.0 - pow(o.beta2, (double)o.step) : 1.0;
     AdamScalars s;
@@ -199,7 +199,7 @@ AdamScalars scalars_of(const zero_adam_options &o) {
     return s;
 }
 
-bool options_ok(const zero_adam_options *o) {
+bool config_ok(const zero_fused_adam_config *o) {
     if (o == nullptr) return false;
     const bool finite = isfinite(o->lr) && isfinite(o->eps) && isfinite(o->weight_decay) && isfinite(o->grad_scale);
     return finite && o->lr >= 0 && o->beta1 >= 0 && o->beta1 < 1 && o->beta2 >= 0 && o->beta2 < 1 && o->eps >= 0 &&
@@ -256,10 +256,10 @@ int launch_for_grad(int32_t out16_dtype, int n, float *const *params, const void
 
 extern "C" int zero_fused_adam(int n, float *const *params, const void *const *grads, int32_t grad_dtype,
                                float *const *exp_avgs, float *const *exp_avg_sqs, void *const *out16,
-                               int32_t out16_dtype, const int64_t *numels, const zero_adam_options *options,
+                               int32_t out16_dtype, const int64_t *numels, const zero_fused_adam_config *cfg,
                                cudaStream_t stream) {
     /* Everything is checked before the first launch, so a bad call changes nothing. */
-    if (n < 0 || !options_ok(options)) return -1;
+    if (n < 0 || !config_ok(cfg)) return -1;
     if (grad_dtype != ZERO_F32 && grad_dtype != ZERO_F16 && grad_dtype != ZERO_BF16) return -1;
     if (out16 != nullptr && out16_dtype != ZERO_F16 && out16_dtype != ZERO_BF16) return -1;
     if (n > 0 && (params == nullptr || grads == nullptr || exp_avgs == nullptr || exp_avg_sqs == nullptr ||
@@ -271,7 +271,7 @@ extern "C" int zero_fused_adam(int n, float *const *params, const void *const *g
                               exp_avg_sqs[i] == nullptr))
             return -1;
     }
-    const AdamScalars s = scalars_of(*options);
+    const AdamScalars s = scalars_of(*cfg);
     switch (grad_dtype) {
     case ZERO_F16:
         return launch_for_grad<ZERO_F16>(out16_dtype, n, params, grads, exp_avgs, exp_avg_sqs, out16, numels, s, stream);

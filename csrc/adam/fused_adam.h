@@ -26,7 +26,8 @@
 extern "C" {
 #endif
 
-/* Hyperparameters of one update. Doubles so the host-side arithmetic (bias corrections,
+/* Hyperparameters of one update, field for field like zero_adam_config of the CPU Adam
+ * (adam/cpu_adam.h). Doubles so the host-side arithmetic (bias corrections,
  * 1 - lr * weight_decay) happens at full precision before it is rounded to fp32 once. */
 typedef struct {
     double lr;
@@ -37,7 +38,7 @@ typedef struct {
     int64_t step;      /* 1-based count of this update, used for bias correction */
     int adamw_mode;    /* 1: decoupled weight decay (AdamW); 0: L2 added to the grad (Adam) */
     int bias_correction; /* 1: divide by 1 - beta^step; 0: don't */
-} zero_adam_options;
+} zero_fused_adam_config;
 
 /* Update n tensors in place on `stream`.
  *
@@ -52,7 +53,7 @@ typedef struct {
  * launched), or a positive cudaError_t from a failed launch. Asynchronous like any launch. */
 int zero_fused_adam(int n, float *const *params, const void *const *grads, int32_t grad_dtype,
                     float *const *exp_avgs, float *const *exp_avg_sqs, void *const *out16,
-                    int32_t out16_dtype, const int64_t *numels, const zero_adam_options *options,
+                    int32_t out16_dtype, const int64_t *numels, const zero_fused_adam_config *cfg,
                     cudaStream_t stream);
 
 #ifdef __cplusplus
