@@ -1,0 +1,431 @@
+"""Specification of zero/config.py: DeepSpeed key names, aliases, defaults, and readable errors."""
+import itertools
+import json
+import sys
+import warnings
+
+import pytest
+import torch
+
+from zero.config import (ConfigError, ConfigWarning, UNIMPLEMENTED_FEATURES, ZeroConfig, check_supported,
+                         load_config, resolve_auto)
+
+BASE = {"train_batch_size": 8}
+
+
+def load(extra=None, **kw):
+    return load_config({**BASE, **(extra or {})}, **kw)
+
+
+def error(extra, **kw) -> str:
+    with pytest.raises(ConfigError) as info:
+        load(extra, **kw)
+    return str(info.value)
+
+
+# ----------------------------------------------------------------------------------- defaults
+
+def test_defaults_match_deepspeed():
+    cfg = load()
+    assert cfg.gradient_clipping == 0.0
+    assert cfg.steps_per_print is None
+    assert cfg.wall_clock_breakdown is False and cfg.dump_state is False
+    assert cfg.prescale_gradients is False and cfg.gradient_predivide_factor == 1.0
+    assert cfg.communication_data_type is None
+    assert cfg.optimizer is None and cfg.scheduler is None
+    fp16 = cfg.fp16
+    assert (fp16.enabled, fp16.auto_cast, fp16.loss_scale, fp16.initial_scale_power, fp16.loss_scale_window,
+            fp16.hysteresis, fp16.consecutive_hysteresis, fp16.min_loss_scale) == (
+                False, False, 0.0, 16, 1000, 2, False, 1.0)
+    assert cfg.bf16.enabled is False
+    z = cfg.zero_optimization
+    assert z.stage == 0
+    assert z.reduce_bucket_size == z.allgather_bucket_size == 500_000_000
+    assert z.contiguous_gradients and z.reduce_scatter and z.allgather_partitions
+    assert z.overlap_comm is False
+    assert z.load_from_fp32_weights and z.ignore_unused_parameters
+    assert not z.elastic_checkpoint and not z.round_robin_gradients
+    assert z.sub_group_size == 1_000_000_000
+    assert z.prefetch_bucket_size == 50_000_000
+    assert z.param_persistence_threshold == 100_000
+    assert z.model_persistence_threshold == sys.maxsize
+    assert z.max_live_parameters == z.max_reuse_distance == 1_000_000_000
+    assert z.gather_16bit_weights_on_model_save is False
+    assert z.offload_optimizer is None and z.offload_param is None
+    assert z.zero_hpz_partition_size == 1 and z.mics_shard_size == -1
+    assert z.memory_efficient_linear is True
+
+
+def test_overlap_comm_defaults_to_true_only_for_stage3():
+    assert load({"zero_optimization": {"stage": 3}}).zero_optimization.overlap_comm is True
+    assert load({"zero_optimization": {"stage": 2}}).zero_optimization.overlap_comm is False
+    assert load({"zero_optimization": {"stage": 3, "overlap_comm": False}}).zero_optimization.overlap_comm is False
+
+
+def test_offload_defaults_match_deepspeed():
+    z = load({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                    "offload_param": {"device": "cpu"}}}).zero_optimization
+    o, p = z.offload_optimizer, z.offload_param
+    assert (o.device, o.pin_memory, o.buffer_count, o.fast_init, o.ratio, o.nvme_path) == ("cpu", False, 4, False, 1.0, None)
+    assert (p.device, p.pin_memory, p.buffer_count, p.buffer_size, p.max_in_cpu) == (
+        "cpu", False, 5, 100_000_000, 1_000_000_000)
+
+
+def test_optimizer_defaults_and_adam_w_mode():
+    opt = load({"optimizer": {"type": "adam"}}).optimizer
+    assert opt.type == "Adam"
+    p = opt.params
+    assert (p.lr, p.betas, p.eps, p.weight_decay, p.bias_correction, p.adam_w_mode, p.torch_adam) == (
+        1e-3, (0.9, 0.999), 1e-8, 0.0, True, True, False)
+    assert opt.adamw  # DeepSpeed: Adam means AdamW unless adam_w_mode is false
+    assert not load({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}).optimizer.adamw
+    assert load({"optimizer": {"type": "ADAMW", "params": {"adam_w_mode": False}}}).optimizer.adamw
+
+
+def test_precision_property():
+    assert load().precision == "fp32" and load().dtype == torch.float32
+    assert load({"fp16": {"enabled": True}}).precision == "fp16"
+    cfg = load({"bf16": {"enabled": True}})
+    assert cfg.precision == "bf16" and cfg.dtype == torch.bfloat16 and cfg.communication_dtype == torch.bfloat16
+
+
+def test_config_is_frozen():
+    cfg = load()
+    with pytest.raises(Exception):
+        cfg.gradient_clipping = 1.0
+    with pytest.raises(Exception):
+        cfg.zero_optimization.stage = 2
+
+
+# ----------------------------------------------------------------------------------- batch rule
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("given", [c for r in (1, 2, 3) for c in itertools.combinations("tma", r)])
+def test_batch_rule_every_combination(world, given):
+    micro, accum = 4, 2
+    full = {"t": micro * accum * world, "m": micro, "a": accum}
+    keys = {"t": "train_batch_size", "m": "train_micro_batch_size_per_gpu", "a": "gradient_accumulation_steps"}
+    cfg_dict = {keys[k]: full[k] for k in given}
+    if given == ("a",):
+        with pytest.raises(ConfigError, match="train_batch_size or train_micro_batch_size_per_gpu"):
+            load_config(cfg_dict, world_size=world)
+        return
+    cfg = load_config(cfg_dict, world_size=world)
+    if given in (("t",), ("m",)):  # one alone: accumulation is 1 (DeepSpeed)
+        expect = (micro * accum * world, micro * accum, 1) if given == ("t",) else (micro * world, micro, 1)
+    else:
+        expect = (full["t"], full["m"], full["a"])
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == expect
+    assert cfg.train_batch_size == cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps * world
+
+
+def test_batch_inconsistent_error_shows_numbers():
+    msg = error({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
+                world_size=2)
+    assert "train_batch_size" in msg and "32 != 4 * 2 * 2 = 16" in msg
+
+
+def test_batch_not_divisible_error_shows_numbers():
+    msg = error({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, world_size=2)
+    assert "gradient_accumulation_steps" in msg and "(30)" in msg and "4 * 2 = 8" in msg
+
+
+def test_batch_none_given_is_error():
+    with pytest.raises(ConfigError, match="batch size not given"):
+        load_config({})
+
+
+def test_batch_auto_counts_as_not_given():
+    cfg = load_config({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2,
+                       "gradient_accumulation_steps": "auto"}, world_size=4)
+    assert (cfg.train_batch_size, cfg.gradient_accumulation_steps) == (8, 1)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "eight"])
+def test_batch_values_must_be_positive_integers(bad):
+    assert "train_batch_size" in error({"train_batch_size": bad})
+
+
+# ----------------------------------------------------------------------------------- unknown keys
+
+def test_misspelt_top_level_key_names_it_and_suggests():
+    msg = error({"gradient_clip": 1.0})
+    assert "gradient_clip" in msg and "did you mean 'gradient_clipping'?" in msg
+
+
+def test_misspelt_nested_key_names_full_path_and_suggests():
+    msg = error({"zero_optimization": {"stage": 2, "reduce_bucket_sise": 5e8}})
+    assert "zero_optimization.reduce_bucket_sise" in msg and "did you mean 'reduce_bucket_size'?" in msg
+    msg = error({"zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_memroy": True}}})
+    assert "zero_optimization.offload_optimizer.pin_memroy" in msg and "'pin_memory'" in msg
+    msg = error({"fp16": {"enabled": True, "loss_scale_windw": 10}})
+    assert "fp16.loss_scale_windw" in msg and "'loss_scale_window'" in msg
+
+
+def test_key_in_wrong_section_suggests_its_path():
+    assert "did you mean 'zero_optimization.stage'?" in error({"stage": 2})
+
+
+def test_all_problems_are_reported_together():
+    err = pytest.raises(ConfigError, load, {"zero_optimization": {"stage": 5, "overlap_com": True}}).value
+    assert {p for p, _ in err.issues} == {"zero_optimization.stage", "zero_optimization.overlap_com"}
+    assert "2 problems" in str(err)
+
+
+# ----------------------------------------------------------------------------------- bad values
+
+def test_stage_out_of_range():
+    msg = error({"zero_optimization": {"stage": 5}})
+    assert "zero_optimization.stage" in msg and "0, 1, 2 or 3" in msg and "5" in msg
+
+
+def test_negative_bucket_size():
+    msg = error({"zero_optimization": {"reduce_bucket_size": -1}})
+    assert "zero_optimization.reduce_bucket_size" in msg and ">= 0" in msg and "-1" in msg
+
+
+def test_fp16_and_bf16_both_enabled():
+    msg = error({"fp16": {"enabled": True}, "bf16": {"enabled": True}})
+    assert "fp16.enabled and bf16.enabled" in msg
+
+
+@pytest.mark.parametrize("betas", [[0.9], [0.9, 1.0], [-0.1, 0.9], "0.9", [0.9, 0.99, 0.999]])
+def test_bad_betas(betas):
+    msg = error({"optimizer": {"type": "Adam", "params": {"betas": betas}}})
+    assert "optimizer.params.betas" in msg and "0 <= beta < 1" in msg
+
+
+def test_negative_lr():
+    msg = error({"optimizer": {"type": "AdamW", "params": {"lr": -1e-3}}})
+    assert "optimizer.params.lr" in msg and ">= 0" in msg
+
+
+def test_negative_gradient_clipping_and_bad_offload_device():
+    assert "gradient_clipping" in error({"gradient_clipping": -1})
+    msg = error({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}})
+    assert "zero_optimization.offload_optimizer.device" in msg and "'cpu'" in msg
+
+
+def test_unsupported_optimizer_lists_supported_ones():
+    msg = error({"optimizer": {"type": "OneBitAdam", "params": {}}})
+    assert "optimizer.type" in msg and "Adam, AdamW" in msg
+
+
+def test_max_grad_norm_in_optimizer_params_points_to_gradient_clipping():
+    assert "gradient_clipping" in error({"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}})
+
+
+@pytest.mark.parametrize("spelling,canon", [("fp32", "fp32"), ("FP16", "fp16"), ("bfloat16", "bf16"),
+                                            ("torch.float32", "fp32"), ("half", "fp16"), (None, None)])
+def test_communication_data_type_spellings(spelling, canon):
+    assert load({"communication_data_type": spelling}).communication_data_type == canon
+
+
+def test_communication_data_type_rejects_others():
+    assert "communication_data_type" in error({"communication_data_type": "int8"})
+
+
+def test_scientific_notation_integers_accepted():
+    assert load({"zero_optimization": {"reduce_bucket_size": 2e8}}).zero_optimization.reduce_bucket_size == 200_000_000
+
+
+# ----------------------------------------------------------------------------------- scheduler
+
+def test_deepspeed_scheduler_params_validated_with_defaults():
+    s = load({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 100}}}).scheduler
+    assert (s.params.warmup_min_lr, s.params.warmup_max_lr, s.params.warmup_num_steps, s.params.warmup_type) == (
+        0.0, 0.001, 1000, "log")
+    c = load({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 10}}}).scheduler.params
+    assert (c.cos_min_ratio, c.warmup_min_ratio) == (0.0001, 0.0)
+    msg = error({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 5}}})
+    assert "scheduler.params.warmup_num_step" in msg and "'warmup_num_steps'" in msg
+    assert "scheduler.params.total_num_steps" in error({"scheduler": {"type": "WarmupDecayLR"}})
+    assert "scheduler.params.cycle_min_lr" in error({"scheduler": {"type": "OneCycle", "params": {"cycle_max_lr": 1}}})
+
+
+def test_torch_scheduler_params_checked_against_signature():
+    s = load({"scheduler": {"type": "StepLR", "params": {"step_size": 10, "gamma": 0.5}}}).scheduler
+    assert s.params == {"step_size": 10, "gamma": 0.5}
+    msg = error({"scheduler": {"type": "StepLR", "params": {"step_sise": 10}}})
+    assert "scheduler.params.step_sise" in msg and "'step_size'" in msg
+    assert "scheduler.params.step_size" in msg  # required, missing
+
+
+def test_unknown_scheduler_type_suggests():
+    assert "did you mean 'WarmupLR'?" in error({"scheduler": {"type": "WarmupLr"}})
+
+
+# ----------------------------------------------------------------------------------- auto
+
+def test_auto_without_values_falls_back_to_deepspeed_defaults():
+    cfg = load({"gradient_clipping": "auto", "fp16": {"enabled": "auto"},
+                "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                      "stage3_param_persistence_threshold": "auto"},
+                "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto"}}})
+    z = cfg.zero_optimization
+    assert (z.reduce_bucket_size, z.prefetch_bucket_size, z.param_persistence_threshold) == (
+        500_000_000, 50_000_000, 100_000)
+    assert cfg.gradient_clipping == 0.0 and cfg.fp16.enabled is False
+    assert cfg.optimizer.params.lr == 1e-3 and cfg.optimizer.params.betas == (0.9, 0.999)
+
+
+def test_auto_values_fill_like_huggingface():
+    raw = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+           "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+           "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+           "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto", "warmup_num_steps": 10}},
+           "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                 "stage3_param_persistence_threshold": "auto", "sub_group_size": 1000}}
+    cfg = load_config(raw, world_size=2, auto_values={
+        "optimizer.params.lr": 3e-4, "optimizer.params.weight_decay": 0.01, "gradient_clipping": 1.0,
+        "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4,
+        "scheduler.params.total_num_steps": 500, "hidden_size": 768,
+        "zero_optimization.sub_group_size": 1})  # not "auto": left alone
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (64, 8, 4)
+    assert cfg.optimizer.params.lr == 3e-4 and cfg.optimizer.params.weight_decay == 0.01
+    assert cfg.gradient_clipping == 1.0 and cfg.scheduler.params.total_num_steps == 500
+    z = cfg.zero_optimization
+    assert z.reduce_bucket_size == 768 * 768
+    assert z.prefetch_bucket_size == int(0.9 * 768 * 768)
+    assert z.param_persistence_threshold == 7680
+    assert z.sub_group_size == 1000
+    assert raw["optimizer"]["params"]["lr"] == "auto"  # input not modified
+
+
+def test_hidden_size_fills_stage3_keys_only_at_stage3():
+    out = resolve_auto({"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto",
+                                              "stage3_prefetch_bucket_size": "auto"}}, {"hidden_size": 10})
+    assert out["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 100, "stage3_prefetch_bucket_size": "auto"}
+
+
+def test_auto_on_a_misspelt_key_is_still_an_error():
+    assert "did you mean 'reduce_bucket_size'?" in error({"zero_optimization": {"reduce_bucket_sise": "auto"}})
+
+
+# ----------------------------------------------------------------------------------- input forms
+
+def test_json_path_input(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}))
+    for form in (path, str(path)):
+        cfg = load_config(form, world_size=2)
+        assert cfg.train_batch_size == 4 and cfg.zero_optimization.stage == 2
+
+
+def test_missing_file_and_bad_json_name_the_file(tmp_path):
+    missing = tmp_path / "nope.json"
+    with pytest.raises(ConfigError, match="nope.json"):
+        load_config(missing)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{\"train_batch_size\": 8,}")
+    with pytest.raises(ConfigError, match="bad.json.*not valid JSON"):
+        load_config(bad)
+    dup = tmp_path / "dup.json"
+    dup.write_text("{\"train_batch_size\": 8, \"train_batch_size\": 16}")
+    with pytest.raises(ConfigError, match="duplicate key"):
+        load_config(dup)
+
+
+def test_errors_from_a_file_name_the_file(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "fp17": {}}))
+    with pytest.raises(ConfigError, match=r"ds.json.*fp17.*did you mean 'fp16'"):
+        load_config(path)
+
+
+def test_bad_world_size():
+    with pytest.raises(ConfigError, match="world_size"):
+        load_config(BASE, world_size=0)
+
+
+# ----------------------------------------------------------------------------------- aliases
+
+def test_bfloat16_alias():
+    assert load({"bfloat16": {"enabled": True}}).precision == "bf16"
+    assert "bfloat16" in error({"bfloat16": {"enabled": True}, "bf16": {"enabled": True}})
+
+
+def test_stage3_aliases_both_spellings():
+    a = load({"zero_optimization": {"stage3_prefetch_bucket_size": 7, "stage3_max_live_parameters": 8}})
+    b = load({"zero_optimization": {"prefetch_bucket_size": 7, "max_live_parameters": 8}})
+    assert a.zero_optimization == b.zero_optimization
+    assert a.zero_optimization.prefetch_bucket_size == 7
+    assert "keep one" in error({"zero_optimization": {"stage3_prefetch_bucket_size": 1, "prefetch_bucket_size": 2}})
+
+
+def test_cpu_offload_deprecated_alias():
+    with pytest.warns(ConfigWarning, match="cpu_offload is deprecated"):
+        z = load({"zero_optimization": {"stage": 2, "cpu_offload": True}}).zero_optimization
+    assert z.offload_optimizer.device == "cpu"
+    with pytest.warns(ConfigWarning):
+        assert "not both" in error({"zero_optimization": {"cpu_offload": True, "offload_optimizer": {"device": "cpu"}}})
+
+
+def test_gather_fp16_weights_deprecated_alias():
+    with pytest.warns(ConfigWarning, match="deprecated"):
+        z = load({"zero_optimization": {"stage": 3, "stage3_gather_fp16_weights_on_model_save": True}}).zero_optimization
+    assert z.gather_16bit_weights_on_model_save is True
+    z = load({"zero_optimization": {"stage3_gather_16bit_weights_on_model_save": True}}).zero_optimization
+    assert z.gather_16bit_weights_on_model_save is True
+
+
+def test_zero_optimization_bool_legacy_form():
+    with pytest.warns(ConfigWarning):
+        assert load({"zero_optimization": True}).zero_optimization.stage == 1
+
+
+# ----------------------------------------------------------------------------------- unimplemented
+
+@pytest.mark.parametrize("extra,path", [
+    ({"amp": {"enabled": True, "opt_level": "O1"}}, "amp.enabled"),
+    ({"sparse_gradients": True}, "sparse_gradients"),
+    ({"curriculum_learning": {"enabled": True}}, "curriculum_learning.enabled"),
+    ({"pipeline": {"stages": 2}}, "pipeline"),
+    ({"zero_optimization": {"zero_hpz_partition_size": 2}}, "zero_optimization.zero_hpz_partition_size"),
+    ({"zero_optimization": {"zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients"),
+    ({"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}}},
+     "compression_training"),
+])
+def test_unimplemented_math_changing_feature_is_error(extra, path):
+    msg = error(extra)
+    assert path in msg and "not implemented" in msg
+
+
+@pytest.mark.parametrize("section", ["tensorboard", "wandb", "csv_monitor", "flops_profiler", "comms_logger"])
+def test_logging_feature_is_only_a_warning(section):
+    with pytest.warns(ConfigWarning, match=f"{section}.enabled.*ignored"):
+        load({section: {"enabled": True, "output_path": "x"}})
+
+
+def test_disabled_unimplemented_features_are_silent():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load({"amp": {"enabled": False}, "tensorboard": {"enabled": False}, "sparse_gradients": False,
+              "zero_optimization": {"zero_hpz_partition_size": 1}})
+
+
+def test_unimplemented_table_paths_exist():
+    for feat in UNIMPLEMENTED_FEATURES:
+        head = feat.path.split(".")[0]
+        assert head in ZeroConfig.model_fields, feat.path
+
+
+# ----------------------------------------------------------------------------------- check_supported
+
+def test_check_supported():
+    stage3 = load({"zero_optimization": {"stage": 3}})
+    check_supported(stage3, {"stage1", "stage2", "stage3"})
+    with pytest.raises(ConfigError, match=r"zero_optimization.stage=3 is not yet supported"):
+        check_supported(stage3, {"stage1", "stage2"})
+    check_supported(load(), set())  # stage 0 needs nothing
+
+    off = load({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    check_supported(off, {"stage2", "offload_optimizer"})
+    with pytest.raises(ConfigError, match=r"offload_optimizer.device='cpu' is not yet supported"):
+        check_supported(off, {"stage2"})
+
+    nvme = load({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}})
+    with pytest.raises(ConfigError, match="'nvme' is not yet supported"):
+        check_supported(nvme, {"stage3", "offload_param", "nvme"})
+    with pytest.raises(ValueError, match="unknown feature"):
+        check_supported(off, {"stage7"})
