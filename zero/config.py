@@ -842,6 +842,12 @@ UNIMPLEMENTED_FEATURES: tuple[UnimplementedFeature, ...] = (
                          "use torch.utils.checkpoint in the model"),
     UnimplementedFeature("aio", _W, _present, "only used by NVMe offload"),
     UnimplementedFeature("graph_harvesting", _W, bool, ""),
+    # performance knobs of DeepSpeed's own implementation: results are unchanged -> ConfigWarning
+    UnimplementedFeature("disable_allgather", _W, bool, ""),
+    UnimplementedFeature("optimizer.legacy_fusion", _W, bool, ""),
+    UnimplementedFeature("bf16.immediate_grad_update", _W, bool, ""),
+    UnimplementedFeature("zero_optimization.use_multi_rank_bucket_allreduce", _W, lambda v: not v,
+                         "we always reduce-scatter buckets"),
 )
 
 
@@ -862,7 +868,12 @@ def _check_unimplemented(cfg: ZeroConfig) -> None:
     errors = []
     for feat in UNIMPLEMENTED_FEATURES:
         value = _lookup(cfg, feat.path)
-        if value is None or not feat.is_enabled(value):
+        try:
+            enabled = value is not None and feat.is_enabled(value)
+        except (TypeError, ValueError):
+            errors.append((tuple(feat.path.split(".")), f"unexpected value {_fmt(value)}"))
+            continue
+        if not enabled:
             continue
         note = f" ({feat.note})" if feat.note else ""
         if feat.kind == "error":
@@ -1056,6 +1067,9 @@ def check_supported(cfg: ZeroConfig, implemented: set[str]) -> None:
             issues.append((key, f"zero_optimization.{name}.device='nvme' is not yet supported; use 'cpu'"))
         elif name == "offload_param" and z.stage != 3:
             continue  # no effect below stage 3 (warned at load)
+        elif name == "offload_optimizer" and section.ratio < 1:
+            issues.append((("zero_optimization", name, "ratio"), f"zero_optimization.offload_optimizer."
+                           f"ratio={section.ratio} (partial offload) is not yet supported; use 1.0"))
         elif name not in implemented:
             issues.append((key, f"zero_optimization.{name}.device='cpu' is not yet supported "
                                 f"(implemented: {have})"))
