@@ -1,0 +1,119 @@
+"""Collectives over torch.distributed, with logical element counting and profiler labels.
+
+Every collective zero issues goes through `Comm`, so the communication of a step can be counted
+(`Engine.comm_report()`) and seen in a profile (each call is a `record_function` range).
+
+[Note: reduce with SUM]
+Reductions always use SUM, and callers divide locally. AVG and PREMUL_SUM are missing from gloo in
+several torch versions and some versions ignore the op of a gloo reduce-scatter altogether; SUM is
+the one op every backend and version gets right. tests/test_collectives.py checks the numbers of
+the installed torch.
+
+[Note: logical counts]
+Counts are logical: a reduce-scatter of a bucket of E elements counts E elements, an all-gather
+into a bucket of E elements counts E, an all-reduce of E elements counts E. That is what the ZeRO
+paper's "Psi per collective" means; what the backend moves on the wire differs (gloo emulates
+reduce-scatter with an all-reduce; a ring all-reduce sends about 2E), so do not time comm on gloo.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import record_function
+
+# torch 2.13 renamed the single-tensor collectives; 2.11 only has the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _Done:
+    """The handle of a collective that completed at once (a world of one)."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+@dataclass
+class CollectiveCount:
+    calls: int = 0
+    elements: int = 0
+    bytes: int = 0
+
+
+class Comm:
+    """The collectives of one process group, counted.
+
+    Args:
+        group: the torch.distributed group; None means the default group, or a world of one
+            when torch.distributed is not initialised.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.group = group
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        self.world_size = dist.get_world_size(group) if self.distributed else 1
+        self.counts: dict[str, CollectiveCount] = defaultdict(CollectiveCount)
+
+    # -- counting
+
+    def _count(self, name: str, t: torch.Tensor) -> None:
+        c = self.counts[name]
+        c.calls += 1
+        c.elements += t.numel()
+        c.bytes += t.numel() * t.element_size()
+
+    def reset_counts(self) -> None:
+        self.counts.clear()
+
+    def report(self) -> dict[str, dict[str, int]]:
+        """Logical calls, elements and bytes per collective since the last reset."""
+        return {name: dict(vars(c)) for name, c in sorted(self.counts.items())}
+
+    # -- collectives
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        """output = this rank's 1/world_size slice of the SUM of `input` over ranks."""
+        self._count("reduce_scatter", input)
+        with record_function("zero::reduce_scatter"):
+            if self.world_size == 1:
+                output.copy_(input)
+                return _Done() if async_op else None
+            return _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        """output = concatenation of every rank's `input`, in rank order. `input` may be the
+        rank's own slice of `output` (in place)."""
+        self._count("all_gather", output)
+        with record_function("zero::all_gather"):
+            if self.world_size == 1:
+                if input.data_ptr() != output.data_ptr():
+                    output.copy_(input)
+                return _Done() if async_op else None
+            return _all_gather(output, input, group=self.group, async_op=async_op)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False):
+        """In-place SUM or MAX over ranks (MAX is used for overflow flags)."""
+        self._count(f"all_reduce_{op}", tensor)
+        with record_function(f"zero::all_reduce_{op}"):
+            if self.world_size == 1:
+                return _Done() if async_op else None
+            red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+            return dist.all_reduce(tensor, op=red, group=self.group, async_op=async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """In-place broadcast from global rank `src`."""
+        self._count("broadcast", tensor)
+        with record_function("zero::broadcast"):
+            if self.world_size > 1:
+                dist.broadcast(tensor, src=src, group=self.group)
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
