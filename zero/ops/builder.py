@@ -85,12 +85,15 @@ OPS: dict[str, OpSpec] = {
             "fused multi-tensor GPU Adam/AdamW",
             cpp_sources=("bindings/fused_adam.cpp",),
             cuda_sources=("adam/fused_adam.cu",),
+            # IEEE sqrt/division and no flush-to-zero: see [Note: fused Adam arithmetic].
+            extra_cuda_cflags=("-O3",),
         ),
         OpSpec(
             "pack_cuda",
             "CUDA bucket pack/unpack with dtype cast",
             cpp_sources=("bindings/pack_cuda.cpp",),
             cuda_sources=("comm/pack.cu",),
+            extra_cuda_cflags=("-O3",),  # exact casts, subnormals kept: no --use_fast_math
         ),
     )
 }
