@@ -429,3 +429,32 @@ def test_check_supported():
         check_supported(nvme, {"stage3", "offload_param", "nvme"})
     with pytest.raises(ValueError, match="unknown feature"):
         check_supported(off, {"stage7"})
+
+
+def test_huggingface_zero3_example_config_loads():
+    """The ZeRO-3 config from HF's DeepSpeed docs, "auto" everywhere."""
+    hf = {
+        "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+                 "hysteresis": 2, "min_loss_scale": 1},
+        "bf16": {"enabled": "auto"},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                  "weight_decay": "auto"}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                     "warmup_num_steps": "auto"}},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                              "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
+                              "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
+                              "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+                              "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+                              "stage3_gather_16bit_weights_on_model_save": True},
+        "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = load_config(hf, world_size=2, auto_values={"train_micro_batch_size_per_gpu": 4, "bf16.enabled": True,
+                                                         "scheduler.params.warmup_num_steps": 50})
+    assert cfg.precision == "bf16" and cfg.train_batch_size == 8
+    assert cfg.zero_optimization.offload_param.pin_memory and cfg.steps_per_print == 2000
+    assert cfg.scheduler.params.warmup_num_steps == 50
+    check_supported(cfg, {"stage1", "stage2", "stage3", "offload_optimizer", "offload_param"})

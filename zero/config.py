@@ -24,7 +24,6 @@ import copy
 import difflib
 import inspect
 import json
-import math
 import pathlib
 import sys
 import typing
