@@ -1,5 +1,22 @@
 """zero: ZeRO and ZeRO-Offload for PyTorch.
 
+    engine, optimizer, _, scheduler = zero.initialize(model=model, config=ds_config)
+
 `import zero` is cheap: native ops are compiled on first use (see zero/ops/builder.py).
 """
 __version__ = "0.1.0"
+
+
+def __getattr__(name):  # keep `import zero` light: torch-heavy modules load on first use
+    if name in ("initialize", "init_distributed", "Engine"):
+        from zero import engine
+
+        return getattr(engine, name)
+    if name in ("ConfigError", "load_config"):
+        from zero import config
+
+        return getattr(config, name)
+    raise AttributeError(f"module 'zero' has no attribute {name!r}")
+
+
+__all__ = ["initialize", "init_distributed", "Engine", "ConfigError", "load_config", "__version__"]

@@ -1,0 +1,351 @@
+"""The user-facing engine: forward, backward, step, accumulation, loss scaling, reports.
+
+    engine, optimizer, loader, scheduler = zero.initialize(model=model, config=cfg)
+    for x, y in loader:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+
+The engine delegates: gradients and partitioning live in zero/stages, collectives in zero/comm.py,
+config keys in zero/config.py. It owns the training-loop bookkeeping DeepSpeed users rely on:
+micro-steps and the accumulation boundary, the loss scale, the global step count.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from zero.comm import Comm
+from zero.config import ConfigWarning, ZeroConfig, check_supported, load_config
+from zero.precision import LossScaler
+from zero.stages.optimizer import ZeroOptimizer
+
+IMPLEMENTED = {"stage1", "stage2"}
+
+# [Note: knobs without effect]
+# DeepSpeed keys that change how DeepSpeed moves memory but cannot change anything here. We say
+# so once, rather than accept them silently.
+_NO_EFFECT = {
+    ("zero_optimization", "contiguous_gradients", False): "gradients are always reduced from contiguous buckets",
+    ("zero_optimization", "allgather_partitions", False): "updated shards are always all-gathered",
+    ("zero_optimization", "round_robin_gradients", True): "gradient shards are already contiguous per bucket",
+}
+
+
+def init_distributed(dist_backend: str | None = None, timeout_s: float = 1800.0) -> None:
+    """Join the torch.distributed group that torchrun (or a similar launcher) describes.
+
+    Does nothing if a group is already initialised or no launcher environment is present (a
+    world of one). The backend is NCCL when CUDA is available, gloo otherwise.
+
+    Args:
+        dist_backend: override the backend ("nccl", "gloo").
+        timeout_s: collective timeout in seconds.
+    """
+    if dist.is_initialized() or "WORLD_SIZE" not in os.environ or "MASTER_ADDR" not in os.environ:
+        return
+    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    from datetime import timedelta
+
+    dist.init_process_group(backend=backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+
+
+def _param_groups(module: nn.Module, model_parameters, defaults: dict) -> list[dict]:
+    """Torch-style groups of trainable parameters, each with complete Adam hyperparameters."""
+    if model_parameters is None:
+        model_parameters = module.parameters()
+    items = list(model_parameters)
+    groups = items if items and isinstance(items[0], dict) else [{"params": items}]
+    out, seen = [], set()
+    for gi, g in enumerate(groups):
+        params = []
+        for p in g["params"]:
+            if not isinstance(p, nn.Parameter):
+                raise ValueError(f"model_parameters group {gi} holds a {type(p).__name__}, expected nn.Parameter")
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+        group = {**defaults, **{k: v for k, v in g.items() if k != "params"}, "params": params}
+        if params:
+            out.append(group)
+    if not out:
+        raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
+    return out
+
+
+def _optimizer_defaults(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None) -> dict:
+    """Adam hyperparameters from a client optimizer or from the config's `optimizer` section."""
+    if optimizer is not None:
+        if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            raise ValueError(
+                f"initialize(optimizer=...) got a {type(optimizer).__name__}; zero's partitioned optimizer "
+                f"implements Adam and AdamW (pass torch.optim.Adam/AdamW, or use the config's 'optimizer')"
+            )
+        d = optimizer.defaults
+        if d.get("amsgrad"):
+            raise ValueError("amsgrad is not supported by zero's partitioned Adam")
+        adamw = isinstance(optimizer, torch.optim.AdamW) or bool(d.get("decoupled_weight_decay"))
+        return dict(lr=d["lr"], betas=tuple(d["betas"]), eps=d["eps"], weight_decay=d["weight_decay"],
+                    bias_correction=True, adamw_mode=adamw)
+    if cfg.optimizer is None:
+        raise ValueError("no optimizer: add an 'optimizer' section to the config or pass initialize(optimizer=...)")
+    p = cfg.optimizer.params
+    return dict(lr=p.lr, betas=tuple(p.betas), eps=p.eps, weight_decay=p.weight_decay,
+                bias_correction=p.bias_correction, adamw_mode=cfg.optimizer.adamw)
+
+
+class Engine(nn.Module):
+    """A model wrapped for ZeRO data-parallel training. Build it with `zero.initialize`."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: ZeroConfig,
+        model_parameters=None,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler=None,
+    ):
+        super().__init__()
+        self.config = config
+        self.comm = Comm()
+        zc = config.zero_optimization
+        for (section, key, value), why in _NO_EFFECT.items():
+            if getattr(getattr(config, section), key) == value:
+                warnings.warn(f"{section}.{key}={value} has no effect in zero: {why}", ConfigWarning, stacklevel=3)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        defaults = _optimizer_defaults(config, optimizer)
+        groups = _param_groups(module, model_parameters if optimizer is None else optimizer.param_groups, defaults)
+
+        module.to(self.device)
+        with torch.no_grad():  # every rank starts from rank 0's weights and buffers
+            for t in [*module.parameters(), *module.buffers()]:
+                self.comm.broadcast(t.data, src=0)
+        master = {p: p.detach().float().clone() for g in groups for p in g["params"]} if config.precision != "fp32" else None
+        if config.precision != "fp32":
+            module.to(config.dtype)
+        self.module = module
+
+        if config.fp16.enabled:
+            f = config.fp16
+            scaler = LossScaler(f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis,
+                                f.consecutive_hysteresis, f.min_loss_scale)
+        else:
+            scaler = LossScaler.disabled()
+        predivide = float(self.comm.world_size) if config.prescale_gradients else config.gradient_predivide_factor
+        self.optimizer = ZeroOptimizer(
+            groups,
+            stage=zc.stage,
+            comm=self.comm,
+            dtype=config.dtype,
+            master_values=master,
+            bucket_size=max(1, min(zc.reduce_bucket_size, zc.allgather_bucket_size)),
+            comm_dtype=config.communication_dtype,
+            accumulation_steps=config.gradient_accumulation_steps,
+            gradient_clipping=config.gradient_clipping,
+            loss_scaler=scaler,
+            check_overflow=config.fp16.enabled or config.bf16.check_grad_overflow,
+            overlap_comm=zc.overlap_comm,
+            reduce_scatter=zc.reduce_scatter,
+            predivide=predivide,
+        )
+        self.lr_scheduler = self._build_scheduler(lr_scheduler)
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self.global_samples = 0
+        self._last_comm: dict = {}
+        self._in_no_sync = False
+
+    def _build_scheduler(self, lr_scheduler):
+        if lr_scheduler is not None:
+            return lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else lr_scheduler
+        if self.config.scheduler is None:
+            return None
+        from zero.lr_schedules import build_scheduler
+
+        return build_scheduler(self.config.scheduler.type, dict(self.config.scheduler.params), self.optimizer)
+
+    # -- training loop ----------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+            cast = lambda t: t.to(torch.float16) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+            args = tuple(cast(a) for a in args)
+            kwargs = {k: cast(v) for k, v in kwargs.items()}
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backward of `loss / gradient_accumulation_steps * loss_scale`; gradients flow into the
+        partitioned buffers through hooks. Returns the loss it was given."""
+        if self._in_no_sync and self.config.zero_optimization.stage >= 2:
+            raise RuntimeError("no_sync() cannot be used with ZeRO stage 2: gradients are partitioned as they arrive")
+        scaled = loss.float() * (self.optimizer.loss_scaler.scale / self.config.gradient_accumulation_steps)
+        scaled.backward(retain_graph=retain_graph)
+        return loss
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the next `step()` call will update the weights."""
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def step(self) -> None:
+        """Call after every micro-batch's backward; updates weights only at the boundary."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        self.global_samples += self.config.train_micro_batch_size_per_gpu * self.comm.world_size
+        if not boundary:
+            return
+        self.optimizer.reducer.sync_enabled = not self._in_no_sync
+        updated = self.optimizer.step()
+        if updated:
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        else:
+            self.skipped_steps += 1
+        self.global_steps += 1
+        self._last_comm = self.comm.report()
+        self.comm.reset_counts()
+        steps_per_print = self.config.steps_per_print
+        if steps_per_print and self.global_steps % steps_per_print == 0 and self.comm.rank == 0:
+            print(f"zero: step {self.global_steps} lr {self.get_lr()} grad_norm {self.get_global_grad_norm()}"
+                  f" loss_scale {self.optimizer.loss_scaler.scale:g} skipped {self.skipped_steps}", flush=True)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Stages 0/1: skip the gradient reduction of steps inside the context (as DDP.no_sync).
+        Not allowed with stage 2, whose gradients are partitioned as they arrive."""
+        if self.config.zero_optimization.stage >= 2:
+            raise RuntimeError("no_sync() cannot be used with ZeRO stage 2: gradients are partitioned as they arrive")
+        self._in_no_sync = True
+        try:
+            yield
+        finally:
+            self._in_no_sync = False
+
+    # -- DeepSpeed-compatible accessors -----------------------------------------------------
+
+    def get_global_grad_norm(self) -> float | None:
+        """Norm of the averaged, unscaled gradient of the last step (before clipping)."""
+        return self.optimizer.global_grad_norm
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    # -- reports ----------------------------------------------------------------------------
+
+    def memory_report(self) -> dict[str, Any]:
+        """Bytes per rank of model states by kind, beside what the ZeRO paper's formula predicts.
+
+        `expected` uses Psi = trainable parameters, N = ranks sharing the optimizer state, and the
+        real element sizes (2 bytes for 16-bit params/grads, 4 for fp32): stage 0 keeps all of
+        params, grads and optimizer states; stage 1 partitions the fp32 master and Adam states;
+        stage 2 also the gradients. Padding of buckets accounts for any small difference.
+        """
+        report = self.optimizer.memory_report()
+        psi = self.optimizer.layout.param_numel
+        n = self.comm.world_size
+        p16 = torch.finfo(self.config.dtype).bits // 8
+        grad_el = self.optimizer.reducer.flat_grad.element_size() if self.optimizer.reducer.flat_grad is not None \
+            else self.optimizer.reducer.shards[0].element_size()
+        master_el = 0 if self.config.dtype == torch.float32 else 4
+        stage = self.config.zero_optimization.stage
+        opt = (master_el + 8) * psi
+        expected = {
+            0: p16 * psi + grad_el * psi + opt,
+            1: p16 * psi + grad_el * psi + opt / n,
+            2: p16 * psi + (grad_el * psi + opt) / n,
+        }[stage]
+        report["model_states_total"] = sum(v for k, v in report.items() if k != "comm_buffers")
+        report["expected_by_formula"] = int(expected)
+        report["params_count"] = psi
+        return report
+
+    def comm_report(self) -> dict[str, dict[str, int]]:
+        """Logical calls/elements/bytes per collective during the last optimizer step's window
+        (from the previous step's end to this step's end). See [Note: logical counts]."""
+        return self._last_comm
+
+
+def initialize(
+    args=None,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | Callable | None = None,
+    model_parameters: Iterable | None = None,
+    training_data=None,
+    lr_scheduler=None,
+    collate_fn: Callable | None = None,
+    config: dict | str | os.PathLike | None = None,
+    config_params: dict | None = None,
+    dist_init_required: bool | None = None,
+):
+    """Wrap `model` for ZeRO training; DeepSpeed's `deepspeed.initialize` signature and result.
+
+    Args:
+        args: unused (DeepSpeed reads `args.deepspeed_config`; pass `config` instead).
+        model: the torch module to train.
+        optimizer: a torch.optim.Adam/AdamW whose hyperparameters and param groups are used, or
+            None to build Adam/AdamW from the config's `optimizer` section.
+        model_parameters: parameters or param groups to train (default: model.parameters()).
+        training_data: a torch Dataset; a distributed DataLoader over it is returned.
+        lr_scheduler: a scheduler object, or a callable taking the optimizer and returning one;
+            None builds the config's `scheduler` if any.
+        collate_fn: collate function of the returned DataLoader.
+        config: a DeepSpeed-style config dict or path to a JSON file.
+        config_params: DeepSpeed's older name for `config`.
+        dist_init_required: join torchrun's process group if not yet joined (default: yes).
+
+    Returns:
+        (engine, optimizer, training_dataloader or None, lr_scheduler or None)
+    """
+    if model is None:
+        raise ValueError("initialize() needs model=")
+    config = config if config is not None else config_params
+    if config is None:
+        raise ValueError("initialize() needs config= (a dict or a JSON path)")
+    if dist_init_required is not False:
+        init_distributed()
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    cfg = load_config(config, world_size=world_size)  # every config error is raised here, first
+    check_supported(cfg, IMPLEMENTED)
+    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer(model.parameters() if model_parameters is None else model_parameters)
+    engine = Engine(model, cfg, model_parameters, optimizer, lr_scheduler)
+    loader = None
+    if training_data is not None:
+        sampler = torch.utils.data.distributed.DistributedSampler(
+            training_data, num_replicas=world_size, rank=engine.comm.rank) if world_size > 1 else None
+        loader = torch.utils.data.DataLoader(
+            training_data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler,
+            shuffle=sampler is None, collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last)
+    return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -1,0 +1,70 @@
+"""Loss scaling for fp16 training: static, or dynamic with DeepSpeed's hysteresis rules."""
+from __future__ import annotations
+
+
+class LossScaler:
+    """The factor the loss is multiplied by before backward, and how it reacts to overflow.
+
+    Dynamic scaling (`static_scale == 0`) starts at 2**initial_scale_power. An overflowing step
+    is skipped; after `hysteresis` overflows (counted since the last time the counter was
+    refilled) the scale is halved, never below `min_scale`. After `window` steps without
+    overflow the scale doubles. With `consecutive_hysteresis`, every good step refills the
+    hysteresis counter; otherwise it is refilled only when the scale doubles. These are
+    DeepSpeed's rules, so a DeepSpeed fp16 run sees the same scales.
+
+    Args:
+        static_scale: a fixed scale (> 0), or 0 for dynamic scaling.
+        initial_scale_power: dynamic scaling starts at 2**this.
+        window: good steps before the scale doubles.
+        hysteresis: overflows tolerated before the scale is halved.
+        consecutive_hysteresis: refill the hysteresis counter on every good step.
+        min_scale: lower bound of the dynamic scale.
+    """
+
+    def __init__(
+        self,
+        static_scale: float = 0.0,
+        initial_scale_power: int = 16,
+        window: int = 1000,
+        hysteresis: int = 2,
+        consecutive_hysteresis: bool = False,
+        min_scale: float = 1.0,
+    ):
+        self.dynamic = static_scale == 0
+        self.scale = float(2**initial_scale_power) if self.dynamic else float(static_scale)
+        self.window = window
+        self.hysteresis = hysteresis
+        self.consecutive_hysteresis = consecutive_hysteresis
+        self.min_scale = min_scale
+        self._hysteresis_left = hysteresis
+        self._iteration = 0
+        self._last_overflow = -1
+
+    @classmethod
+    def disabled(cls) -> LossScaler:
+        """A scale of exactly 1 that never changes (bf16 and fp32 training)."""
+        return cls(static_scale=1.0)
+
+    def update(self, overflow: bool) -> None:
+        """Account for one optimizer step that did (or did not) overflow."""
+        if self.dynamic:
+            if overflow:
+                if self._hysteresis_left <= 1:
+                    self.scale = max(self.scale / 2, self.min_scale)
+                else:
+                    self._hysteresis_left -= 1
+                self._last_overflow = self._iteration
+            else:
+                if self.consecutive_hysteresis:
+                    self._hysteresis_left = self.hysteresis
+                if (self._iteration - self._last_overflow) % self.window == 0:
+                    if not self.consecutive_hysteresis:
+                        self._hysteresis_left = self.hysteresis
+                    self.scale *= 2
+        self._iteration += 1
+
+    def state_dict(self) -> dict:
+        return dict(vars(self))
+
+    def load_state_dict(self, state: dict) -> None:
+        vars(self).update(state)

@@ -1,0 +1,254 @@
+"""The partitioned optimizer of stages 0-2: flat 16-bit params, fp32 master shard, Adam, all-gather.
+
+[Note: flat parameters]
+At construction every trainable parameter's storage moves into one flat buffer of the training
+dtype (see [Note: bucket layout] in zero/partition/layout.py) and `param.data` becomes a view into
+it, so the module, the user's references and autograd all keep working on the same objects.
+After each update the owners' slices are all-gathered back into that buffer, bucket by bucket.
+
+Per bucket this rank keeps: the fp32 master of its slice (a view into the flat buffer itself when
+training in fp32, so fp32 training holds no second copy), Adam's exp_avg and exp_avg_sq, and the
+gradient shard from zero/stages/grads.py. The master is initialised from the model's original
+fp32 values, not from their 16-bit rounding.
+
+[Note: one divisor]
+Gradients reach the shard as sums over ranks (and micro-batches, each already divided by the
+accumulation steps in `Engine.backward`), multiplied by the loss scale. The mean gradient is
+`sum / (world_size / predivide) / loss_scale`, and clipping multiplies it by `clip_coef`. All of
+that is one number, `grad_scale = world_size / predivide * loss_scale / clip_coef`, which the
+Adam kernel divides by in the same pass that updates the weights: no separate unscale, average
+or clip pass over the gradients. The norm is computed from the shard in one fused pass and one
+all-reduce; an inf or NaN anywhere makes the norm non-finite, which is also the overflow test.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.autograd.profiler import record_function
+
+from zero.comm import Comm
+from zero.partition.layout import ShardLayout
+from zero.precision import LossScaler
+from zero.stages.grads import GradReducer
+
+ADAM_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bias_correction=True, adamw_mode=True)
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Adam/AdamW over flat parameter shards, for ZeRO stages 0, 1 and 2.
+
+    Behaves as a torch optimizer for schedulers and user code (`param_groups` with `lr`,
+    `betas`, ... per group), but `step()` is meant to be called by the engine at the
+    accumulation boundary.
+
+    Args:
+        param_groups: torch-style groups of trainable parameters with Adam hyperparameters.
+        stage: 0, 1 or 2.
+        comm: the data-parallel group.
+        dtype: training dtype of the parameters (fp32, bf16 or fp16).
+        master_values: the original fp32 value of each parameter (default: its current value).
+        bucket_size: elements per bucket (see ShardLayout).
+        comm_dtype: dtype of gradient reduction (default: `dtype`).
+        accumulation_steps: micro-batches per step (decides the gradient accumulation dtype).
+        gradient_clipping: clip the global gradient norm to this; 0 = off.
+        loss_scaler: fp16 loss scaling (default: none).
+        check_overflow: skip steps whose gradients hold inf/NaN (always on with fp16).
+        overlap_comm, reduce_scatter, predivide: see GradReducer.
+    """
+
+    def __init__(
+        self,
+        param_groups: list[dict[str, Any]],
+        *,
+        stage: int,
+        comm: Comm,
+        dtype: torch.dtype = torch.float32,
+        master_values: dict[torch.nn.Parameter, torch.Tensor] | None = None,
+        bucket_size: int = 500_000_000,
+        comm_dtype: torch.dtype | None = None,
+        accumulation_steps: int = 1,
+        gradient_clipping: float = 0.0,
+        loss_scaler: LossScaler | None = None,
+        check_overflow: bool = False,
+        overlap_comm: bool = False,
+        reduce_scatter: bool = True,
+        predivide: float = 1.0,
+    ):
+        super().__init__(param_groups, dict(ADAM_DEFAULTS))
+        self.stage = stage
+        self.comm = comm
+        self.dtype = dtype
+        self.gradient_clipping = gradient_clipping
+        self.loss_scaler = loss_scaler or LossScaler.disabled()
+        self.check_overflow = check_overflow or self.loss_scaler.dynamic
+        self.world_size = comm.world_size
+        self.predivide = predivide
+        self.params = [p for g in self.param_groups for p in g["params"]]
+        groups = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+        partitions = 1 if stage == 0 else comm.world_size
+        self.rank = comm.rank if partitions > 1 else 0
+        self.layout = ShardLayout([p.numel() for p in self.params], groups, partitions, bucket_size)
+        device = self.params[0].device
+        master_values = master_values or {}
+
+        with torch.no_grad():
+            self.flat = torch.zeros(self.layout.numel, dtype=dtype, device=device)
+            for p, off in zip(self.params, self.layout.offsets):
+                view = self.flat[off : off + p.numel()]
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view_as(p)
+            self.master, self.exp_avg, self.exp_avg_sq = [], [], []
+            for bucket in self.layout.buckets:
+                lo, hi = self._own(bucket)
+                if dtype == torch.float32:
+                    master = self.flat[lo:hi]
+                else:
+                    master = self.flat[lo:hi].float()
+                    for i in bucket.params:  # overwrite with the exact fp32 originals where known
+                        src = master_values.get(self.params[i])
+                        a, b = max(lo, self.layout.offsets[i]), min(hi, self.layout.offsets[i] + self.layout.numels[i])
+                        if src is not None and a < b:
+                            start = self.layout.offsets[i]
+                            master[a - lo : b - lo].copy_(src.reshape(-1)[a - start : b - start])
+                self.master.append(master)
+                self.exp_avg.append(torch.zeros_like(master, dtype=torch.float32))
+                self.exp_avg_sq.append(torch.zeros_like(master, dtype=torch.float32))
+
+        self.reducer = GradReducer(
+            self.params,
+            self.layout,
+            stage,
+            comm,
+            comm_dtype or dtype,
+            accumulate_fp32=accumulation_steps > 1 or dtype == torch.float32,
+            overlap_comm=overlap_comm,
+            reduce_scatter=reduce_scatter,
+            predivide=predivide,
+        )
+        self.step_count = 0
+        self.global_grad_norm: float | None = None
+        self._warned_fallback = False
+
+    def _own(self, bucket) -> tuple[int, int]:
+        return bucket.slice_range(self.rank) if self.layout.partitions > 1 else (bucket.start, bucket.start + bucket.numel)
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop accumulated gradients (the engine does this after every step)."""
+        self.reducer.zero()
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self, closure=None) -> bool:
+        """Reduce (stages 0/1), check, clip and apply Adam to this rank's shard, then all-gather.
+
+        Returns:
+            False if the step was skipped because a gradient overflowed, True otherwise.
+        """
+        if closure is not None:
+            raise ValueError("ZeroOptimizer.step does not take a closure")
+        with record_function("zero::reduce_gradients"):
+            self.reducer.reduce_at_boundary()
+        grads = self.reducer.shards
+        divisor = self.world_size / self.predivide * self.loss_scaler.scale
+
+        with record_function("zero::grad_norm"):
+            norm_sq = torch.zeros(1, dtype=torch.float32, device=self.flat.device)
+            for g in grads:
+                norm_sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+            if self.layout.partitions > 1:
+                self.comm.all_reduce(norm_sq, "sum")
+            norm_sq = norm_sq.item()
+        if self.check_overflow and not math.isfinite(norm_sq):
+            self.loss_scaler.update(overflow=True)
+            self.global_grad_norm = None
+            self.zero_grad()
+            return False
+        norm = math.sqrt(norm_sq) / divisor
+        self.global_grad_norm = norm
+        clip_coef = 1.0
+        if self.gradient_clipping > 0:
+            clip_coef = min(1.0, self.gradient_clipping / (norm + 1e-6))
+
+        self.step_count += 1
+        with record_function("zero::adam"):
+            for bucket in self.layout.buckets:
+                group = self.param_groups[bucket.group]
+                b = bucket.index
+                lo, hi = self._own(bucket)
+                self._adam(group, self.master[b], grads[b], self.exp_avg[b], self.exp_avg_sq[b],
+                           divisor / clip_coef, None if self.dtype == torch.float32 else self.flat[lo:hi])
+        if self.layout.partitions > 1:
+            with record_function("zero::all_gather_params"):
+                works = [self.comm.all_gather(self.flat[bk.start : bk.start + bk.numel], self.flat[slice(*self._own(bk))],
+                                              async_op=True) for bk in self.layout.buckets]
+                for w in works:
+                    w.wait()
+        self.loss_scaler.update(overflow=False)
+        self.zero_grad()
+        return True
+
+    def _adam(self, group, master, grad, exp_avg, exp_avg_sq, grad_scale: float, out16) -> None:
+        kwargs = dict(step=self.step_count, lr=float(group["lr"]), betas=tuple(group["betas"]), eps=group["eps"],
+                      weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
+                      bias_correction=group["bias_correction"], grad_scale=grad_scale)
+        try:
+            if master.device.type == "cuda":
+                from zero.ops.fused_adam import fused_adam_step
+
+                fused_adam_step([master], [grad], [exp_avg], [exp_avg_sq], out16=None if out16 is None else [out16], **kwargs)
+            else:
+                from zero.ops.cpu_adam import cpu_adam_step
+
+                cpu_adam_step(master, grad, exp_avg, exp_avg_sq, out16=out16, **kwargs)
+            return
+        except ImportError as exc:
+            reason = exc
+        except RuntimeError as exc:  # OpUnavailable: no compiler, no nvcc
+            if type(exc).__name__ != "OpUnavailable":
+                raise
+            reason = exc
+        if not self._warned_fallback:
+            warnings.warn(f"zero: native Adam unavailable ({reason}); using the slower torch implementation")
+            self._warned_fallback = True
+        torch_adam_step(master, grad, exp_avg, exp_avg_sq, out16=out16, **kwargs)
+
+    # -- reports ----------------------------------------------------------------------------
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds for model states, by kind."""
+        def nbytes(ts: Iterable[torch.Tensor]) -> int:
+            return sum(t.numel() * t.element_size() for t in ts)
+
+        return {
+            "params": nbytes([self.flat]),
+            "grads": self.reducer.grad_bytes(),
+            "fp32_master": 0 if self.dtype == torch.float32 else nbytes(self.master),
+            "optimizer_states": nbytes(self.exp_avg) + nbytes(self.exp_avg_sq),
+            "comm_buffers": getattr(self.reducer, "peak_staging_bytes", 0),
+        }
+
+
+def torch_adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, betas, eps, weight_decay, adamw_mode,
+                    bias_correction, grad_scale, out16=None) -> None:
+    """Adam/AdamW on flat tensors with torch ops: the fallback when no native kernel can be built."""
+    beta1, beta2 = betas
+    g = grad.float() / grad_scale
+    if adamw_mode:
+        param.mul_(1 - lr * weight_decay)
+    elif weight_decay:
+        g = g.add(param, alpha=weight_decay)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bc1 = 1 - beta1**step if bias_correction else 1.0
+    bc2 = 1 - beta2**step if bias_correction else 1.0
+    denom = (exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-lr / bc1)
+    if out16 is not None:
+        out16.copy_(param)
