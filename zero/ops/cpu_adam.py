@@ -210,7 +210,8 @@ class CPUAdam(torch.optim.Optimizer):
         lr: learning rate, >= 0.
         betas: (beta1, beta2), each in [0, 1).
         eps: added to the denominator, >= 0.
-        weight_decay: >= 0; decoupled (AdamW) or L2 (Adam) according to `adamw_mode`.
+        weight_decay: >= 0; decoupled (AdamW) or L2 (Adam) according to `adamw_mode`. The default
+            is 0 (as in torch.optim.Adam and DeepSpeed), not torch.optim.AdamW's 0.01.
         adamw_mode: True: decoupled weight decay like torch.optim.AdamW; False: L2 like torch.optim.Adam.
         bias_correction: divide the moments by 1 - beta**step (torch always does).
         amsgrad: must be False; AMSGrad is not implemented.
