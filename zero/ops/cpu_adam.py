@@ -136,7 +136,8 @@ def cpu_adam_step(
         grad_scale: the gradient is divided by this first (loss-scale unscaling and clipping in
             the same pass); 1.0 = none.
         out16: optional bfloat16/float16 buffer with param's number of elements; receives the
-            updated param rounded to nearest even, bit-identical to `param.to(out16.dtype)`.
+            updated param rounded to nearest even, bit-identical to `param.to(out16.dtype)`
+            for every non-NaN value (a NaN is written as a canonical quiet NaN).
         simd: "avx512", "avx2" or "scalar" to force a code path; None = best available.
         num_threads: OpenMP threads; None = torch.get_num_threads(), <= 0 = OpenMP's default.
 
@@ -302,8 +303,9 @@ class CPUAdam(torch.optim.Optimizer):
             out16: optional 16-bit copy-out, one entry per parameter in the order
                 `[p for g in param_groups for p in g["params"]]`. An entry is None or a contiguous
                 bfloat16/float16 tensor with the parameter's number of elements; it receives the
-                updated parameter rounded to nearest even (bit-identical to `p.to(dtype)`), written
-                in the same pass as the update. Parameters without a gradient leave theirs untouched.
+                updated parameter rounded to nearest even (bit-identical to `p.to(dtype)` except for
+                NaN bit patterns), written in the same pass as the update. Parameters without a
+                gradient leave theirs untouched.
 
         Returns:
             The closure's loss, or None.
