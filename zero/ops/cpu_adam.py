@@ -321,6 +321,7 @@ class CPUAdam(torch.optim.Optimizer):
 
         work = self._collect(out16)
         threads = _num_threads(self.num_threads)
+        op = _op() if work else None  # built (or found missing) before any state changes
         for group, p, target in work:
             state = self.state[p]
             if len(state) == 0:
@@ -330,7 +331,7 @@ class CPUAdam(torch.optim.Optimizer):
             step = int(state["step"].item()) + 1
             state["step"].fill_(step)
             grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
-            _op().adam_step(
+            op.adam_step(
                 p, grad, state["exp_avg"], state["exp_avg_sq"], target,
                 float(group["lr"]), float(group["betas"][0]), float(group["betas"][1]), float(group["eps"]),
                 float(group["weight_decay"]), 1.0, step, bool(group["adamw_mode"]),

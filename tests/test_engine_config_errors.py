@@ -1,0 +1,82 @@
+"""initialize() rejects a bad config with a clear error before it touches the model."""
+import pytest
+import torch
+
+import zero
+from zero.config import ConfigError
+from zero.testing.models import MLP
+
+
+def storage_of(model):
+    return [p.data_ptr() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"train_batch_size": 4, "zero_optimization": {"stage": 2, "reduce_bucket_sise": 10}},
+         r"zero_optimization\.reduce_bucket_sise.*did you mean 'reduce_bucket_size'"),
+        ({"train_batch_size": 4, "gradient_acumulation_steps": 2}, r"gradient_acumulation_steps.*gradient_accumulation_steps"),
+        ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, r"10.*4.*2"),
+        ({"train_batch_size": 4, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, r"fp16.*bf16"),
+        ({"train_batch_size": 4, "zero_optimization": {"stage": 5}}, r"zero_optimization\.stage"),
+        ({"train_batch_size": 4, "zero_optimization": {"reduce_bucket_size": -1}}, r"reduce_bucket_size"),
+        ({"train_batch_size": 4, "zero_optimization": {"stage": 3}}, r"stage=3 is not yet supported"),
+        ({"train_batch_size": 4, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
+         r"nvme.*not yet supported"),
+    ],
+)
+def test_bad_config_is_a_config_error_and_the_model_is_untouched(config, message):
+    model = MLP()
+    before = storage_of(model)
+    with pytest.raises(ConfigError, match=message):
+        zero.initialize(model=model, config={"optimizer": {"type": "AdamW"}, **config})
+    assert storage_of(model) == before
+
+
+def test_missing_optimizer_is_a_clear_error():
+    with pytest.raises(ValueError, match="no optimizer"):
+        zero.initialize(model=MLP(), config={"train_batch_size": 4})
+
+
+def test_client_sgd_optimizer_is_refused_with_the_supported_ones_named():
+    model = MLP()
+    with pytest.raises(ValueError, match="Adam and AdamW"):
+        zero.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config={"train_batch_size": 4})
+
+
+def test_json_path_config_and_a_world_of_one_without_torchrun(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_batch_size": 8, "gradient_accumulation_steps": 2, "optimizer": {"type": "Adam"},'
+                    ' "zero_optimization": {"stage": 2}}')
+    engine, optimizer, loader, scheduler = zero.initialize(model=MLP(), config=str(path))
+    assert engine.train_micro_batch_size_per_gpu() == 4 and engine.gradient_accumulation_steps() == 2
+    assert engine.zero_optimization_stage() == 2 and engine.world_size == 1
+    assert optimizer is engine.optimizer and loader is None and scheduler is None
+    for _ in range(2):
+        assert engine.is_gradient_accumulation_boundary() == (engine.micro_steps % 2 == 1)
+        engine.backward(engine(torch.randn(4, 13), torch.randn(4, 5)))
+        engine.step()
+    assert engine.global_steps == 1
+
+
+def test_client_adamw_with_param_groups_and_a_scheduler():
+    model = MLP()
+    groups = [{"params": model.layers[0].parameters(), "weight_decay": 0.0},
+              {"params": [p for l in model.layers[1:] for p in l.parameters()], "lr": 5e-3}]
+    opt = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)
+    config = {"train_batch_size": 2, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}
+    engine, optimizer, _, scheduler = zero.initialize(model=model, optimizer=opt, config=config)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.0, 0.1]
+    assert [g["lr"] for g in optimizer.param_groups][1] != 1e-2  # WarmupLR took over the lr
+    engine.backward(engine(torch.randn(2, 13), torch.randn(2, 5)))
+    engine.step()
+    assert scheduler.get_last_lr() == engine.get_lr()
+
+
+def test_training_data_gives_a_loader_of_micro_batches():
+    data = torch.utils.data.TensorDataset(torch.randn(20, 13), torch.randn(20, 5))
+    _, _, loader, _ = zero.initialize(model=MLP(), training_data=data,
+                                      config={"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW"}})
+    x, y = next(iter(loader))
+    assert x.shape == (4, 13)
