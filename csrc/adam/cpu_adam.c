@@ -18,11 +18,13 @@
  *             p = p + (-lr/bc1) * m / d     torch: param.addcdiv_(exp_avg, denom, value=-step_size)
  * Python evaluates lr/bc1, sqrt(bc2) and 1 - lr*wd in double and torch rounds each to fp32 once
  * when it is used as a tensor scalar; `make_coeffs` does the same. The SIMD paths use fused
- * multiply-adds where torch's own vectorised CPU kernels do (lerp, the v update), so they may
- * differ from the scalar path in the last bit, never more than round-off.
+ * multiply-adds for the lerp (as torch's vectorised lerp does), the v update and the L2 term, so
+ * they may differ from the scalar path (and torch) in the last bits, never more than round-off.
  *
- * The 16-bit copy-out rounds to nearest even exactly like common/dtypes.h (and torch's `.to()`),
- * including NaN, infinities and fp16 subnormals.
+ * The 16-bit copy-out rounds to nearest even exactly like common/dtypes.h, bit-identical to
+ * torch's `.to()` for every non-NaN value (infinities, overflow to infinity, fp16 subnormals,
+ * signed zeros). A NaN is written as the canonical quiet NaN of dtypes.h; torch's own NaN bits
+ * differ between its vectorised and scalar casts, so only "NaN stays NaN" is promised there.
  */
 #include "adam/cpu_adam.h"
 
