@@ -472,3 +472,47 @@ def test_optimizer_step_rejects_bad_input_before_updating_any_parameter(spoil, n
         assert torch.equal(p.detach(), b)
     assert len(opt.state) == 0  # no state was created either
     assert all(torch.equal(o, torch.zeros_like(o)) for o in outs)
+
+
+# ----------------------------------------------------------------------------- portable build
+
+
+SCALAR_ONLY_PROGRAM = r"""
+#include <stdio.h>
+#include "adam/cpu_adam.h"
+#include "common/dtypes.h"
+int main(void) {
+    float p[37], g[37], m[37] = {0}, v[37] = {0};
+    uint16_t out[37];
+    for (int i = 0; i < 37; i++) { p[i] = (float)i / 8 - 2; g[i] = (float)(i % 5) - 2; }
+    zero_adam_config cfg = {1e-2, 0.9, 0.999, 1e-8, 0.1, 1.0, 1, 1, 1};
+    int forced = zero_cpu_adam_step(37, p, g, ZERO_F32, m, v, NULL, 0, &cfg, ZERO_SIMD_AVX512, 1);
+    int best = zero_cpu_adam_step(37, p, g, ZERO_F32, m, v, out, ZERO_BF16, &cfg, ZERO_SIMD_BEST, 2);
+    int bad_dtype = zero_cpu_adam_step(37, p, g, ZERO_BYTES, m, v, NULL, 0, &cfg, ZERO_SIMD_BEST, 1);
+    printf("%d %d %d %d %d %d %s\n", zero_cpu_adam_simd_available(ZERO_SIMD_AVX2),
+           zero_cpu_adam_simd_available(ZERO_SIMD_AVX512), forced, best, bad_dtype,
+           out[36] == zero_f32_to_bf16(p[36]), zero_cpu_adam_simd_name(zero_cpu_adam_best_simd()));
+    return 0;
+}
+"""
+
+
+def test_scalar_only_build_runs_and_refuses_forced_simd_levels(tmp_path):
+    """What an ARM build gets: only the portable path, and a clear error code when a SIMD level is
+    forced. Built here with -DZERO_NO_X86_SIMD, which compiles the file without its x86 paths."""
+    import subprocess
+
+    from zero.ops.builder import c_compiler, source_dir
+
+    cc = c_compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    (tmp_path / "main.c").write_text(SCALAR_ONLY_PROGRAM)
+    exe = tmp_path / "scalar_only"
+    src = source_dir()
+    cmd = [cc, "-std=c11", "-O2", "-Wall", "-Werror", "-Wno-unknown-pragmas", "-DZERO_NO_X86_SIMD", "-I", str(src),
+           str(src / "adam" / "cpu_adam.c"), str(tmp_path / "main.c"), "-lm", "-o", str(exe)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
+    # no AVX2, no AVX-512, forced AVX-512 -> -2 (unavailable), best -> 0 (ok), unknown dtype -> -1
+    assert out == ["0", "0", "-2", "0", "-1", "1", "scalar"]
