@@ -99,17 +99,19 @@ static coeffs make_coeffs(const zero_adam_config *cfg) {
 /* ============================================================================ 2. scalar path */
 
 /* The reference: one element at a time, in the operation order of [Note: adam math].
- * The coefficients are copied into a local first: through the pointer, the compiler would have
- * to reload them after every float store (they could alias). gd and od are constants at each
- * call site in adam_tile_scalar, so the dtype switches leave the loop. */
-static inline void scalar_adam_typed(int64_t n, float *p, const void *g, int gd, float *m, float *v,
-                                     void *out, int od, const coeffs *cp) {
+ * The coefficients are copied into locals first: through the pointer, the compiler would have to
+ * reload them after every float store (they could alias). gd, od and adamw are constants at each
+ * call site in adam_tile_scalar, so the loop body has no branches on them. (It stays scalar:
+ * sqrtf's errno path, kept by the -std=c11 build, stops the compiler from vectorising it.) */
+static inline __attribute__((always_inline)) void scalar_adam_typed(int64_t n, float *p, const void *g, int gd,
+                                                                   float *m, float *v, void *out, int od,
+                                                                   int adamw, const coeffs *cp) {
     const coeffs c = *cp;
     for (int64_t i = 0; i < n; i++) {
         float grad = zero_load_f32(g, gd, i);
         if (c.scale_grad) grad = grad / c.grad_scale;
         float param = p[i];
-        if (c.adamw)
+        if (adamw)
             param = param * c.decay;
         else
             grad = grad + c.l2 * param;
@@ -124,18 +126,31 @@ static inline void scalar_adam_typed(int64_t n, float *p, const void *g, int gd,
     }
 }
 
-/* od == ZERO_F32 inside means "no copy-out". */
 static void adam_tile_scalar(int64_t n, float *p, const void *g, int gd, float *m, float *v, void *out,
                              int od, const coeffs *c) {
-    const int o = out == NULL ? ZERO_F32 : od;
-    if (gd == ZERO_F32 && o == ZERO_F32)
-        scalar_adam_typed(n, p, g, ZERO_F32, m, v, out, ZERO_F32, c);
-    else if (gd == ZERO_F32 && o == ZERO_BF16)
-        scalar_adam_typed(n, p, g, ZERO_F32, m, v, out, ZERO_BF16, c);
-    else if (gd == ZERO_F32)
-        scalar_adam_typed(n, p, g, ZERO_F32, m, v, out, ZERO_F16, c);
-    else /* 16-bit gradients: conversion dominates less than the memory traffic; one generic loop */
-        scalar_adam_typed(n, p, g, gd, m, v, out, o, c);
+    /* one instantiation per (grad dtype, copy-out dtype, decay mode); ZERO_F32 out = no copy-out */
+#define ZERO_SCALAR_MODE(GD, OD)                                             \
+    if (c->adamw)                                                            \
+        scalar_adam_typed(n, p, g, GD, m, v, out, OD, 1, c);                 \
+    else                                                                     \
+        scalar_adam_typed(n, p, g, GD, m, v, out, OD, 0, c);
+#define ZERO_SCALAR_CASE(GD)                                                 \
+    if (out == NULL) {                                                       \
+        ZERO_SCALAR_MODE(GD, ZERO_F32)                                       \
+    } else if (od == ZERO_BF16) {                                            \
+        ZERO_SCALAR_MODE(GD, ZERO_BF16)                                      \
+    } else {                                                                 \
+        ZERO_SCALAR_MODE(GD, ZERO_F16)                                       \
+    }
+    if (gd == ZERO_F32) {
+        ZERO_SCALAR_CASE(ZERO_F32)
+    } else if (gd == ZERO_BF16) {
+        ZERO_SCALAR_CASE(ZERO_BF16)
+    } else {
+        ZERO_SCALAR_CASE(ZERO_F16)
+    }
+#undef ZERO_SCALAR_CASE
+#undef ZERO_SCALAR_MODE
 }
 
 static void stream_tile_scalar(int64_t n, float *p, const float *g, float *m, float *v) {
