@@ -1,6 +1,7 @@
 // torch entry points for the CPU Adam kernel (csrc/adam/cpu_adam.c).
 // zero/ops/cpu_adam.py validates arguments with friendly messages first; the TORCH_CHECKs here
 // are the last line of defence before raw pointers reach the kernel.
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,7 +20,7 @@ void check_fp32_buffer(const at::Tensor& t, const char* what, int64_t n) {
 }
 
 void adam_step(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
-               const c10::optional<at::Tensor>& out16, double lr, double beta1, double beta2, double eps,
+               const std::optional<at::Tensor>& out16, double lr, double beta1, double beta2, double eps,
                double weight_decay, double grad_scale, int64_t step, bool adamw_mode, bool bias_correction,
                int64_t simd, int64_t num_threads) {
   const int64_t n = param.numel();
