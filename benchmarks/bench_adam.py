@@ -10,7 +10,8 @@ same threads and tiling) and almost no arithmetic. For each optimizer the table 
     ms/step    best of --reps timed steps (after warm-up steps that allocate state and fault pages in)
     Mparam/s   parameters updated per second
     GB/s       useful bytes per second: 28 (fp32) or 30 (bf16 copy-out) bytes per parameter
-    ceiling    GB/s as a fraction of the stream pass's GB/s
+    ceiling    GB/s as a fraction of the stream pass's GB/s, measured in the same rounds (every
+               round times each optimizer and the stream pass once, in rotated order)
     vs torch   speed-up over torch.optim.AdamW's default (single-tensor) mode at the same size
 
 "bf16 copy-out" means the step also leaves a bf16 copy of the updated parameters (what ZeRO-Offload
@@ -61,6 +62,7 @@ class Row:
     copy_out: bool
     seconds: float | None  # None: not available here
     note: str = ""
+    ceiling_gbps: float = 0.0  # the ceiling measured in the same rounds as this row
 
     @property
     def bytes(self) -> int:
@@ -129,9 +131,11 @@ def optimizer_step_fn(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer
 
 
 def measure(candidates: list[tuple[str, Callable | None, str | None, str]], n: int, device: str,
-            ceiling: tuple[str, Callable[[], None]], reps: int, warmup: int) -> tuple[list[Row], float]:  # fmt: skip
+            ceiling: tuple[str, Callable[[], None]], reps: int, warmup: int) -> list[Row]:  # fmt: skip
     """Time every available candidate (name, factory, copy-out mode, note) and the ceiling, interleaved.
-    Returns one row per candidate and the ceiling's best seconds."""
+    Returns one row per candidate, each carrying the ceiling (GB/s for 28 bytes per parameter)
+    measured in these same rounds: memory bandwidth on a shared machine drifts from one minute to
+    the next, so each optimizer is compared with the ceiling measured beside it."""
     grad = torch.randn(n, device=device, generator=torch.Generator(device=device).manual_seed(1)) * 1e-2
     steps: dict[str, Callable[[], None]] = {ceiling[0]: ceiling[1]}
     notes: dict[str, str] = {}
@@ -147,14 +151,14 @@ def measure(candidates: list[tuple[str, Callable | None, str | None, str]], n: i
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     best = interleaved_best(steps, reps, warmup, sync)
     copy_out = any(mode is not None for _, _, mode, _ in candidates)  # the bf16 copy-out round
+    ceiling_gbps = n * FP32_BYTES / best[ceiling[0]] / 1e9
     rows = []
     for name, _, mode, _ in candidates:
         label = name + (" +copy" if mode == "copy" else "")
-        rows.append(Row(label, n, copy_out, best.get(label), notes.get(label, "")))
-    ceiling_s = best[ceiling[0]]
+        rows.append(Row(label, n, copy_out, best.get(label), notes.get(label, ""), ceiling_gbps))
     del steps, grad, best
     free_memory()
-    return rows, ceiling_s
+    return rows
 
 
 # ----------------------------------------------------------------------------- CPU
@@ -174,7 +178,7 @@ def deepspeed_cpu_adam() -> tuple[type | None, str]:
     return DeepSpeedCPUAdam, ""
 
 
-def cpu_rows(n: int, reps: int, warmup: int, num_threads: int, with_deepspeed: bool) -> tuple[list[Row], float]:
+def cpu_rows(n: int, reps: int, warmup: int, num_threads: int, with_deepspeed: bool) -> list[Row]:
     from zero.ops.cpu_adam import CPUAdam, simd_levels, stream_pass
 
     kw = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -196,21 +200,19 @@ def cpu_rows(n: int, reps: int, warmup: int, num_threads: int, with_deepspeed: b
     # the ceiling: the stream pass over its own four buffers, timed in the same rounds
     bufs = [torch.rand(n) for _ in range(4)]
     ceiling = ("stream pass", lambda: stream_pass(*bufs, num_threads=num_threads))
-    rows, ceiling_times = [], []
+    rows = []
     for copy_out in (False, True):
         candidates = [(name, make, mode if copy_out else None, note) for name, make, mode, note in factories]
-        r, ceiling_s = measure(candidates, n, "cpu", ceiling, reps, warmup)
-        rows += r
-        ceiling_times.append(ceiling_s)
+        rows += measure(candidates, n, "cpu", ceiling, reps, warmup)
     del bufs
     free_memory()
-    return rows, min(ceiling_times)
+    return rows
 
 
 # ----------------------------------------------------------------------------- GPU
 
 
-def gpu_rows(n: int, reps: int, warmup: int) -> tuple[list[Row], float]:
+def gpu_rows(n: int, reps: int, warmup: int) -> list[Row]:
     try:
         from zero.ops import FusedAdam
     except ImportError as exc:
@@ -227,29 +229,31 @@ def gpu_rows(n: int, reps: int, warmup: int) -> tuple[list[Row], float]:
     src = torch.empty(n * FP32_BYTES // 8, dtype=torch.float32, device="cuda")
     dst = torch.empty_like(src)
     ceiling = ("device copy", lambda: dst.copy_(src))
-    rows, ceiling_times = [], []
+    rows = []
     for copy_out in (False, True):
         candidates = [(name, make, mode if copy_out else None, note) for name, make, mode, note in factories]
-        r, ceiling_s = measure(candidates, n, "cuda", ceiling, reps, warmup)
-        rows += r
-        ceiling_times.append(ceiling_s)
+        rows += measure(candidates, n, "cuda", ceiling, reps, warmup)
     del src, dst
     free_memory()
-    return rows, min(ceiling_times)
+    return rows
 
 
 # ----------------------------------------------------------------------------- report
 
 
-def print_table(title: str, rows: list[Row], ceiling_gbps: float, ceiling_name: str) -> None:
+def print_table(title: str, rows: list[Row], ceiling_name: str) -> None:
     print(f"\n{title}")
-    print(f"ceiling ({ceiling_name}): {ceiling_gbps:.1f} GB/s")
     header = f"{'optimizer':32s} {'params':>7s} {'copy-out':>8s} {'ms/step':>9s} {'Mparam/s':>9s} {'GB/s':>7s} " \
              f"{'ceiling':>8s} {'vs torch':>8s}"  # fmt: skip
     print(header)
     print("-" * len(header))
     baseline = {(r.n, r.copy_out): r.seconds for r in rows if r.name.startswith("torch AdamW (default)")}
+    last_round = None
     for r in rows:
+        if (r.n, r.copy_out) != last_round:
+            last_round = (r.n, r.copy_out)
+            what = "with bf16 copy-out" if r.copy_out else "fp32 only"
+            print(f"  [{what}] ceiling, {ceiling_name}, measured in the same rounds: {r.ceiling_gbps:.1f} GB/s")
         size = f"{r.n / 1e6:g}M"
         out = "bf16" if r.copy_out else "-"
         if r.seconds is None:
@@ -258,7 +262,7 @@ def print_table(title: str, rows: list[Row], ceiling_gbps: float, ceiling_name: 
         base = baseline.get((r.n, r.copy_out))
         vs = f"{base / r.seconds:7.2f}x" if base else "     n/a"
         print(f"{r.name:32s} {size:>7s} {out:>8s} {r.seconds * 1e3:9.2f} {r.n / r.seconds / 1e6:9.1f} "
-              f"{r.gbps():7.1f} {r.gbps() / ceiling_gbps:7.1%} {vs:>8s}")  # fmt: skip
+              f"{r.gbps():7.1f} {r.gbps() / r.ceiling_gbps:7.1%} {vs:>8s}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,9 +282,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         name = torch.cuda.get_device_name()
         for n in sizes:
-            rows, copy_s = gpu_rows(n, args.reps, args.warmup)
-            print_table(f"GPU Adam step, {name}, torch {torch.__version__}", rows, n * FP32_BYTES / copy_s / 1e9,
-                        "device-to-device copy, read + write bytes")  # fmt: skip
+            print_table(f"GPU Adam step, {name}, torch {torch.__version__}", gpu_rows(n, args.reps, args.warmup),
+                        "device-to-device copy (read + write bytes)")  # fmt: skip
         return 0
 
     threads = args.threads or torch.get_num_threads()
@@ -294,9 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: load average {load:.1f} before starting; other processes on this machine make every number "
               f"below noisier and lower (best-of-{args.reps} timings soften this)")  # fmt: skip
     for n in sizes:
-        rows, stream_s = cpu_rows(n, args.reps, args.warmup, threads, not args.no_deepspeed)
-        print_table(f"{n / 1e6:g}M parameters", rows, n * FP32_BYTES / stream_s / 1e9,
-                    "zero_cpu_stream_pass, 28 B/param, same threads")  # fmt: skip
+        rows = cpu_rows(n, args.reps, args.warmup, threads, not args.no_deepspeed)
+        print_table(f"{n / 1e6:g}M parameters", rows, "zero_cpu_stream_pass (28 B/param, same threads)")
     return 0
 
 
