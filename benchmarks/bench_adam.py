@@ -10,8 +10,9 @@ same threads and tiling) and almost no arithmetic. For each optimizer the table 
     ms/step    best of --reps timed steps (after warm-up steps that allocate state and fault pages in)
     Mparam/s   parameters updated per second
     GB/s       useful bytes per second: 28 (fp32) or 30 (bf16 copy-out) bytes per parameter
-    ceiling    GB/s as a fraction of the stream pass's GB/s, measured in the same rounds (every
-               round times each optimizer and the stream pass once, in rotated order)
+    ceiling    the optimizer's GB/s as a fraction of the stream pass's, median over --reps pairs:
+               each timed step is paired with a stream pass run just before it, because on a
+               shared machine memory bandwidth drifts and only a pair sees the same conditions
     vs torch   speed-up over torch.optim.AdamW's default (single-tensor) mode at the same size
 
 "bf16 copy-out" means the step also leaves a bf16 copy of the updated parameters (what ZeRO-Offload
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -62,7 +64,8 @@ class Row:
     copy_out: bool
     seconds: float | None  # None: not available here
     note: str = ""
-    ceiling_gbps: float = 0.0  # the ceiling measured in the same rounds as this row
+    ceiling_gbps: float = 0.0  # the best ceiling measured in the same rounds as this row
+    fraction: float = 0.0  # median over pairs of this row's GB/s over the ceiling run just before it
 
     @property
     def bytes(self) -> int:
@@ -78,26 +81,32 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1] if scale > 1 else text) * scale)
 
 
-def interleaved_best(steps: dict[str, Callable[[], None]], reps: int, warmup: int,
-                     sync: Callable[[], None] = lambda: None) -> dict[str, float]:  # fmt: skip
-    """Fastest time of each step function over `reps` rounds, after `warmup` untimed calls each.
+def paired_samples(steps: dict[str, Callable[[], None]], ceiling: Callable[[], None], reps: int, warmup: int,
+                   sync: Callable[[], None] = lambda: None) -> dict[str, list[tuple[float, float]]]:  # fmt: skip
+    """`reps` pairs (seconds of the step, seconds of the ceiling run just before it) per step function.
 
-    Each round times every function once, in a rotated order, so a burst of load from other
-    processes hits all of them alike instead of spoiling one optimizer's whole measurement.
+    Each round times every function once, in a rotated order, each right after its own run of the
+    ceiling kernel. On a shared machine both load and memory bandwidth drift from second to second;
+    a pair sees the same conditions, so the ratio within a pair is far steadier than either time.
     """
-    for step in steps.values():
+    for step in [ceiling, *steps.values()]:
         for _ in range(warmup):
             step()
     sync()
+
+    def timed(fn: Callable[[], None]) -> float:
+        start = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - start
+
     names = list(steps)
-    best = dict.fromkeys(names, float("inf"))
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
     for r in range(reps):
         for name in names[r % len(names):] + names[: r % len(names)]:
-            start = time.perf_counter()
-            steps[name]()
-            sync()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
+            ceiling_s = timed(ceiling)
+            samples[name].append((timed(steps[name]), ceiling_s))
+    return samples
 
 
 def free_memory() -> None:
@@ -132,10 +141,8 @@ def optimizer_step_fn(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer
 
 def measure(candidates: list[tuple[str, Callable | None, str | None, str]], n: int, device: str,
             ceiling: tuple[str, Callable[[], None]], reps: int, warmup: int) -> list[Row]:  # fmt: skip
-    """Time every available candidate (name, factory, copy-out mode, note) and the ceiling, interleaved.
-    Returns one row per candidate, each carrying the ceiling (GB/s for 28 bytes per parameter)
-    measured in these same rounds: memory bandwidth on a shared machine drifts from one minute to
-    the next, so each optimizer is compared with the ceiling measured beside it."""
+    """Time every available candidate (name, factory, copy-out mode, note), each paired with a run
+    of the ceiling kernel just before it (see `paired_samples`). Returns one row per candidate."""
     grad = torch.randn(n, device=device, generator=torch.Generator(device=device).manual_seed(1)) * 1e-2
     steps: dict[str, Callable[[], None]] = {ceiling[0]: ceiling[1]}
     notes: dict[str, str] = {}
@@ -149,14 +156,19 @@ def measure(candidates: list[tuple[str, Callable | None, str | None, str]], n: i
         except Exception as exc:  # an optimizer that cannot run here is reported, not fatal
             notes[label] = f"failed: {str(exc).splitlines()[0][:80]}"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    best = interleaved_best(steps, reps, warmup, sync)
+    samples = paired_samples(steps, ceiling[1], reps, warmup, sync)
     copy_out = any(mode is not None for _, _, mode, _ in candidates)  # the bf16 copy-out round
-    ceiling_gbps = n * FP32_BYTES / best[ceiling[0]] / 1e9
+    all_ceiling_s = [c for pairs in samples.values() for _, c in pairs]
+    ceiling_gbps = n * FP32_BYTES / min(all_ceiling_s) / 1e9 if all_ceiling_s else float("nan")
     rows = []
     for name, _, mode, _ in candidates:
         label = name + (" +copy" if mode == "copy" else "")
-        rows.append(Row(label, n, copy_out, best.get(label), notes.get(label, ""), ceiling_gbps))
-    del steps, grad, best
+        pairs = samples.get(label)
+        row = Row(label, n, copy_out, min(t for t, _ in pairs) if pairs else None, notes.get(label, ""), ceiling_gbps)
+        if pairs:  # (bytes / t) / (28 n / t_ceiling), the median over the pairs
+            row.fraction = statistics.median(row.bytes * c / (n * FP32_BYTES * t) for t, c in pairs)
+        rows.append(row)
+    del steps, grad, samples
     free_memory()
     return rows
 
@@ -253,7 +265,7 @@ def print_table(title: str, rows: list[Row], ceiling_name: str) -> None:
         if (r.n, r.copy_out) != last_round:
             last_round = (r.n, r.copy_out)
             what = "with bf16 copy-out" if r.copy_out else "fp32 only"
-            print(f"  [{what}] ceiling, {ceiling_name}, measured in the same rounds: {r.ceiling_gbps:.1f} GB/s")
+            print(f"  [{what}] ceiling, {ceiling_name}: best {r.ceiling_gbps:.1f} GB/s in these rounds")
         size = f"{r.n / 1e6:g}M"
         out = "bf16" if r.copy_out else "-"
         if r.seconds is None:
@@ -262,7 +274,7 @@ def print_table(title: str, rows: list[Row], ceiling_name: str) -> None:
         base = baseline.get((r.n, r.copy_out))
         vs = f"{base / r.seconds:7.2f}x" if base else "     n/a"
         print(f"{r.name:32s} {size:>7s} {out:>8s} {r.seconds * 1e3:9.2f} {r.n / r.seconds / 1e6:9.1f} "
-              f"{r.gbps():7.1f} {r.gbps() / r.ceiling_gbps:7.1%} {vs:>8s}")  # fmt: skip
+              f"{r.gbps():7.1f} {r.fraction:7.1%} {vs:>8s}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
