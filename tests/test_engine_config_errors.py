@@ -80,3 +80,15 @@ def test_training_data_gives_a_loader_of_micro_batches():
                                       config={"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW"}})
     x, y = next(iter(loader))
     assert x.shape == (4, 13)
+
+
+def test_logging_keys_print_progress_timings_and_memory(capsys):
+    config = {"train_batch_size": 2, "optimizer": {"type": "AdamW"}, "steps_per_print": 2,
+              "wall_clock_breakdown": True, "memory_breakdown": True, "dump_state": True}
+    engine, *_ = zero.initialize(model=MLP(), config=config)
+    for _ in range(2):
+        engine.backward(engine(torch.randn(2, 13), torch.randn(2, 5)))
+        engine.step()
+    out = capsys.readouterr().out
+    assert "engine state" in out and "zero: step 2" in out
+    assert "ms per step: forward" in out and "model-state bytes per rank" in out

@@ -9,6 +9,13 @@ several torch versions and some versions ignore the op of a gloo reduce-scatter 
 the one op every backend and version gets right. tests/test_collectives.py checks the numbers of
 the installed torch.
 
+[Note: reduce-scatter on gloo]
+gloo has no native reduce-scatter: torch emulates it, and the emulation is slow (measured on
+torch 2.13, 2 ranks, a 92 MB fp32 bucket: 208 ms, against 79 ms for an all-reduce of the same
+bucket). So on gloo `Comm.reduce_scatter` all-reduces the input in place and copies out the
+rank's slice: the same numbers, the same logical count, less time. This clobbers the input,
+which is always one of zero's own bucket buffers. NCCL and other backends get the real one.
+
 [Note: logical counts]
 Counts are logical: a reduce-scatter of a bucket of E elements counts E elements, an all-gather
 into a bucket of E elements counts E, an all-reduce of E elements counts E. That is what the ZeRO
@@ -39,6 +46,21 @@ class _Done:
         return True
 
 
+class _SliceAfter:
+    """Handle of a gloo reduce-scatter done as an all-reduce: copies the rank's slice on wait."""
+
+    def __init__(self, work, output: torch.Tensor, input: torch.Tensor, rank: int):
+        self.work, self.output, self.input, self.rank = work, output, input, rank
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        n = self.output.numel()
+        mine = self.input.view(-1)[self.rank * n : (self.rank + 1) * n]
+        if mine.data_ptr() != self.output.data_ptr():
+            self.output.view(-1).copy_(mine)
+
+
 @dataclass
 class CollectiveCount:
     calls: int = 0
@@ -60,6 +82,7 @@ class Comm:
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.counts: dict[str, CollectiveCount] = defaultdict(CollectiveCount)
+        self.backend = dist.get_backend(group) if self.distributed else "local"
 
     # -- counting
 
@@ -79,12 +102,19 @@ class Comm:
     # -- collectives
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
-        """output = this rank's 1/world_size slice of the SUM of `input` over ranks."""
+        """output = this rank's 1/world_size slice of the SUM of `input` over ranks.
+
+        `input` may be modified (see [Note: reduce-scatter on gloo]); `output` may be the rank's
+        own slice of `input` (in place)."""
         self._count("reduce_scatter", input)
         with record_function("zero::reduce_scatter"):
             if self.world_size == 1:
-                output.copy_(input)
+                if output.data_ptr() != input.data_ptr():
+                    output.copy_(input)
                 return _Done() if async_op else None
+            if self.backend == "gloo":
+                work = dist.all_reduce(input, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+                return _SliceAfter(work, output, input, self.rank) if async_op else _SliceAfter(None, output, input, self.rank).wait()
             return _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -164,6 +165,28 @@ class Engine(nn.Module):
         self.global_samples = 0
         self._last_comm: dict = {}
         self._in_no_sync = False
+        self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        if config.dump_state and self.comm.rank == 0:
+            print(f"zero: engine state\n  config: {config.model_dump_json(exclude_defaults=True)}\n"
+                  f"  device: {self.device}  world size: {self.comm.world_size}\n"
+                  f"  buckets: {len(self.optimizer.layout.buckets)}  trainable params: "
+                  f"{self.optimizer.layout.param_numel:,}\n  memory: {self.memory_report()}", flush=True)
+
+    @contextlib.contextmanager
+    def _timed(self, what: str):
+        """Accumulate wall-clock time of `what` when wall_clock_breakdown is on."""
+        if not self.config.wall_clock_breakdown:
+            yield
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            self._times[what] += time.perf_counter() - start
 
     def _build_scheduler(self, lr_scheduler):
         if lr_scheduler is not None:
@@ -181,7 +204,8 @@ class Engine(nn.Module):
             cast = lambda t: t.to(torch.float16) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
             args = tuple(cast(a) for a in args)
             kwargs = {k: cast(v) for k, v in kwargs.items()}
-        return self.module(*args, **kwargs)
+        with self._timed("forward"):
+            return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of `loss / gradient_accumulation_steps * loss_scale`; gradients flow into the
@@ -189,7 +213,8 @@ class Engine(nn.Module):
         if self._in_no_sync and self.config.zero_optimization.stage >= 2:
             raise RuntimeError("no_sync() cannot be used with ZeRO stage 2: gradients are partitioned as they arrive")
         scaled = loss.float() * (self.optimizer.loss_scaler.scale / self.config.gradient_accumulation_steps)
-        scaled.backward(retain_graph=retain_graph)
+        with self._timed("backward"):
+            scaled.backward(retain_graph=retain_graph)
         return loss
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -204,7 +229,8 @@ class Engine(nn.Module):
         if not boundary:
             return
         self.optimizer.reducer.sync_enabled = not self._in_no_sync
-        updated = self.optimizer.step()
+        with self._timed("step"):
+            updated = self.optimizer.step()
         if updated:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
@@ -213,10 +239,19 @@ class Engine(nn.Module):
         self.global_steps += 1
         self._last_comm = self.comm.report()
         self.comm.reset_counts()
-        steps_per_print = self.config.steps_per_print
-        if steps_per_print and self.global_steps % steps_per_print == 0 and self.comm.rank == 0:
-            print(f"zero: step {self.global_steps} lr {self.get_lr()} grad_norm {self.get_global_grad_norm()}"
-                  f" loss_scale {self.optimizer.loss_scaler.scale:g} skipped {self.skipped_steps}", flush=True)
+        every = self.config.steps_per_print
+        if every and self.global_steps % every == 0 and self.comm.rank == 0:
+            self._print_progress(every)
+
+    def _print_progress(self, every: int) -> None:
+        print(f"zero: step {self.global_steps} lr {self.get_lr()} grad_norm {self.get_global_grad_norm()}"
+              f" loss_scale {self.optimizer.loss_scaler.scale:g} skipped {self.skipped_steps}", flush=True)
+        if self.config.wall_clock_breakdown:
+            ms = {k: f"{v / every * 1e3:.1f}" for k, v in self._times.items()}
+            print(f"zero: ms per step: forward {ms['forward']} backward {ms['backward']} step {ms['step']}", flush=True)
+            self._times = dict.fromkeys(self._times, 0.0)
+        if self.config.memory_breakdown:
+            print(f"zero: model-state bytes per rank: {self.memory_report()}", flush=True)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
