@@ -1,6 +1,8 @@
 /* Element types shared by every kernel, and exact scalar conversions between fp32 and the
- * 16-bit formats. Rounding is round-to-nearest-even, NaN stays NaN (quiet, sign kept for fp16),
- * overflow becomes infinity: the same results as torch's `.to(torch.bfloat16 / torch.float16)`.
+ * 16-bit formats. Rounding is round-to-nearest-even and overflow becomes infinity: bit for bit
+ * the results of torch's `.to(torch.bfloat16 / torch.float16)` for every non-NaN value. NaN stays
+ * a quiet NaN, but its payload bits may differ from torch's (whose own vector and scalar casts
+ * disagree on them).
  * Plain C11, usable from C, C++ and CUDA host code. */
 #ifndef ZERO_COMMON_DTYPES_H
 #define ZERO_COMMON_DTYPES_H

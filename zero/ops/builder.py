@@ -162,7 +162,9 @@ def _ninja_ok() -> bool:
 @lru_cache(maxsize=None)
 def _c_flags() -> tuple[str, ...]:
     """C11, optimised, position independent; OpenMP when the compiler has it."""
-    flags = ["-std=c11", "-O3", "-fPIC", "-Wall", "-Wno-unknown-pragmas"]
+    # -fno-math-errno: sqrtf need not set errno, so the portable path vectorises; results are
+    # the same IEEE values.
+    flags = ["-std=c11", "-O3", "-fPIC", "-fno-math-errno", "-Wall", "-Wno-unknown-pragmas"]
     cc = c_compiler()
     if cc and _compiler_accepts(cc, "-fopenmp"):
         flags.append("-fopenmp")
