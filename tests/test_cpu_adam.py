@@ -3,13 +3,9 @@ state dicts, and clear errors that leave every buffer untouched."""
 import pytest
 import torch
 
-from zero.ops import OpUnavailable
 from zero.ops.cpu_adam import CPUAdam, cpu_adam_step, simd_levels, stream_pass
 
-try:
-    LEVELS = simd_levels()
-except OpUnavailable as exc:  # no compiler on this machine: nothing here can run
-    pytest.skip(f"cpu_adam op unavailable: {exc}", allow_module_level=True)
+LEVELS = simd_levels()  # an op that cannot build must fail here, not skip: CI has a compiler
 
 RTOL = 1e-6  # relative to the tensor's largest magnitude (see assert_close_rel)
 SIZES = [1, 7, 1023]
