@@ -38,26 +38,141 @@ from zero.stages.grads import GradReducer
 ADAM_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bias_correction=True, adamw_mode=True)
 
 
-class ZeroOptimizer(torch.optim.Optimizer):
-    """Adam/AdamW over flat parameter shards, for ZeRO stages 0, 1 and 2.
+class ShardedAdam(torch.optim.Optimizer):
+    """Adam/AdamW over this rank's shards: the step shared by every stage.
 
-    Behaves as a torch optimizer for schedulers and user code (`param_groups` with `lr`,
-    `betas`, ... per group), but `step()` is meant to be called by the engine at the
-    accumulation boundary.
+    Behaves as a torch optimizer for schedulers and user code (`param_groups` with `lr`, `betas`,
+    ... per group), but `step()` is meant to be called by the engine at the accumulation
+    boundary. Subclasses say where the shards are (`slots`), how gradients reach them
+    (`reduce_gradients`), and how updated 16-bit shards reach the model (`publish`).
 
     Args:
         param_groups: torch-style groups of trainable parameters with Adam hyperparameters.
-        stage: 0, 1 or 2.
         comm: the data-parallel group.
         dtype: training dtype of the parameters (fp32, bf16 or fp16).
+        gradient_clipping: clip the global gradient norm to this; 0 = off.
+        loss_scaler: fp16 loss scaling (default: none).
+        check_overflow: skip steps whose gradients hold inf/NaN (always on with fp16).
+        predivide: gradients were divided by this before the reduction.
+    """
+
+    def __init__(self, param_groups, *, comm: Comm, dtype: torch.dtype, gradient_clipping: float = 0.0,
+                 loss_scaler: LossScaler | None = None, check_overflow: bool = False, predivide: float = 1.0):
+        super().__init__(param_groups, dict(ADAM_DEFAULTS))
+        self.comm = comm
+        self.dtype = dtype
+        self.gradient_clipping = gradient_clipping
+        self.loss_scaler = loss_scaler or LossScaler.disabled()
+        self.check_overflow = check_overflow or self.loss_scaler.dynamic
+        self.world_size = comm.world_size
+        self.predivide = predivide
+        self.params = [p for g in self.param_groups for p in g["params"]]
+        self.step_count = 0
+        self.global_grad_norm: float | None = None
+        self._warned_fallback = False
+
+    # -- what subclasses provide --------------------------------------------------------------
+
+    def slots(self) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """(group index, fp32 master, gradient shard, exp_avg, exp_avg_sq, 16-bit output or None)."""
+        raise NotImplementedError
+
+    def reduce_gradients(self) -> None:
+        """Finish any gradient reduction still owed at the accumulation boundary."""
+
+    def norm_is_partitioned(self) -> bool:
+        """True when each rank holds a different part of the gradient (so norms are summed)."""
+        return self.world_size > 1
+
+    def publish(self) -> None:
+        """Make the updated 16-bit shards visible to the model (e.g. all-gather them)."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        raise NotImplementedError
+
+    # -- the step -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None) -> bool:
+        """Reduce, check, clip and apply Adam to this rank's shards, then publish them.
+
+        Returns:
+            False if the step was skipped because a gradient overflowed, True otherwise.
+        """
+        if closure is not None:
+            raise ValueError(f"{type(self).__name__}.step does not take a closure")
+        with record_function("zero::reduce_gradients"):
+            self.reduce_gradients()
+        slots = self.slots()
+        divisor = self.world_size / self.predivide * self.loss_scaler.scale
+
+        with record_function("zero::grad_norm"):
+            device = slots[0][1].device if slots else torch.device("cpu")
+            norm_sq = torch.zeros(1, dtype=torch.float32, device=device)
+            for _, _, g, _, _, _ in slots:
+                norm_sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+            if self.norm_is_partitioned():
+                self.comm.all_reduce(norm_sq, "sum")
+            norm_sq = norm_sq.item()
+        if self.check_overflow and not math.isfinite(norm_sq):
+            self.loss_scaler.update(overflow=True)
+            self.global_grad_norm = None
+            self.zero_grad()
+            return False
+        norm = math.sqrt(norm_sq) / divisor
+        self.global_grad_norm = norm
+        clip_coef = 1.0
+        if self.gradient_clipping > 0:
+            clip_coef = min(1.0, self.gradient_clipping / (norm + 1e-6))
+
+        self.step_count += 1
+        with record_function("zero::adam"):
+            for group_index, master, grad, exp_avg, exp_avg_sq, out16 in slots:
+                self._adam(self.param_groups[group_index], master, grad, exp_avg, exp_avg_sq, divisor / clip_coef, out16)
+        with record_function("zero::publish_params"):
+            self.publish()
+        self.loss_scaler.update(overflow=False)
+        self.zero_grad()
+        return True
+
+    def _adam(self, group, master, grad, exp_avg, exp_avg_sq, grad_scale: float, out16) -> None:
+        kwargs = dict(step=self.step_count, lr=float(group["lr"]), betas=tuple(group["betas"]), eps=group["eps"],
+                      weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
+                      bias_correction=group["bias_correction"], grad_scale=grad_scale)
+        try:
+            if master.device.type == "cuda":
+                from zero.ops.fused_adam import fused_adam_step
+
+                fused_adam_step([master], [grad], [exp_avg], [exp_avg_sq], out16=None if out16 is None else [out16], **kwargs)
+            else:
+                from zero.ops.cpu_adam import cpu_adam_step
+
+                cpu_adam_step(master, grad, exp_avg, exp_avg_sq, out16=out16, **kwargs)
+            return
+        except ImportError as exc:
+            reason = exc
+        except RuntimeError as exc:  # OpUnavailable: no compiler, no nvcc
+            if type(exc).__name__ != "OpUnavailable":
+                raise
+            reason = exc
+        if not self._warned_fallback:
+            warnings.warn(f"zero: native Adam unavailable ({reason}); using the slower torch implementation")
+            self._warned_fallback = True
+        torch_adam_step(master, grad, exp_avg, exp_avg_sq, out16=out16, **kwargs)
+
+
+class ZeroOptimizer(ShardedAdam):
+    """The partitioned optimizer of stages 0, 1 and 2 over one flat parameter buffer.
+
+    Args:
+        param_groups, comm, dtype, gradient_clipping, loss_scaler, check_overflow, predivide:
+            see ShardedAdam.
+        stage: 0, 1 or 2.
         master_values: the original fp32 value of each parameter (default: its current value).
         bucket_size: elements per bucket (see ShardLayout).
         comm_dtype: dtype of gradient reduction (default: `dtype`).
         accumulation_steps: micro-batches per step (decides the gradient accumulation dtype).
-        gradient_clipping: clip the global gradient norm to this; 0 = off.
-        loss_scaler: fp16 loss scaling (default: none).
-        check_overflow: skip steps whose gradients hold inf/NaN (always on with fp16).
-        overlap_comm, reduce_scatter, predivide: see GradReducer.
+        overlap_comm, reduce_scatter: see GradReducer.
     """
 
     def __init__(
@@ -78,16 +193,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         reduce_scatter: bool = True,
         predivide: float = 1.0,
     ):
-        super().__init__(param_groups, dict(ADAM_DEFAULTS))
+        super().__init__(param_groups, comm=comm, dtype=dtype, gradient_clipping=gradient_clipping,
+                         loss_scaler=loss_scaler, check_overflow=check_overflow, predivide=predivide)
         self.stage = stage
-        self.comm = comm
-        self.dtype = dtype
-        self.gradient_clipping = gradient_clipping
-        self.loss_scaler = loss_scaler or LossScaler.disabled()
-        self.check_overflow = check_overflow or self.loss_scaler.dynamic
-        self.world_size = comm.world_size
-        self.predivide = predivide
-        self.params = [p for g in self.param_groups for p in g["params"]]
         groups = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         partitions = 1 if stage == 0 else comm.world_size
         self.rank = comm.rank if partitions > 1 else 0
@@ -129,14 +237,31 @@ class ZeroOptimizer(torch.optim.Optimizer):
             reduce_scatter=reduce_scatter,
             predivide=predivide,
         )
-        self.step_count = 0
-        self.global_grad_norm: float | None = None
-        self._warned_fallback = False
 
     def _own(self, bucket) -> tuple[int, int]:
         return bucket.slice_range(self.rank) if self.layout.partitions > 1 else (bucket.start, bucket.start + bucket.numel)
 
-    # -- the step ---------------------------------------------------------------------------
+    def slots(self):
+        out = []
+        for bucket in self.layout.buckets:
+            b = bucket.index
+            lo, hi = self._own(bucket)
+            out16 = None if self.dtype == torch.float32 else self.flat[lo:hi]
+            out.append((bucket.group, self.master[b], self.reducer.shards[b], self.exp_avg[b], self.exp_avg_sq[b], out16))
+        return out
+
+    def reduce_gradients(self) -> None:
+        self.reducer.reduce_at_boundary()
+
+    def norm_is_partitioned(self) -> bool:
+        return self.layout.partitions > 1
+
+    def publish(self) -> None:
+        if self.layout.partitions > 1:
+            works = [self.comm.all_gather(self.flat[bk.start : bk.start + bk.numel], self.flat[slice(*self._own(bk))],
+                                          async_op=True) for bk in self.layout.buckets]
+            for w in works:
+                w.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (the engine does this after every step)."""
@@ -144,88 +269,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for p in self.params:
             p.grad = None
 
-    @torch.no_grad()
-    def step(self, closure=None) -> bool:
-        """Reduce (stages 0/1), check, clip and apply Adam to this rank's shard, then all-gather.
-
-        Returns:
-            False if the step was skipped because a gradient overflowed, True otherwise.
-        """
-        if closure is not None:
-            raise ValueError("ZeroOptimizer.step does not take a closure")
-        with record_function("zero::reduce_gradients"):
-            self.reducer.reduce_at_boundary()
-        grads = self.reducer.shards
-        divisor = self.world_size / self.predivide * self.loss_scaler.scale
-
-        with record_function("zero::grad_norm"):
-            norm_sq = torch.zeros(1, dtype=torch.float32, device=self.flat.device)
-            for g in grads:
-                norm_sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
-            if self.layout.partitions > 1:
-                self.comm.all_reduce(norm_sq, "sum")
-            norm_sq = norm_sq.item()
-        if self.check_overflow and not math.isfinite(norm_sq):
-            self.loss_scaler.update(overflow=True)
-            self.global_grad_norm = None
-            self.zero_grad()
-            return False
-        norm = math.sqrt(norm_sq) / divisor
-        self.global_grad_norm = norm
-        clip_coef = 1.0
-        if self.gradient_clipping > 0:
-            clip_coef = min(1.0, self.gradient_clipping / (norm + 1e-6))
-
-        self.step_count += 1
-        with record_function("zero::adam"):
-            for bucket in self.layout.buckets:
-                group = self.param_groups[bucket.group]
-                b = bucket.index
-                lo, hi = self._own(bucket)
-                self._adam(group, self.master[b], grads[b], self.exp_avg[b], self.exp_avg_sq[b],
-                           divisor / clip_coef, None if self.dtype == torch.float32 else self.flat[lo:hi])
-        if self.layout.partitions > 1:
-            with record_function("zero::all_gather_params"):
-                works = [self.comm.all_gather(self.flat[bk.start : bk.start + bk.numel], self.flat[slice(*self._own(bk))],
-                                              async_op=True) for bk in self.layout.buckets]
-                for w in works:
-                    w.wait()
-        self.loss_scaler.update(overflow=False)
-        self.zero_grad()
-        return True
-
-    def _adam(self, group, master, grad, exp_avg, exp_avg_sq, grad_scale: float, out16) -> None:
-        kwargs = dict(step=self.step_count, lr=float(group["lr"]), betas=tuple(group["betas"]), eps=group["eps"],
-                      weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
-                      bias_correction=group["bias_correction"], grad_scale=grad_scale)
-        try:
-            if master.device.type == "cuda":
-                from zero.ops.fused_adam import fused_adam_step
-
-                fused_adam_step([master], [grad], [exp_avg], [exp_avg_sq], out16=None if out16 is None else [out16], **kwargs)
-            else:
-                from zero.ops.cpu_adam import cpu_adam_step
-
-                cpu_adam_step(master, grad, exp_avg, exp_avg_sq, out16=out16, **kwargs)
-            return
-        except ImportError as exc:
-            reason = exc
-        except RuntimeError as exc:  # OpUnavailable: no compiler, no nvcc
-            if type(exc).__name__ != "OpUnavailable":
-                raise
-            reason = exc
-        if not self._warned_fallback:
-            warnings.warn(f"zero: native Adam unavailable ({reason}); using the slower torch implementation")
-            self._warned_fallback = True
-        torch_adam_step(master, grad, exp_avg, exp_avg_sq, out16=out16, **kwargs)
-
     # -- reports ----------------------------------------------------------------------------
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds for model states, by kind."""
-        def nbytes(ts: Iterable[torch.Tensor]) -> int:
-            return sum(t.numel() * t.element_size() for t in ts)
-
         return {
             "params": nbytes([self.flat]),
             "grads": self.reducer.grad_bytes(),
@@ -233,6 +280,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             "optimizer_states": nbytes(self.exp_avg) + nbytes(self.exp_avg_sq),
             "comm_buffers": getattr(self.reducer, "peak_staging_bytes", 0),
         }
+
+
+def nbytes(ts: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
 
 
 def torch_adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, betas, eps, weight_decay, adamw_mode,
