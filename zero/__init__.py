@@ -12,6 +12,11 @@ def __getattr__(name):  # keep `import zero` light: torch-heavy modules load on 
         from zero import engine
 
         return getattr(engine, name)
+    if name in ("Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter",
+                "set_z3_leaf_modules"):
+        from zero import init
+
+        return getattr(init, name)
     if name in ("ConfigError", "load_config"):
         from zero import config
 
@@ -19,4 +24,5 @@ def __getattr__(name):  # keep `import zero` light: torch-heavy modules load on 
     raise AttributeError(f"module 'zero' has no attribute {name!r}")
 
 
-__all__ = ["initialize", "init_distributed", "Engine", "ConfigError", "load_config", "__version__"]
+__all__ = ["initialize", "init_distributed", "Engine", "ConfigError", "load_config", "Init", "GatheredParameters",
+           "register_external_parameter", "unregister_external_parameter", "set_z3_leaf_modules", "__version__"]

@@ -24,8 +24,11 @@ reduce-scatter with an all-reduce; a ring all-reduce sends about 2E), so do not 
 """
 from __future__ import annotations
 
+import os
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -36,10 +39,14 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete in time; the message says which and what to check."""
+
+
 class _Done:
     """The handle of a collective that completed at once (a world of one)."""
 
-    def wait(self) -> bool:
+    def wait(self, timeout=None) -> bool:
         return True
 
     def is_completed(self) -> bool:
@@ -52,9 +59,9 @@ class _SliceAfter:
     def __init__(self, work, output: torch.Tensor, input: torch.Tensor, rank: int):
         self.work, self.output, self.input, self.rank = work, output, input, rank
 
-    def wait(self) -> None:
+    def wait(self, timeout=None) -> None:
         if self.work is not None:
-            self.work.wait()
+            self.work.wait() if timeout is None else self.work.wait(timeout=timeout)
         n = self.output.numel()
         mine = self.input.view(-1)[self.rank * n : (self.rank + 1) * n]
         if mine.data_ptr() != self.output.data_ptr():
@@ -83,6 +90,10 @@ class Comm:
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.counts: dict[str, CollectiveCount] = defaultdict(CollectiveCount)
         self.backend = dist.get_backend(group) if self.distributed else "local"
+        # Seconds `wait_for` lets a collective take before raising; ZERO_COLLECTIVE_TIMEOUT
+        # (default 600). Only stage 3 waits this way: its collectives depend on which modules
+        # run, so ranks that run different modules must end in an error, not a hang.
+        self.timeout_s = float(os.environ.get("ZERO_COLLECTIVE_TIMEOUT", "600"))
 
     # -- counting
 
@@ -143,6 +154,20 @@ class Comm:
         with record_function("zero::broadcast"):
             if self.world_size > 1:
                 dist.broadcast(tensor, src=src, group=self.group)
+
+    def wait_for(self, work, describe: Callable[[], str]) -> None:
+        """Wait for `work` at most `timeout_s` seconds; on timeout raise CollectiveTimeout with
+        `describe()` (which names what was being waited for)."""
+        if work is None:
+            return
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            raise CollectiveTimeout(
+                f"{describe()} did not complete within {self.timeout_s:.0f} s ({exc}). Usually this means the ranks "
+                f"ran different modules (rank-divergent control flow): every rank must run the same modules in the "
+                f"same order. Set ZERO_COLLECTIVE_TIMEOUT to wait longer."
+            ) from exc
 
     def barrier(self) -> None:
         if self.world_size > 1:

@@ -27,8 +27,10 @@ from zero.comm import Comm
 from zero.config import ConfigWarning, ZeroConfig, check_supported, load_config
 from zero.precision import LossScaler
 from zero.stages.optimizer import ZeroOptimizer
+from zero.stages.stage3 import Stage3Optimizer
 
-IMPLEMENTED = {"stage1", "stage2"}
+IMPLEMENTED = {"stage1", "stage2", "stage3"}
+DEFAULT_UNIT_ELEMENTS = 1_000_000  # a module with this many (unclaimed) parameter elements becomes a stage-3 unit
 
 # [Note: knobs without effect]
 # DeepSpeed keys that change how DeepSpeed moves memory but cannot change anything here. We say
@@ -130,9 +132,6 @@ class Engine(nn.Module):
         with torch.no_grad():  # every rank starts from rank 0's weights and buffers
             for t in [*module.parameters(), *module.buffers()]:
                 self.comm.broadcast(t.data, src=0)
-        master = {p: p.detach().float().clone() for g in groups for p in g["params"]} if config.precision != "fp32" else None
-        if config.precision != "fp32":
-            module.to(config.dtype)
         self.module = module
 
         if config.fp16.enabled:
@@ -142,22 +141,27 @@ class Engine(nn.Module):
         else:
             scaler = LossScaler.disabled()
         predivide = float(self.comm.world_size) if config.prescale_gradients else config.gradient_predivide_factor
-        self.optimizer = ZeroOptimizer(
-            groups,
-            stage=zc.stage,
-            comm=self.comm,
-            dtype=config.dtype,
-            master_values=master,
-            bucket_size=max(1, min(zc.reduce_bucket_size, zc.allgather_bucket_size)),
-            comm_dtype=config.communication_dtype,
-            accumulation_steps=config.gradient_accumulation_steps,
-            gradient_clipping=config.gradient_clipping,
-            loss_scaler=scaler,
-            check_overflow=config.fp16.enabled or config.bf16.check_grad_overflow,
-            overlap_comm=zc.overlap_comm,
-            reduce_scatter=zc.reduce_scatter,
-            predivide=predivide,
-        )
+        common = dict(comm=self.comm, dtype=config.dtype, gradient_clipping=config.gradient_clipping, loss_scaler=scaler,
+                      check_overflow=config.fp16.enabled or config.bf16.check_grad_overflow, predivide=predivide)
+        if zc.stage == 3:  # shards are cut from the fp32 values first, then the module is cast
+            self.optimizer = Stage3Optimizer(
+                module, groups, comm_dtype=config.communication_dtype,
+                accumulation_steps=config.gradient_accumulation_steps,
+                persistence_threshold=zc.param_persistence_threshold,
+                unit_threshold=zc.module_granularity_threshold or DEFAULT_UNIT_ELEMENTS,
+                prefetch_elements=zc.prefetch_bucket_size, max_live_elements=zc.max_live_parameters,
+                max_reuse_distance=zc.max_reuse_distance, overlap_comm=zc.overlap_comm, device=self.device, **common)
+            if config.precision != "fp32":
+                module.to(config.dtype)
+        else:
+            master = {p: p.detach().float().clone() for g in groups for p in g["params"]} if config.precision != "fp32" else None
+            if config.precision != "fp32":
+                module.to(config.dtype)
+            self.optimizer = ZeroOptimizer(
+                groups, stage=zc.stage, master_values=master,
+                bucket_size=max(1, min(zc.reduce_bucket_size, zc.allgather_bucket_size)),
+                comm_dtype=config.communication_dtype, accumulation_steps=config.gradient_accumulation_steps,
+                overlap_comm=zc.overlap_comm, reduce_scatter=zc.reduce_scatter, **common)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.micro_steps = 0
         self.global_steps = 0
@@ -169,8 +173,8 @@ class Engine(nn.Module):
         if config.dump_state and self.comm.rank == 0:
             print(f"zero: engine state\n  config: {config.model_dump_json(exclude_defaults=True)}\n"
                   f"  device: {self.device}  world size: {self.comm.world_size}\n"
-                  f"  buckets: {len(self.optimizer.layout.buckets)}  trainable params: "
-                  f"{self.optimizer.layout.param_numel:,}\n  memory: {self.memory_report()}", flush=True)
+                  f"  trainable params: {sum(p.numel() for p in self.optimizer.params):,}\n"
+                  f"  memory: {self.memory_report()}", flush=True)
 
     @contextlib.contextmanager
     def _timed(self, what: str):
@@ -228,7 +232,8 @@ class Engine(nn.Module):
         self.global_samples += self.config.train_micro_batch_size_per_gpu * self.comm.world_size
         if not boundary:
             return
-        self.optimizer.reducer.sync_enabled = not self._in_no_sync
+        if hasattr(self.optimizer, "reducer"):
+            self.optimizer.reducer.sync_enabled = not self._in_no_sync
         with self._timed("step"):
             updated = self.optimizer.step()
         if updated:
@@ -305,26 +310,62 @@ class Engine(nn.Module):
         `expected` uses Psi = trainable parameters, N = ranks sharing the optimizer state, and the
         real element sizes (2 bytes for 16-bit params/grads, 4 for fp32): stage 0 keeps all of
         params, grads and optimizer states; stage 1 partitions the fp32 master and Adam states;
-        stage 2 also the gradients. Padding of buckets accounts for any small difference.
+        stage 2 also the gradients; stage 3 also the 16-bit parameters (16 Psi/N in mixed precision),
+        plus the full copies of persistent (small) parameters. Padding accounts for any small
+        difference. Stage 3 also reports `gathered_peak`, the most bytes of gathered parameters
+        held at once.
         """
         report = self.optimizer.memory_report()
-        psi = self.optimizer.layout.param_numel
         n = self.comm.world_size
         p16 = torch.finfo(self.config.dtype).bits // 8
-        grad_el = self.optimizer.reducer.flat_grad.element_size() if self.optimizer.reducer.flat_grad is not None \
-            else self.optimizer.reducer.shards[0].element_size()
         master_el = 0 if self.config.dtype == torch.float32 else 4
         stage = self.config.zero_optimization.stage
-        opt = (master_el + 8) * psi
-        expected = {
-            0: p16 * psi + grad_el * psi + opt,
-            1: p16 * psi + grad_el * psi + opt / n,
-            2: p16 * psi + (grad_el * psi + opt) / n,
-        }[stage]
-        report["model_states_total"] = sum(v for k, v in report.items() if k != "comm_buffers")
+        if stage == 3:
+            psi = sum(p._zero.numel for g in self.optimizer.param_groups for p in g["params"])
+            grad_el = next((r.grad.element_size() for u in self.optimizer.units for r in u.ranges), p16)
+            expected = (p16 + grad_el + master_el + 8) * psi / n + p16 * report["persistent_params"]
+        else:
+            psi = self.optimizer.layout.param_numel
+            reducer = self.optimizer.reducer
+            grad_el = reducer.flat_grad.element_size() if reducer.flat_grad is not None else reducer.shards[0].element_size()
+            opt = (master_el + 8) * psi
+            expected = {
+                0: p16 * psi + grad_el * psi + opt,
+                1: p16 * psi + grad_el * psi + opt / n,
+                2: p16 * psi + (grad_el * psi + opt) / n,
+            }[stage]
+        report["model_states_total"] = sum(report[k] for k in ("params", "grads", "fp32_master", "optimizer_states"))
         report["expected_by_formula"] = int(expected)
         report["params_count"] = psi
         return report
+
+    # -- saving -----------------------------------------------------------------------------
+
+    def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """The full state dict in the training dtype on rank 0 (None elsewhere); all ranks call it.
+        Under stage 3 parameters are gathered one at a time."""
+        from zero.checkpoint import consolidated_state_dict
+
+        return consolidated_state_dict(self.module, self.comm, exclude_frozen_parameters)
+
+    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Save the consolidated 16-bit state dict from rank 0 (atomically); all ranks call it.
+
+        Under stage 3 this needs `stage3_gather_16bit_weights_on_model_save: true` (as in
+        DeepSpeed); otherwise it warns, saves nothing and returns False.
+        """
+        if self.config.zero_optimization.stage == 3 and not self.config.zero_optimization.gather_16bit_weights_on_model_save:
+            warnings.warn("save_16bit_model: stage3_gather_16bit_weights_on_model_save is false, nothing saved "
+                          "(set it to true to gather the weights)", stacklevel=2)
+            return False
+        from zero.checkpoint import atomic_save
+
+        state = self.consolidated_16bit_state_dict(exclude_frozen_parameters)
+        if self.comm.rank == 0:
+            atomic_save(state, os.path.join(save_dir, save_filename))
+        self.comm.barrier()
+        return True
 
     def comm_report(self) -> dict[str, dict[str, int]]:
         """Logical calls/elements/bytes per collective during the last optimizer step's window

@@ -1,0 +1,236 @@
+"""Stage-3 tools for users: build a model already sharded, and reach a sharded parameter's value.
+
+    with zero.Init(config=ds_config):            # every parameter is sharded as its module is built
+        model = MyModel()
+    with zero.GatheredParameters(model.head.weight, modifier_rank=0):
+        model.head.weight.zero_()                # rank 0's change becomes every rank's new shard
+    zero.register_external_parameter(module, param)   # module's forward uses a param it doesn't own
+    zero.set_z3_leaf_modules(model, [MoEBlock])  # gather these modules as one unit each
+
+See [Note: parameter shards] in zero/stages/units.py for what a sharded parameter is.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from zero.comm import Comm
+from zero.stages.units import ShardedParam, gather_param, shard_numel, take_shard
+
+
+def _all_subclasses(cls: type) -> set[type]:
+    out = set()
+    for sub in cls.__subclasses__():
+        out.add(sub)
+        out |= _all_subclasses(sub)
+    return out
+
+
+class Init:
+    """Context manager: modules built inside it have their parameters sharded as they are made.
+
+    After each module's `__init__` returns (the outermost one, so a subclass's own
+    initialisation still sees full tensors), each of its parameters is broadcast from rank 0 and
+    replaced by this rank's shard. Only the parameters of the module being built are ever full,
+    so a model larger than one rank's memory can be constructed. Code that changes parameters
+    after construction (custom initialisation loops) must use `GatheredParameters(...,
+    modifier_rank=0)`, as with DeepSpeed.
+
+    Args:
+        config: the DeepSpeed-style config (dict or path) the engine will use; read for nothing
+            but accepted for DeepSpeed compatibility. Stage is not checked here.
+        remote_device: "cpu" keeps the shards in CPU memory until `initialize`; None (or
+            "device") keeps them where the parameter was created.
+        enabled: False makes the context do nothing (DeepSpeed's switch).
+        dtype: cast shards to this dtype (default: keep the created dtype, usually fp32, which
+            `initialize` uses as the exact fp32 master).
+
+    Attributes:
+        peak_full_elements: the most elements of not-yet-sharded parameters alive at once
+            during construction (the largest module's own parameters, at most).
+    """
+
+    def __init__(self, module: nn.Module | None = None, config=None, config_dict_or_path=None,
+                 remote_device: str | None = None, pin_memory: bool = False, enabled: bool = True,
+                 dtype: torch.dtype | None = None, **unused):
+        if module is not None:
+            raise ValueError("zero.Init(module=...) (sharding an existing model) is not supported; build the model "
+                             "inside `with zero.Init():`, or let zero.initialize shard it")
+        if remote_device not in (None, "cpu", "device", "cuda"):
+            raise ValueError(f"zero.Init: remote_device must be None, 'cpu' or 'device', got {remote_device!r} "
+                             f"('nvme' is not supported)")
+        self.enabled = enabled
+        self.remote_device = remote_device
+        self.pin_memory = pin_memory
+        self.dtype = dtype
+        self.peak_full_elements = 0
+        self._full: dict[int, int] = {}
+        self._patched: dict[type, object] = {}
+        self._hook = None
+
+    def __enter__(self) -> Init:
+        if not self.enabled:
+            return self
+        self.comm = Comm()
+        for cls in _all_subclasses(nn.Module) | {nn.Module}:
+            if "__init__" in cls.__dict__:
+                self._wrap(cls)
+        self._prev_init_subclass = nn.Module.__dict__.get("__init_subclass__")
+        ctx = self
+
+        def init_subclass(cls, **kw):  # classes defined inside the context are wrapped too
+            super(nn.Module, cls).__init_subclass__(**kw)
+            if "__init__" in cls.__dict__:
+                ctx._wrap(cls)
+
+        nn.Module.__init_subclass__ = classmethod(init_subclass)
+        self._hook = torch.nn.modules.module.register_module_parameter_registration_hook(self._on_register)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.enabled:
+            return
+        self._hook.remove()
+        for cls, original in self._patched.items():
+            cls.__init__ = original
+        self._patched.clear()
+        if self._prev_init_subclass is None:
+            del nn.Module.__init_subclass__
+        else:
+            nn.Module.__init_subclass__ = self._prev_init_subclass
+
+    def _on_register(self, module, name, param):
+        if param is not None and getattr(param, "_zero", None) is None:
+            self._full[id(param)] = param.numel()
+            self.peak_full_elements = max(self.peak_full_elements, sum(self._full.values()))
+
+    def _wrap(self, cls: type) -> None:
+        if cls in self._patched:
+            return
+        original = cls.__init__
+        ctx = self
+
+        def __init__(module, *args, **kwargs):
+            original(module, *args, **kwargs)
+            if type(module).__init__ is __init__:  # the most-derived __init__ has finished
+                ctx._shard_own(module)
+
+        __init__.__wrapped__ = original
+        self._patched[cls] = original
+        cls.__init__ = __init__
+
+    @torch.no_grad()
+    def _shard_own(self, module: nn.Module) -> None:
+        for p in module.parameters(recurse=False):
+            if getattr(p, "_zero", None) is not None:
+                continue
+            self.comm.broadcast(p.data, src=0)  # every rank starts from rank 0's values
+            shard = take_shard(p.data, self.comm.rank, self.comm.world_size)
+            if self.remote_device == "cpu":
+                shard = shard.cpu().pin_memory() if self.pin_memory and torch.cuda.is_available() else shard.cpu()
+            if self.dtype is not None:
+                shard = shard.to(self.dtype)
+            p._zero = ShardedParam(p.shape, p.numel(), shard_numel(p.numel(), self.comm.world_size), local=shard)
+            p.data = shard[:0]
+            self._full.pop(id(p), None)
+
+
+class GatheredParameters:
+    """Context manager: the full value of sharded parameters, for reading or changing them.
+
+    Inside, each listed parameter has its full value on every rank. With `modifier_rank`, that
+    rank's values when the context exits become the new value everywhere (the shards, and the
+    fp32 master when an engine owns the parameter). Parameters that are not sharded (stages
+    0-2, or no engine) are left alone. Every rank must enter the context with the same list.
+
+    Args:
+        params: a parameter or an iterable of parameters.
+        modifier_rank: the rank whose changes are kept; None for read-only use.
+        fwd_module: accepted for DeepSpeed compatibility; unused.
+        enabled: False makes the context do nothing.
+    """
+
+    def __init__(self, params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True):
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        unique = {id(p): p for p in params if getattr(p, "_zero", None) is not None}
+        self.params: list[nn.Parameter] = list(unique.values()) if enabled else []
+        self.modifier_rank = modifier_rank
+        self._gathered: list[nn.Parameter] = []
+
+    def __enter__(self) -> GatheredParameters:
+        if not self.params:
+            return self
+        self.comm = Comm()
+        with torch.no_grad():
+            for p in self.params:
+                info: ShardedParam = p._zero
+                if p.data.numel() == info.numel and info.numel > 0:
+                    continue  # its unit is gathered right now (or it is persistent)
+                p.data = gather_param(info.shard(), info.numel, self.comm).view(info.shape)
+                self._gathered.append(p)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.params:
+            return
+        with torch.no_grad():
+            if self.modifier_rank is not None and exc[0] is None:
+                for p in self.params:
+                    self._write_back(p)
+            for p in self._gathered:
+                p.data = p._zero.shard()[:0]
+        self._gathered.clear()
+
+    def _write_back(self, p: nn.Parameter) -> None:
+        info: ShardedParam = p._zero
+        full = p.data.contiguous()
+        self.comm.broadcast(full, src=self.modifier_rank)
+        if full.data_ptr() != p.data.data_ptr():
+            p.data.copy_(full)
+        mine = take_shard(full, self.comm.rank, self.comm.world_size)
+        info.shard().copy_(mine)
+        unit = info.unit
+        if unit is not None:  # keep the fp32 master in step with the new value
+            for r in unit.ranges:
+                if r.lo <= info.offset < r.hi and r.master.data_ptr() != unit.shard16.data_ptr():
+                    r.master[info.offset - r.lo : info.offset - r.lo + info.shard_numel].copy_(mine)
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Declare that `module`'s forward uses `parameter`, which belongs to another module.
+
+    Stage 3 then gathers the parameter's unit around `module`'s forward and backward too. Call it
+    before `zero.initialize` (for example in the module's `__init__`), as with DeepSpeed.
+    """
+    if not isinstance(parameter, nn.Parameter):
+        raise ValueError(f"register_external_parameter expects an nn.Parameter, got {type(parameter).__name__}")
+    external = module.__dict__.setdefault("_zero_external_params", [])
+    if all(p is not parameter for p in external):
+        external.append(parameter)
+
+
+def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Undo `register_external_parameter` (before `zero.initialize`)."""
+    external = module.__dict__.get("_zero_external_params", [])
+    module.__dict__["_zero_external_params"] = [p for p in external if p is not parameter]
+
+
+def set_z3_leaf_modules(model: nn.Module, leaf_module_classes: Sequence[type]) -> list[nn.Module]:
+    """Make every submodule of the given classes one stage-3 unit, gathered as a whole.
+
+    Use it for blocks whose parameters are used together or out of order (mixture-of-experts
+    layers, say), and to choose unit boundaries by hand. Call before `zero.initialize`.
+
+    Returns:
+        The modules that were marked.
+    """
+    classes = tuple(leaf_module_classes)
+    marked = [m for m in model.modules() if isinstance(m, classes)]
+    for m in marked:
+        m._zero_unit = True
+    return marked
