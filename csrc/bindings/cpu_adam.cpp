@@ -41,16 +41,8 @@ void adam_step(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg, at:
     TORCH_CHECK(out16->numel() == n, "out16 has ", out16->numel(), " elements, param has ", n);
     out_ptr = out16->data_ptr();
   }
-  zero_adam_config cfg;
-  cfg.lr = lr;
-  cfg.beta1 = beta1;
-  cfg.beta2 = beta2;
-  cfg.eps = eps;
-  cfg.weight_decay = weight_decay;
-  cfg.grad_scale = grad_scale;
-  cfg.step = step;
-  cfg.adamw_mode = adamw_mode ? 1 : 0;
-  cfg.bias_correction = bias_correction ? 1 : 0;
+  const auto cfg = zero_adam_config_of<zero_adam_config>(lr, beta1, beta2, eps, weight_decay, grad_scale, step,
+                                                         adamw_mode, bias_correction);
   const int rc = zero_cpu_adam_step(n, param.data_ptr<float>(), grad.data_ptr(), grad_dtype, exp_avg.data_ptr<float>(),
                                     exp_avg_sq.data_ptr<float>(), out_ptr, out_dtype, &cfg, (int)simd, (int)num_threads);
   TORCH_CHECK(rc != ZERO_ADAM_SIMD_UNAVAILABLE, "SIMD level ", zero_cpu_adam_simd_name((int)simd),

@@ -68,16 +68,8 @@ void adam_step(const std::vector<at::Tensor>& params, const std::vector<at::Tens
     }
   }
 
-  zero_fused_adam_config cfg;
-  cfg.lr = lr;
-  cfg.beta1 = beta1;
-  cfg.beta2 = beta2;
-  cfg.eps = eps;
-  cfg.weight_decay = weight_decay;
-  cfg.grad_scale = grad_scale;
-  cfg.step = step;
-  cfg.adamw_mode = adamw_mode ? 1 : 0;
-  cfg.bias_correction = bias_correction ? 1 : 0;
+  const auto cfg = zero_adam_config_of<zero_fused_adam_config>(lr, beta1, beta2, eps, weight_decay, grad_scale,
+                                                               step, adamw_mode, bias_correction);
 
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device.index()).stream();

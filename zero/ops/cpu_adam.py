@@ -15,21 +15,26 @@ this CPU runs and `simd=` forces one (the tests run every level against torch).
 """
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
-from zero.ops.adam_args import check_adam_hyperparameters
+from zero.ops.adam_common import (
+    GRAD_DTYPES,
+    OUT16_DTYPES,
+    AdamOptimizerBase,
+    bump_versions,
+    check_adam_hyperparameters,
+    check_grad_scale,
+    check_step_number,
+    check_tensor,
+)
 from zero.ops.builder import load
 
 # SIMD level names in the kernel's numbering (ZERO_SIMD_SCALAR = 0, ...; csrc/adam/cpu_adam.h).
 SIMD_NAMES = ("scalar", "avx2", "avx512")
 _BEST = -1
-
-GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-OUT16_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _op():
@@ -60,37 +65,11 @@ def _num_threads(num_threads: int | None, what: str = "num_threads") -> int:
     return num_threads
 
 
-# ----------------------------------------------------------------------------- argument checks
-
-
 def _check_tensor(
     t: Any, name: str, dtypes: tuple[torch.dtype, ...], numel: int | None = None, *, contiguous: bool = True
 ) -> None:
     """Raise ValueError unless `t` is a (contiguous) dense CPU tensor of one of `dtypes` (and `numel`)."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.layout != torch.strided:
-        raise ValueError(f"{name} must be a dense tensor, got layout {t.layout}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{name} must be a CPU tensor, got device {t.device}")
-    if t.dtype not in dtypes:
-        allowed = " or ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise ValueError(f"{name} must be {allowed}, got {t.dtype}")
-    if contiguous and not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (call .contiguous() on it)")
-    if numel is not None and t.numel() != numel:
-        raise ValueError(f"{name} has {t.numel()} elements but param has {numel}")
-
-
-def _check_step_number(step: Any) -> None:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"step must be an int >= 1 (the 1-based count of this step), got {step!r}")
-
-
-def _check_grad_scale(grad_scale: Any) -> None:
-    if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)) or not math.isfinite(grad_scale) \
-            or grad_scale <= 0:
-        raise ValueError(f"grad_scale must be a finite number > 0 (1.0 = no scaling), got {grad_scale!r}")
+    check_tensor(t, name, dtypes, numel, contiguous=contiguous, device_type="cpu")
 
 
 # ----------------------------------------------------------------------------- functional step
@@ -151,9 +130,9 @@ def cpu_adam_step(
     _check_tensor(exp_avg_sq, "exp_avg_sq", (torch.float32,), n)
     if out16 is not None:
         _check_tensor(out16, "out16", OUT16_DTYPES, n)
-    _check_step_number(step)
+    check_step_number(step)
     check_adam_hyperparameters(lr, betas, eps, weight_decay)
-    _check_grad_scale(grad_scale)
+    check_grad_scale(grad_scale)
     code = _simd_code(simd)
     threads = _num_threads(num_threads)
     _op().adam_step(
@@ -161,18 +140,7 @@ def cpu_adam_step(
         float(lr), float(betas[0]), float(betas[1]), float(eps), float(weight_decay), float(grad_scale),
         int(step), bool(adamw_mode), bool(bias_correction), code, threads,
     )  # fmt: skip
-    _bump_versions(param, exp_avg, exp_avg_sq, out16)
-
-
-def _bump_versions(*tensors: torch.Tensor | None) -> None:
-    """Tell autograd these tensors were modified in place (the kernel writes through raw pointers),
-    as torch's own in-place optimizer updates do, so stale saved tensors are detected."""
-    bump = getattr(torch.autograd.graph, "increment_version", None)
-    if bump is None:  # pragma: no cover - very old torch
-        return
-    for t in tensors:
-        if t is not None and not t.is_inference():
-            bump(t)
+    bump_versions((param, exp_avg, exp_avg_sq, out16))
 
 
 def stream_pass(
@@ -198,7 +166,7 @@ def stream_pass(
 # ----------------------------------------------------------------------------- optimizer
 
 
-class CPUAdam(torch.optim.Optimizer):
+class CPUAdam(AdamOptimizerBase):
     """Adam/AdamW for float32 CPU parameters, one native pass per parameter per step.
 
     With the default `adamw_mode=True` it computes what `torch.optim.AdamW` computes (to fp32
@@ -234,160 +202,42 @@ class CPUAdam(torch.optim.Optimizer):
         num_threads: int | None = None,
         simd: str | None = None,
     ) -> None:
-        check_adam_hyperparameters(lr, betas, eps, weight_decay)
-        if amsgrad:
-            raise ValueError("amsgrad=True is not supported by CPUAdam; use torch.optim.AdamW(amsgrad=True)")
-        self._simd_code = _simd_code(simd)
-        _num_threads(num_threads)  # validate now, resolve at each step (torch's thread count may change)
         self.num_threads = num_threads
         self.simd = simd
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=bool(adamw_mode),
-                        bias_correction=bool(bias_correction), amsgrad=False)  # fmt: skip
-        super().__init__(params, defaults)
+        super().__init__(params, lr, betas, eps, weight_decay, adamw_mode, bias_correction, amsgrad)
 
-    # -- parameter groups
+    def _check_options(self) -> None:
+        self._simd_code = _simd_code(self.simd)
+        _num_threads(self.num_threads)  # validate now, resolve at each step (torch's thread count may change)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a parameter group after checking its parameters and hyperparameters.
+    def _check_param(self, p: Any, name: str) -> None:
+        if not isinstance(p, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(p).__name__}")
+        if p.device.type != "cpu" or p.dtype != torch.float32:
+            raise ValueError(
+                f"{name} is a {p.dtype} tensor on {p.device}; CPUAdam updates float32 CPU parameters only "
+                f"(keep an fp32 CPU master copy, or use zero.ops.FusedAdam for GPU parameters)"
+            )
+        if not p.is_contiguous():
+            raise ValueError(f"{name} is not contiguous; CPUAdam needs contiguous parameters")
 
-        Args:
-            param_group: {"params": ..., optional per-group hyperparameters}, as for torch optimizers.
-        """
-        index = len(self.param_groups)
-        param_group = dict(param_group)
-        params = param_group.get("params")
-        if isinstance(params, torch.Tensor):
-            param_group["params"] = [params]
-        elif params is not None and not isinstance(params, set):  # torch itself rejects sets
-            param_group["params"] = list(params)
-        merged = {**self.defaults, **param_group}
-        _check_group_hyperparameters(merged, index)
-        for i, p in enumerate(param_group.get("params", [])):
-            _check_param(p, f"param_groups[{index}]['params'][{i}]")
-        super().add_param_group(param_group)
+    def _check_tensor(
+        self, t: Any, name: str, dtypes: tuple[torch.dtype, ...], param: torch.Tensor, *, contiguous: bool = True
+    ) -> None:
+        _check_tensor(t, name, dtypes, param.numel(), contiguous=contiguous)
 
-    # -- state dict
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict saved by CPUAdam, torch.optim.AdamW or torch.optim.Adam.
-
-        Groups saved by torch keep their hyperparameters; `adamw_mode` is taken from torch's
-        `decoupled_weight_decay` when present (AdamW always sets it), else from this optimizer's
-        current group. AMSGrad or maximize states are refused.
-
-        Args:
-            state_dict: as returned by `state_dict()` of one of those optimizers.
-        """
-        for i, group in enumerate(state_dict.get("param_groups", [])):
-            for key in ("amsgrad", "maximize"):
-                if group.get(key):
-                    raise ValueError(f"state_dict param_groups[{i}] has {key}=True, which CPUAdam does not support")
-        previous = [(g["adamw_mode"], g["bias_correction"]) for g in self.param_groups]
-        super().load_state_dict(state_dict)
-        for group, (adamw_mode, bias_correction) in zip(self.param_groups, previous):
-            if "adamw_mode" not in group:
-                group["adamw_mode"] = bool(group.get("decoupled_weight_decay", adamw_mode))
-            group.setdefault("bias_correction", bias_correction)
-            group.setdefault("amsgrad", False)
-
-    # -- step
-
-    @torch.no_grad()
-    def step(
-        self, closure: Callable[[], float] | None = None, *, out16: Sequence[torch.Tensor | None] | None = None
-    ) -> float | None:
-        """Update every parameter that has a gradient.
-
-        Args:
-            closure: optional callable that re-evaluates the model and returns the loss.
-            out16: optional 16-bit copy-out, one entry per parameter in the order
-                `[p for g in param_groups for p in g["params"]]`. An entry is None or a contiguous
-                bfloat16/float16 tensor with the parameter's number of elements; it receives the
-                updated parameter rounded to nearest even (bit-identical to `p.to(dtype)` except for
-                NaN bit patterns), written in the same pass as the update. Parameters without a
-                gradient leave theirs untouched.
-
-        Returns:
-            The closure's loss, or None.
-
-        Raises:
-            ValueError: a parameter, gradient, state tensor, hyperparameter or out16 entry is
-                invalid; checked for every parameter before any is updated.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-
-        work = self._collect(out16)
+    def _update(self, work: list[tuple[dict, list]]) -> None:
         threads = _num_threads(self.num_threads)
         op = _op() if work else None  # built (or found missing) before any state changes
-        for group, p, target in work:
-            state = self.state[p]
-            if len(state) == 0:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            step = int(state["step"].item()) + 1
-            state["step"].fill_(step)
-            grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
-            op.adam_step(
-                p, grad, state["exp_avg"], state["exp_avg_sq"], target,
-                float(group["lr"]), float(group["betas"][0]), float(group["betas"][1]), float(group["eps"]),
-                float(group["weight_decay"]), 1.0, step, bool(group["adamw_mode"]),
-                bool(group["bias_correction"]), self._simd_code, threads,
-            )  # fmt: skip
-            _bump_versions(p, target)
-        return loss
-
-    def _collect(self, out16: Sequence[torch.Tensor | None] | None) -> list[tuple[dict, torch.Tensor, Any]]:
-        """Check everything a step will touch and list (group, param, out16 entry) to update."""
-        all_params = [p for g in self.param_groups for p in g["params"]]
-        if out16 is not None:
-            out16 = list(out16)
-            if len(out16) != len(all_params):
-                raise ValueError(f"out16 has {len(out16)} entries but the optimizer has {len(all_params)} parameters")
-        work, flat = [], 0
-        for gi, group in enumerate(self.param_groups):
-            _check_group_hyperparameters(group, gi)
-            for i, p in enumerate(group["params"]):
-                name = f"param_groups[{gi}]['params'][{i}]"
-                target = out16[flat] if out16 is not None else None
-                flat += 1
-                if p.grad is None:
-                    continue
-                _check_param(p, name)
-                if p.grad.is_sparse:
-                    raise ValueError(f"{name} has a sparse gradient; CPUAdam needs dense gradients")
-                _check_tensor(p.grad, f"{name}.grad", GRAD_DTYPES, p.numel(), contiguous=False)
-                state = self.state.get(p)
-                if state:
-                    for key in ("exp_avg", "exp_avg_sq"):
-                        _check_tensor(state.get(key), f"state of {name}: {key}", (torch.float32,), p.numel())
-                    if not isinstance(state.get("step"), torch.Tensor) or state["step"].numel() != 1:
-                        raise ValueError(f"state of {name}: 'step' must be a scalar tensor, got {state.get('step')!r}")
-                if target is not None:
-                    _check_tensor(target, f"out16[{flat - 1}] (for {name})", OUT16_DTYPES, p.numel())
-                work.append((group, p, target))
-        return work
-
-
-def _check_group_hyperparameters(group: dict[str, Any], index: int) -> None:
-    try:
-        check_adam_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-    except ValueError as exc:
-        raise ValueError(f"param_groups[{index}]: {exc}") from None
-    if group.get("amsgrad"):
-        raise ValueError(f"param_groups[{index}]: amsgrad=True is not supported by CPUAdam")
-
-
-def _check_param(p: Any, name: str) -> None:
-    if not isinstance(p, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(p).__name__}")
-    if p.device.type != "cpu" or p.dtype != torch.float32:
-        raise ValueError(
-            f"{name} is a {p.dtype} tensor on {p.device}; CPUAdam updates float32 CPU parameters only "
-            f"(keep an fp32 CPU master copy, or use zero.ops.FusedAdam for GPU parameters)"
-        )
-    if not p.is_contiguous():
-        raise ValueError(f"{name} is not contiguous; CPUAdam needs contiguous parameters")
+        for group, items in work:
+            for p, target in items:
+                step = self._next_step(p)
+                state = self.state[p]
+                grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+                op.adam_step(
+                    p, grad, state["exp_avg"], state["exp_avg_sq"], target,
+                    float(group["lr"]), float(group["betas"][0]), float(group["betas"][1]), float(group["eps"]),
+                    float(group["weight_decay"]), 1.0, step, bool(group["adamw_mode"]),
+                    bool(group["bias_correction"]), self._simd_code, threads,
+                )  # fmt: skip
+                bump_versions((p, target))
