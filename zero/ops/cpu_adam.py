@@ -15,7 +15,7 @@ this CPU runs and `simd=` forces one (the tests run every level against torch).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch

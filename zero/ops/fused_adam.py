@@ -16,7 +16,7 @@ compiled at first use, so importing this module works on a machine without CUDA.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
