@@ -1,4 +1,4 @@
-"""Specification of zero/config.py: DeepSpeed key names, aliases, defaults, and readable errors."""
+"""Specification of zero/config/: DeepSpeed key names, aliases, defaults, and readable errors."""
 import itertools
 import json
 import sys

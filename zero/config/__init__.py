@@ -1,0 +1,35 @@
+"""Parse and validate a DeepSpeed-style config; the one place in `zero` that knows key names.
+
+    cfg = load_config("ds_config.json", world_size=dist.get_world_size())
+    cfg.zero_optimization.stage, cfg.train_micro_batch_size_per_gpu, cfg.precision, ...
+
+Key names, aliases and defaults follow DeepSpeed (see docs/config.md for the version and for what
+we do not implement). Everything is checked here, before any model or process group is touched:
+
+- a misspelt key is a `ConfigError` naming its full path and the closest valid key;
+- a bad value is a `ConfigError` naming its path and the expected type or range;
+- a DeepSpeed feature we do not implement is a `ConfigError` if enabling it changes the results,
+  and a `ConfigWarning` if it only logs, profiles or tunes (see `UNIMPLEMENTED_FEATURES`).
+
+"auto" values: see [Note: "auto" values] in zero/config/loading.py.
+
+The package, one concern a file: `errors.py` (ConfigError, readable messages from pydantic's),
+`sections.py` (the section models), `model.py` (`ZeroConfig`, the root), `features.py` (what we do
+not implement, `check_supported`), `loading.py` (`load_config`, `resolve_auto`, the batch rule).
+"""
+from zero.config.errors import ConfigError, ConfigWarning
+from zero.config.features import FEATURES, UNIMPLEMENTED_FEATURES, UnimplementedFeature, check_supported
+from zero.config.loading import load_config, resolve_auto
+from zero.config.model import ZeroConfig
+from zero.config.sections import (AUTO, DEEPSPEED_SCHEDULERS, SUPPORTED_OPTIMIZERS, AdamParams, BF16Config,
+                                  CheckpointConfig, DataTypesConfig, FP16Config, LRRangeTestParams,
+                                  OffloadOptimizerConfig, OffloadParamConfig, OneCycleParams, OptimizerConfig,
+                                  ParallelWriteConfig, SchedulerConfig, WarmupCosineLRParams, WarmupDecayLRParams,
+                                  WarmupLRParams, ZeroOptimizationConfig)
+
+__all__ = [
+    "ConfigError", "ConfigWarning", "ZeroConfig", "load_config", "resolve_auto", "check_supported",
+    "FEATURES", "UNIMPLEMENTED_FEATURES", "DEEPSPEED_VERSION",
+]
+
+DEEPSPEED_VERSION = "0.17"  # defaults and key names follow DeepSpeed master of 2025 (>= v0.17)

@@ -1,0 +1,170 @@
+"""Reading a config: `load_config` (file or dict -> validated `ZeroConfig`), "auto" values, batch sizes.
+
+[Note: "auto" values]
+HuggingFace writes "auto" where its Trainer fills a value in. DeepSpeed's own config models drop
+"auto" (the key counts as not given, so its default applies); we do the same for every key, after
+first filling the values the caller supplies (`auto_values=`, as the HF integration does, including
+bucket sizes derived from "hidden_size"). Batch keys left "auto" are simply not given, so the
+batch rule below derives them. A key that is "auto" and has no default is reported as missing.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import pathlib
+from typing import Any, Mapping, Optional, Union
+
+from pydantic import ValidationError
+
+from zero.config.errors import ConfigError, _issues_from, _raise
+from zero.config.features import _check_unimplemented
+from zero.config.model import ZeroConfig
+from zero.config.sections import AUTO
+
+# ---------------------------------------------------------------------------------------------
+# "auto" values (see [Note: "auto" values])
+# ---------------------------------------------------------------------------------------------
+
+_HIDDEN_SIZE_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "prefetch_bucket_size",
+                     "stage3_param_persistence_threshold", "param_persistence_threshold")
+
+
+def resolve_auto(config: Mapping[str, Any], values: Optional[Mapping[str, Any]] = None) -> dict:
+    """Return a copy of `config` with "auto" values filled from `values`, as HF's Trainer does.
+
+    Args:
+        config: a DeepSpeed-style config dict (not modified).
+        values: dotted key path -> value, e.g. {"optimizer.params.lr": 3e-4,
+            "train_micro_batch_size_per_gpu": 8}. The special key "hidden_size" fills
+            zero_optimization.reduce_bucket_size = h*h and, at stage 3,
+            stage3_prefetch_bucket_size = int(0.9*h*h) and stage3_param_persistence_threshold = 10*h.
+
+    Only keys whose value is "auto" are filled; "auto" keys without a supplied value are left as
+    they are (load_config then treats them as not given).
+    """
+    out = copy.deepcopy(dict(config))
+    values = dict(values or {})
+    hidden = values.pop("hidden_size", None)
+
+    def fill(path: str, value: Any) -> None:
+        parts = path.split(".")
+        node = out
+        for part in parts[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+            if not isinstance(node, dict):
+                return
+        if node.get(parts[-1]) == AUTO:
+            node[parts[-1]] = value
+
+    for path, value in values.items():
+        fill(path, value)
+    zero = out.get("zero_optimization")
+    if hidden is not None and isinstance(zero, dict):
+        h = int(hidden)
+        fill("zero_optimization.reduce_bucket_size", h * h)
+        if zero.get("stage") == 3:
+            for prefix in ("stage3_", ""):
+                fill(f"zero_optimization.{prefix}prefetch_bucket_size", int(0.9 * h * h))
+                fill(f"zero_optimization.{prefix}param_persistence_threshold", 10 * h)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Batch sizes
+# ---------------------------------------------------------------------------------------------
+
+def _resolve_batch(cfg: ZeroConfig, world_size: int) -> dict[str, int]:
+    """DeepSpeed's rule: train = micro * accum * world; any two give the third; one alone gives what
+    it can (train -> micro = train/world, accum = 1; micro -> accum = 1)."""
+    train, micro, accum = (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+                           cfg.gradient_accumulation_steps)
+    names = "train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps"
+
+    def exact(what: str, given: str, factor: int) -> int:
+        if train % (factor * world_size) != 0 or train // (factor * world_size) == 0:
+            _raise([((what,), f"cannot be derived: train_batch_size ({train}) must be a positive multiple "
+                     f"of {given} * world_size = {factor} * {world_size} = {factor * world_size}")])
+        return train // (factor * world_size)
+
+    if train is not None and micro is not None and accum is not None:
+        if train != micro * accum * world_size:
+            _raise([(("train_batch_size",), f"train_batch_size must equal train_micro_batch_size_per_gpu"
+                     f" * gradient_accumulation_steps * world_size, but {train} != {micro} * {accum} * "
+                     f"{world_size} = {micro * accum * world_size}")])
+    elif train is not None and micro is not None:
+        accum = exact("gradient_accumulation_steps", "train_micro_batch_size_per_gpu", micro)
+    elif train is not None and accum is not None:
+        micro = exact("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", accum)
+    elif micro is not None and accum is not None:
+        train = micro * accum * world_size
+    elif train is not None:
+        accum = 1
+        micro = exact("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", 1)
+    elif micro is not None:
+        accum, train = 1, micro * world_size
+    else:
+        _raise([(("train_batch_size",), f"batch size not given: set train_batch_size or "
+                 f"train_micro_batch_size_per_gpu (of {names}, any two determine the third)")])
+    return {"train_batch_size": train, "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": accum}
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------------------------
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    seen: dict = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"duplicate key {key!r}")
+        seen[key] = value
+    return seen
+
+
+def _read(config: Union[Mapping[str, Any], str, pathlib.Path]) -> tuple[dict, str]:
+    if isinstance(config, Mapping):
+        return dict(config), ""
+    if isinstance(config, (str, pathlib.Path)):
+        path = pathlib.Path(config)
+        try:
+            text = path.read_text()
+        except OSError as err:
+            raise ConfigError(f"cannot read config file {str(path)!r}: {err.strerror or err}") from None
+        try:
+            data = json.loads(text, object_pairs_hook=_no_duplicates)
+        except ValueError as err:
+            raise ConfigError(f"config file {str(path)!r} is not valid JSON: {err}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a JSON object, got {type(data).__name__}")
+        return data, str(path)
+    raise ConfigError(f"config must be a dict or a path to a JSON file, got {type(config).__name__}")
+
+
+def load_config(config: Union[Mapping[str, Any], str, pathlib.Path], world_size: int = 1, *,
+                auto_values: Optional[Mapping[str, Any]] = None) -> ZeroConfig:
+    """Parse, validate and resolve a DeepSpeed-style config.
+
+    Args:
+        config: a dict, or a path (str or pathlib.Path) to a JSON file.
+        world_size: number of data-parallel ranks, used by the batch-size rule.
+        auto_values: values for "auto" keys, by dotted path (see `resolve_auto`).
+
+    Returns:
+        A frozen `ZeroConfig` whose three batch keys are all set.
+
+    Raises:
+        ConfigError: unknown key, bad value, inconsistent batch sizes, or a DeepSpeed feature that
+            is not implemented and would change results. Warnings (`ConfigWarning`) are issued for
+            accepted keys that have no effect (logging/monitoring, deprecated spellings).
+    """
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
+    data, source = _read(config)
+    data = resolve_auto(data, auto_values)
+    try:
+        cfg = ZeroConfig.model_validate(data)
+    except ValidationError as err:
+        _raise(_issues_from(err, ZeroConfig), source)
+    _check_unimplemented(cfg)
+    return cfg.model_copy(update=_resolve_batch(cfg, world_size))

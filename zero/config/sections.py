@@ -1,0 +1,446 @@
+"""The pydantic models of the config's sections (`fp16`, `optimizer`, `scheduler`, `zero_optimization`...).
+
+Every section is frozen and strict: an unknown key is an error, "auto" on a known key means "not
+given" (see [Note: "auto" values] in zero/config/loading.py). The root model is `ZeroConfig`
+(zero/config/model.py).
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+import pathlib
+import sys
+from typing import Any, Literal, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from zero.config.errors import _fmt, _keys_of, _NestedIssues, _suggest, _validate_nested, _warn
+
+AUTO = "auto"
+
+
+# ---------------------------------------------------------------------------------------------
+# Base section
+# ---------------------------------------------------------------------------------------------
+
+class _Section(BaseModel):
+    """Frozen, strict: unknown keys are errors; "auto" on a known key means "not given"."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True,
+                              validate_default=False, protected_namespaces=())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_auto_and_check_aliases(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        known = _keys_of(cls)
+        out = {k: v for k, v in data.items() if not (isinstance(v, str) and v == AUTO and k in known)}
+        for name, field in cls.model_fields.items():
+            if field.alias and field.alias != name and name in out and field.alias in out:
+                raise ValueError(f"both '{field.alias}' and its alias '{name}' are given; keep one")
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Precision
+# ---------------------------------------------------------------------------------------------
+
+class FP16Config(_Section):
+    """`fp16`: fp16 mixed precision with (dynamic) loss scaling."""
+
+    enabled: bool = Field(False, description="Train with fp16 params/grads and fp32 master weights.")
+    auto_cast: bool = Field(False, description="Cast floating-point inputs of forward to fp16.")
+    loss_scale: float = Field(0.0, ge=0, allow_inf_nan=False,
+                              description="Static loss scale; 0 selects dynamic loss scaling.")
+    initial_scale_power: int = Field(16, ge=0, description="Dynamic scaling starts at 2**power.")
+    loss_scale_window: int = Field(1000, gt=0,
+                                   description="Overflow-free steps before the dynamic scale doubles.")
+    hysteresis: int = Field(2, ge=1, description="Overflows tolerated before the scale is lowered.")
+    consecutive_hysteresis: bool = Field(False, description="Refill hysteresis after a step without overflow.")
+    min_loss_scale: float = Field(1.0, ge=0, description="Lower bound of the dynamic loss scale.")
+    fp16_master_weights_and_grads: bool = Field(False, description="Keep master weights in fp16 (not implemented).")
+
+
+class BF16Config(_Section):
+    """`bf16` (old name `bfloat16`): bf16 mixed precision, no loss scaling."""
+
+    enabled: bool = Field(False, description="Train with bf16 params/grads and fp32 master weights.")
+    immediate_grad_update: bool = Field(False, description="DeepSpeed BF16 optimizer knob; no effect here.")
+    check_grad_overflow: bool = Field(False, description="Check bf16 grads for inf/nan before stepping.")
+    bf16_master_weights_and_grads: bool = Field(False, description="Keep master weights in bf16 (not implemented).")
+    bf16_optimizer_states: bool = Field(False, description="Keep Adam m/v in bf16 (not implemented).")
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer
+# ---------------------------------------------------------------------------------------------
+
+SUPPORTED_OPTIMIZERS = ("Adam", "AdamW")
+_DEEPSPEED_ONLY_OPTIMIZERS = ("adagrad", "lamb", "onebitadam", "zerooneadam", "onebitlamb", "muadam",
+                              "muadamw", "musgd", "lion", "muon")
+
+
+class AdamParams(_Section):
+    """`optimizer.params` for Adam/AdamW (DeepSpeed FusedAdam / DeepSpeedCPUAdam defaults)."""
+
+    lr: float = Field(1e-3, ge=0, allow_inf_nan=False, description="Learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="(beta1, beta2), each in [0, 1).")
+    eps: float = Field(1e-8, ge=0, allow_inf_nan=False, description="Added to the denominator.")
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False,
+                                description="Weight decay; decoupled (AdamW) unless adam_w_mode is false.")
+    bias_correction: bool = Field(True, description="Apply Adam's bias correction to m and v.")
+    adam_w_mode: bool = Field(True, description="Decoupled weight decay (AdamW). DeepSpeed's default is "
+                              "true, so type Adam means AdamW unless this is set to false.")
+    torch_adam: bool = Field(False, description="Use torch.optim.Adam/AdamW instead of our fused kernel.")
+    amsgrad: bool = Field(False, description="Not supported (DeepSpeed's fused Adam rejects it too).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _max_grad_norm(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "max_grad_norm" in data:
+            raise ValueError("'max_grad_norm' is not an optimizer parameter; use the top-level "
+                             "'gradient_clipping' key (as DeepSpeed requires)")
+        return data
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _betas(cls, v: Any) -> Any:
+        ok = (isinstance(v, (list, tuple)) and len(v) == 2
+              and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in v))
+        if not ok:
+            raise ValueError(f"expected a pair [beta1, beta2] with 0 <= beta < 1, got {_fmt(v)}")
+        return tuple(float(b) for b in v)
+
+    @field_validator("amsgrad")
+    @classmethod
+    def _amsgrad(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("amsgrad is not supported; remove it or set it to false")
+        return v
+
+
+class OptimizerConfig(_Section):
+    """`optimizer`: which optimizer the engine builds when the caller passes none."""
+
+    type: str = Field(..., description="Adam or AdamW (case-insensitive).")
+    params: AdamParams = Field(default_factory=AdamParams, description="Constructor arguments.")
+    legacy_fusion: bool = Field(False, description="DeepSpeed legacy fp16 optimizer switch; no effect here.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _misplaced(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key in ("adam_w_mode", "torch_adam", "lr", "betas", "eps", "weight_decay"):
+                if key in data:
+                    raise ValueError(f"'{key}' belongs inside optimizer.params, not optimizer")
+        return data
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _type(cls, v: Any) -> Any:
+        if not isinstance(v, str):
+            return v
+        for name in SUPPORTED_OPTIMIZERS:
+            if v.lower() == name.lower():
+                return name
+        raise ValueError(f"optimizer type {v!r} is not supported; supported types: "
+                         f"{', '.join(SUPPORTED_OPTIMIZERS)} (case-insensitive), or pass your own "
+                         f"torch optimizer to initialize()")
+
+    @property
+    def adamw(self) -> bool:
+        """True when weight decay is decoupled: type AdamW, or Adam with adam_w_mode (DeepSpeed rule)."""
+        return self.type == "AdamW" or self.params.adam_w_mode
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheduler
+# ---------------------------------------------------------------------------------------------
+
+class WarmupLRParams(_Section):
+    """WarmupLR: lr rises from warmup_min_lr to warmup_max_lr over warmup_num_steps, then stays."""
+
+    warmup_min_lr: float = Field(0.0, ge=0, description="Starting learning rate.")
+    warmup_max_lr: Optional[float] = Field(None, ge=0, description="Peak lr; None uses the optimizer's lr.")
+    warmup_num_steps: int = Field(1000, gt=0, description="Steps of warmup.")
+    warmup_type: Literal["log", "linear"] = Field("log", description="Shape of the warmup curve.")
+    last_batch_iteration: int = Field(-1, ge=-1, description="Resume point; -1 starts fresh.")
+
+
+class WarmupDecayLRParams(WarmupLRParams):
+    """WarmupDecayLR: WarmupLR, then linear decay to 0 at total_num_steps."""
+
+    total_num_steps: int = Field(..., gt=0, description="Step at which the lr reaches 0.")
+    warmup_max_lr: float = Field(0.001, ge=0, description="Peak learning rate.")
+
+
+class WarmupCosineLRParams(_Section):
+    """WarmupCosineLR: ratio of the optimizer lr warms up, then follows a cosine to cos_min_ratio."""
+
+    total_num_steps: int = Field(..., gt=0, description="Total steps of the schedule.")
+    warmup_min_ratio: float = Field(0.0, ge=0, le=1, description="Starting ratio of the optimizer lr.")
+    warmup_num_steps: int = Field(1000, gt=0, description="Steps of warmup.")
+    cos_min_ratio: float = Field(0.0001, ge=0, le=1, description="Final ratio of the optimizer lr.")
+    warmup_type: Literal["log", "linear"] = Field("log", description="Shape of the warmup curve.")
+    last_batch_iteration: int = Field(-1, ge=-1, description="Resume point; -1 starts fresh.")
+
+
+class OneCycleParams(_Section):
+    """OneCycle: lr (and momentum) cycle between bounds, then decay."""
+
+    cycle_min_lr: float = Field(..., ge=0, description="Lower lr bound.")
+    cycle_max_lr: float = Field(..., ge=0, description="Upper lr bound.")
+    decay_lr_rate: float = Field(0.0, ge=0, description="Post-cycle lr decay rate.")
+    cycle_first_step_size: int = Field(2000, gt=0, description="Steps in the rising half.")
+    cycle_second_step_size: Optional[int] = Field(None, gt=0, description="Falling half; None = first.")
+    cycle_first_stair_count: int = Field(0, ge=0, description="Stairs in the rising half; 0 = smooth.")
+    cycle_second_stair_count: Optional[int] = Field(None, ge=0, description="None = first stair count.")
+    decay_step_size: int = Field(0, ge=0, description="Interval of post-cycle decay; 0 = no decay.")
+    cycle_momentum: bool = Field(True, description="Cycle beta1 inversely to the lr.")
+    cycle_min_mom: float = Field(0.8, ge=0, lt=1, description="Lower momentum bound.")
+    cycle_max_mom: float = Field(0.9, ge=0, lt=1, description="Upper momentum bound.")
+    decay_mom_rate: float = Field(0.0, ge=0, description="Post-cycle momentum decay rate.")
+    last_batch_iteration: int = Field(-1, ge=-1, description="Resume point; -1 starts fresh.")
+
+
+class LRRangeTestParams(_Section):
+    """LRRangeTest: lr grows from lr_range_test_min_lr to find a usable maximum."""
+
+    lr_range_test_min_lr: float = Field(1e-3, ge=0, description="Starting learning rate.")
+    lr_range_test_step_size: int = Field(2000, gt=0, description="Steps per increase.")
+    lr_range_test_step_rate: float = Field(1.0, ge=0, description="Growth rate.")
+    lr_range_test_staircase: bool = Field(False, description="Grow in stairs instead of smoothly.")
+    last_batch_iteration: int = Field(-1, ge=-1, description="Resume point; -1 starts fresh.")
+
+
+DEEPSPEED_SCHEDULERS: dict[str, type] = {
+    "WarmupLR": WarmupLRParams, "WarmupDecayLR": WarmupDecayLRParams,
+    "WarmupCosineLR": WarmupCosineLRParams, "OneCycle": OneCycleParams, "LRRangeTest": LRRangeTestParams,
+}
+
+
+def _torch_scheduler(name: str) -> Optional[type]:
+    cls = getattr(torch.optim.lr_scheduler, name, None)
+    base = getattr(torch.optim.lr_scheduler, "LRScheduler", None) or torch.optim.lr_scheduler._LRScheduler
+    ok = isinstance(cls, type) and (issubclass(cls, base) or name == "ReduceLROnPlateau")
+    return cls if ok else None
+
+
+def _check_torch_scheduler_params(cls: type, params: dict) -> dict:
+    sig = inspect.signature(cls.__init__)
+    accepted = [p for p in list(sig.parameters.values())[2:]
+                if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]  # skip self, optimizer
+    names = {p.name for p in accepted}
+    issues = []
+    for key in params:
+        if key not in names:
+            issues.append(((key,), f"unknown key '{key}' for torch.optim.lr_scheduler.{cls.__name__}"
+                                   f"{_suggest(key, names)}"))
+    for p in accepted:
+        if p.default is inspect.Parameter.empty and p.name not in params:
+            issues.append(((p.name,), f"required by torch.optim.lr_scheduler.{cls.__name__}"))
+    if issues:
+        raise _NestedIssues(issues)
+    return dict(params)
+
+
+class SchedulerConfig(_Section):
+    """`scheduler`: a DeepSpeed schedule (params validated) or a torch.optim.lr_scheduler class."""
+
+    type: str = Field(..., description="WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest, "
+                      "or the name of a torch.optim.lr_scheduler class (e.g. CosineAnnealingLR).")
+    params: Any = Field(default_factory=dict, description="Arguments of the schedule (per type).")
+
+    @field_validator("type")
+    @classmethod
+    def _type(cls, v: str) -> str:
+        if v in DEEPSPEED_SCHEDULERS or _torch_scheduler(v) is not None:
+            return v
+        names = list(DEEPSPEED_SCHEDULERS) + [n for n in dir(torch.optim.lr_scheduler)
+                                               if _torch_scheduler(n) is not None]
+        close = difflib.get_close_matches(v, names, n=1, cutoff=0.6)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ValueError(f"unknown scheduler type {v!r}{hint} (DeepSpeed schedules: "
+                         f"{', '.join(DEEPSPEED_SCHEDULERS)}; or any torch.optim.lr_scheduler class)")
+
+    @model_validator(mode="after")
+    def _params(self) -> "SchedulerConfig":
+        params = self.params
+        if isinstance(params, BaseModel):
+            return self
+        if not isinstance(params, dict):
+            raise _NestedIssues([(("params",), f"expected a dictionary, got {_fmt(params)}")])
+        try:
+            if self.type in DEEPSPEED_SCHEDULERS:
+                value = _validate_nested(DEEPSPEED_SCHEDULERS[self.type], params)
+            else:
+                value = _check_torch_scheduler_params(
+                    _torch_scheduler(self.type), {k: v for k, v in params.items() if v != AUTO})
+        except _NestedIssues as err:
+            raise _NestedIssues([(("params",) + loc, msg) for loc, msg in err.issues]) from None
+        self.__dict__["params"] = value
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# ZeRO
+# ---------------------------------------------------------------------------------------------
+
+class OffloadOptimizerConfig(_Section):
+    """`zero_optimization.offload_optimizer`: fp32 master weights, Adam state and step on the CPU."""
+
+    device: Literal["none", "cpu", "nvme"] = Field("none", description="Where optimizer state lives.")
+    nvme_path: Optional[pathlib.Path] = Field(None, description="Directory for NVMe offload.")
+    buffer_count: int = Field(4, ge=0, description="NVMe swap buffers.")
+    pin_memory: bool = Field(False, description="Page-locked CPU buffers for faster copies.")
+    pipeline_read: bool = Field(False, description="NVMe: overlap reading the next tile.")
+    pipeline_write: bool = Field(False, description="NVMe: overlap writing the previous tile.")
+    fast_init: bool = Field(False, description="NVMe: fast optimizer initialization.")
+    ratio: float = Field(1.0, ge=0, le=1, description="Fraction of optimizer state offloaded (1 = all).")
+    super_offload: bool = Field(False, description="DeepSpeed SuperOffload (not implemented).")
+
+
+class OffloadParamConfig(_Section):
+    """`zero_optimization.offload_param`: stage-3 parameter shards on the CPU."""
+
+    device: Literal["none", "cpu", "nvme"] = Field("none", description="Where parameter shards live.")
+    nvme_path: Optional[pathlib.Path] = Field(None, description="Directory for NVMe offload.")
+    buffer_count: int = Field(5, ge=0, description="NVMe swap buffers.")
+    buffer_size: int = Field(100_000_000, ge=0, description="NVMe swap buffer size (elements).")
+    max_in_cpu: int = Field(1_000_000_000, ge=0, description="NVMe: elements kept in CPU memory.")
+    pin_memory: bool = Field(False, description="Page-locked CPU buffers for faster copies.")
+
+
+def _stage(v: Any) -> Any:
+    if isinstance(v, int) and not isinstance(v, bool) and not 0 <= v <= 3:
+        raise ValueError(f"expected a ZeRO stage 0, 1, 2 or 3, got {v}")
+    return v
+
+
+class ZeroOptimizationConfig(_Section):
+    """`zero_optimization`: what is partitioned across data-parallel ranks, and how."""
+
+    stage: int = Field(0, description="0: off; 1: optimizer state; 2: + gradients; 3: + parameters.")
+    contiguous_gradients: bool = Field(True, description="Copy grads into one contiguous buffer.")
+    reduce_scatter: bool = Field(True, description="Reduce gradients with reduce-scatter, not all-reduce.")
+    reduce_bucket_size: int = Field(500_000_000, ge=0, description="Elements reduced at a time.")
+    use_multi_rank_bucket_allreduce: bool = Field(True, description="DeepSpeed perf knob; no effect here.")
+    allgather_partitions: bool = Field(True, description="All-gather updated params (vs broadcasts).")
+    allgather_bucket_size: int = Field(500_000_000, ge=0, description="Elements all-gathered at a time.")
+    overlap_comm: Optional[bool] = Field(None, description="Overlap reduction with backward; "
+                                         "default true for stage 3, false otherwise.")
+    load_from_fp32_weights: bool = Field(True, description="Restore fp32 master weights from checkpoints.")
+    elastic_checkpoint: bool = Field(False, description="Legacy elastic checkpoint (stage 1/2).")
+    offload_param: Optional[OffloadParamConfig] = Field(None, description="Stage-3 parameter offload.")
+    offload_optimizer: Optional[OffloadOptimizerConfig] = Field(None, description="Optimizer offload.")
+    sub_group_size: int = Field(1_000_000_000, ge=0, description="Elements per optimizer step tile.")
+    cpu_offload: Optional[bool] = Field(None, description="Deprecated: offload_optimizer.device=cpu.")
+    cpu_offload_param: Optional[bool] = Field(None, description="Deprecated: offload_param.device=cpu.")
+    cpu_offload_use_pin_memory: Optional[bool] = Field(None, description="Deprecated; no effect "
+                                                       "(as in DeepSpeed).")
+    prefetch_bucket_size: int = Field(50_000_000, ge=0, alias="stage3_prefetch_bucket_size",
+                                      description="Stage 3: elements prefetched ahead of use.")
+    param_persistence_threshold: int = Field(100_000, ge=0, alias="stage3_param_persistence_threshold",
+                                             description="Stage 3: params smaller than this stay whole.")
+    model_persistence_threshold: int = Field(sys.maxsize, ge=0, alias="stage3_model_persistence_threshold",
+                                             description="Stage 3: cap on elements kept unpartitioned.")
+    max_live_parameters: int = Field(1_000_000_000, ge=0, alias="stage3_max_live_parameters",
+                                     description="Stage 3: gathered elements kept before releasing.")
+    max_reuse_distance: int = Field(1_000_000_000, ge=0, alias="stage3_max_reuse_distance",
+                                    description="Stage 3: keep a param gathered if reused this soon.")
+    gather_16bit_weights_on_model_save: bool = Field(
+        False, alias="stage3_gather_16bit_weights_on_model_save",
+        description="Stage 3: gather full 16-bit weights when saving the model.")
+    stage3_gather_fp16_weights_on_model_save: Optional[bool] = Field(
+        None, description="Deprecated name of stage3_gather_16bit_weights_on_model_save.")
+    module_granularity_threshold: int = Field(0, ge=0, alias="stage3_module_granularity_threshold",
+                                              description="Stage 3: fetch fine-grained modules as a unit.")
+    use_all_reduce_for_fetch_params: bool = Field(False, alias="stage3_use_all_reduce_for_fetch_params",
+                                                  description="Stage 3: fetch params with all-reduce.")
+    allgather_sequential: bool = Field(False, alias="stage3_allgather_sequential",
+                                       description="Stage 3: gather params one by one, unbucketed.")
+    ignore_unused_parameters: bool = Field(True, description="Allow params that get no gradient.")
+    legacy_stage1: bool = Field(False, description="DeepSpeed's old stage 1 (not implemented).")
+    round_robin_gradients: bool = Field(False, description="Offload perf knob for stage 1/2.")
+    zero_hpz_partition_size: int = Field(1, ge=0, description="ZeRO++ hpZ group size (> 1 not implemented).")
+    zero_quantized_weights: bool = Field(False, description="ZeRO++ qwZ (not implemented).")
+    zero_quantized_nontrainable_weights: bool = Field(False, description="ZeRO++ (not implemented).")
+    zero_quantized_gradients: bool = Field(False, description="ZeRO++ qgZ (not implemented).")
+    zeropp_loco_param: Optional[dict[str, Any]] = Field(None, description="LoCo-ZeRO++ (not implemented).")
+    mics_shard_size: int = Field(-1, description="MiCS shard size; > 0 not implemented.")
+    mics_hierarchical_params_gather: bool = Field(False, description="MiCS (not implemented).")
+    memory_efficient_linear: bool = Field(True, description="Stage 3 memory-efficient linear.")
+    pipeline_loading_checkpoint: bool = Field(False, description="Stage 3 pipeline checkpoint loading.")
+    override_module_apply: bool = Field(True, description="Stage 3: gather params in nn.Module.apply.")
+    log_trace_cache_warnings: bool = Field(False, description="Stage 3 trace-cache logging.")
+    enable_sanity_checks: bool = Field(False, description="Extra internal consistency checks.")
+    zenflow: Optional[dict[str, Any]] = Field(None, description="ZenFlow (not implemented).")
+
+    _check_stage = field_validator("stage")(_stage)
+
+    @model_validator(mode="after")
+    def _resolve(self) -> "ZeroOptimizationConfig":
+        d = self.__dict__
+        if self.overlap_comm is None:  # DeepSpeed: on for stage 3, off otherwise
+            d["overlap_comm"] = self.stage == 3
+        if self.cpu_offload is not None:
+            _warn("zero_optimization.cpu_offload is deprecated; use offload_optimizer.device='cpu'")
+            if self.offload_optimizer is not None and "offload_optimizer" in self.model_fields_set:
+                raise ValueError("give either cpu_offload (deprecated) or offload_optimizer, not both")
+            if self.cpu_offload:
+                d["offload_optimizer"] = OffloadOptimizerConfig(device="cpu")
+        if self.cpu_offload_param is not None:
+            _warn("zero_optimization.cpu_offload_param is deprecated; use offload_param.device='cpu'")
+            if self.offload_param is not None and "offload_param" in self.model_fields_set:
+                raise ValueError("give either cpu_offload_param (deprecated) or offload_param, not both")
+            if self.cpu_offload_param:
+                d["offload_param"] = OffloadParamConfig(device="cpu")
+        if self.cpu_offload_use_pin_memory is not None:
+            _warn("zero_optimization.cpu_offload_use_pin_memory is deprecated and has no effect; "
+                  "set pin_memory in offload_optimizer / offload_param")
+        if self.stage3_gather_fp16_weights_on_model_save is not None:
+            _warn("stage3_gather_fp16_weights_on_model_save is deprecated; use "
+                  "stage3_gather_16bit_weights_on_model_save")
+            if "gather_16bit_weights_on_model_save" in self.model_fields_set:
+                raise ValueError("give either stage3_gather_fp16_weights_on_model_save (deprecated) or "
+                                 "stage3_gather_16bit_weights_on_model_save, not both")
+            d["gather_16bit_weights_on_model_save"] = self.stage3_gather_fp16_weights_on_model_save
+        if self.offload_optimizer is not None and self.offload_optimizer.ratio < 1 and self.stage != 3:
+            raise ValueError("offload_optimizer.ratio < 1 (partial offload) requires stage 3")
+        if self.offload_param is not None and self.offload_param.device != "none" and self.stage != 3:
+            _warn(f"zero_optimization.offload_param has no effect at stage {self.stage}; "
+                  "parameter offload needs stage 3 (as in DeepSpeed)")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Other sections
+# ---------------------------------------------------------------------------------------------
+
+class ParallelWriteConfig(_Section):
+    pipeline_stage: bool = Field(False, description="Pipeline-parallel checkpoint writing.")
+
+
+class CheckpointConfig(_Section):
+    """`checkpoint`: checkpoint tag validation and loading options."""
+
+    tag_validation: Literal["Ignore", "Warn", "Fail"] = Field("Warn", description="Check that all ranks "
+                                                               "save/load the same tag (case-insensitive).")
+    load_universal: bool = Field(False, description="Load a DeepSpeed universal checkpoint (not implemented).")
+    use_node_local_storage: bool = Field(False, description="Each node writes to its own storage.")
+    parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig,
+                                                description="Parallel write options.")
+
+    @field_validator("tag_validation", mode="before")
+    @classmethod
+    def _tag(cls, v: Any) -> Any:
+        return v.capitalize() if isinstance(v, str) else v
+
+
+class DataTypesConfig(_Section):
+    """`data_types`."""
+
+    grad_accum_dtype: Optional[str] = Field(None, description="Gradient accumulation dtype "
+                                            "(only the default, matching the params, is implemented).")
