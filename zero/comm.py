@@ -128,11 +128,11 @@ class Comm:
                 return _SliceAfter(work, output, input, self.rank) if async_op else _SliceAfter(None, output, input, self.rank).wait()
             return _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = "all_gather"):
         """output = concatenation of every rank's `input`, in rank order. `input` may be the
-        rank's own slice of `output` (in place)."""
-        self._count("all_gather", output)
-        with record_function("zero::all_gather"):
+        rank's own slice of `output` (in place). `label` names it in the counts."""
+        self._count(label, output)
+        with record_function(f"zero::{label}"):
             if self.world_size == 1:
                 if input.data_ptr() != output.data_ptr():
                     output.copy_(input)

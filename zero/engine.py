@@ -211,6 +211,18 @@ class Engine(nn.Module):
         with self._timed("forward"):
             return self.module(*args, **kwargs)
 
+    @torch.no_grad()
+    def _sync_buffers(self) -> None:
+        """Average floating-point buffers over ranks (BatchNorm running statistics, say) and take
+        rank 0's integer ones, so every rank holds the same buffers after every step. A running
+        mean's update is linear, so its average over ranks is the running mean of the global batch."""
+        for b in self.module.buffers():
+            if b.is_floating_point():
+                self.comm.all_reduce(b, "sum")
+                b.div_(self.comm.world_size)
+            else:
+                self.comm.broadcast(b, src=0)
+
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of `loss / gradient_accumulation_steps * loss_scale`; gradients flow into the
         partitioned buffers through hooks. Returns the loss it was given."""
@@ -236,6 +248,8 @@ class Engine(nn.Module):
             self.optimizer.reducer.sync_enabled = not self._in_no_sync
         with self._timed("step"):
             updated = self.optimizer.step()
+        if self.comm.world_size > 1 and self.module.training:
+            self._sync_buffers()
         if updated:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()

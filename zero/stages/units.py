@@ -191,7 +191,7 @@ class ParamUnit:
             inflight = _InFlight(work, buffer)
             if tag is not None:
                 inflight.tags = torch.empty(self.world * tag.numel(), dtype=tag.dtype, device=tag.device)
-                inflight.tag_work = self.comm.all_gather(inflight.tags, tag, async_op=True)
+                inflight.tag_work = self.comm.all_gather(inflight.tags, tag, async_op=True, label="unit_tags")
             self._gather = inflight
 
     def finish_gather(self, check_tags, describe) -> None:
@@ -258,7 +258,7 @@ class ParamUnit:
         inflight = _InFlight(work, send, extra={"mine": mine})
         if tag is not None and self.world > 1:
             inflight.tags = torch.empty(self.world * tag.numel(), dtype=tag.dtype, device=tag.device)
-            inflight.tag_work = self.comm.all_gather(inflight.tags, tag, async_op=True)
+            inflight.tag_work = self.comm.all_gather(inflight.tags, tag, async_op=True, label="unit_tags")
         self._reduce = inflight
 
     @property

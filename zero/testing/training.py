@@ -20,8 +20,17 @@ import zero
 from zero.testing.models import GPT, MLP, GPTConfig
 
 
-def build_model(name: str) -> nn.Module:
-    """Small models whose parameter counts do not divide 2, 3 or 4 evenly."""
+# stage-3 settings that make the small test models shard into several units
+STAGE3 = {
+    "mlp": {"stage3_param_persistence_threshold": 20, "stage3_module_granularity_threshold": 300},
+    "gpt": {"stage3_param_persistence_threshold": 20, "stage3_module_granularity_threshold": 2000},
+}
+
+
+def build_model(name) -> nn.Module:
+    """Small models whose parameter counts do not divide 2, 3 or 4 evenly (or `name()` if callable)."""
+    if callable(name):
+        return name()
     if name == "mlp":
         return MLP((13, 31, 17, 5))  # 1068 parameters
     if name == "gpt":
@@ -29,7 +38,9 @@ def build_model(name: str) -> nn.Module:
     raise ValueError(f"unknown model {name!r}")
 
 
-def make_batch(name: str, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(name, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    if callable(name):
+        return name.make_batch(n, g)
     if name == "mlp":
         return torch.randn(n, 13, generator=g), torch.randn(n, 5, generator=g)
     idx = torch.randint(0, 37, (n, 9), generator=g)
@@ -37,9 +48,10 @@ def make_batch(name: str, n: int, g: torch.Generator) -> tuple[torch.Tensor, tor
 
 
 def relative_error(a: nn.Module, b: nn.Module) -> float:
-    """max over parameters of max|a - b| / max|b|."""
-    return max(((pa.float() - pb.float()).abs().max() / pb.float().abs().max().clamp_min(1e-12)).item()
-               for pa, pb in zip(a.parameters(), b.parameters()))
+    """max over parameters of max|a - b| / max|b| (sharded parameters are gathered first)."""
+    with zero.GatheredParameters(list(a.parameters())):
+        return max(((pa.float() - pb.float()).abs().max() / pb.float().abs().max().clamp_min(1e-12)).item()
+                   for pa, pb in zip(a.parameters(), b.parameters()))
 
 
 def train_side_by_side(
@@ -60,7 +72,8 @@ def train_side_by_side(
     """Train with zero and with torch side by side; return errors and engine reports.
 
     Args:
-        model: "mlp" or "gpt".
+        model: "mlp" or "gpt", or a model class/factory whose `make_batch(n, generator)` gives
+            (x, y) and whose forward(x, y) returns the loss.
         stage: ZeRO stage.
         steps: optimizer steps.
         micro_batch: samples per rank per micro-step.
@@ -101,12 +114,14 @@ def train_side_by_side(
                       "params": {"lr": lr, "eps": eps, "weight_decay": weight_decay, "adam_w_mode": adamw}},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, **(extra_config or {})},
     }
+    if stage == 3 and isinstance(model, str):
+        config["zero_optimization"] = {**STAGE3[model], **config["zero_optimization"]}
     if precision != "fp32":
         config[precision] = {"enabled": True}
+    frozen_before = {n: p.detach().clone() for n, p in net.named_parameters() if not p.requires_grad}
     engine, *_ = zero.initialize(model=net, config=config)
     opt_cls = torch.optim.AdamW if adamw else torch.optim.Adam
     ref_opt = opt_cls([p for p in ref.parameters() if p.requires_grad], lr=lr, eps=eps, weight_decay=weight_decay)
-    frozen_before = {n: p.detach().clone() for n, p in net.named_parameters() if not p.requires_grad}
 
     g = torch.Generator().manual_seed(1)
     losses = []
@@ -131,10 +146,13 @@ def train_side_by_side(
             torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
         ref_opt.step()
 
-    frozen_same = all(torch.equal(p, frozen_before[n]) for n, p in net.named_parameters() if not p.requires_grad)
+    with zero.GatheredParameters(list(net.parameters())):
+        frozen_same = all(torch.equal(p.float(), frozen_before[n].float()) for n, p in net.named_parameters()
+                          if not p.requires_grad)
     return {
         "error": relative_error(net, ref),
         "frozen_unchanged": frozen_same,
+        "units": [u.name for u in getattr(engine.optimizer, "units", [])],
         "memory": engine.memory_report(),
         "comm": engine.comm_report(),
         "global_steps": engine.global_steps,
