@@ -182,6 +182,7 @@ class Stage3Optimizer(ShardedAdam):
         # runtime state
         self.live = 0
         self.peak_live = 0
+        self.prefetched = 0  # gathers started ahead of use
         self.traces: dict[str, list[int]] = {"forward": [], "backward": []}
         self._pass: str | None = None
         self._recording: list[int] = []
@@ -264,6 +265,7 @@ class Stage3Optimizer(ShardedAdam):
                 break
             budget += unit.full_numel
             self._start_gather(unit)
+            self.prefetched += 1
 
     # -- gather and release -----------------------------------------------------------------------
 
@@ -336,7 +338,7 @@ class Stage3Optimizer(ShardedAdam):
         unit.users -= 1
         if unit.users > 0 or unit.persistent or unit.state is not UnitState.GATHERED:
             return
-        if self._next_use_distance(unit) <= self.max_reuse and self.live <= self.max_live:
+        if self._next_use_distance(unit) < self.max_reuse and self.live <= self.max_live:
             return  # kept: it is used again soon (see [Note: prefetch and reuse])
         self._release(unit)
 
