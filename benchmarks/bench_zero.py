@@ -1,4 +1,4 @@
-"""Step time and per-rank memory: DDP vs zero stages 0/1/2 vs torch FSDP2, same GPT, same run.
+"""Step time and per-rank memory: DDP vs zero stages 0-3 vs torch FSDP2, same GPT, same run.
 
     python benchmarks/bench_zero.py [--world 2] [--layers 6] [--embd 512] [--steps 6]
 
@@ -86,9 +86,13 @@ def run_one(kind: str, layers: int, embd: int, vocab: int, seq: int, batch: int,
     else:
         import zero
 
-        stage = int(kind[-1])
+        stage = int(kind[4])
+        zc = {"stage": stage, "reduce_bucket_size": 5_000_000, "overlap_comm": stage >= 2}
+        if stage == 3:  # one unit per transformer block, like FSDP2's fully_shard per block
+            zc.update(stage3_module_granularity_threshold=1_000_000, stage3_param_persistence_threshold=0,
+                      stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0 if kind.endswith("noprefetch") else 50_000_000)
         config = {"train_micro_batch_size_per_gpu": batch, "optimizer": {"type": "AdamW", "params": {"lr": lr}},
-                  "zero_optimization": {"stage": stage, "reduce_bucket_size": 5_000_000, "overlap_comm": stage == 2}}
+                  "zero_optimization": zc}
         engine, *_ = zero.initialize(model=model, config=config)
 
         def step(x, y):
@@ -121,7 +125,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--only", nargs="*", default=["ddp", "zero0", "zero1", "zero2", "fsdp2"])
+    parser.add_argument("--only", nargs="*", default=["ddp", "zero0", "zero1", "zero2", "zero3", "zero3_noprefetch", "fsdp2"])
     args = parser.parse_args()
 
     rows = {}
@@ -141,20 +145,22 @@ def main() -> None:
 
     n = args.world
     formula = {"zero0": 16 * psi, "zero1": 4 * psi + 12 * psi / n, "zero2": 2 * psi + 14 * psi / n} if psi else {}
-    fp32_formula = {"zero0": 16 * psi, "zero1": 8 * psi + 8 * psi / n, "zero2": 4 * psi + 12 * psi / n} if psi else {}
+    fp32_formula = {"zero0": 16 * psi, "zero1": 8 * psi + 8 * psi / n, "zero2": 4 * psi + 12 * psi / n,
+                    "zero3": 16 * psi / n, "zero3_noprefetch": 16 * psi / n} if psi else {}
     base = rows.get("ddp")
     print(f"\nGPT {args.layers}x{args.embd}, {psi:,} params, {n} gloo ranks x 1 thread, "
           f"batch {args.batch}x{args.seq} tokens per rank, fp32, torch {torch.__version__}\n")
-    print(f"{'config':<8} {'step ms':>9} {'vs DDP':>7} {'model states MB':>16} {'fp32 formula MB':>16} {'peak RSS MB':>12}")
+    print(f"{'config':<17} {'step ms':>9} {'vs DDP':>7} {'model states MB':>16} {'fp32 formula MB':>16} {'peak RSS MB':>12}")
     for kind, row in rows.items():
         if isinstance(row, str):
-            print(f"{kind:<8} {row}")
+            print(f"{kind:<17} {row}")
             continue
         t, states, rss = row
         ratio = f"{t / base[0]:.2f}x" if isinstance(base, tuple) else "-"
         f = f"{fp32_formula[kind] / 2**20:.1f}" if kind in fp32_formula else "-"
-        print(f"{kind:<8} {t * 1e3:>9.1f} {ratio:>7} {states / 2**20:>16.1f} {f:>16} {rss / 2**20:>12.1f}")
-    print("\nfp32 formula: stage 0: 16 Psi; 1: 8 Psi + 8 Psi/N; 2: 4 Psi + 12 Psi/N (fp32 params double as the master).")
+        print(f"{kind:<17} {t * 1e3:>9.1f} {ratio:>7} {states / 2**20:>16.1f} {f:>16} {rss / 2**20:>12.1f}")
+    print("\nfp32 formula: stage 0: 16 Psi; 1: 8 Psi + 8 Psi/N; 2: 4 Psi + 12 Psi/N; 3: 16 Psi/N (fp32 params double as the master;")
+    print("stage 3 also keeps small persistent params whole). FSDP2 and zero3 reshard after forward; zero3 prefetches.")
     if formula:
         print("(mixed precision, as in the ZeRO paper, would be stage 1: 4 Psi + 12 Psi/N, stage 2: 2 Psi + 14 Psi/N.)")
 
