@@ -1,6 +1,7 @@
 """Train a small GPT with ZeRO stage 2 across ranks: the main demo of `zero`.
 
     torchrun --nproc_per_node 2 examples/train_zero2.py [--steps 200] [--stage 2] [--bf16]
+    torchrun --nproc_per_node 2 examples/train_zero2.py --stage 3   # parameters sharded too
 
 Works the same on one process (`python examples/train_zero2.py`), on CPUs (gloo) and on GPUs
 (NCCL). The text is sums like '12+7=19;' generated in-process, so nothing is downloaded; the
@@ -23,7 +24,7 @@ from zero.testing.models import GPT, CharDataset, GPTConfig, arithmetic_corpus
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--stage", type=int, default=2, choices=[0, 1, 2])
+    parser.add_argument("--stage", type=int, default=2, choices=[0, 1, 2, 3])
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--bf16", action="store_true")
@@ -35,18 +36,21 @@ def main() -> None:
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
         "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": args.steps, "warmup_num_steps": 20}},
-        "zero_optimization": {"stage": args.stage, "reduce_bucket_size": 50_000, "overlap_comm": True},
+        "zero_optimization": {"stage": args.stage, "reduce_bucket_size": 50_000, "overlap_comm": True,
+                              # stage 3: one unit per transformer block, LayerNorm params kept whole
+                              "stage3_module_granularity_threshold": 20_000, "stage3_param_persistence_threshold": 1_000},
         "bf16": {"enabled": args.bf16},
         "dataloader_drop_last": True,
     }
     torch.manual_seed(0)
     data = CharDataset(arithmetic_corpus(400_000), block_size=32)
     model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=32, n_layer=2, n_head=4, n_embd=64))
+    n_params = sum(p.numel() for p in model.parameters())  # before stage 3 shards them
     engine, _, loader, _ = zero.initialize(model=model, config=config, training_data=data)
     rank = engine.comm.rank
     if rank == 0:
         print(f"ZeRO stage {args.stage} on {engine.world_size} rank(s), {engine.device}; GPT with "
-              f"{sum(p.numel() for p in model.parameters()):,} parameters; uniform-guess loss {math.log(data.vocab_size):.3f}")
+              f"{n_params:,} parameters; uniform-guess loss {math.log(data.vocab_size):.3f}")
 
     start, epoch = time.perf_counter(), 0
     batches = iter(loader)
