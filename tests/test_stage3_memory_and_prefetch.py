@@ -109,3 +109,13 @@ def test_a_changed_order_is_re_recorded_not_abandoned(dist_run):
     for traces in dist_run(2, order_change_is_re_recorded):
         assert traces[0] == traces[1] == [0, 1, 2]
         assert traces[2] == traces[3] == [0, 2, 1]
+
+
+def test_model_persistence_threshold_caps_the_persistent_elements():
+    from zero.stages.stage3 import plan_units
+
+    model = build_model("gpt")
+    _, everything = plan_units(model, persistence_threshold=100, unit_threshold=2000)
+    _, capped = plan_units(model, persistence_threshold=100, unit_threshold=2000, persistence_budget=50)
+    assert sum(p.numel() for p in everything) == 14 * 18
+    assert sum(p.numel() for p in capped) <= 50 and len(capped) == 2  # smallest first, within the budget

@@ -7,13 +7,14 @@
         engine.step()
 
 The engine delegates: gradients and partitioning live in zero/stages, collectives in zero/comm.py,
-config keys in zero/config.py. It owns the training-loop bookkeeping DeepSpeed users rely on:
+config keys in zero/config/. It owns the training-loop bookkeeping DeepSpeed users rely on:
 micro-steps and the accumulation boundary, the loss scale, the global step count.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -39,6 +40,8 @@ _NO_EFFECT = {
     ("zero_optimization", "contiguous_gradients", False): "gradients are always reduced from contiguous buckets",
     ("zero_optimization", "allgather_partitions", False): "updated shards are always all-gathered",
     ("zero_optimization", "round_robin_gradients", True): "gradient shards are already contiguous per bucket",
+    ("zero_optimization", "use_all_reduce_for_fetch_params", True): "stage 3 always fetches with one all-gather per unit",
+    ("zero_optimization", "allgather_sequential", True): "stage 3 always fetches a unit with one all-gather",
 }
 
 
@@ -148,6 +151,7 @@ class Engine(nn.Module):
                 module, groups, comm_dtype=config.communication_dtype,
                 accumulation_steps=config.gradient_accumulation_steps,
                 persistence_threshold=zc.param_persistence_threshold,
+                persistence_budget=zc.model_persistence_threshold if zc.model_persistence_threshold < sys.maxsize else None,
                 unit_threshold=zc.module_granularity_threshold or DEFAULT_UNIT_ELEMENTS,
                 prefetch_elements=zc.prefetch_bucket_size, max_live_elements=zc.max_live_parameters,
                 max_reuse_distance=zc.max_reuse_distance, overlap_comm=zc.overlap_comm, device=self.device, **common)

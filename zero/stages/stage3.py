@@ -72,7 +72,8 @@ def _in_subtree(path: str, root: str) -> bool:
     return root == "" or path == root or path.startswith(root + ".")
 
 
-def plan_units(module: nn.Module, persistence_threshold: int, unit_threshold: int) -> tuple[list[tuple[str, list[nn.Parameter]]], list[nn.Parameter]]:
+def plan_units(module: nn.Module, persistence_threshold: int, unit_threshold: int,
+               persistence_budget: int | None = None) -> tuple[list[tuple[str, list[nn.Parameter]]], list[nn.Parameter]]:
     """Decide which parameters form which unit.
 
     A parameter belongs to the deepest module that contains every module holding it (a tied
@@ -81,6 +82,7 @@ def plan_units(module: nn.Module, persistence_threshold: int, unit_threshold: in
     module tree bottom-up, a module becomes a unit when the unclaimed parameters of its subtree
     reach `unit_threshold` elements, or when it is marked with `zero.set_z3_leaf_modules`; the
     root takes whatever is left. ModuleList/ModuleDict are skipped: they are never called.
+    `persistence_budget` caps the total elements kept persistent (smallest parameters first).
 
     Returns:
         ([(module path, params)] in module order, persistent params)
@@ -92,8 +94,13 @@ def plan_units(module: nn.Module, persistence_threshold: int, unit_threshold: in
                 holders.setdefault(p, []).append(path)
     owner = {p: _owner(paths) for p, paths in holders.items()}
     size = {p: p._zero.numel if getattr(p, "_zero", None) is not None else p.numel() for p in holders}
-    persistent = [p for p in holders if size[p] <= persistence_threshold]
-    unclaimed = {p for p in holders if size[p] > persistence_threshold}
+    persistent, kept = [], 0
+    for p in sorted((p for p in holders if size[p] <= persistence_threshold), key=size.__getitem__):
+        if persistence_budget is not None and kept + size[p] > persistence_budget:
+            break
+        persistent.append(p)
+        kept += size[p]
+    unclaimed = set(holders) - set(persistent)
     modules = dict(module.named_modules())
     order = {path: i for i, path in enumerate(modules)}
     rank_of = {p: i for i, p in enumerate(holders)}
@@ -141,6 +148,7 @@ class Stage3Optimizer(ShardedAdam):
         comm_dtype: dtype of gradient reduction.
         accumulation_steps: micro-batches per step (fp32 gradient shards when > 1).
         persistence_threshold: parameters this small stay whole on every rank.
+        persistence_budget: at most this many elements stay whole in total (None: no cap).
         unit_threshold: elements that make a module a unit (see plan_units).
         prefetch_elements, max_live_elements, max_reuse_distance: see [Note: prefetch and reuse].
         overlap_comm: reduce-scatter asynchronously while backward goes on.
@@ -148,6 +156,7 @@ class Stage3Optimizer(ShardedAdam):
 
     def __init__(self, module: nn.Module, param_groups: list[dict[str, Any]], *, comm: Comm, dtype: torch.dtype,
                  comm_dtype: torch.dtype, accumulation_steps: int, persistence_threshold: int, unit_threshold: int,
+                 persistence_budget: int | None,
                  prefetch_elements: int, max_live_elements: int, max_reuse_distance: int, overlap_comm: bool,
                  device: torch.device, gradient_clipping: float = 0.0, loss_scaler: LossScaler | None = None,
                  check_overflow: bool = False, predivide: float = 1.0):
@@ -166,7 +175,7 @@ class Stage3Optimizer(ShardedAdam):
             master = shard_module_params(module, comm, dtype, names)
         grad_dtype = torch.float32 if accumulation_steps > 1 or dtype == torch.float32 else comm_dtype
 
-        planned, persistent = plan_units(module, persistence_threshold, unit_threshold)
+        planned, persistent = plan_units(module, persistence_threshold, unit_threshold, persistence_budget)
         modules = dict(module.named_modules())
         self.units: list[ParamUnit] = []
         self.unit_module: list[nn.Module | None] = []
