@@ -220,3 +220,25 @@ def train_batchnorm():
 def test_batchnorm_running_stats_stay_in_sync_across_ranks(dist_run):
     for in_sync, tracked in dist_run(3, train_batchnorm):
         assert in_sync and tracked == 3
+
+
+def generate_greedily(steps: int = 6):
+    torch.manual_seed(0)
+    net = GPT(GPTConfig(vocab_size=37, block_size=16, n_layer=2, n_head=2, n_embd=18))
+    ref = copy.deepcopy(net)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 20, "stage3_module_granularity_threshold": 2000}}
+    engine, *_ = zero.initialize(model=net, config=cfg)
+    engine.eval()
+    tokens = ref_tokens = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        for _ in range(steps):  # every rank runs the same number of forwards
+            tokens = torch.cat([tokens, engine(tokens)[:, -1:].argmax(-1)], dim=1)
+            ref_tokens = torch.cat([ref_tokens, ref(ref_tokens)[:, -1:].argmax(-1)], dim=1)
+    opt = engine.optimizer
+    return torch.equal(tokens, ref_tokens), opt.live == 0
+
+
+def test_generation_under_no_grad_matches_and_releases_everything(dist_run):
+    for same, released in dist_run(2, generate_greedily):
+        assert same and released
