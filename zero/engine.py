@@ -26,11 +26,12 @@ import torch.nn as nn
 
 from zero.comm import Comm
 from zero.config import ConfigWarning, ZeroConfig, check_supported, load_config
+from zero.offload import OffloadOptions, cpu_adam_threads
 from zero.precision import LossScaler
 from zero.stages.optimizer import ZeroOptimizer
 from zero.stages.stage3 import Stage3Optimizer
 
-IMPLEMENTED = {"stage1", "stage2", "stage3"}
+IMPLEMENTED = {"stage1", "stage2", "stage3", "offload_optimizer", "offload_param"}
 DEFAULT_UNIT_ELEMENTS = 1_000_000  # a module with this many (unclaimed) parameter elements becomes a stage-3 unit
 
 # [Note: knobs without effect]
@@ -144,8 +145,13 @@ class Engine(nn.Module):
         else:
             scaler = LossScaler.disabled()
         predivide = float(self.comm.world_size) if config.prescale_gradients else config.gradient_predivide_factor
+        offload = None
+        if zc.offload_optimizer is not None and zc.offload_optimizer.device == "cpu":
+            offload = OffloadOptions(pin_memory=zc.offload_optimizer.pin_memory,
+                                     tile_elements=max(1, min(zc.sub_group_size, 1 << 22)), num_threads=cpu_adam_threads())
         common = dict(comm=self.comm, dtype=config.dtype, gradient_clipping=config.gradient_clipping, loss_scaler=scaler,
-                      check_overflow=config.fp16.enabled or config.bf16.check_grad_overflow, predivide=predivide)
+                      check_overflow=config.fp16.enabled or config.bf16.check_grad_overflow, predivide=predivide,
+                      offload=offload)
         if zc.stage == 3:  # shards are cut from the fp32 values first, then the module is cast
             self.optimizer = Stage3Optimizer(
                 module, groups, comm_dtype=config.communication_dtype,
@@ -154,7 +160,9 @@ class Engine(nn.Module):
                 persistence_budget=zc.model_persistence_threshold if zc.model_persistence_threshold < sys.maxsize else None,
                 unit_threshold=zc.module_granularity_threshold or DEFAULT_UNIT_ELEMENTS,
                 prefetch_elements=zc.prefetch_bucket_size, max_live_elements=zc.max_live_parameters,
-                max_reuse_distance=zc.max_reuse_distance, overlap_comm=zc.overlap_comm, device=self.device, **common)
+                max_reuse_distance=zc.max_reuse_distance, overlap_comm=zc.overlap_comm, device=self.device,
+                offload_param=zc.offload_param is not None and zc.offload_param.device == "cpu",
+                pin_memory=zc.offload_param is not None and zc.offload_param.pin_memory, **common)
             if config.precision != "fp32":
                 module.to(config.dtype)
         else:
@@ -166,6 +174,7 @@ class Engine(nn.Module):
                 bucket_size=max(1, min(zc.reduce_bucket_size, zc.allgather_bucket_size)),
                 comm_dtype=config.communication_dtype, accumulation_steps=config.gradient_accumulation_steps,
                 overlap_comm=zc.overlap_comm, reduce_scatter=zc.reduce_scatter, **common)
+        self.optimizer.at_boundary = config.gradient_accumulation_steps == 1
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.micro_steps = 0
         self.global_steps = 0
@@ -245,6 +254,7 @@ class Engine(nn.Module):
         """Call after every micro-batch's backward; updates weights only at the boundary."""
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
+        self.optimizer.at_boundary = self.is_gradient_accumulation_boundary()  # for the next backward
         self.global_samples += self.config.train_micro_batch_size_per_gpu * self.comm.world_size
         if not boundary:
             return

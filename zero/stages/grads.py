@@ -56,6 +56,8 @@ class GradReducer:
             (DeepSpeed's `reduce_scatter: false`; twice the traffic, same numbers).
         predivide: divide gradients by this before the reduction (DeepSpeed's
             `gradient_predivide_factor`, or the world size with `prescale_gradients`).
+        on_final: called with a bucket's gradient shard after each reduction into it (the
+            optimizer starts an offload copy when that is the step's last).
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class GradReducer:
         overlap_comm: bool = False,
         reduce_scatter: bool = True,
         predivide: float = 1.0,
+        on_final=None,
     ):
         self.params = list(params)
         self.layout = layout
@@ -78,6 +81,7 @@ class GradReducer:
         self.overlap = overlap_comm and stage == 2
         self.use_reduce_scatter = reduce_scatter
         self.predivide = predivide
+        self.on_final = on_final  # called with a gradient shard once it is final for the step
         self.rank = comm.rank if layout.partitions > 1 else 0
         device = params[0].device if params else torch.device("cpu")
         grad_dtype = torch.float32 if accumulate_fp32 else comm_dtype
@@ -172,6 +176,8 @@ class GradReducer:
                 bucket = self.layout.buckets[b]
                 lo, hi = self._own(bucket)
                 self.shards[b].add_(staging[lo - bucket.start : hi - bucket.start])
+            if self.on_final is not None:
+                self.on_final(self.shards[b])
             self._pool.append(staging)
         self._inflight.clear()
 
@@ -212,6 +218,8 @@ class GradReducer:
             if buf is not full:
                 lo, hi = self._own(bucket)
                 full[lo - bucket.start : hi - bucket.start].copy_(buf[lo - bucket.start : hi - bucket.start])
+            if self.on_final is not None:
+                self.on_final(self.shards[bucket.index])
 
     def zero(self) -> None:
         """Forget all gradients (after a step, or a skipped step)."""

@@ -31,6 +31,7 @@ import torch
 from torch.autograd.profiler import record_function
 
 from zero.comm import Comm
+from zero.offload import HostAdam, OffloadOptions
 from zero.partition.layout import ShardLayout
 from zero.precision import LossScaler
 from zero.stages.grads import GradReducer
@@ -54,11 +55,17 @@ class ShardedAdam(torch.optim.Optimizer):
         loss_scaler: fp16 loss scaling (default: none).
         check_overflow: skip steps whose gradients hold inf/NaN (always on with fp16).
         predivide: gradients were divided by this before the reduction.
+        offload: keep fp32 master and Adam states in host memory and update them there (see
+            [Note: offload data path] in zero/offload.py); None keeps them with the model.
     """
 
     def __init__(self, param_groups, *, comm: Comm, dtype: torch.dtype, gradient_clipping: float = 0.0,
-                 loss_scaler: LossScaler | None = None, check_overflow: bool = False, predivide: float = 1.0):
+                 loss_scaler: LossScaler | None = None, check_overflow: bool = False, predivide: float = 1.0,
+                 offload: OffloadOptions | None = None):
         super().__init__(param_groups, dict(ADAM_DEFAULTS))
+        self.offload = offload
+        self._host: HostAdam | None = None
+        self.at_boundary = True  # the engine says whether the coming backward ends an accumulation
         self.comm = comm
         self.dtype = dtype
         self.gradient_clipping = gradient_clipping
@@ -70,6 +77,66 @@ class ShardedAdam(torch.optim.Optimizer):
         self.step_count = 0
         self.global_grad_norm: float | None = None
         self._warned_fallback = False
+
+    # -- where optimizer state lives -------------------------------------------------------------
+
+    def state_device(self, compute_device: torch.device) -> torch.device:
+        """Where fp32 master and Adam moments live: the host when offloaded, else with the model."""
+        return torch.device("cpu") if self.offload is not None else compute_device
+
+    def new_state(self, like: torch.Tensor, compute_device: torch.device, values: torch.Tensor | None = None) -> torch.Tensor:
+        """An fp32 optimizer-state tensor shaped like `like` (zeros, or a copy of `values`)."""
+        t = torch.zeros(like.shape, dtype=torch.float32, device=self.state_device(compute_device))
+        if self.offload is not None and self.offload.pin_memory and torch.cuda.is_available():
+            t = t.pin_memory()
+        if values is not None:
+            t.copy_(values)
+        return t
+
+    def grad_final(self, grad: torch.Tensor) -> None:
+        """Reducers call this when a gradient shard holds its final value for the step; with
+        offload its copy to the host starts now, overlapping the rest of backward."""
+        if self.offload is not None and self.at_boundary:
+            self._host_adam().grad_ready(grad)
+
+    def _host_adam(self) -> HostAdam:
+        if self._host is None:
+            self._host = HostAdam(self.slots(), self.offload)
+        return self._host
+
+    def out16_on_host(self) -> list[bool]:
+        """Per slot: does its 16-bit output live in host memory (stage 3 with offload_param)?"""
+        return [False] * len(self.slots())
+
+    # -- this rank's optimizer state, wherever it lives -------------------------------------------
+
+    def shard_state(self) -> list[dict[str, Any]]:
+        """This rank's optimizer state, slot by slot, as host fp32 tensors: {"group", "master",
+        "exp_avg", "exp_avg_sq"} plus the step count. The layout is the same whether the state lives
+        on the device or (offloaded) on the host, so the state moves between the two."""
+        return [{"group": g, "step": self.step_count, "master": m.detach().to("cpu", copy=True),
+                 "exp_avg": ea.detach().to("cpu", copy=True), "exp_avg_sq": eas.detach().to("cpu", copy=True)}
+                for g, m, _, ea, eas, _ in self.slots()]
+
+    @torch.no_grad()
+    def load_shard_state(self, state: list[dict[str, Any]]) -> None:
+        """Load what `shard_state` returned (from this or an offloaded/non-offloaded twin) and
+        refresh the model's 16-bit parameters from the loaded master."""
+        slots = self.slots()
+        if len(state) != len(slots):
+            raise ValueError(f"shard state has {len(state)} slots, this optimizer has {len(slots)}")
+        for i, ((g, master, _, ea, eas, out16), saved) in enumerate(zip(slots, state)):
+            if saved["group"] != g or saved["master"].shape != master.shape:
+                raise ValueError(f"shard state slot {i}: group {saved['group']} / shape {tuple(saved['master'].shape)} "
+                                 f"does not match group {g} / shape {tuple(master.shape)}")
+        for (g, master, _, ea, eas, out16), saved in zip(slots, state):
+            master.copy_(saved["master"])
+            ea.copy_(saved["exp_avg"])
+            eas.copy_(saved["exp_avg_sq"])
+            if out16 is not None:
+                out16.copy_(master)
+        self.step_count = state[0]["step"] if state else 0
+        self.publish()
 
     # -- what subclasses provide --------------------------------------------------------------
 
@@ -126,16 +193,32 @@ class ShardedAdam(torch.optim.Optimizer):
             clip_coef = min(1.0, self.gradient_clipping / (norm + 1e-6))
 
         self.step_count += 1
+        grad_scale = divisor / clip_coef
         with record_function("zero::adam"):
-            for group_index, master, grad, exp_avg, exp_avg_sq, out16 in slots:
-                self._adam(self.param_groups[group_index], master, grad, exp_avg, exp_avg_sq, divisor / clip_coef, out16)
+            if self.offload is not None:
+                threads = self.offload.num_threads
+                self._host_adam().step(
+                    slots, lambda g, *tensors: self._adam(self.param_groups[g], *tensors[:4], grad_scale, tensors[4], threads),
+                    self.out16_on_host())
+            else:
+                for group_index, master, grad, exp_avg, exp_avg_sq, out16 in slots:
+                    self._adam(self.param_groups[group_index], master, grad, exp_avg, exp_avg_sq, grad_scale, out16)
         with record_function("zero::publish_params"):
             self.publish()
         self.loss_scaler.update(overflow=False)
         self.zero_grad()
         return True
 
-    def _adam(self, group, master, grad, exp_avg, exp_avg_sq, grad_scale: float, out16) -> None:
+    def _adam(self, group, master, grad, exp_avg, exp_avg_sq, grad_scale: float, out16, num_threads=None) -> None:
+        if out16 is not None and out16.dtype == torch.float32:  # fp32 model copy kept apart from the master
+            self._adam(group, master, grad, exp_avg, exp_avg_sq, grad_scale, None, num_threads)
+            out16.copy_(master)
+            return
+        if out16 is not None and out16.device != master.device:  # e.g. device master, host shard
+            staged = torch.empty_like(out16, device=master.device)
+            self._adam(group, master, grad, exp_avg, exp_avg_sq, grad_scale, staged, num_threads)
+            out16.copy_(staged)
+            return
         kwargs = dict(step=self.step_count, lr=float(group["lr"]), betas=tuple(group["betas"]), eps=group["eps"],
                       weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
                       bias_correction=group["bias_correction"], grad_scale=grad_scale)
@@ -147,7 +230,7 @@ class ShardedAdam(torch.optim.Optimizer):
             else:
                 from zero.ops.cpu_adam import cpu_adam_step
 
-                cpu_adam_step(master, grad, exp_avg, exp_avg_sq, out16=out16, **kwargs)
+                cpu_adam_step(master, grad, exp_avg, exp_avg_sq, out16=out16, num_threads=num_threads, **kwargs)
             return
         except ImportError as exc:
             reason = exc
@@ -192,9 +275,10 @@ class ZeroOptimizer(ShardedAdam):
         overlap_comm: bool = False,
         reduce_scatter: bool = True,
         predivide: float = 1.0,
+        offload: OffloadOptions | None = None,
     ):
         super().__init__(param_groups, comm=comm, dtype=dtype, gradient_clipping=gradient_clipping,
-                         loss_scaler=loss_scaler, check_overflow=check_overflow, predivide=predivide)
+                         loss_scaler=loss_scaler, check_overflow=check_overflow, predivide=predivide, offload=offload)
         self.stage = stage
         groups = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         partitions = 1 if stage == 0 else comm.world_size
@@ -212,10 +296,10 @@ class ZeroOptimizer(ShardedAdam):
             self.master, self.exp_avg, self.exp_avg_sq = [], [], []
             for bucket in self.layout.buckets:
                 lo, hi = self._own(bucket)
-                if dtype == torch.float32:
-                    master = self.flat[lo:hi]
+                if dtype == torch.float32 and offload is None:
+                    master = self.flat[lo:hi]  # fp32 training: the parameters are their own master
                 else:
-                    master = self.flat[lo:hi].float()
+                    master = self.new_state(self.flat[lo:hi], device, self.flat[lo:hi])
                     for i in bucket.params:  # overwrite with the exact fp32 originals where known
                         src = master_values.get(self.params[i])
                         a, b = max(lo, self.layout.offsets[i]), min(hi, self.layout.offsets[i] + self.layout.numels[i])
@@ -223,8 +307,8 @@ class ZeroOptimizer(ShardedAdam):
                             start = self.layout.offsets[i]
                             master[a - lo : b - lo].copy_(src.reshape(-1)[a - start : b - start])
                 self.master.append(master)
-                self.exp_avg.append(torch.zeros_like(master, dtype=torch.float32))
-                self.exp_avg_sq.append(torch.zeros_like(master, dtype=torch.float32))
+                self.exp_avg.append(self.new_state(master, device))
+                self.exp_avg_sq.append(self.new_state(master, device))
 
         self.reducer = GradReducer(
             self.params,
@@ -236,6 +320,7 @@ class ZeroOptimizer(ShardedAdam):
             overlap_comm=overlap_comm,
             reduce_scatter=reduce_scatter,
             predivide=predivide,
+            on_final=self.grad_final,
         )
 
     def _own(self, bucket) -> tuple[int, int]:
@@ -246,7 +331,8 @@ class ZeroOptimizer(ShardedAdam):
         for bucket in self.layout.buckets:
             b = bucket.index
             lo, hi = self._own(bucket)
-            out16 = None if self.dtype == torch.float32 else self.flat[lo:hi]
+            aliased = self.master[b].data_ptr() == self.flat[lo:hi].data_ptr()
+            out16 = None if aliased else self.flat[lo:hi]
             out.append((bucket.group, self.master[b], self.reducer.shards[b], self.exp_avg[b], self.exp_avg_sq[b], out16))
         return out
 
@@ -273,17 +359,29 @@ class ZeroOptimizer(ShardedAdam):
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds for model states, by kind."""
-        return {
+        aliased = self.dtype == torch.float32 and self.offload is None
+        report = {
             "params": nbytes([self.flat]),
             "grads": self.reducer.grad_bytes(),
-            "fp32_master": 0 if self.dtype == torch.float32 else nbytes(self.master),
+            "fp32_master": 0 if aliased else nbytes(self.master),
             "optimizer_states": nbytes(self.exp_avg) + nbytes(self.exp_avg_sq),
             "comm_buffers": getattr(self.reducer, "peak_staging_bytes", 0),
         }
+        return split_by_place(report, host_kinds={"fp32_master", "optimizer_states"} if self.offload else set(),
+                              host_extra=self._host.host_bytes() if self._host is not None else 0)
 
 
 def nbytes(ts: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
+
+
+def split_by_place(report: dict[str, int], host_kinds: set[str], host_extra: int = 0) -> dict[str, int]:
+    """Add `device_bytes` and `host_bytes`: where the model-state kinds of `report` live."""
+    kinds = ("params", "grads", "fp32_master", "optimizer_states", "comm_buffers")
+    report["host_bytes"] = sum(report[k] for k in kinds if k in host_kinds) + host_extra
+    report["device_bytes"] = sum(report[k] for k in kinds if k not in host_kinds)
+    report["host_staging"] = host_extra
+    return report
 
 
 def torch_adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, betas, eps, weight_decay, adamw_mode,

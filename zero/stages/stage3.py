@@ -43,6 +43,7 @@ import torch.nn as nn
 from torch.autograd.profiler import record_function
 
 from zero.comm import Comm
+from zero.offload import OffloadOptions
 from zero.precision import LossScaler
 from zero.stages.optimizer import ShardedAdam
 from zero.stages.units import ParamUnit, ShardedParam, UnitState, shard_numel, take_shard
@@ -152,6 +153,9 @@ class Stage3Optimizer(ShardedAdam):
         unit_threshold: elements that make a module a unit (see plan_units).
         prefetch_elements, max_live_elements, max_reuse_distance: see [Note: prefetch and reuse].
         overlap_comm: reduce-scatter asynchronously while backward goes on.
+        offload: optimizer offload (see ShardedAdam).
+        offload_param: keep parameter shards in host memory (see ParamUnit).
+        pin_memory: pin host parameter shards.
     """
 
     def __init__(self, module: nn.Module, param_groups: list[dict[str, Any]], *, comm: Comm, dtype: torch.dtype,
@@ -159,9 +163,11 @@ class Stage3Optimizer(ShardedAdam):
                  persistence_budget: int | None,
                  prefetch_elements: int, max_live_elements: int, max_reuse_distance: int, overlap_comm: bool,
                  device: torch.device, gradient_clipping: float = 0.0, loss_scaler: LossScaler | None = None,
-                 check_overflow: bool = False, predivide: float = 1.0):
+                 check_overflow: bool = False, predivide: float = 1.0, offload: OffloadOptions | None = None,
+                 offload_param: bool = False, pin_memory: bool = False):
         super().__init__(param_groups, comm=comm, dtype=dtype, gradient_clipping=gradient_clipping,
-                         loss_scaler=loss_scaler, check_overflow=check_overflow, predivide=predivide)
+                         loss_scaler=loss_scaler, check_overflow=check_overflow, predivide=predivide, offload=offload)
+        self.offload_param = offload_param
         self.module = module
         self.prefetch_elements = prefetch_elements
         self.max_live = max_live_elements
@@ -181,7 +187,11 @@ class Stage3Optimizer(ShardedAdam):
         self.unit_module: list[nn.Module | None] = []
         for path, params in planned + ([("<persistent>", persistent)] if persistent else []):
             unit = ParamUnit(len(self.units), path, params, [group_of.get(p, -1) for p in params], comm, dtype,
-                             grad_dtype, comm_dtype, master, device, persistent=path == "<persistent>")
+                             grad_dtype, comm_dtype, master, device, self.new_state,
+                             alias_master=dtype == torch.float32 and offload is None and not offload_param,
+                             persistent=path == "<persistent>",
+                             offload_param=offload_param, pin_memory=pin_memory)
+            unit.on_final = self.grad_final
             self.units.append(unit)
             self.unit_module.append(modules.get(path) if not unit.persistent else None)
         for unit in self.units:
@@ -469,9 +479,13 @@ class Stage3Optimizer(ShardedAdam):
         out = []
         for unit in self.units:
             for r in unit.ranges:
-                out16 = None if self.dtype == torch.float32 else unit.shard16[r.lo : r.hi]
+                shard = unit.shard16[r.lo : r.hi]
+                out16 = None if r.master.data_ptr() == shard.data_ptr() else shard
                 out.append((r.group, r.master, r.grad, r.exp_avg, r.exp_avg_sq, out16))
         return out
+
+    def out16_on_host(self) -> list[bool]:
+        return [self.offload_param for unit in self.units for _ in unit.ranges]
 
     def reduce_gradients(self) -> None:
         self._finish_reduces()
@@ -495,12 +509,21 @@ class Stage3Optimizer(ShardedAdam):
                 p.grad = None
 
     def memory_report(self) -> dict[str, int]:
-        report = {"params": 0, "grads": 0, "fp32_master": 0, "optimizer_states": 0}
+        from zero.stages.optimizer import split_by_place
+
+        parts = {"params": 0, "persistent_full": 0, "grads": 0, "fp32_master": 0, "optimizer_states": 0}
         for unit in self.units:
             for k, v in unit.state_bytes().items():
-                report[k] += v
+                parts[k] += v
+        host = ({"fp32_master", "optimizer_states"} if self.offload is not None else set()) | \
+            ({"params"} if self.offload_param else set())
+        report = {"params": parts["params"] + parts["persistent_full"], "grads": parts["grads"],
+                  "fp32_master": parts["fp32_master"], "optimizer_states": parts["optimizer_states"], "comm_buffers": 0}
+        report = split_by_place(report, host, self._host.host_bytes() if self._host is not None else 0)
+        if self.offload_param:  # the persistent full copies stay on the device
+            report["host_bytes"] -= parts["persistent_full"]
+            report["device_bytes"] += parts["persistent_full"]
         elsize = torch.finfo(self.dtype).bits // 8
-        report["comm_buffers"] = 0
         report["gathered_peak"] = self.peak_live * elsize
         report["persistent_params"] = sum(u.full_numel for u in self.units if u.persistent)
         return report

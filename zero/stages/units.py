@@ -124,14 +124,24 @@ class ParamUnit:
         grad_dtype: dtype of the gradient shard (fp32 when accumulating micro-batches).
         comm_dtype: dtype gradients are reduce-scattered in.
         master_shards: fp32 shard of each trainable parameter (its exact original values).
+        device: where the model computes (gathered parameters, gradients).
+        new_state: makes an fp32 optimizer-state tensor (where the optimizer keeps its state).
+        alias_master: fp32 training with state beside the shard: the shard is its own master.
         persistent: never released (small parameters kept whole on every rank).
+        offload_param: keep the 16-bit shard in host memory; stage it onto the device to gather.
+        pin_memory: pin that host shard (with CUDA).
     """
 
     def __init__(self, index: int, name: str, params: list[torch.nn.Parameter], groups: list[int], comm: Comm,
                  dtype: torch.dtype, grad_dtype: torch.dtype, comm_dtype: torch.dtype,
-                 master_shards: dict[torch.nn.Parameter, torch.Tensor], device: torch.device, persistent: bool = False):
+                 master_shards: dict[torch.nn.Parameter, torch.Tensor], device: torch.device, new_state,
+                 alias_master: bool = False, persistent: bool = False, offload_param: bool = False,
+                 pin_memory: bool = False):
         self.index, self.name, self.comm, self.dtype, self.comm_dtype = index, name, comm, dtype, comm_dtype
         self.persistent = persistent
+        self.device = device
+        self.offload_param = offload_param
+        self.on_final = None  # called with each gradient shard once it is reduced
         order = sorted(range(len(params)), key=lambda i: (groups[i] < 0, groups[i]))  # trainable first, by group
         self.params = [params[i] for i in order]
         self.groups = [groups[i] for i in order]
@@ -144,7 +154,9 @@ class ParamUnit:
         self.trainable_numel = sum(p._zero.shard_numel for p, g in zip(self.params, self.groups) if g >= 0)
         self.full_numel = self.world * self.numel  # gathered elements (counted against max_live)
 
-        self.shard16 = torch.empty(self.numel, dtype=dtype, device=device)
+        self.shard16 = torch.empty(self.numel, dtype=dtype, device="cpu" if offload_param else device)
+        if offload_param and pin_memory and torch.cuda.is_available():
+            self.shard16 = self.shard16.pin_memory()
         for p, off in zip(self.params, offsets):
             info: ShardedParam = p._zero
             self.shard16[off : off + info.shard_numel].copy_(info.shard())
@@ -154,13 +166,12 @@ class ParamUnit:
         for g in sorted({g for g in self.groups if g >= 0}):
             members = [i for i, gi in enumerate(self.groups) if gi == g]
             lo, hi = offsets[members[0]], offsets[members[-1]] + self.params[members[-1]]._zero.shard_numel
-            # fp32 training: the shard is its own master (no second copy)
-            master = self.shard16[lo:hi] if dtype == torch.float32 else torch.empty(hi - lo, dtype=torch.float32, device=device)
+            master = self.shard16[lo:hi] if alias_master else new_state(self.shard16[lo:hi], device)
             for i in members:
                 p, off = self.params[i], offsets[i]
                 src = master_shards.get(p)
                 master[off - lo : off - lo + p._zero.shard_numel].copy_(src if src is not None else self.shard16[off : off + p._zero.shard_numel])
-            self.ranges.append(GroupRange(g, lo, hi, master, torch.zeros_like(master), torch.zeros_like(master),
+            self.ranges.append(GroupRange(g, lo, hi, master, new_state(master, device), new_state(master, device),
                                           torch.zeros(hi - lo, dtype=grad_dtype, device=device)))
         self.offsets = offsets
 
@@ -182,12 +193,17 @@ class ParamUnit:
         """Issue the all-gather of this unit (asynchronously)."""
         assert self.state is UnitState.SHARDED, self
         self.state = UnitState.GATHERING
+        shard = self.shard16
+        if self.offload_param:  # the shard lives on the host: bring this rank's part to the device
+            with record_function(f"zero::fetch_offloaded_shard[{self.name}]"):
+                shard = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+                shard.copy_(self.shard16, non_blocking=True)
         if self.world == 1:
-            self._gather = _InFlight(None, self.shard16)
+            self._gather = _InFlight(None, shard)
             return
         with record_function(f"zero::gather_unit[{self.name}]"):
-            buffer = torch.empty(self.full_numel, dtype=self.dtype, device=self.shard16.device)
-            work = self.comm.all_gather(buffer, self.shard16, async_op=True)
+            buffer = torch.empty(self.full_numel, dtype=self.dtype, device=self.device)
+            work = self.comm.all_gather(buffer, shard, async_op=True)
             inflight = _InFlight(work, buffer)
             if tag is not None:
                 inflight.tags = torch.empty(self.world * tag.numel(), dtype=tag.dtype, device=tag.device)
@@ -209,7 +225,7 @@ class ParamUnit:
             self.comm.wait_for(inflight.work, describe)
             with record_function(f"zero::unshard_unit[{self.name}]"):
                 rows = inflight.buffer.view(self.world, self.numel)
-                full = torch.empty(self.full_numel, dtype=self.dtype, device=self.shard16.device)
+                full = torch.empty(self.full_numel, dtype=self.dtype, device=self.device)
                 at = 0
                 for p, off in zip(self.params, self.offsets):
                     s = p._zero.shard_numel
@@ -235,7 +251,7 @@ class ParamUnit:
         if self.trainable_numel == 0:
             return
         t = self.trainable_numel
-        device = self.shard16.device
+        device = self.device
         with record_function(f"zero::pack_grads[{self.name}]"):
             send = torch.zeros(self.world * t, dtype=self.comm_dtype, device=device)
             rows = send.view(self.world, t)
@@ -277,6 +293,8 @@ class ParamUnit:
         mine = inflight.extra["mine"]
         for r in self.ranges:
             r.grad.add_(mine[r.lo : r.hi])
+            if self.on_final is not None:
+                self.on_final(r.grad)
 
     # -- after the optimizer step -----------------------------------------------------------------
 
@@ -294,9 +312,11 @@ class ParamUnit:
         def nb(t):
             return t.numel() * t.element_size()
 
+        aliased = any(r.master.data_ptr() == self.shard16[r.lo : r.hi].data_ptr() for r in self.ranges)
         return {
-            "params": nb(self.shard16) + (nb(self.full) if self.persistent and self.full is not None else 0),
+            "params": nb(self.shard16),
+            "persistent_full": nb(self.full) if self.persistent and self.full is not None else 0,
             "grads": sum(nb(r.grad) for r in self.ranges),
-            "fp32_master": 0 if self.dtype == torch.float32 else sum(nb(r.master) for r in self.ranges),
+            "fp32_master": 0 if aliased else sum(nb(r.master) for r in self.ranges),
             "optimizer_states": sum(nb(r.exp_avg) + nb(r.exp_avg_sq) for r in self.ranges),
         }
