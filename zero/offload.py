@@ -50,11 +50,14 @@ class OffloadOptions:
         pin_memory: pin host buffers (faster asynchronous copies; needs CUDA).
         tile_elements: elements per CPU Adam tile (DeepSpeed's `sub_group_size`, capped).
         num_threads: CPU Adam threads (see cpu_adam_threads).
+        overlap: copy gradients out during backward and pipeline the copy-back tile by tile;
+            False does every copy inside the step, one whole shard at a time (for comparison).
     """
 
     pin_memory: bool = True
     tile_elements: int = 1 << 22
     num_threads: int = 1
+    overlap: bool = True
 
 
 class _Copy:
@@ -86,17 +89,14 @@ class HostAdam:
         self.grads = [host_empty(s[2], options.pin_memory) for s in slots]
         self.index = {id(s[2]): i for i, s in enumerate(slots)}
         self.pending: dict[int, _Copy] = {}
-        tile = min(options.tile_elements, max((s[1].numel() for s in slots), default=1))
-        dtypes = {s[5].dtype for s in slots if s[5] is not None and s[5].dtype != torch.float32}
         # two alternating staging tiles per 16-bit dtype: one being filled, one being copied
-        self.staging = {d: [torch.empty(tile, dtype=d).pin_memory() if options.pin_memory and torch.cuda.is_available()
-                            else torch.empty(tile, dtype=d) for _ in range(2)] for d in dtypes}
+        self.staging: dict[torch.dtype, list[torch.Tensor]] = {}
         self.times = {"grad_copy_wait": 0.0, "cpu_adam": 0.0, "param_copy_wait": 0.0}
 
     def grad_ready(self, grad: torch.Tensor) -> None:
         """A gradient shard is final for this step: start copying it to the host."""
         i = self.index.get(id(grad))
-        if i is not None:
+        if i is not None and self.options.overlap:
             with record_function("zero::offload_grad_copy"):
                 self.pending[i] = _Copy(self.grads[i], grad)
 
@@ -109,7 +109,8 @@ class HostAdam:
             start = time.perf_counter()
             (self.pending.pop(i, None) or _Copy(self.grads[i], grad)).wait()  # not copied during backward: now
             self.times["grad_copy_wait"] += time.perf_counter() - start
-            n, tile = master.numel(), self.options.tile_elements
+            n = master.numel()
+            tile = self.options.tile_elements if self.options.overlap else max(n, 1)
             for lo in range(0, n, tile):
                 hi = min(n, lo + tile)
                 staged = out16 is not None and out16.dtype != torch.float32 and not out16_on_host[i]
@@ -118,7 +119,7 @@ class HostAdam:
                     if ring[k % 2] is not None:
                         ring[k % 2].wait()  # its previous copy must have landed before it is reused
                     self.times["param_copy_wait"] += time.perf_counter() - start
-                    target = self.staging[out16.dtype][k % 2][: hi - lo]
+                    target = self._staging_tile(out16.dtype, k % 2, hi - lo)
                 elif out16 is not None and out16.dtype != torch.float32:
                     target = out16[lo:hi]  # a host shard (offload_param): written in place
                 else:
@@ -136,6 +137,13 @@ class HostAdam:
             if c is not None:
                 c.wait()
         self.times["param_copy_wait"] += time.perf_counter() - start
+
+    def _staging_tile(self, dtype: torch.dtype, which: int, numel: int) -> torch.Tensor:
+        bufs = self.staging.setdefault(dtype, [torch.empty(0, dtype=dtype), torch.empty(0, dtype=dtype)])
+        if bufs[which].numel() < numel:
+            t = torch.empty(numel, dtype=dtype)
+            bufs[which] = t.pin_memory() if self.options.pin_memory and torch.cuda.is_available() else t
+        return bufs[which][:numel]
 
     def host_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.grads) + sum(
