@@ -20,6 +20,7 @@ test: setup
 bench: setup
 	$(PYTHON) benchmarks/bench_adam.py
 	$(PYTHON) benchmarks/bench_zero.py
+	$(PYTHON) benchmarks/bench_offload.py
 
 ops: setup
 	$(PYTHON) -m zero.ops build

@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 2 examples/train_zero2.py [--steps 200] [--stage 2] [--bf16]
     torchrun --nproc_per_node 2 examples/train_zero2.py --stage 3   # parameters sharded too
+    torchrun --nproc_per_node 2 examples/train_zero2.py --offload   # optimizer on the CPU (ZeRO-Offload)
 
 Works the same on one process (`python examples/train_zero2.py`), on CPUs (gloo) and on GPUs
 (NCCL). The text is sums like '12+7=19;' generated in-process, so nothing is downloaded; the
@@ -28,6 +29,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--offload", action="store_true", help="optimizer state and update on the CPU")
     args = parser.parse_args()
 
     config = {
@@ -38,7 +40,8 @@ def main() -> None:
         "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": args.steps, "warmup_num_steps": 20}},
         "zero_optimization": {"stage": args.stage, "reduce_bucket_size": 50_000, "overlap_comm": True,
                               # stage 3: one unit per transformer block, LayerNorm params kept whole
-                              "stage3_module_granularity_threshold": 20_000, "stage3_param_persistence_threshold": 1_000},
+                              "stage3_module_granularity_threshold": 20_000, "stage3_param_persistence_threshold": 1_000,
+                              **({"offload_optimizer": {"device": "cpu", "pin_memory": True}} if args.offload else {})},
         "bf16": {"enabled": args.bf16},
         "dataloader_drop_last": True,
     }
