@@ -21,7 +21,7 @@ def storage_of(model):
         ({"train_batch_size": 4, "fp16": {"enabled": True}, "bf16": {"enabled": True}}, r"fp16.*bf16"),
         ({"train_batch_size": 4, "zero_optimization": {"stage": 5}}, r"zero_optimization\.stage"),
         ({"train_batch_size": 4, "zero_optimization": {"reduce_bucket_size": -1}}, r"reduce_bucket_size"),
-        ({"train_batch_size": 4, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
+        ({"train_batch_size": 4, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
          r"ratio=0.5 \(partial offload\) is not yet supported"),
         ({"train_batch_size": 4, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
          r"nvme.*not yet supported"),
