@@ -16,6 +16,12 @@ bucket). So on gloo `Comm.reduce_scatter` all-reduces the input in place and cop
 rank's slice: the same numbers, the same logical count, less time. This clobbers the input,
 which is always one of zero's own bucket buffers. NCCL and other backends get the real one.
 
+[Note: host tensors and NCCL]
+NCCL moves only GPU memory, but a few callers hand `Comm` host tensors: `zero.Init` broadcasting
+a parameter built on the CPU, `GatheredParameters` gathering a shard kept in host memory
+(`remote_device="cpu"`, `offload_param`). Under NCCL such tensors go through a temporary copy on
+the current GPU, so callers need not care where a tensor lives. gloo takes host tensors directly.
+
 [Note: logical counts]
 Counts are logical: a reduce-scatter of a bucket of E elements counts E elements, an all-gather
 into a bucket of E elements counts E, an all-reduce of E elements counts E. That is what the ZeRO
@@ -128,6 +134,9 @@ class Comm:
                 return _SliceAfter(work, output, input, self.rank) if async_op else _SliceAfter(None, output, input, self.rank).wait()
             return _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
+    def _needs_staging(self, *tensors: torch.Tensor) -> bool:
+        return self.backend == "nccl" and any(not t.is_cuda for t in tensors)
+
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = "all_gather"):
         """output = concatenation of every rank's `input`, in rank order. `input` may be the
         rank's own slice of `output` (in place). `label` names it in the counts."""
@@ -136,6 +145,11 @@ class Comm:
             if self.world_size == 1:
                 if input.data_ptr() != output.data_ptr():
                     output.copy_(input)
+                return _Done() if async_op else None
+            if self._needs_staging(output, input):  # see [Note: host tensors and NCCL]
+                staged = output.to("cuda")
+                _all_gather(staged, input.to("cuda"), group=self.group)
+                output.copy_(staged)
                 return _Done() if async_op else None
             return _all_gather(output, input, group=self.group, async_op=async_op)
 
@@ -152,7 +166,11 @@ class Comm:
         """In-place broadcast from global rank `src`."""
         self._count("broadcast", tensor)
         with record_function("zero::broadcast"):
-            if self.world_size > 1:
+            if self.world_size > 1 and self._needs_staging(tensor):  # see [Note: host tensors and NCCL]
+                staged = tensor.to("cuda")
+                dist.broadcast(staged, src=src, group=self.group)
+                tensor.copy_(staged)
+            elif self.world_size > 1:
                 dist.broadcast(tensor, src=src, group=self.group)
 
     def wait_for(self, work, describe: Callable[[], str]) -> None:

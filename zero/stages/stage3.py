@@ -289,7 +289,7 @@ class Stage3Optimizer(ShardedAdam):
     # -- gather and release -----------------------------------------------------------------------
 
     def _tag(self, unit: ParamUnit, phase: str) -> torch.Tensor:
-        return torch.tensor([unit.index, PHASES[phase]], dtype=torch.int64, device=unit.shard16.device)
+        return torch.tensor([unit.index, PHASES[phase]], dtype=torch.int64, device=unit.device)
 
     def _check_tags(self, tags: torch.Tensor, what: str) -> None:
         rows = tags.view(self.world_size, 2).tolist()
