@@ -18,9 +18,9 @@
 [Note: prefetch and reuse]
 Each forward pass (from the root module's pre-hook to its post-hook) and each backward pass
 records the order in which units were gathered. The next pass of the same kind follows that
-trace: after gathering trace[i] it starts all-gathers of trace[i+1], trace[i+2], ... while
-their elements stay within `stage3_prefetch_bucket_size` and the gathered total within
-`stage3_max_live_parameters`. As soon as a pass deviates from its trace (eval, another branch),
+trace: after gathering trace[i] it starts all-gathers of trace[i+1] (always, if the gathered
+total stays within `stage3_max_live_parameters`), then trace[i+2], ... while their elements
+stay within `stage3_prefetch_bucket_size`; 0 turns prefetching off. As soon as a pass deviates from its trace (eval, another branch),
 prefetching stops for that pass and the pass's own order becomes the trace for the next one:
 the engine re-records rather than giving up on prefetching. A unit whose next use in the
 recorded traces is within `stage3_max_reuse_distance` gathered elements is kept after its
@@ -272,7 +272,7 @@ class Stage3Optimizer(ShardedAdam):
                 self._following = False
 
     def _prefetch(self) -> None:
-        if not self._following:
+        if not self._following or self.prefetch_elements <= 0:
             return
         trace = self.traces[self._pass]
         budget = 0
@@ -280,7 +280,9 @@ class Stage3Optimizer(ShardedAdam):
             unit = self.units[idx]
             if unit.state is not UnitState.SHARDED:
                 continue
-            if budget + unit.full_numel > self.prefetch_elements or self.live + unit.full_numel > self.max_live:
+            # the next unit is always fetched ahead (a unit larger than the budget would otherwise
+            # never be prefetched); further ones while they fit in the budget
+            if (budget and budget + unit.full_numel > self.prefetch_elements) or self.live + unit.full_numel > self.max_live:
                 break
             budget += unit.full_numel
             self._start_gather(unit)
