@@ -175,8 +175,15 @@ class Comm:
 
     def wait_for(self, work, describe: Callable[[], str]) -> None:
         """Wait for `work` at most `timeout_s` seconds; on timeout raise CollectiveTimeout with
-        `describe()` (which names what was being waited for)."""
+        `describe()` (which names what was being waited for).
+
+        Under NCCL a timed wait would block the CPU until the GPU finishes, on every unit: there the
+        wait only orders the current stream, and a hang is bounded by the process group's own
+        timeout (NCCL's watchdog) instead."""
         if work is None:
+            return
+        if self.backend == "nccl":
+            work.wait()
             return
         try:
             work.wait(timeout=timedelta(seconds=self.timeout_s))

@@ -243,15 +243,16 @@ class Engine(nn.Module):
 
     @torch.no_grad()
     def _sync_buffers(self) -> None:
-        """Average floating-point buffers over ranks (BatchNorm running statistics, say) and take
-        rank 0's integer ones, so every rank holds the same buffers after every step. A running
-        mean's update is linear, so its average over ranks is the running mean of the global batch."""
-        for b in self.module.buffers():
-            if b.is_floating_point():
-                self.comm.all_reduce(b, "sum")
-                b.div_(self.comm.world_size)
-            else:
-                self.comm.broadcast(b, src=0)
+        """Keep BatchNorm-style running statistics identical on every rank: average running_mean
+        and running_var over ranks (the update is linear, so the average is the running statistic
+        of the global batch) and take rank 0's batch count. Other buffers (masks, rotary tables)
+        are constants and are left alone."""
+        for m in self.module.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats:
+                for b in (m.running_mean, m.running_var):
+                    self.comm.all_reduce(b, "sum")
+                    b.div_(self.comm.world_size)
+                self.comm.broadcast(m.num_batches_tracked, src=0)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of `loss / gradient_accumulation_steps * loss_scale`; gradients flow into the

@@ -29,9 +29,12 @@ depend only on the traces, so every rank issues the same collectives in the same
 
 [Note: rank-divergent control flow]
 Every unit all-gather and reduce-scatter travels with a tiny all-gather of (unit, phase). If
-ranks disagree, every rank raises at once with the unit each rank was fetching and the step; a
+ranks disagree, every rank raises with the unit each rank was fetching and the step; a
 collective that never completes (a rank stopped issuing them) raises after
-ZERO_COLLECTIVE_TIMEOUT seconds instead of hanging (see Comm.wait_for).
+ZERO_COLLECTIVE_TIMEOUT seconds instead of hanging (see Comm.wait_for). Host tags (gloo) are
+checked at once. GPU tags are checked together at the end of each forward or backward pass,
+because reading them per unit would stall the CPU until the GPU catches up; a hang before then is
+bounded by NCCL's process-group timeout.
 """
 from __future__ import annotations
 
@@ -214,6 +217,7 @@ class Stage3Optimizer(ShardedAdam):
         self._late: set[int] = set()
         self._bwd_uses: dict[int, int] = {}
         self._inflight_reduces: list[ParamUnit] = []
+        self._unchecked_tags: list[tuple[torch.Tensor, str]] = []
         self._handles = []
         self._install_hooks()
 
@@ -258,6 +262,7 @@ class Stage3Optimizer(ShardedAdam):
         self._following = bool(self.traces[phase])
 
     def _end_pass(self) -> None:
+        self._check_pending_tags()
         if self._pass is not None and self._recording != self.traces[self._pass]:
             self.traces[self._pass] = self._recording  # the order changed: re-record
         self._pass = None
@@ -294,6 +299,19 @@ class Stage3Optimizer(ShardedAdam):
         return torch.tensor([unit.index, PHASES[phase]], dtype=torch.int64, device=unit.device)
 
     def _check_tags(self, tags: torch.Tensor, what: str) -> None:
+        if tags.is_cuda:  # see [Note: rank-divergent control flow]
+            self._unchecked_tags.append((tags, what))
+            return
+        self._verify_tags(tags, what)
+
+    def _check_pending_tags(self) -> None:
+        pending, self._unchecked_tags = self._unchecked_tags, []
+        if pending:
+            rows = torch.stack([t for t, _ in pending]).cpu()  # one sync per pass
+            for row, (_, what) in zip(rows, pending):
+                self._verify_tags(row, what)
+
+    def _verify_tags(self, tags: torch.Tensor, what: str) -> None:
         rows = tags.view(self.world_size, 2).tolist()
         if any(r != rows[0] for r in rows):
             def name(i):

@@ -24,7 +24,7 @@ parameters are views into the shard itself.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.autograd.profiler import record_function
@@ -108,7 +108,7 @@ class _InFlight:
     buffer: torch.Tensor
     tag_work: object = None
     tags: torch.Tensor | None = None
-    extra: dict = field(default_factory=dict)
+    mine: torch.Tensor | None = None  # a reduce-scatter's own slice
 
 
 class ParamUnit:
@@ -271,7 +271,7 @@ class ParamUnit:
                 send.div_(predivide)
         mine = send[self.comm.rank * t : (self.comm.rank + 1) * t] if self.world > 1 else send
         work = self.comm.reduce_scatter(mine, send, async_op=True)
-        inflight = _InFlight(work, send, extra={"mine": mine})
+        inflight = _InFlight(work, send, mine=mine)
         if tag is not None and self.world > 1:
             inflight.tags = torch.empty(self.world * tag.numel(), dtype=tag.dtype, device=tag.device)
             inflight.tag_work = self.comm.all_gather(inflight.tags, tag, async_op=True, label="unit_tags")
@@ -290,7 +290,7 @@ class ParamUnit:
         if inflight.tags is not None:
             check_tags(inflight.tags)
         self.comm.wait_for(inflight.work, describe)
-        mine = inflight.extra["mine"]
+        mine = inflight.mine
         for r in self.ranges:
             r.grad.add_(mine[r.lo : r.hi])
             if self.on_final is not None:
