@@ -16,7 +16,8 @@ class BuildPyWithSources(build_py):
         super().run()
         dst = Path(self.build_lib) / "zero" / "_csrc"
         shutil.rmtree(dst, ignore_errors=True)
-        shutil.copytree(ROOT / "csrc", dst, ignore=shutil.ignore_patterns("*.o", "*.so", "build*"))
+        # csrc/dev/ holds standalone programs for developers, not op sources
+        shutil.copytree(ROOT / "csrc", dst, ignore=shutil.ignore_patterns("*.o", "*.so", "build*", "dev"))
 
 
 setup(cmdclass={"build_py": BuildPyWithSources})

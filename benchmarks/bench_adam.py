@@ -3,17 +3,23 @@ against this machine's memory-bandwidth ceiling.
 
 An Adam step over fp32 state is memory bound: per parameter it reads param, grad, exp_avg and
 exp_avg_sq and writes param, exp_avg and exp_avg_sq (28 bytes), plus 2 bytes when it also writes
-a bf16 copy of the updated parameter (30 bytes). The ceiling is measured in the same run by
-`zero_cpu_stream_pass`, a kernel with exactly the fp32 traffic of Adam (same bytes per element,
-same threads and tiling) and almost no arithmetic. For each optimizer the table prints:
+a bf16 copy of the updated parameter (30 bytes). The ceiling is measured in the same run by a
+stream pass (benchmarks/stream_pass.c, built here with zero's C compiler and flags and called
+through ctypes; not part of zero's ops), a kernel with exactly the fp32 traffic of Adam (same
+bytes per element, same threads and tiling) and almost no arithmetic. For each optimizer the
+table prints:
 
-    ms/step    best of --reps timed steps (after warm-up steps that allocate state and fault pages in)
+    ms/step    best of --reps timed samples (after warm-up steps that allocate state and fault pages
+               in); on the GPU each sample is --gpu-steps back-to-back steps between two
+               synchronisations, divided by their number, so launch overhead overlaps the kernels
+               as it does in training
     Mparam/s   parameters updated per second
     GB/s       useful bytes per second: 28 (fp32) or 30 (bf16 copy-out) bytes per parameter
     ceiling    the optimizer's GB/s as a fraction of the stream pass's, median over --reps pairs:
                each timed step is paired with a stream pass run just before it, because on a
                shared machine memory bandwidth drifts and only a pair sees the same conditions
-    vs torch   speed-up over torch.optim.AdamW's default (single-tensor) mode at the same size
+    vs torch   speed-up over torch.optim.AdamW's default mode at the same size (single-tensor on
+               the CPU, foreach on CUDA)
 
 "bf16 copy-out" means the step also leaves a bf16 copy of the updated parameters (what ZeRO-Offload
 ships back to the GPU): CPUAdam writes it in the same pass (`step(out16=...)`); the torch variants
@@ -40,10 +46,13 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,12 +91,14 @@ def parse_size(text: str) -> int:
 
 
 def paired_samples(steps: dict[str, Callable[[], None]], ceiling: Callable[[], None], reps: int, warmup: int,
-                   sync: Callable[[], None] = lambda: None) -> dict[str, list[tuple[float, float]]]:  # fmt: skip
+                   sync: Callable[[], None] = lambda: None,
+                   calls: int = 1) -> dict[str, list[tuple[float, float]]]:  # fmt: skip
     """`reps` pairs (seconds of the step, seconds of the ceiling run just before it) per step function.
 
     Each round times every function once, in a rotated order, each right after its own run of the
     ceiling kernel. On a shared machine both load and memory bandwidth drift from second to second;
     a pair sees the same conditions, so the ratio within a pair is far steadier than either time.
+    A timed sample is `calls` back-to-back calls between two `sync()`s, divided by `calls`.
     """
     for step in [ceiling, *steps.values()]:
         for _ in range(warmup):
@@ -96,9 +107,10 @@ def paired_samples(steps: dict[str, Callable[[], None]], ceiling: Callable[[], N
 
     def timed(fn: Callable[[], None]) -> float:
         start = time.perf_counter()
-        fn()
+        for _ in range(calls):
+            fn()
         sync()
-        return time.perf_counter() - start
+        return (time.perf_counter() - start) / calls
 
     names = list(steps)
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
@@ -140,7 +152,7 @@ def optimizer_step_fn(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer
 
 
 def measure(candidates: list[tuple[str, Callable | None, str | None, str]], n: int, device: str,
-            ceiling: tuple[str, Callable[[], None]], reps: int, warmup: int) -> list[Row]:  # fmt: skip
+            ceiling: tuple[str, Callable[[], None]], reps: int, warmup: int, calls: int = 1) -> list[Row]:  # fmt: skip
     """Time every available candidate (name, factory, copy-out mode, note), each paired with a run
     of the ceiling kernel just before it (see `paired_samples`). Returns one row per candidate."""
     grad = torch.randn(n, device=device, generator=torch.Generator(device=device).manual_seed(1)) * 1e-2
@@ -156,7 +168,7 @@ def measure(candidates: list[tuple[str, Callable | None, str | None, str]], n: i
         except Exception as exc:  # an optimizer that cannot run here is reported, not fatal
             notes[label] = f"failed: {str(exc).splitlines()[0][:80]}"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    samples = paired_samples(steps, ceiling[1], reps, warmup, sync)
+    samples = paired_samples(steps, ceiling[1], reps, warmup, sync, calls)
     copy_out = any(mode is not None for _, _, mode, _ in candidates)  # the bf16 copy-out round
     all_ceiling_s = [c for pairs in samples.values() for _, c in pairs]
     ceiling_gbps = n * FP32_BYTES / min(all_ceiling_s) / 1e9 if all_ceiling_s else float("nan")
@@ -176,6 +188,29 @@ def measure(candidates: list[tuple[str, Callable | None, str | None, str]], n: i
 # ----------------------------------------------------------------------------- CPU
 
 
+def stream_pass(num_threads: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]:
+    """Build benchmarks/stream_pass.c with zero's C compiler and flags; return a function that runs
+    it over four contiguous float32 CPU tensors of one size."""
+    from zero.ops.builder import _c_flags, c_compiler
+
+    cc = c_compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (install gcc or clang, or set CC): the stream-pass ceiling needs one")
+    source = Path(__file__).resolve().parent / "stream_pass.c"
+    library = Path(tempfile.mkdtemp(prefix="zero_bench_")) / "stream_pass.so"
+    subprocess.run([cc, *_c_flags(), "-shared", str(source), "-o", str(library)], check=True)
+    fn = ctypes.CDLL(str(library)).zero_stream_pass
+    fn.argtypes = [ctypes.c_int64, *[ctypes.c_void_p] * 4, ctypes.c_int]
+    fn.restype = ctypes.c_int
+
+    def run(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        assert all(t.is_contiguous() and t.dtype == torch.float32 and t.numel() == param.numel()
+                   for t in (param, grad, exp_avg, exp_avg_sq))  # fmt: skip
+        fn(param.numel(), param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), num_threads)
+
+    return run
+
+
 def deepspeed_cpu_adam() -> tuple[type | None, str]:
     """DeepSpeedCPUAdam if it imports and its op builds here, else (None, why not)."""
     try:
@@ -191,7 +226,7 @@ def deepspeed_cpu_adam() -> tuple[type | None, str]:
 
 
 def cpu_rows(n: int, reps: int, warmup: int, num_threads: int, with_deepspeed: bool) -> list[Row]:
-    from zero.ops.cpu_adam import CPUAdam, simd_levels, stream_pass
+    from zero.ops.cpu_adam import CPUAdam, simd_levels
 
     kw = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     best = simd_levels()[0]
@@ -211,7 +246,8 @@ def cpu_rows(n: int, reps: int, warmup: int, num_threads: int, with_deepspeed: b
     ]
     # the ceiling: the stream pass over its own four buffers, timed in the same rounds
     bufs = [torch.rand(n) for _ in range(4)]
-    ceiling = ("stream pass", lambda: stream_pass(*bufs, num_threads=num_threads))
+    run_stream_pass = stream_pass(num_threads)
+    ceiling = ("stream pass", lambda: run_stream_pass(*bufs))
     rows = []
     for copy_out in (False, True):
         candidates = [(name, make, mode if copy_out else None, note) for name, make, mode, note in factories]
@@ -224,7 +260,7 @@ def cpu_rows(n: int, reps: int, warmup: int, num_threads: int, with_deepspeed: b
 # ----------------------------------------------------------------------------- GPU
 
 
-def gpu_rows(n: int, reps: int, warmup: int) -> list[Row]:
+def gpu_rows(n: int, reps: int, warmup: int, calls: int) -> list[Row]:
     try:
         from zero.ops import FusedAdam
     except ImportError as exc:
@@ -244,7 +280,7 @@ def gpu_rows(n: int, reps: int, warmup: int) -> list[Row]:
     rows = []
     for copy_out in (False, True):
         candidates = [(name, make, mode if copy_out else None, note) for name, make, mode, note in factories]
-        rows += measure(candidates, n, "cuda", ceiling, reps, warmup)
+        rows += measure(candidates, n, "cuda", ceiling, reps, warmup, calls)
     del src, dst
     free_memory()
     return rows
@@ -280,11 +316,13 @@ def print_table(title: str, rows: list[Row], ceiling_name: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10M,100M", help="comma-separated parameter counts, e.g. 1M,10M,100M")
-    parser.add_argument("--reps", type=int, default=10, help="timed steps per measurement (the best is kept)")
+    parser.add_argument("--reps", type=int, default=10, help="timed samples per measurement (the best is kept)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch.get_num_threads())")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeedCPUAdam even if importable")
     parser.add_argument("--gpu", action="store_true", help="benchmark zero.ops.FusedAdam on CUDA instead")
+    parser.add_argument("--gpu-steps", type=int, default=20,
+                        help="--gpu: back-to-back steps per timed sample (launch overhead overlaps the kernels)")
     args = parser.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
 
@@ -294,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         name = torch.cuda.get_device_name()
         for n in sizes:
-            print_table(f"GPU Adam step, {name}, torch {torch.__version__}", gpu_rows(n, args.reps, args.warmup),
+            print_table(f"GPU Adam step, {name}, torch {torch.__version__}, {args.gpu_steps} steps per sample",
+                        gpu_rows(n, args.reps, args.warmup, args.gpu_steps),
                         "device-to-device copy (read + write bytes)")  # fmt: skip
         return 0
 
@@ -310,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
               f"below noisier and lower (best-of-{args.reps} timings soften this)")  # fmt: skip
     for n in sizes:
         rows = cpu_rows(n, args.reps, args.warmup, threads, not args.no_deepspeed)
-        print_table(f"{n / 1e6:g}M parameters", rows, "zero_cpu_stream_pass (28 B/param, same threads)")
+        print_table(f"{n / 1e6:g}M parameters", rows, "stream pass (28 B/param, same threads and tiles)")
     return 0
 
 

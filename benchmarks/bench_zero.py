@@ -5,9 +5,13 @@
 Every configuration runs in fresh gloo rank processes (one thread each), trains the same GPT for
 a few warm-up steps and then `--steps` timed steps, and reports:
 - step time (median over ranks' median step) and its ratio to DDP;
-- model-state bytes per rank (parameters, gradients, fp32 master, optimizer states), counted
-  from the tensors each system holds, beside the ZeRO paper's formula for our stages;
-- the rank process's peak resident memory (includes torch itself and activations).
+- model-state bytes per rank (parameters, gradients, fp32 master, optimizer states), measured
+  from the storages each system holds, beside the ZeRO paper's formula for our stages;
+- the measured peak: the most bytes torch's allocator held at once in a separate, untimed run of
+  the same job (model construction, wrapping and two steps), read from the allocator's events
+  (see [Note: measuring memory on the CPU] in zero/testing/memory.py): parameters, gradients,
+  optimizer states, gathered parameters, communication buffers and activations, all of it;
+- the rank process's peak resident memory (also includes torch itself and the Python heap).
 
 DDP and FSDP2 use torch.optim.AdamW with fused=True where torch has it on CPU (the fastest torch
 Adam), so the comparison is against the best peer setup, not a straw man. Communication on gloo
@@ -28,6 +32,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from zero.testing.dist import DistPool  # noqa: E402
+from zero.testing.memory import AllocatorPeak, distinct_storage_bytes  # noqa: E402
 from zero.testing.models import GPT, GPTConfig  # noqa: E402
 
 
@@ -39,11 +44,17 @@ def _torch_adamw(params, lr):
 
 
 def _state_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return distinct_storage_bytes(tensors)
 
 
-def run_one(kind: str, layers: int, embd: int, vocab: int, seq: int, batch: int, warmup: int, steps: int):
-    """Train `kind` on this rank; return (median step seconds, model-state bytes, peak RSS bytes)."""
+def run_one(kind: str, layers: int, embd: int, vocab: int, seq: int, batch: int, warmup: int, steps: int,
+            measure: bool = False):
+    """Train `kind` on this rank; return (median step seconds, model-state bytes, peak RSS bytes, Psi).
+    With `measure`, return instead the allocator peak of building the job and two steps."""
+    if measure:
+        with AllocatorPeak() as mem:
+            run_one(kind, layers, embd, vocab, seq, batch, 0, 2)
+        return mem.peak
     rank = dist.get_rank()
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=max(1, embd // 64), n_embd=embd)
@@ -87,7 +98,8 @@ def run_one(kind: str, layers: int, embd: int, vocab: int, seq: int, batch: int,
         import zero
 
         stage = int(kind[4])
-        zc = {"stage": stage, "reduce_bucket_size": 5_000_000, "overlap_comm": stage >= 2}
+        zc = {"stage": stage, "reduce_bucket_size": 5_000_000, "overlap_comm": stage >= 2,
+              "allgather_bucket_size": 5_000_000}
         if stage == 3:  # one unit per transformer block, like FSDP2's fully_shard per block
             zc.update(stage3_module_granularity_threshold=1_000_000, stage3_param_persistence_threshold=0,
                       stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0 if kind.endswith("noprefetch") else 1)  # one unit ahead, as FSDP2
@@ -104,12 +116,12 @@ def run_one(kind: str, layers: int, embd: int, vocab: int, seq: int, batch: int,
 
     g = torch.Generator().manual_seed(100 + rank)
     times = []
-    for i in range(warmup + steps):
+    for i in range(max(warmup + steps, 1)):
         idx = torch.randint(0, vocab, (batch, seq + 1), generator=g)
         dist.barrier()
         start = time.perf_counter()
         step(idx[:, :-1], idx[:, 1:])
-        if i >= warmup:
+        if i >= warmup or not steps:
             times.append(time.perf_counter() - start)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return statistics.median(times), states(), peak_rss, sum(p.numel() for p in GPT(cfg).parameters())
@@ -135,12 +147,17 @@ def main() -> None:
         try:
             results = pool.run(run_one, kind, args.layers, args.embd, args.vocab, args.seq, args.batch,
                                args.warmup, args.steps, timeout=1800)
-            t = statistics.median(r[0] for r in results)
-            rows[kind] = (t, max(r[1] for r in results), max(r[2] for r in results))
-            psi = results[0][3]
             pool.close()
+            pool = DistPool(args.world)  # a fresh process for the measured run
+            peaks = pool.run(run_one, kind, args.layers, args.embd, args.vocab, args.seq, args.batch,
+                             args.warmup, args.steps, measure=True, timeout=1800)
+            pool.close()
+            t = statistics.median(r[0] for r in results)
+            rows[kind] = (t, max(r[1] for r in results), max(peaks), max(r[2] for r in results))
+            psi = results[0][3]
         except Exception as exc:  # report, keep going: a peer may not run on this torch/backend
             rows[kind] = f"n/a ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:100]})"
+            pool.close(kill=True)
         print(f"  done: {kind}", file=sys.stderr, flush=True)
 
     n = args.world
@@ -150,15 +167,19 @@ def main() -> None:
     base = rows.get("ddp")
     print(f"\nGPT {args.layers}x{args.embd}, {psi:,} params, {n} gloo ranks x 1 thread, "
           f"batch {args.batch}x{args.seq} tokens per rank, fp32, torch {torch.__version__}\n")
-    print(f"{'config':<17} {'step ms':>9} {'vs DDP':>7} {'model states MB':>16} {'fp32 formula MB':>16} {'peak RSS MB':>12}")
+    fsdp = rows.get("fsdp2")
+    print(f"{'config':<17} {'step ms':>9} {'vs DDP':>7} {'model states MB':>16} {'fp32 formula MB':>16} "
+          f"{'measured peak MB':>17} {'vs FSDP2':>9} {'peak RSS MB':>12}")
     for kind, row in rows.items():
         if isinstance(row, str):
             print(f"{kind:<17} {row}")
             continue
-        t, states, rss = row
+        t, states, peak, rss = row
         ratio = f"{t / base[0]:.2f}x" if isinstance(base, tuple) else "-"
+        vs_fsdp = f"{peak / fsdp[2]:.2f}x" if isinstance(fsdp, tuple) else "-"
         f = f"{fp32_formula[kind] / 2**20:.1f}" if kind in fp32_formula else "-"
-        print(f"{kind:<17} {t * 1e3:>9.1f} {ratio:>7} {states / 2**20:>16.1f} {f:>16} {rss / 2**20:>12.1f}")
+        print(f"{kind:<17} {t * 1e3:>9.1f} {ratio:>7} {states / 2**20:>16.1f} {f:>16} {peak / 2**20:>17.1f} "
+              f"{vs_fsdp:>9} {rss / 2**20:>12.1f}")
     print("\nfp32 formula: stage 0: 16 Psi; 1: 8 Psi + 8 Psi/N; 2: 4 Psi + 12 Psi/N; 3: 16 Psi/N (fp32 params double as the master;")
     print("stage 3 also keeps small persistent params whole). FSDP2 and zero3 reshard after forward; zero3 prefetches.")
     if formula:

@@ -24,4 +24,4 @@ def test_clipping_equals_torch_clip_grad_norm(dist_run, stage):
 def test_accumulation_with_bf16_keeps_fp32_gradient_buffers(dist_run):
     for r in dist_run(2, train_side_by_side, model="mlp", stage=2, precision="bf16", accumulation=4):
         # stage 2 with accumulation: fp32 gradient shard (4 bytes) beside bf16 params (2 bytes)
-        assert r["memory"]["grads"] >= 4 * r["memory"]["params_count"] / 2
+        assert r["memory"]["grads"] >= 4 * r["psi"] / 2

@@ -1,9 +1,11 @@
-"""CPU Adam: equals torch.optim.AdamW / Adam on every SIMD path, exact 16-bit copy-out, torch-compatible
-state dicts, and clear errors that leave every buffer untouched."""
+"""CPU Adam: equals torch.optim.AdamW / Adam on every SIMD path, every SIMD path gives the scalar
+reference's bits, exact 16-bit copy-out, torch-compatible state dicts, and clear errors that leave every
+buffer untouched."""
 import pytest
 import torch
 
-from zero.ops.cpu_adam import CPUAdam, cpu_adam_step, simd_levels, stream_pass
+from zero.ops import builder
+from zero.ops.cpu_adam import CPUAdam, cpu_adam_step, cpu_adam_step_unchecked, simd_levels
 
 LEVELS = simd_levels()  # an op that cannot build must fail here, not skip: CI has a compiler
 
@@ -191,10 +193,58 @@ def test_simd_levels_are_listed_best_first_and_end_with_scalar():
     assert LEVELS == sorted(LEVELS, key=order.index)
 
 
-def test_stream_pass_adds_grad_to_the_three_written_buffers():
-    p, g, m, v = torch.ones(1000), torch.full((1000,), 2.0), torch.zeros(1000), torch.ones(1000)
-    stream_pass(p, g, m, v)
-    assert torch.equal(p, torch.full((1000,), 3.0)) and torch.equal(m, g) and torch.equal(v, p)
+@pytest.mark.parametrize("grad_dtype", [torch.float32] + HALF_DTYPES)
+@pytest.mark.parametrize("out_dtype", [None] + HALF_DTYPES)
+@pytest.mark.parametrize("adamw_mode", [True, False])
+@pytest.mark.parametrize("grad_scale", [1.0, 3.0])
+def test_every_simd_path_gives_the_scalar_reference_bits(grad_dtype, out_dtype, adamw_mode, grad_scale):
+    """The SIMD paths perform the scalar path's operations in its order ([Note: adam math]), so
+    they agree bit for bit: over several tiles, a partial last vector, both decay modes, an
+    unscaled and a scaled gradient, and every grad / copy-out dtype."""
+    n = 2 * 16384 + 37
+    gen = torch.Generator().manual_seed(14)
+    start = [torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 0.01]
+    grads = [(torch.randn(n, generator=gen) * grad_scale).to(grad_dtype) for _ in range(5)]
+    results = {}
+    for simd in LEVELS:
+        p, m, v = (t.clone() for t in start)
+        out = None if out_dtype is None else torch.empty(n, dtype=out_dtype)
+        for step, g in enumerate(grads, 1):
+            cpu_adam_step(p, g, m, v, step=step, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1,
+                          adamw_mode=adamw_mode, grad_scale=grad_scale, out16=out, simd=simd)
+        results[simd] = [t.view(torch.int32) for t in (p, m, v)] + ([] if out is None else [out.view(torch.int16)])
+    for simd in LEVELS:
+        for name, got, want in zip(("param", "exp_avg", "exp_avg_sq", "out16"), results[simd], results["scalar"]):
+            assert torch.equal(got, want), f"{simd}: {name} differs from the scalar path"
+
+
+# ----------------------------------------------------------------------------- unchecked entry point
+
+
+def test_unchecked_step_gives_the_checked_bits_and_bumps_autograd_versions():
+    gen = torch.Generator().manual_seed(15)
+    start = [torch.randn(1000, generator=gen), torch.zeros(1000), torch.zeros(1000)]
+    g = torch.randn(1000, generator=gen).bfloat16()
+    kw = dict(step=1, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, grad_scale=2.0)
+    checked = [t.clone() for t in start] + [torch.empty(1000, dtype=torch.float16)]
+    unchecked = [t.clone() for t in start] + [torch.empty(1000, dtype=torch.float16)]
+    cpu_adam_step(checked[0], g, checked[1], checked[2], out16=checked[3], **kw)
+    versions = [t._version for t in unchecked]
+    cpu_adam_step_unchecked(unchecked[0], g, unchecked[1], unchecked[2], out16=unchecked[3], **kw)
+    for a, b in zip(checked, unchecked):
+        assert torch.equal(a, b)
+    assert all(t._version > v for t, v in zip(unchecked, versions))
+
+
+def test_unchecked_step_raises_a_remembered_build_failure_without_building(monkeypatch):
+    failure = builder.OpUnavailable("op 'cpu_adam' failed to build: (a test's stand-in)")
+    monkeypatch.setattr(builder, "_loaded", {})
+    monkeypatch.setattr(builder, "_failed", {"cpu_adam": failure})
+    monkeypatch.setattr(builder, "_build", lambda name: pytest.fail("a failed op was built again"))
+    p, g, m, v = (torch.zeros(8) for _ in range(4))
+    for _ in range(2):
+        with pytest.raises(builder.OpUnavailable, match="stand-in"):
+            cpu_adam_step_unchecked(p, g, m, v, step=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 
 
 # ----------------------------------------------------------------------------- 16-bit copy-out

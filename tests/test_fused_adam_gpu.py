@@ -1,4 +1,5 @@
-"""FusedAdam computes what torch.optim.AdamW / Adam compute, on the GPU, in one fused launch.
+"""FusedAdam computes what torch.optim.AdamW / Adam compute, on the GPU, in one fused launch, and
+exactly what the CPU kernel computes ([Note: adam math] in csrc/adam/adam_math.h).
 
 The argument checks run before anything touches CUDA, so those tests run on any machine; the
 numerical ones need a GPU and are skipped without one.
@@ -9,7 +10,9 @@ import pytest
 import torch
 
 import zero.ops.fused_adam as fused_adam_module
-from zero.ops.fused_adam import FusedAdam, fused_adam_step
+from zero.ops import builder
+from zero.ops.cpu_adam import cpu_adam_step
+from zero.ops.fused_adam import FusedAdam, fused_adam_step, fused_adam_step_unchecked
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -103,12 +106,12 @@ def test_grad_scale_divides_the_gradient_first():
 
 
 def _reference_adam_without_bias_correction(p, g, m, v, *, lr, betas, eps, weight_decay):
-    """Plain fp32 torch ops, as the kernel's comment writes them, with bc1 = bc2 = 1 (AdamW)."""
+    """torch.optim.AdamW's single-tensor ops ([Note: adam math]) with bc1 = bc2 = 1."""
     b1, b2 = betas
     p.mul_(1 - lr * weight_decay)
-    m.mul_(b1).add_(g, alpha=1 - b1)
+    m.lerp_(g, 1 - b1)
     v.mul_(b2).addcmul_(g, g, value=1 - b2)
-    p.sub_(lr * (m / (v.sqrt() + eps)))
+    p.addcdiv_(m, v.sqrt().add_(eps), value=-lr)
 
 
 @needs_gpu
@@ -147,6 +150,85 @@ def test_long_lists_and_misaligned_views_match_torch():
             b.grad = g.clone()
         ref_opt.step()
     _assert_params_close(params, ref)
+
+
+@needs_gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_copy_out_and_grads_at_odd_offsets_beside_aligned_fp32_buffers(out_dtype):
+    """Aligned fp32 params and moments keep the four-wide path when the gradient and the 16-bit
+    copy sit at odd offsets (a stage-3 group range of a shard): those two are read and written
+    element by element inside it. The results are the same either way."""
+    shapes = [(4 * 16384 + 6,), (1001,)]
+    params = _initial_params(shapes)
+    ref = [p.clone().requires_grad_() for p in params]
+    exp_avgs = [torch.zeros_like(p) for p in params]
+    exp_avg_sqs = [torch.zeros_like(p) for p in params]
+    flat16 = torch.empty(sum(p.numel() for p in params) + 1, dtype=out_dtype, device="cuda")
+    out16 = [flat16[1:1 + params[0].numel()], flat16[1 + params[0].numel():]]
+    ref_opt = torch.optim.AdamW(ref, **HP)
+    for step in range(1, 11):
+        grads = _grads(step, shapes)
+        flat_g = torch.cat([torch.zeros(1, device="cuda")] + grads)
+        odd_grads = [flat_g[1:1 + shapes[0][0]], flat_g[1 + shapes[0][0]:]]
+        fused_adam_step(params, odd_grads, exp_avgs, exp_avg_sqs, step=step, out16=out16, **HP)
+        for b, g in zip(ref, grads):
+            b.grad = g.clone()
+        ref_opt.step()
+        for i, (p, o) in enumerate(zip(params, out16)):
+            assert torch.equal(o, p.to(out_dtype)), f"step {step}: out16[{i}] differs from params[{i}].to({out_dtype})"
+    _assert_params_close(params, ref)
+
+
+@needs_gpu
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("adamw_mode", [True, False], ids=["adamw", "adam_l2"])
+def test_fused_adam_gives_the_cpu_kernels_bits(grad_dtype, out_dtype, adamw_mode):
+    """One formula for both devices: the CUDA kernel and the CPU kernel's scalar reference call the
+    same zero_adam_element with the same step constants, so they agree bit for bit."""
+    kw = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, adamw_mode=adamw_mode, grad_scale=4.0)
+    init = _initial_params()
+    cuda = [[p.clone() for p in init], [torch.zeros_like(p) for p in init], [torch.zeros_like(p) for p in init]]
+    cpu = [[t.cpu() for t in ts] for ts in cuda]
+    outs = None if out_dtype is None else [torch.empty(p.shape, dtype=out_dtype, device="cuda") for p in init]
+    cpu_outs = None if out_dtype is None else [o.cpu() for o in outs]
+    for step in range(1, 11):
+        grads = [(g * 4.0).to(grad_dtype) for g in _grads(step)]
+        fused_adam_step(*cuda, step=step, out16=outs, **kw)
+        for i, g in enumerate(grads):
+            cpu_adam_step(cpu[0][i], g.cpu(), cpu[1][i], cpu[2][i], step=step, simd="scalar",
+                          out16=None if cpu_outs is None else cpu_outs[i], **kw)  # fmt: skip
+    for name, on_gpu, on_cpu in zip(("param", "exp_avg", "exp_avg_sq", "out16"), cuda + [outs], cpu + [cpu_outs]):
+        for i, (a, b) in enumerate(zip(on_gpu or [], on_cpu or [])):
+            assert torch.equal(a.cpu(), b), f"{name}[{i}] differs between the GPU and the CPU kernel"
+
+
+@needs_gpu
+def test_unchecked_step_gives_the_checked_bits_and_bumps_autograd_versions():
+    init = _initial_params()
+    runs = []
+    for step_fn in (fused_adam_step, fused_adam_step_unchecked):
+        params = [p.clone() for p in init]
+        exp_avgs = [torch.zeros_like(p) for p in params]
+        exp_avg_sqs = [torch.zeros_like(p) for p in params]
+        out16 = [torch.empty(p.shape, dtype=torch.bfloat16, device="cuda") for p in params]
+        versions = [t._version for t in params + exp_avgs + out16 if t.numel()]
+        step_fn(params, _grads(1), exp_avgs, exp_avg_sqs, step=1, out16=out16, **HP)
+        assert all(t._version > v for t, v in zip([t for t in params + exp_avgs + out16 if t.numel()], versions))
+        runs.append(params + exp_avgs + exp_avg_sqs + out16)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_unchecked_step_raises_a_remembered_build_failure_without_building(monkeypatch):
+    failure = builder.OpUnavailable("op 'fused_adam' failed to build: (a test's stand-in)")
+    monkeypatch.setattr(builder, "_loaded", {})
+    monkeypatch.setattr(builder, "_failed", {"fused_adam": failure})
+    monkeypatch.setattr(builder, "_build", lambda name: pytest.fail("a failed op was built again"))
+    params, grads, exp_avgs, exp_avg_sqs = _cpu_lists()
+    for _ in range(2):
+        with pytest.raises(builder.OpUnavailable, match="stand-in"):
+            fused_adam_step_unchecked(params, grads, exp_avgs, exp_avg_sqs, step=1, **HP)
 
 
 @needs_gpu

@@ -28,13 +28,13 @@ def shards_against_reference(model: str, stage: int, bucket: int):
     ref(xs, ys).backward()
 
     opt = engine.optimizer
-    opt.reducer.reduce_at_boundary()  # stages 0/1 reduce at the boundary; stage 2 already did
+    opt.reduce_gradients()  # stages 0/1 reduce at the boundary; stage 2 already did
     layout = opt.layout
     flat_ref = torch.zeros(layout.numel)
     for p, off in zip(ref.parameters(), layout.offsets):
         flat_ref[off : off + p.numel()] = p.grad.reshape(-1)
     worst = 0.0
-    for bucket_, shard in zip(layout.buckets, opt.reducer.shards):
+    for bucket_, shard in zip(layout.buckets, opt.shards):
         lo, hi = opt._own(bucket_)
         want = flat_ref[lo:hi]
         got = shard.float() / world

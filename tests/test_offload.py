@@ -110,7 +110,7 @@ def test_memory_report_separates_device_and_host_bytes(dist_run):
     (m, psi), _ = dist_run(n, memory_split, 2, OFFLOAD_OPT)
     # stage 2 + optimizer offload: 16-bit params and gradient shard on the device; fp32 master,
     # m and v (12 Psi/N) plus the 16-bit gradient staging on the host
-    assert m["device_bytes"] == m["params"] + m["grads"] + m["comm_buffers"]
+    assert m["device_bytes"] == m["params"] + m["grads"] + m["reduce_buffers"]
     assert m["host_bytes"] == m["fp32_master"] + m["optimizer_states"] + m["host_staging"]
     assert abs(m["fp32_master"] + m["optimizer_states"] - 12 * psi / n) < 12 * 16 * n
     (m3, psi3), _ = dist_run(n, memory_split, 3, OFFLOAD_BOTH)

@@ -1,4 +1,5 @@
-"""The JIT op builder: nothing at import, one build per source version, clear errors."""
+"""The JIT op builder: nothing at import, one build per source version, toolkit and GPU, one attempt
+per process for an op that fails, and clear errors."""
 import os
 import shutil
 import subprocess
@@ -10,7 +11,7 @@ import torch
 
 from zero.ops import builder
 
-LOAD_PACK = "import zero.ops.builder as b; b.load('pack')"
+LOAD_CPU_ADAM = "import zero.ops.builder as b; b.load('cpu_adam')"
 
 
 def run_python(code: str, cache: str) -> subprocess.CompletedProcess:
@@ -27,12 +28,12 @@ def test_import_zero_compiles_nothing(tmp_path):
 def test_concurrent_first_use_builds_once_and_later_loads_are_silent(tmp_path):
     cache = str(tmp_path / "cache")
     env = dict(os.environ, ZERO_CACHE_DIR=cache)
-    procs = [subprocess.Popen([sys.executable, "-c", LOAD_PACK], env=env, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", LOAD_CPU_ADAM], env=env, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     errs = [p.communicate(timeout=600)[1] for p in procs]
     assert all(p.returncode == 0 for p in procs), errs
-    lines = [line for e in errs for line in e.splitlines() if "compiling native op 'pack'" in line]
+    lines = [line for e in errs for line in e.splitlines() if "compiling native op 'cpu_adam'" in line]
     assert len(lines) == 1, errs  # one process built, the other waited for it
-    again = run_python(LOAD_PACK, cache)
+    again = run_python(LOAD_CPU_ADAM, cache)
     assert again.returncode == 0 and "compiling" not in again.stderr
 
 
@@ -40,33 +41,95 @@ def test_changing_a_source_or_flag_means_a_new_build_directory(tmp_path, monkeyp
     src = tmp_path / "csrc"
     shutil.copytree(builder.source_dir(), src)
     monkeypatch.setattr(builder, "source_dir", lambda: src)
-    first = builder.build_dir("pack")
-    assert builder.build_dir("pack") == first  # stable
-    (src / "comm" / "pack.c").write_text((src / "comm" / "pack.c").read_text() + "\n/* edited */\n")
-    second = builder.build_dir("pack")
+    first = builder.build_dir("cpu_adam")
+    assert builder.build_dir("cpu_adam") == first  # stable
+    (src / "adam" / "cpu_adam.c").write_text((src / "adam" / "cpu_adam.c").read_text() + "\n/* edited */\n")
+    second = builder.build_dir("cpu_adam")
     assert second != first
     (src / "common" / "dtypes.h").write_text((src / "common" / "dtypes.h").read_text() + "\n")
-    assert builder.build_dir("pack") != second  # shared headers count too
+    assert builder.build_dir("cpu_adam") != second  # shared headers count too
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
-    assert builder.build_dir("pack") not in (first, second)
+    assert builder.build_dir("cpu_adam") not in (first, second)
+
+
+def test_a_cuda_op_is_rebuilt_for_another_gpu_or_another_nvcc(monkeypatch):
+    """A binary holds code for the GPUs it was built on, so a cache shared with an older GPU (or
+    built by another toolkit) must not be reused."""
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)  # unset: the build targets the visible GPUs
+    monkeypatch.setattr(builder, "nvcc", lambda: "/opt/cuda/bin/nvcc")
+    monkeypatch.setattr(builder, "nvcc_version", lambda path: "Cuda compilation tools, release 12.8, V12.8.93")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (9, 0))
+    h100 = builder.build_dir("fused_adam")
+    cpu_op = builder.build_dir("cpu_adam")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (8, 0) if i == 1 else (9, 0))
+    mixed = builder.build_dir("fused_adam")
+    assert mixed != h100
+    assert builder.build_dir("cpu_adam") == cpu_op  # a CPU op does not depend on the GPUs
+    monkeypatch.setattr(builder, "nvcc_version", lambda path: "Cuda compilation tools, release 12.9, V12.9.41")
+    assert builder.build_dir("fused_adam") not in (h100, mixed)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0")  # named archs: the visible GPUs no longer matter
+    named = builder.build_dir("fused_adam")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (9, 0))
+    assert builder.build_dir("fused_adam") == named
+
+
+def test_an_nvcc_of_another_cuda_major_than_torch_is_named_up_front(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(builder, "nvcc", lambda: "/opt/cuda/bin/nvcc")
+    monkeypatch.setattr(builder, "_ninja_ok", lambda: True)
+    monkeypatch.setattr(builder, "nvcc_version", lambda path: "Cuda compilation tools, release 13.0, V13.0.88")
+    monkeypatch.setattr(builder, "_loaded", {})
+    monkeypatch.setattr(builder, "_failed", {})
+    monkeypatch.setattr(builder, "_build", lambda name: pytest.fail("built despite the version mismatch"))
+    with pytest.raises(builder.OpUnavailable, match=r"nvcc at /opt/cuda/bin/nvcc is CUDA 13\.0 but this torch was "
+                                                    r"built with CUDA 12\.8"):
+        builder.load("fused_adam")
+    monkeypatch.setattr(builder, "nvcc_version", lambda path: "Cuda compilation tools, release 12.4, V12.4.131")
+    assert builder.missing("fused_adam") is None  # same major: fine
+
+
+def test_a_failed_build_is_tried_once_per_process(tmp_path):
+    """With a C compiler that always fails (CC=false), the first load() compiles and fails; later
+    ones raise the same error at once, so a fallback that retries every step costs nothing."""
+    code = textwrap.dedent("""
+        import zero.ops.builder as b
+        for _ in range(4):
+            try:
+                b.load("cpu_adam")
+            except b.OpUnavailable as exc:
+                print("unavailable:", str(exc).splitlines()[0])
+    """)
+    env = dict(os.environ, ZERO_CACHE_DIR=str(tmp_path / "cache"), CC="false")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    attempts = [line for line in r.stderr.splitlines() if "compiling native op 'cpu_adam'" in line]
+    assert len(attempts) == 1, r.stderr
+    reports = r.stdout.splitlines()
+    assert len(reports) == 4 and len(set(reports)) == 1, r.stdout
+    assert "compiling adam/cpu_adam.c failed" in reports[0]
 
 
 def test_missing_compiler_is_a_clear_error_at_first_use(monkeypatch):
     monkeypatch.setattr(builder, "c_compiler", lambda: None)
     monkeypatch.setattr(builder, "_loaded", {})
-    assert "no C compiler" in builder.missing("pack")
-    with pytest.raises(builder.OpUnavailable, match=r"op 'pack' .* unavailable: no C compiler found"):
-        builder.load("pack")
+    monkeypatch.setattr(builder, "_failed", {})
+    assert "no C compiler" in builder.missing("cpu_adam")
+    with pytest.raises(builder.OpUnavailable, match=r"op 'cpu_adam' .* unavailable: no C compiler found"):
+        builder.load("cpu_adam")
 
 
-@pytest.mark.skipif(torch.version.cuda is not None, reason="checks the message of a CPU-only torch build")
-def test_cuda_op_on_a_cpu_only_torch_names_the_missing_piece():
+def test_cuda_op_on_a_cpu_only_torch_names_the_missing_piece(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(builder, "_loaded", {})
+    monkeypatch.setattr(builder, "_failed", {})
     with pytest.raises(builder.OpUnavailable, match=r"op 'fused_adam' .* built without CUDA"):
         builder.load("fused_adam")
 
 
 def test_unknown_op_names_the_known_ones():
-    with pytest.raises(KeyError, match="known ops: cpu_adam, pack"):
+    with pytest.raises(KeyError, match="known ops: cpu_adam, fused_adam"):
         builder.load("no_such_op")
 
 

@@ -56,12 +56,12 @@ def stage3_overflow_on_rank_one():
     engine.backward(engine(x, y))
     engine.step()
     opt = engine.optimizer
-    shards = [u.shard16.clone() for u in opt.units]
+    shards = [u.shard.clone() for u in opt.units]
     masters = [r.master.clone() for u in opt.units for r in u.ranges]
     loss = engine(x, y)
     engine.backward(loss * float("inf") if rank == 1 else loss)
     engine.step()
-    unchanged = all(torch.equal(a, u.shard16) for a, u in zip(shards, opt.units)) and \
+    unchanged = all(torch.equal(a, u.shard) for a, u in zip(shards, opt.units)) and \
         all(torch.equal(a, r.master) for a, r in zip(masters, (r for u in opt.units for r in u.ranges)))
     return opt.loss_scaler.scale, engine.skipped_steps, unchanged
 
@@ -69,3 +69,13 @@ def stage3_overflow_on_rank_one():
 def test_stage3_fp16_inf_on_one_rank_skips_the_step_everywhere(dist_run):
     for scale, skipped, unchanged in dist_run(2, stage3_overflow_on_rank_one):
         assert scale == 128.0 and skipped == 1 and unchanged
+
+
+@pytest.mark.parametrize("model", ["mlp", "gpt"])
+def test_stage3_default_config_on_a_small_model_matches(dist_run, model):
+    # DeepSpeed's defaults make every parameter of a small model persistent (<= 100k elements)
+    defaults = {"stage3_param_persistence_threshold": 100_000, "stage3_module_granularity_threshold": 0}
+    for r in dist_run(2, train_side_by_side, model=model, stage=3, eps=1e-6, extra_config=defaults):
+        assert r["units"] == ["<persistent>"]
+        assert r["error"] < 5e-6, r["error"]
+        assert r["grad_norm"] > 0

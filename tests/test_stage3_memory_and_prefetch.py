@@ -21,9 +21,10 @@ def bf16_gpt_steps(steps: int, extra: dict):
     psi = sum(p._zero.numel for p in opt.params)
     persistent = sum(p._zero.numel for u in opt.units if u.persistent for p in u.params)
     padded = sum(u.full_numel for u in opt.units)
-    return dict(memory=engine.memory_report(), comm=engine.comm_report(), psi=psi, persistent=persistent,
-                padding=padded - psi, peak_live=opt.peak_live, prefetched=opt.prefetched,
-                unit_sizes=[u.full_numel for u in opt.units if not u.persistent], traces=opt.traces)
+    memory = engine.memory_report()
+    return dict(memory=memory, comm=engine.comm_report(), psi=psi, persistent=persistent, padding=padded - psi,
+                peak_live=memory["gathered_peak"] // 2, prefetched=opt.runtime.prefetched,  # bf16: 2 bytes each
+                unit_sizes=[u.full_numel for u in opt.units if not u.persistent], traces=opt.runtime.traces)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -31,7 +32,6 @@ def test_model_state_bytes_are_16_psi_over_n_plus_persistent_params(dist_run, wo
     for r in dist_run(world_size, bf16_gpt_steps, 1, {}):
         want = 16 * r["psi"] / world_size + 2 * r["persistent"]
         assert abs(r["memory"]["model_states_total"] - want) <= 16 * r["padding"], (r["memory"], want)
-        assert r["memory"]["expected_by_formula"] == pytest.approx(want, abs=16 * r["padding"])
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -49,6 +49,7 @@ def test_a_step_moves_about_3_psi(dist_run, world_size):
 
 
 def test_gathered_elements_never_exceed_max_live_parameters(dist_run):
+    # peak_live is measured: the most bytes of unit buffers allocated at once (memory_report)
     probe = dist_run(2, bf16_gpt_steps, 1, {})[0]
     root, *blocks = probe["unit_sizes"]
     cap = root + max(blocks)  # the root (tied embedding) stays gathered around the blocks
@@ -101,7 +102,7 @@ def order_change_is_re_recorded():
         net.reverse = step >= 2
         engine.backward(engine(*make_batch("gpt", 2, g)))
         engine.step()
-        traces.append(list(engine.optimizer.traces["forward"]))
+        traces.append(list(engine.optimizer.runtime.traces["forward"]))
     return traces
 
 
@@ -112,7 +113,7 @@ def test_a_changed_order_is_re_recorded_not_abandoned(dist_run):
 
 
 def test_model_persistence_threshold_caps_the_persistent_elements():
-    from zero.stages.stage3 import plan_units
+    from zero.stages.planning import plan_units
 
     model = build_model("gpt")
     _, everything = plan_units(model, persistence_threshold=100, unit_threshold=2000)

@@ -17,10 +17,13 @@ rank's slice: the same numbers, the same logical count, less time. This clobbers
 which is always one of zero's own bucket buffers. NCCL and other backends get the real one.
 
 [Note: host tensors and NCCL]
-NCCL moves only GPU memory, but a few callers hand `Comm` host tensors: `zero.Init` broadcasting
-a parameter built on the CPU, `GatheredParameters` gathering a shard kept in host memory
-(`remote_device="cpu"`, `offload_param`). Under NCCL such tensors go through a temporary copy on
-the current GPU, so callers need not care where a tensor lives. gloo takes host tensors directly.
+NCCL moves only GPU memory, but some callers hand `Comm` host tensors: `zero.Init` broadcasting a
+parameter built on the CPU, `GatheredParameters` gathering a shard kept in host memory
+(`remote_device="cpu"`, `offload_param`), the engine broadcasting a CPU model's parameters. Under
+NCCL every collective (all-gather, reduce-scatter, all-reduce, broadcast) sends host tensors
+through temporary copies on the current GPU (outputs are allocated there, not copied there), so
+callers need not care where a tensor lives; such a call completes before it returns. gloo takes
+host tensors directly.
 
 [Note: logical counts]
 Counts are logical: a reduce-scatter of a bucket of E elements counts E elements, an all-gather
@@ -118,6 +121,19 @@ class Comm:
 
     # -- collectives
 
+    @property
+    def uses_nccl(self) -> bool:
+        """NCCL carries (at least the GPU part of) this group's collectives."""
+        return "nccl" in self.backend
+
+    def _staged(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]):
+        """Device copies of host tensors under NCCL (see [Note: host tensors and NCCL]), or None."""
+        if not self.uses_nccl or all(t.is_cuda for t in outputs + inputs):
+            return None
+        device = torch.device("cuda", torch.cuda.current_device())
+        return ([torch.empty_like(t, device=device) for t in outputs],
+                [t.to(device, non_blocking=True) for t in inputs])
+
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """output = this rank's 1/world_size slice of the SUM of `input` over ranks.
 
@@ -129,13 +145,16 @@ class Comm:
                 if output.data_ptr() != input.data_ptr():
                     output.copy_(input)
                 return _Done() if async_op else None
+            staged = self._staged([output], [input])
+            if staged is not None:
+                (out,), (inp,) = staged
+                _reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=self.group)
+                output.copy_(out)
+                return _Done() if async_op else None
             if self.backend == "gloo":
                 work = dist.all_reduce(input, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
                 return _SliceAfter(work, output, input, self.rank) if async_op else _SliceAfter(None, output, input, self.rank).wait()
             return _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
-
-    def _needs_staging(self, *tensors: torch.Tensor) -> bool:
-        return self.backend == "nccl" and any(not t.is_cuda for t in tensors)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = "all_gather"):
         """output = concatenation of every rank's `input`, in rank order. `input` may be the
@@ -146,10 +165,11 @@ class Comm:
                 if input.data_ptr() != output.data_ptr():
                     output.copy_(input)
                 return _Done() if async_op else None
-            if self._needs_staging(output, input):  # see [Note: host tensors and NCCL]
-                staged = output.to("cuda")
-                _all_gather(staged, input.to("cuda"), group=self.group)
-                output.copy_(staged)
+            staged = self._staged([output], [input])
+            if staged is not None:
+                (out,), (inp,) = staged
+                _all_gather(out, inp, group=self.group)
+                output.copy_(out)
                 return _Done() if async_op else None
             return _all_gather(output, input, group=self.group, async_op=async_op)
 
@@ -160,17 +180,26 @@ class Comm:
             if self.world_size == 1:
                 return _Done() if async_op else None
             red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+            staged = self._staged([], [tensor])
+            if staged is not None:
+                _, (t,) = staged
+                dist.all_reduce(t, op=red, group=self.group)
+                tensor.copy_(t)
+                return _Done() if async_op else None
             return dist.all_reduce(tensor, op=red, group=self.group, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """In-place broadcast from global rank `src`."""
         self._count("broadcast", tensor)
         with record_function("zero::broadcast"):
-            if self.world_size > 1 and self._needs_staging(tensor):  # see [Note: host tensors and NCCL]
-                staged = tensor.to("cuda")
-                dist.broadcast(staged, src=src, group=self.group)
-                tensor.copy_(staged)
-            elif self.world_size > 1:
+            if self.world_size == 1:
+                return
+            staged = self._staged([], [tensor])
+            if staged is not None:
+                _, (t,) = staged
+                dist.broadcast(t, src=src, group=self.group)
+                tensor.copy_(t)
+            else:
                 dist.broadcast(tensor, src=src, group=self.group)
 
     def wait_for(self, work, describe: Callable[[], str]) -> None:
@@ -182,7 +211,7 @@ class Comm:
         timeout (NCCL's watchdog) instead."""
         if work is None:
             return
-        if self.backend == "nccl":
+        if self.uses_nccl:
             work.wait()
             return
         try:

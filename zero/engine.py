@@ -15,7 +15,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -26,25 +25,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zero.comm import Comm
-from zero.config import ConfigWarning, ZeroConfig, check_supported, load_config
-from zero.offload import OffloadOptions, cpu_adam_threads
-from zero.precision import LossScaler
-from zero.stages.optimizer import ZeroOptimizer
-from zero.stages.stage3 import Stage3Optimizer
-
-IMPLEMENTED = {"stage1", "stage2", "stage3", "offload_optimizer", "offload_param"}
-DEFAULT_UNIT_ELEMENTS = 1_000_000  # a module with this many (unclaimed) parameter elements becomes a stage-3 unit
-
-# [Note: knobs without effect]
-# DeepSpeed keys that change how DeepSpeed moves memory but cannot change anything here. We say
-# so once, rather than accept them silently.
-_NO_EFFECT = {
-    ("zero_optimization", "contiguous_gradients", False): "gradients are always reduced from contiguous buckets",
-    ("zero_optimization", "allgather_partitions", False): "updated shards are always all-gathered",
-    ("zero_optimization", "round_robin_gradients", True): "gradient shards are already contiguous per bucket",
-    ("zero_optimization", "use_all_reduce_for_fetch_params", True): "stage 3 always fetches with one all-gather per unit",
-    ("zero_optimization", "allgather_sequential", True): "stage 3 always fetches a unit with one all-gather",
-}
+from zero.config import ZeroConfig, load_config
+from zero.stages import build_optimizer
 
 
 def init_distributed(dist_backend: str | None = None, timeout_s: float = 1800.0) -> None:
@@ -60,11 +42,14 @@ def init_distributed(dist_backend: str | None = None, timeout_s: float = 1800.0)
     if dist.is_initialized() or "WORLD_SIZE" not in os.environ or "MASTER_ADDR" not in os.environ:
         return
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    kwargs = {}
+    if "nccl" in backend:  # bind the rank to its GPU up front (no device guessing, eager communicator)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
     from datetime import timedelta
 
-    dist.init_process_group(backend=backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend=backend, init_method="env://", timeout=timedelta(seconds=timeout_s), **kwargs)
     atexit.register(_destroy_process_group)
 
 
@@ -127,6 +112,31 @@ def _optimizer_defaults(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None
                 bias_correction=p.bias_correction, adamw_mode=cfg.optimizer.adamw)
 
 
+def _compute_device(comm: Comm) -> torch.device:
+    """The current CUDA device, unless there is none or the process group is gloo-only (CPU ranks)."""
+    if not torch.cuda.is_available() or (comm.distributed and not comm.uses_nccl):
+        return torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device())
+    local = os.environ.get("LOCAL_RANK")
+    if comm.distributed and local is not None and int(local) != device.index and torch.cuda.device_count() > 1:
+        warnings.warn(f"zero: LOCAL_RANK is {local} but the current CUDA device is {device}; call "
+                      f"torch.cuda.set_device(LOCAL_RANK) before init_process_group (or let zero.initialize do it), "
+                      f"or several ranks will share one GPU", stacklevel=3)
+    return device
+
+
+@torch.no_grad()
+def _place_the_rest(module: nn.Module, placed: list[nn.Parameter], device: torch.device, dtype: torch.dtype,
+                    comm: Comm) -> None:
+    """Parameters the optimizer did not place (frozen ones, stages 0-2) and buffers: to the device,
+    floating ones in the training dtype, with rank 0's values."""
+    module.to(device=device, dtype=dtype)  # a no-op for the parameters the optimizer placed
+    done = {id(p) for p in placed}
+    for t in [*module.parameters(), *module.buffers()]:
+        if id(t) not in done and getattr(t, "_zero", None) is None and t.numel():
+            comm.broadcast(t.data, src=0)
+
+
 class Engine(nn.Module):
     """A model wrapped for ZeRO data-parallel training. Build it with `zero.initialize`."""
 
@@ -141,56 +151,12 @@ class Engine(nn.Module):
         super().__init__()
         self.config = config
         self.comm = Comm()
-        zc = config.zero_optimization
-        for (section, key, value), why in _NO_EFFECT.items():
-            if getattr(getattr(config, section), key) == value:
-                warnings.warn(f"{section}.{key}={value} has no effect in zero: {why}", ConfigWarning, stacklevel=3)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = _compute_device(self.comm)
         defaults = _optimizer_defaults(config, optimizer)
         groups = _param_groups(module, model_parameters if optimizer is None else optimizer.param_groups, defaults)
-
-        module.to(self.device)
-        with torch.no_grad():  # every rank starts from rank 0's weights and buffers
-            for t in [*module.parameters(), *module.buffers()]:
-                self.comm.broadcast(t.data, src=0)
         self.module = module
-
-        if config.fp16.enabled:
-            f = config.fp16
-            scaler = LossScaler(f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis,
-                                f.consecutive_hysteresis, f.min_loss_scale)
-        else:
-            scaler = LossScaler.disabled()
-        predivide = float(self.comm.world_size) if config.prescale_gradients else config.gradient_predivide_factor
-        offload = None
-        if zc.offload_optimizer is not None and zc.offload_optimizer.device == "cpu":
-            offload = OffloadOptions(pin_memory=zc.offload_optimizer.pin_memory,
-                                     tile_elements=max(1, min(zc.sub_group_size, 1 << 22)), num_threads=cpu_adam_threads())
-        common = dict(comm=self.comm, dtype=config.dtype, gradient_clipping=config.gradient_clipping, loss_scaler=scaler,
-                      check_overflow=config.fp16.enabled or config.bf16.check_grad_overflow, predivide=predivide,
-                      offload=offload)
-        if zc.stage == 3:  # shards are cut from the fp32 values first, then the module is cast
-            self.optimizer = Stage3Optimizer(
-                module, groups, comm_dtype=config.communication_dtype,
-                accumulation_steps=config.gradient_accumulation_steps,
-                persistence_threshold=zc.param_persistence_threshold,
-                persistence_budget=zc.model_persistence_threshold if zc.model_persistence_threshold < sys.maxsize else None,
-                unit_threshold=zc.module_granularity_threshold or DEFAULT_UNIT_ELEMENTS,
-                prefetch_elements=zc.prefetch_bucket_size, max_live_elements=zc.max_live_parameters,
-                max_reuse_distance=zc.max_reuse_distance, overlap_comm=zc.overlap_comm, device=self.device,
-                offload_param=zc.offload_param is not None and zc.offload_param.device == "cpu",
-                pin_memory=zc.offload_param is not None and zc.offload_param.pin_memory, **common)
-            if config.precision != "fp32":
-                module.to(config.dtype)
-        else:
-            master = {p: p.detach().float().clone() for g in groups for p in g["params"]} if config.precision != "fp32" else None
-            if config.precision != "fp32":
-                module.to(config.dtype)
-            self.optimizer = ZeroOptimizer(
-                groups, stage=zc.stage, master_values=master,
-                bucket_size=max(1, min(zc.reduce_bucket_size, zc.allgather_bucket_size)),
-                comm_dtype=config.communication_dtype, accumulation_steps=config.gradient_accumulation_steps,
-                overlap_comm=zc.overlap_comm, reduce_scatter=zc.reduce_scatter, **common)
+        self.optimizer = build_optimizer(module, groups, config, self.comm, self.device)
+        _place_the_rest(module, self.optimizer.params, self.device, config.dtype, self.comm)
         self.optimizer.at_boundary = config.gradient_accumulation_steps == 1
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.micro_steps = 0
@@ -257,8 +223,6 @@ class Engine(nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of `loss / gradient_accumulation_steps * loss_scale`; gradients flow into the
         partitioned buffers through hooks. Returns the loss it was given."""
-        if self._in_no_sync and self.config.zero_optimization.stage >= 2:
-            raise RuntimeError("no_sync() cannot be used with ZeRO stage 2: gradients are partitioned as they arrive")
         scaled = loss.float() * (self.optimizer.loss_scaler.scale / self.config.gradient_accumulation_steps)
         with self._timed("backward"):
             scaled.backward(retain_graph=retain_graph)
@@ -270,14 +234,16 @@ class Engine(nn.Module):
 
     def step(self) -> None:
         """Call after every micro-batch's backward; updates weights only at the boundary."""
+        if self._in_no_sync:
+            raise RuntimeError("engine.step() was called inside no_sync(): the gradients of the steps inside are not "
+                               "reduced across ranks, so stepping now would update each rank with its own gradient "
+                               "and the ranks would diverge. Leave the no_sync() context before calling step().")
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self.optimizer.at_boundary = self.is_gradient_accumulation_boundary()  # for the next backward
         self.global_samples += self.config.train_micro_batch_size_per_gpu * self.comm.world_size
         if not boundary:
             return
-        if hasattr(self.optimizer, "reducer"):
-            self.optimizer.reducer.sync_enabled = not self._in_no_sync
         with self._timed("step"):
             updated = self.optimizer.step()
         if self.comm.world_size > 1 and self.module.training:
@@ -309,10 +275,13 @@ class Engine(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Stages 0/1: skip the gradient reduction of steps inside the context (as DDP.no_sync).
-        Not allowed with stage 2, whose gradients are partitioned as they arrive."""
+        """Stages 0/1: backward passes inside the context accumulate gradients locally without
+        communicating, as DDP.no_sync; the reduction happens at the first `step()` outside it
+        (calling `step()` inside is an error, as in DeepSpeed). Not allowed with stages 2 and 3,
+        whose gradients are partitioned as they arrive."""
         if self.config.zero_optimization.stage >= 2:
-            raise RuntimeError("no_sync() cannot be used with ZeRO stage 2: gradients are partitioned as they arrive")
+            raise RuntimeError(f"no_sync() cannot be used with ZeRO stage {self.config.zero_optimization.stage}: "
+                               f"gradients are partitioned as they arrive")
         self._in_no_sync = True
         try:
             yield
@@ -351,41 +320,19 @@ class Engine(nn.Module):
     # -- reports ----------------------------------------------------------------------------
 
     def memory_report(self) -> dict[str, Any]:
-        """Bytes per rank of model states by kind, beside what the ZeRO paper's formula predicts.
+        """Bytes this rank holds, measured from the storages the engine holds (an alias counts
+        once; a freed stage-3 buffer counts 0), not computed from a formula.
 
-        `expected` uses Psi = trainable parameters, N = ranks sharing the optimizer state, and the
-        real element sizes (2 bytes for 16-bit params/grads, 4 for fp32): stage 0 keeps all of
-        params, grads and optimizer states; stage 1 partitions the fp32 master and Adam states;
-        stage 2 also the gradients; stage 3 also the 16-bit parameters (16 Psi/N in mixed precision),
-        plus the full copies of persistent (small) parameters. Padding accounts for any small
-        difference. Stage 3 also reports `gathered_peak`, the most bytes of gathered parameters
-        held at once.
+        Keys: `params`, `grads`, `fp32_master`, `optimizer_states` and their sum
+        `model_states_total`; `device_bytes` and `host_bytes` (where they live: offload moves
+        optimizer states, and stage-3 parameter shards, to the host); `host_staging` (offload's
+        host gradient and copy-back buffers); `reduce_buffers` and `reduce_buffers_peak`
+        (gradient buffers being filled or reduced, now and at most). Stage 3 adds
+        `gathered_bytes` and `gathered_peak` (gathered full parameters now and at most, persistent
+        ones excluded), `gather_buffers_peak` (all-gather outputs before they are copied into
+        units) and `persistent_params` (elements kept whole on every rank).
         """
-        report = self.optimizer.memory_report()
-        n = self.comm.world_size
-        p16 = torch.finfo(self.config.dtype).bits // 8
-        zc = self.config.zero_optimization
-        offloaded = self.optimizer.offload is not None or getattr(self.optimizer, "offload_param", False)
-        master_el = 0 if self.config.dtype == torch.float32 and not offloaded else 4  # fp32: params are the master
-        stage = self.config.zero_optimization.stage
-        if stage == 3:
-            psi = sum(p._zero.numel for g in self.optimizer.param_groups for p in g["params"])
-            grad_el = next((r.grad.element_size() for u in self.optimizer.units for r in u.ranges), p16)
-            expected = (p16 + grad_el + master_el + 8) * psi / n + p16 * report["persistent_params"]
-        else:
-            psi = self.optimizer.layout.param_numel
-            reducer = self.optimizer.reducer
-            grad_el = reducer.flat_grad.element_size() if reducer.flat_grad is not None else reducer.shards[0].element_size()
-            opt = (master_el + 8) * psi
-            expected = {
-                0: p16 * psi + grad_el * psi + opt,
-                1: p16 * psi + grad_el * psi + opt / n,
-                2: p16 * psi + (grad_el * psi + opt) / n,
-            }[stage]
-        report["model_states_total"] = sum(report[k] for k in ("params", "grads", "fp32_master", "optimizer_states"))
-        report["expected_by_formula"] = int(expected)
-        report["params_count"] = psi
-        return report
+        return self.optimizer.memory_report()
 
     # -- saving -----------------------------------------------------------------------------
 
@@ -461,7 +408,6 @@ def initialize(
         init_distributed()
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     cfg = load_config(config, world_size=world_size)  # every config error is raised here, first
-    check_supported(cfg, IMPLEMENTED)
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(model.parameters() if model_parameters is None else model_parameters)
     engine = Engine(model, cfg, model_parameters, optimizer, lr_scheduler)

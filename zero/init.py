@@ -7,7 +7,7 @@
     zero.register_external_parameter(module, param)   # module's forward uses a param it doesn't own
     zero.set_z3_leaf_modules(model, [MoEBlock])  # gather these modules as one unit each
 
-See [Note: parameter shards] in zero/stages/units.py for what a sharded parameter is.
+See [Note: parameter shards] in zero/partition/shards.py for what a sharded parameter is.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zero.comm import Comm
-from zero.stages.units import ShardedParam, gather_param, shard_numel, take_shard
+from zero.partition.shards import ShardedParam, gather_param, shard_numel, take_shard
 
 
 def _all_subclasses(cls: type) -> set[type]:
@@ -197,7 +197,7 @@ class GatheredParameters:
         unit = info.unit
         if unit is not None:  # keep the fp32 master in step with the new value
             for r in unit.ranges:
-                if r.lo <= info.offset < r.hi and r.master.data_ptr() != unit.shard16.data_ptr():
+                if r.lo <= info.offset < r.hi and r.master.data_ptr() != unit.shard.data_ptr():
                     r.master[info.offset - r.lo : info.offset - r.lo + info.shard_numel].copy_(mine)
 
 

@@ -4,27 +4,39 @@
 Per rank and step, with Psi/N the rank's share of the parameters:
 1. Backward: as soon as a gradient shard is final for the step (its bucket or unit was reduced on
    the accumulation-boundary micro-step), it is copied to a host staging buffer of the same dtype
-   (`HostAdam.grad_ready`), asynchronously on CUDA (pinned memory), while backward goes on. That
-   is the 2 Psi/N bytes (16-bit) that leave the device.
+   (`HostAdam.grad_ready`). On CUDA the copy runs on a copy stream, after the reduction that
+   produced the shard and beside the rest of backward, into page-locked memory. That is the
+   2 Psi/N bytes (16-bit) that leave the device.
 2. Step: the CPU Adam (AVX-512/AVX2, OpenMP on the rank's share of the cores) updates the host
    fp32 master, exp_avg and exp_avg_sq tile by tile, and writes the tile's new 16-bit values in
-   the same pass. Each finished tile is copied back to the device (asynchronously, through two
-   alternating pinned buffers) while the next tile is being updated: the 2 Psi/N bytes that come
-   back. The step ends when the last copy has landed.
+   the same pass. Each finished tile is copied back to the device on the copy stream, through two
+   alternating page-locked tiles, while the next tile is being updated: the 2 Psi/N bytes that
+   come back. The compute stream waits for the last of them before the parameters are used.
 3. The model's 16-bit parameters never leave the device (stage 3 with `offload_param` keeps their
    shards on the host too, and stages a shard onto the device only to all-gather it).
 
 On a machine without a GPU the host is the device. The same code path still runs, with its own
 host buffers and real copies, which is what the CPU tests exercise.
+
+[Note: page-locked host memory]
+`tensor.pin_memory()` copies into a second, pinned tensor (twice the host memory for a moment),
+and torch's pinned allocator rounds every block up to a power of two and caches freed blocks. Host
+state here is allocated pageable and then page-locked in place with `cudaHostRegister`: no copy,
+no rounding. The registrations are undone when the optimizer that owns the memory is collected.
 """
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+import warnings
+import weakref
+from typing import TYPE_CHECKING
 
 import torch
 from torch.autograd.profiler import record_function
+
+if TYPE_CHECKING:
+    from zero.stages.policies import OffloadOptions
 
 
 def cpu_adam_threads() -> int:
@@ -36,43 +48,64 @@ def cpu_adam_threads() -> int:
     return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
-def host_empty(like: torch.Tensor, pin: bool, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """An empty host tensor shaped like `like`, pinned when asked and CUDA is there to pin for."""
-    t = torch.empty(like.shape, dtype=dtype or like.dtype, device="cpu")
-    return t.pin_memory() if pin and torch.cuda.is_available() else t
+def _unregister(tensors: list[torch.Tensor]) -> None:
+    try:
+        cudart = torch.cuda.cudart()
+        for t in tensors:
+            cudart.cudaHostUnregister(t.data_ptr())
+    except Exception:  # noqa: BLE001 - at interpreter exit CUDA may already be gone
+        pass
+    tensors.clear()
 
 
-@dataclass(frozen=True)
-class OffloadOptions:
-    """How optimizer offload runs.
+class HostMemory:
+    """Host tensors for offloaded state; see [Note: page-locked host memory].
 
     Args:
-        pin_memory: pin host buffers (faster asynchronous copies; needs CUDA).
-        tile_elements: elements per CPU Adam tile (DeepSpeed's `sub_group_size`, capped).
-        num_threads: CPU Adam threads (see cpu_adam_threads).
-        overlap: copy gradients out during backward and pipeline the copy-back tile by tile;
-            False does every copy inside the step, one whole shard at a time (for comparison).
+        owner: the object whose lifetime the registrations follow (the optimizer).
     """
 
-    pin_memory: bool = True
-    tile_elements: int = 1 << 22
-    num_threads: int = 1
-    overlap: bool = True
+    def __init__(self, owner: object):
+        self._registered: list[torch.Tensor] = []
+        weakref.finalize(owner, _unregister, self._registered)
+
+    def empty(self, shape, dtype: torch.dtype, pin: bool = True) -> torch.Tensor:
+        """An uninitialised host tensor, page-locked when `pin` and CUDA is there to pin for."""
+        t = torch.empty(shape, dtype=dtype, device="cpu")
+        if not pin or not torch.cuda.is_available() or t.numel() == 0:
+            return t
+        if torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.untyped_storage().nbytes(), 0) == 0:
+            self._registered.append(t)
+            return t
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)  # registration refused
+
+    def empty_pageable(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        return self.empty(shape, dtype, pin=False)
 
 
 class _Copy:
-    """A copy that may still be running: an event on CUDA, nothing to wait for on the CPU."""
+    """A copy that may still be running: on CUDA it runs on `stream` and records an event."""
 
-    def __init__(self, dst: torch.Tensor, src: torch.Tensor):
-        dst.copy_(src, non_blocking=True)
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor, stream):
         self.event = None
-        if src.is_cuda or dst.is_cuda:
+        if stream is None:
+            dst.copy_(src)
+            return
+        stream.wait_stream(torch.cuda.current_stream())  # after whatever produced `src`
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
             self.event = torch.cuda.Event()
-            self.event.record()
+            self.event.record(stream)
 
     def wait(self) -> None:
+        """Block the host until the copy has landed."""
         if self.event is not None:
             self.event.synchronize()
+
+    def join(self) -> None:
+        """Make the current stream wait for the copy (the host goes on)."""
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
 
 
 class HostAdam:
@@ -82,11 +115,18 @@ class HostAdam:
         slots: the optimizer's slots (group, master, grad, exp_avg, exp_avg_sq, out16); master,
             exp_avg and exp_avg_sq are host tensors, grad and out16 live where the model is.
         options: OffloadOptions.
+        memory: where page-locked host buffers come from.
     """
 
-    def __init__(self, slots, options: OffloadOptions):
+    def __init__(self, slots, options: OffloadOptions, memory: HostMemory):
         self.options = options
-        self.grads = [host_empty(s[2], options.pin_memory) for s in slots]
+        self.memory = memory
+        on_cuda = any(s[2].is_cuda for s in slots)
+        self.stream = torch.cuda.Stream() if on_cuda else None
+        if on_cuda and not options.pin_memory:
+            warnings.warn("zero: offload_optimizer.pin_memory is false, so every copy between the GPU and the host "
+                          "blocks the host (set pin_memory: true to overlap them with backward)", stacklevel=3)
+        self.grads = [memory.empty(s[2].shape, s[2].dtype, options.pin_memory) for s in slots]
         self.index = {id(s[2]): i for i, s in enumerate(slots)}
         self.pending: dict[int, _Copy] = {}
         # two alternating staging tiles per 16-bit dtype: one being filled, one being copied
@@ -96,9 +136,16 @@ class HostAdam:
     def grad_ready(self, grad: torch.Tensor) -> None:
         """A gradient shard is final for this step: start copying it to the host."""
         i = self.index.get(id(grad))
-        if i is not None and self.options.overlap:
+        if i is not None:
             with record_function("zero::offload_grad_copy"):
-                self.pending[i] = _Copy(self.grads[i], grad)
+                self.pending[i] = _Copy(self.grads[i], grad, self.stream)
+
+    def discard(self) -> None:
+        """Forget copies of a step that will not happen (a skipped step, zero_grad): later
+        writes to the gradient shards wait for them, and no later step reads them."""
+        for c in self.pending.values():
+            c.join()
+        self.pending.clear()
 
     def step(self, slots, adam, out16_on_host: list[bool]) -> None:
         """Run `adam(group, master, grad, exp_avg, exp_avg_sq, out16)` on host tiles and copy the
@@ -107,10 +154,10 @@ class HostAdam:
         k = 0
         for i, (group, master, grad, exp_avg, exp_avg_sq, out16) in enumerate(slots):
             start = time.perf_counter()
-            (self.pending.pop(i, None) or _Copy(self.grads[i], grad)).wait()  # not copied during backward: now
+            (self.pending.pop(i, None) or _Copy(self.grads[i], grad, self.stream)).wait()  # not copied yet: now
             self.times["grad_copy_wait"] += time.perf_counter() - start
             n = master.numel()
-            tile = self.options.tile_elements if self.options.overlap else max(n, 1)
+            tile = self.options.tile_elements
             for lo in range(0, n, tile):
                 hi = min(n, lo + tile)
                 staged = out16 is not None and out16.dtype != torch.float32 and not out16_on_host[i]
@@ -130,21 +177,18 @@ class HostAdam:
                 self.times["cpu_adam"] += time.perf_counter() - start
                 if out16 is not None and (staged or out16.dtype == torch.float32):
                     with record_function("zero::offload_param_copy"):  # fp32 training copies the master itself
-                        ring[k % 2] = _Copy(out16[lo:hi], target if staged else master[lo:hi])
+                        ring[k % 2] = _Copy(out16[lo:hi], target if staged else master[lo:hi], self.stream)
                     k += 1
-        start = time.perf_counter()
-        for c in ring:
+        for c in ring:  # the parameters are used next on the compute stream
             if c is not None:
-                c.wait()
-        self.times["param_copy_wait"] += time.perf_counter() - start
+                c.join()
 
     def _staging_tile(self, dtype: torch.dtype, which: int, numel: int) -> torch.Tensor:
         bufs = self.staging.setdefault(dtype, [torch.empty(0, dtype=dtype), torch.empty(0, dtype=dtype)])
         if bufs[which].numel() < numel:
-            t = torch.empty(numel, dtype=dtype)
-            bufs[which] = t.pin_memory() if self.options.pin_memory and torch.cuda.is_available() else t
+            bufs[which] = self.memory.empty(numel, dtype, self.options.pin_memory)
         return bufs[which][:numel]
 
-    def host_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.grads) + sum(
-            t.numel() * t.element_size() for bufs in self.staging.values() for t in bufs)
+    def host_tensors(self) -> list[torch.Tensor]:
+        """Host buffers of its own (gradient staging and copy-back tiles)."""
+        return [*self.grads, *(t for bufs in self.staging.values() for t in bufs)]

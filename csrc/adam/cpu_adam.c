@@ -1,33 +1,10 @@
-/* CPU Adam / AdamW step. See cpu_adam.h for the contract.
+/* CPU Adam / AdamW step. See cpu_adam.h for the contract and adam/adam_math.h for the math.
  *
  * Layout of this file:
- *   1. coefficients: the per-step constants, computed once in double on the host side
- *   2. the portable scalar path: the reference the SIMD paths are tested against
- *   3. the AVX2 path (8 lanes) and the AVX-512 path (16 lanes), x86-64 only
- *   4. run-time dispatch and OpenMP tiling
- *   5. the stream pass used by the benchmark as a bandwidth ceiling
- *
- * [Note: adam math]
- * The per-element formulas follow torch.optim.Adam's single-tensor implementation operation by
- * operation, so results agree with torch to fp32 round-off:
- *     AdamW:  p = p * (1 - lr*wd)           torch: param.mul_(1 - lr * weight_decay)
- *     Adam:   g = g + wd * p                torch: grad.add(param, alpha=weight_decay)
- *             m = m + (1-beta1) * (g - m)   torch: exp_avg.lerp_(grad, 1 - beta1)
- *             v = v*beta2 + (1-beta2)*g*g   torch: exp_avg_sq.mul_(beta2).addcmul_(grad, grad, ...)
- *             d = sqrt(v) / sqrt(bc2) + eps
- *             p = p + (-lr/bc1) * m / d     torch: param.addcdiv_(exp_avg, denom, value=-step_size)
- * Python evaluates lr/bc1, sqrt(bc2) and 1 - lr*wd in double and torch rounds each to fp32 once
- * when it is used as a tensor scalar; `make_coeffs` does the same.
- *
- * The SIMD paths differ from that order in two ways, each worth the last bit or two, never more
- * than round-off: they use fused multiply-adds (the lerp, as torch's own vectorised lerp does, the
- * v update and the L2 term), and they multiply sqrt(v) by 1/sqrt(bc2) (computed in double)
- * instead of dividing by sqrt(bc2). The second is for speed: a 16-lane division costs about as
- * much as a 16-lane square root. With two divisions and a square root per vector, the loop's
- * arithmetic on a 2-core AVX-512 host took 0.41 ns per element per thread (in cache), about 70%
- * of the ~0.6 ns its 28 bytes take per thread at full memory bandwidth: too close to hide behind
- * the memory traffic, and the step measured up to ~12% slower than torch's fused AdamW at 100M
- * parameters. With one division it takes 0.33 ns and the two run level.
+ *   1. the portable scalar path: the reference, one zero_adam_element per element
+ *   2. the AVX2 path (8 lanes) and the AVX-512 path (16 lanes), x86-64 only; they perform the
+ *      operations of [Note: adam math] in its order, with intrinsics, and give the scalar bits
+ *   3. run-time dispatch and OpenMP tiling
  *
  * The 16-bit copy-out rounds to nearest even exactly like common/dtypes.h, bit-identical to
  * torch's `.to()` for every non-NaN value (infinities, overflow to infinity, fp16 subnormals,
@@ -40,6 +17,7 @@
 #include <stddef.h>
 #include <string.h>
 
+#include "adam/adam_math.h"
 #include "common/dtypes.h"
 
 #ifdef _OPENMP
@@ -67,123 +45,59 @@
  * buffer has a partial vector at its end. */
 enum { TILE = 1 << 14 };
 
-/* ============================================================================ 1. coefficients */
+#define ALWAYS_INLINE inline __attribute__((always_inline))
 
-typedef struct {
-    int scale_grad;      /* divide the gradient by grad_scale (skipped when it is exactly 1) */
-    int adamw;           /* decoupled decay (multiply p by decay) or L2 (add l2 * p to g) */
-    float grad_scale;
-    float decay;         /* 1 - lr*wd in AdamW mode, else 1 */
-    float l2;            /* wd in Adam mode, else 0 */
-    float beta2;
-    float one_minus_beta1;
-    float one_minus_beta2;
-    float neg_step_size; /* -lr / bc1 */
-    float bc2_sqrt;      /* sqrt(bc2) */
-    float inv_bc2_sqrt;  /* 1 / sqrt(bc2), for the SIMD paths (see [Note: adam math]) */
-    float eps;
-} coeffs;
+/* Every path updates a tile through a function of this shape; od == ZERO_F32 means "no copy-out". */
+#define TILE_PARAMS \
+    int64_t n, float *p, const void *g, int gd, float *m, float *v, void *out, int od, const zero_adam_coeffs *c
 
-static coeffs make_coeffs(const zero_adam_config *cfg) {
-    coeffs c;
-    double bc1 = 1.0, bc2 = 1.0;
-    if (cfg->bias_correction) {
-        bc1 = 1.0 - pow(cfg->beta1, (double)cfg->step);
-        bc2 = 1.0 - pow(cfg->beta2, (double)cfg->step);
+/* Inside a tile function: call TYPED(n, p, g, GD, m, v, out, OD, c) with the grad dtype GD and the
+ * copy-out dtype OD as constants, one instantiation per pair, so the always-inlined TYPED has no
+ * dtype switch left in its inner loop. */
+#define DISPATCH_OUT(TYPED, GD)                           \
+    if (out == NULL)                                      \
+        TYPED(n, p, g, GD, m, v, NULL, ZERO_F32, c);      \
+    else if (od == ZERO_BF16)                             \
+        TYPED(n, p, g, GD, m, v, out, ZERO_BF16, c);      \
+    else                                                  \
+        TYPED(n, p, g, GD, m, v, out, ZERO_F16, c);
+#define DISPATCH_DTYPES(TYPED)        \
+    if (gd == ZERO_F32) {             \
+        DISPATCH_OUT(TYPED, ZERO_F32)  \
+    } else if (gd == ZERO_BF16) {     \
+        DISPATCH_OUT(TYPED, ZERO_BF16) \
+    } else {                          \
+        DISPATCH_OUT(TYPED, ZERO_F16)  \
     }
-    c.scale_grad = cfg->grad_scale != 1.0;
-    c.adamw = cfg->adamw_mode != 0;
-    c.grad_scale = (float)cfg->grad_scale;
-    c.decay = c.adamw ? (float)(1.0 - cfg->lr * cfg->weight_decay) : 1.0f;
-    c.l2 = c.adamw ? 0.0f : (float)cfg->weight_decay;
-    c.beta2 = (float)cfg->beta2;
-    c.one_minus_beta1 = (float)(1.0 - cfg->beta1);
-    c.one_minus_beta2 = (float)(1.0 - cfg->beta2);
-    c.neg_step_size = (float)(-(cfg->lr / bc1));
-    c.bc2_sqrt = (float)sqrt(bc2);
-    c.inv_bc2_sqrt = (float)(1.0 / sqrt(bc2));
-    c.eps = (float)cfg->eps;
-    return c;
-}
 
-/* ============================================================================ 2. scalar path */
+/* ============================================================================ 1. scalar path */
 
-/* The reference: one element at a time, in the operation order of [Note: adam math].
- * The coefficients are copied into locals first: through the pointer, the compiler would have to
- * reload them after every float store (they could alias). gd, od and adamw are constants at each
- * call site in adam_tile_scalar, so the loop body has no branches on them. (It stays scalar:
- * sqrtf's errno path, kept by the -std=c11 build, stops the compiler from vectorising it.) */
-static inline __attribute__((always_inline)) void scalar_adam_typed(int64_t n, float *p, const void *g, int gd,
-                                                                   float *m, float *v, void *out, int od,
-                                                                   int adamw, const coeffs *cp) {
-    const coeffs c = *cp;
+/* The reference: one element at a time through zero_adam_element. The coefficients are copied
+ * into a local first: through the pointer, the compiler would have to reload them after every
+ * float store (they could alias). gd and od are constants at each call site. */
+static ALWAYS_INLINE void scalar_adam_typed(TILE_PARAMS) {
+    const zero_adam_coeffs k = *c;
     for (int64_t i = 0; i < n; i++) {
-        float grad = zero_load_f32(g, gd, i);
-        if (c.scale_grad) grad = grad / c.grad_scale;
-        float param = p[i];
-        if (adamw)
-            param = param * c.decay;
-        else
-            grad = grad + c.l2 * param;
-        float mi = m[i] + c.one_minus_beta1 * (grad - m[i]);
-        float vi = v[i] * c.beta2 + c.one_minus_beta2 * grad * grad;
-        float denom = sqrtf(vi) / c.bc2_sqrt + c.eps;
-        param = param + c.neg_step_size * mi / denom;
-        p[i] = param;
+        float pi = p[i], mi = m[i], vi = v[i];
+        zero_adam_element(&pi, &mi, &vi, zero_load_f32(g, gd, i), &k);
+        p[i] = pi;
         m[i] = mi;
         v[i] = vi;
-        if (od != ZERO_F32) zero_store_f32(out, od, i, param);
+        if (od != ZERO_F32) zero_store_f32(out, od, i, pi);
     }
 }
 
-static void adam_tile_scalar(int64_t n, float *p, const void *g, int gd, float *m, float *v, void *out,
-                             int od, const coeffs *c) {
-    /* one instantiation per (grad dtype, copy-out dtype, decay mode); ZERO_F32 out = no copy-out */
-#define ZERO_SCALAR_MODE(GD, OD)                                             \
-    if (c->adamw)                                                            \
-        scalar_adam_typed(n, p, g, GD, m, v, out, OD, 1, c);                 \
-    else                                                                     \
-        scalar_adam_typed(n, p, g, GD, m, v, out, OD, 0, c);
-#define ZERO_SCALAR_CASE(GD)                                                 \
-    if (out == NULL) {                                                       \
-        ZERO_SCALAR_MODE(GD, ZERO_F32)                                       \
-    } else if (od == ZERO_BF16) {                                            \
-        ZERO_SCALAR_MODE(GD, ZERO_BF16)                                      \
-    } else {                                                                 \
-        ZERO_SCALAR_MODE(GD, ZERO_F16)                                       \
-    }
-    if (gd == ZERO_F32) {
-        ZERO_SCALAR_CASE(ZERO_F32)
-    } else if (gd == ZERO_BF16) {
-        ZERO_SCALAR_CASE(ZERO_BF16)
-    } else {
-        ZERO_SCALAR_CASE(ZERO_F16)
-    }
-#undef ZERO_SCALAR_CASE
-#undef ZERO_SCALAR_MODE
-}
-
-static void stream_tile_scalar(int64_t n, float *p, const float *g, float *m, float *v) {
-    for (int64_t i = 0; i < n; i++) {
-        p[i] += g[i];
-        m[i] += g[i];
-        v[i] += g[i];
-    }
-}
+static void adam_tile_scalar(TILE_PARAMS) { DISPATCH_DTYPES(scalar_adam_typed) }
 
 #if ZERO_HAVE_X86_SIMD
-/* ============================================================================ 3. SIMD paths
+/* ============================================================================ 2. SIMD paths
  *
- * Each path has a vector body that updates exactly one vector of W elements at index i. A tile
- * runs the body over its full vectors; its last partial vector (at most W-1 elements, only in
- * the last tile of a buffer) is copied into small local buffers, run through the same body and
- * copied back, so every element of a buffer goes through the same arithmetic.
- *
- * The bodies are written once per (grad dtype, out dtype) pair through always-inlined helpers
- * whose dtype arguments are compile-time constants at each call site, so the dtype switches
- * vanish from the inner loops. */
-
-#define ALWAYS_INLINE inline __attribute__((always_inline))
+ * Each path has a vector body that updates exactly one vector of W elements at index i, with
+ * the operations of [Note: adam math] in its order (the same fmas, IEEE sqrt and division), so
+ * each lane computes what zero_adam_element computes. A tile runs the body over its full
+ * vectors; its last partial vector (at most W-1 elements, only in the last tile of a buffer)
+ * goes through the same body via zero-padded local copies (partial_vec), so every element of a
+ * buffer gets the same arithmetic. The two paths differ only in their width and intrinsics. */
 
 /* [Note: streaming stores]
  * param, exp_avg and exp_avg_sq are read and written back in the same pass, so their cache lines
@@ -197,6 +111,29 @@ static void stream_tile_scalar(int64_t n, float *p, const float *g, float *m, fl
 static void fix_f16_nans(uint16_t *out, const float *x, int w) {
     for (int k = 0; k < w; k++)
         if (x[k] != x[k]) out[k] = zero_f32_to_f16(x[k]);
+}
+
+/* The partial last vector of a tile (rest < W <= 16 elements), zero-padded to a full vector. */
+typedef struct {
+    float p[16], m[16], v[16];
+    uint16_t out[16];
+    _Alignas(64) unsigned char g[64];
+} partial_vec;
+
+static void partial_in(partial_vec *t, int64_t rest, const float *p, const void *g, int gd, const float *m,
+                       const float *v) {
+    memset(t, 0, sizeof *t);
+    memcpy(t->p, p, (size_t)rest * 4);
+    memcpy(t->m, m, (size_t)rest * 4);
+    memcpy(t->v, v, (size_t)rest * 4);
+    memcpy(t->g, g, (size_t)rest * (size_t)zero_dtype_size(gd));
+}
+
+static void partial_out(const partial_vec *t, int64_t rest, float *p, float *m, float *v, uint16_t *out) {
+    memcpy(p, t->p, (size_t)rest * 4);
+    memcpy(m, t->m, (size_t)rest * 4);
+    memcpy(v, t->v, (size_t)rest * 4);
+    if (out != NULL) memcpy(out, t->out, (size_t)rest * 2);
 }
 
 /* ---------------------------------------------------------------------------- AVX2 + FMA + F16C */
@@ -246,7 +183,7 @@ typedef struct {
 } avx2_coeffs;
 
 TARGET_AVX2 static ALWAYS_INLINE void avx2_adam_vec(float *p, const void *g, int gd, float *m, float *v,
-                                                    void *out, int od, int nt, int64_t i, const coeffs *c,
+                                                    void *out, int od, int nt, int64_t i, const zero_adam_coeffs *c,
                                                     const avx2_coeffs *k) {
     __m256 grad = avx2_load(g, gd, i);
     if (c->scale_grad) grad = _mm256_div_ps(grad, k->grad_scale);
@@ -267,9 +204,7 @@ TARGET_AVX2 static ALWAYS_INLINE void avx2_adam_vec(float *p, const void *g, int
     if (od != ZERO_F32) avx2_store16(out, od, i, param, nt);
 }
 
-/* od == ZERO_F32 here means "no copy-out". */
-TARGET_AVX2 static ALWAYS_INLINE void avx2_adam_tile_typed(int64_t n, float *p, const void *g, int gd, float *m,
-                                                           float *v, void *out, int od, const coeffs *c) {
+TARGET_AVX2 static ALWAYS_INLINE void avx2_adam_tile_typed(TILE_PARAMS) {
     const avx2_coeffs k = {
         _mm256_set1_ps(c->grad_scale),      _mm256_set1_ps(c->decay),
         _mm256_set1_ps(c->l2),              _mm256_set1_ps(c->beta2),
@@ -282,54 +217,13 @@ TARGET_AVX2 static ALWAYS_INLINE void avx2_adam_tile_typed(int64_t n, float *p, 
     for (int64_t i = 0; i < full; i += 8) avx2_adam_vec(p, g, gd, m, v, out, od, nt, i, c, &k);
     if (nt) _mm_sfence(); /* make the streamed copy-out visible before the tile is reported done */
     if (full == n) return;
-
-    /* partial last vector: through zero-padded local copies */
-    const int64_t rest = n - full;
-    const size_t gsz = (size_t)zero_dtype_size(gd);
-    float tp[8] = {0}, tm[8] = {0}, tv[8] = {0};
-    uint16_t to[8] = {0};
-    _Alignas(32) unsigned char tg[32] = {0};
-    memcpy(tp, p + full, (size_t)rest * 4);
-    memcpy(tm, m + full, (size_t)rest * 4);
-    memcpy(tv, v + full, (size_t)rest * 4);
-    memcpy(tg, (const char *)g + (size_t)full * gsz, (size_t)rest * gsz);
-    avx2_adam_vec(tp, tg, gd, tm, tv, to, od, 0, 0, c, &k);
-    memcpy(p + full, tp, (size_t)rest * 4);
-    memcpy(m + full, tm, (size_t)rest * 4);
-    memcpy(v + full, tv, (size_t)rest * 4);
-    if (od != ZERO_F32) memcpy((uint16_t *)out + full, to, (size_t)rest * 2);
+    partial_vec t;
+    partial_in(&t, n - full, p + full, (const char *)g + full * zero_dtype_size(gd), gd, m + full, v + full);
+    avx2_adam_vec(t.p, t.g, gd, t.m, t.v, t.out, od, 0, 0, c, &k);
+    partial_out(&t, n - full, p + full, m + full, v + full, od == ZERO_F32 ? NULL : (uint16_t *)out + full);
 }
 
-TARGET_AVX2 static void adam_tile_avx2(int64_t n, float *p, const void *g, int gd, float *m, float *v, void *out,
-                                       int od, const coeffs *c) {
-    /* one instantiation per (grad dtype, copy-out dtype) pair */
-#define ZERO_AVX2_CASE(GD)                                                                  \
-    if (out == NULL)                                                                        \
-        avx2_adam_tile_typed(n, p, g, GD, m, v, NULL, ZERO_F32, c);                         \
-    else if (od == ZERO_BF16)                                                               \
-        avx2_adam_tile_typed(n, p, g, GD, m, v, out, ZERO_BF16, c);                         \
-    else                                                                                    \
-        avx2_adam_tile_typed(n, p, g, GD, m, v, out, ZERO_F16, c);
-    if (gd == ZERO_F32) {
-        ZERO_AVX2_CASE(ZERO_F32)
-    } else if (gd == ZERO_BF16) {
-        ZERO_AVX2_CASE(ZERO_BF16)
-    } else {
-        ZERO_AVX2_CASE(ZERO_F16)
-    }
-#undef ZERO_AVX2_CASE
-}
-
-TARGET_AVX2 static void stream_tile_avx2(int64_t n, float *p, const float *g, float *m, float *v) {
-    const int64_t full = n - n % 8;
-    for (int64_t i = 0; i < full; i += 8) {
-        __m256 gi = _mm256_loadu_ps(g + i);
-        _mm256_storeu_ps(p + i, _mm256_add_ps(_mm256_loadu_ps(p + i), gi));
-        _mm256_storeu_ps(m + i, _mm256_add_ps(_mm256_loadu_ps(m + i), gi));
-        _mm256_storeu_ps(v + i, _mm256_add_ps(_mm256_loadu_ps(v + i), gi));
-    }
-    stream_tile_scalar(n - full, p + full, g + full, m + full, v + full);
-}
+TARGET_AVX2 static void adam_tile_avx2(TILE_PARAMS) { DISPATCH_DTYPES(avx2_adam_tile_typed) }
 
 /* ---------------------------------------------------------------------------- AVX-512 F + BW */
 #define TARGET_AVX512 __attribute__((target("avx512f,avx512bw")))
@@ -376,8 +270,8 @@ typedef struct {
 } avx512_coeffs;
 
 TARGET_AVX512 static ALWAYS_INLINE void avx512_adam_vec(float *p, const void *g, int gd, float *m, float *v,
-                                                        void *out, int od, int nt, int64_t i, const coeffs *c,
-                                                        const avx512_coeffs *k) {
+                                                        void *out, int od, int nt, int64_t i,
+                                                        const zero_adam_coeffs *c, const avx512_coeffs *k) {
     __m512 grad = avx512_load(g, gd, i);
     if (c->scale_grad) grad = _mm512_div_ps(grad, k->grad_scale);
     __m512 param = _mm512_loadu_ps(p + i);
@@ -397,9 +291,7 @@ TARGET_AVX512 static ALWAYS_INLINE void avx512_adam_vec(float *p, const void *g,
     if (od != ZERO_F32) avx512_store16(out, od, i, param, nt);
 }
 
-TARGET_AVX512 static ALWAYS_INLINE void avx512_adam_tile_typed(int64_t n, float *p, const void *g, int gd,
-                                                               float *m, float *v, void *out, int od,
-                                                               const coeffs *c) {
+TARGET_AVX512 static ALWAYS_INLINE void avx512_adam_tile_typed(TILE_PARAMS) {
     const avx512_coeffs k = {
         _mm512_set1_ps(c->grad_scale),      _mm512_set1_ps(c->decay),
         _mm512_set1_ps(c->l2),              _mm512_set1_ps(c->beta2),
@@ -412,55 +304,16 @@ TARGET_AVX512 static ALWAYS_INLINE void avx512_adam_tile_typed(int64_t n, float 
     for (int64_t i = 0; i < full; i += 16) avx512_adam_vec(p, g, gd, m, v, out, od, nt, i, c, &k);
     if (nt) _mm_sfence();
     if (full == n) return;
-
-    const int64_t rest = n - full;
-    const size_t gsz = (size_t)zero_dtype_size(gd);
-    float tp[16] = {0}, tm[16] = {0}, tv[16] = {0};
-    uint16_t to[16] = {0};
-    _Alignas(64) unsigned char tg[64] = {0};
-    memcpy(tp, p + full, (size_t)rest * 4);
-    memcpy(tm, m + full, (size_t)rest * 4);
-    memcpy(tv, v + full, (size_t)rest * 4);
-    memcpy(tg, (const char *)g + (size_t)full * gsz, (size_t)rest * gsz);
-    avx512_adam_vec(tp, tg, gd, tm, tv, to, od, 0, 0, c, &k);
-    memcpy(p + full, tp, (size_t)rest * 4);
-    memcpy(m + full, tm, (size_t)rest * 4);
-    memcpy(v + full, tv, (size_t)rest * 4);
-    if (od != ZERO_F32) memcpy((uint16_t *)out + full, to, (size_t)rest * 2);
+    partial_vec t;
+    partial_in(&t, n - full, p + full, (const char *)g + full * zero_dtype_size(gd), gd, m + full, v + full);
+    avx512_adam_vec(t.p, t.g, gd, t.m, t.v, t.out, od, 0, 0, c, &k);
+    partial_out(&t, n - full, p + full, m + full, v + full, od == ZERO_F32 ? NULL : (uint16_t *)out + full);
 }
 
-TARGET_AVX512 static void adam_tile_avx512(int64_t n, float *p, const void *g, int gd, float *m, float *v,
-                                           void *out, int od, const coeffs *c) {
-#define ZERO_AVX512_CASE(GD)                                                                \
-    if (out == NULL)                                                                        \
-        avx512_adam_tile_typed(n, p, g, GD, m, v, NULL, ZERO_F32, c);                       \
-    else if (od == ZERO_BF16)                                                               \
-        avx512_adam_tile_typed(n, p, g, GD, m, v, out, ZERO_BF16, c);                       \
-    else                                                                                    \
-        avx512_adam_tile_typed(n, p, g, GD, m, v, out, ZERO_F16, c);
-    if (gd == ZERO_F32) {
-        ZERO_AVX512_CASE(ZERO_F32)
-    } else if (gd == ZERO_BF16) {
-        ZERO_AVX512_CASE(ZERO_BF16)
-    } else {
-        ZERO_AVX512_CASE(ZERO_F16)
-    }
-#undef ZERO_AVX512_CASE
-}
-
-TARGET_AVX512 static void stream_tile_avx512(int64_t n, float *p, const float *g, float *m, float *v) {
-    const int64_t full = n - n % 16;
-    for (int64_t i = 0; i < full; i += 16) {
-        __m512 gi = _mm512_loadu_ps(g + i);
-        _mm512_storeu_ps(p + i, _mm512_add_ps(_mm512_loadu_ps(p + i), gi));
-        _mm512_storeu_ps(m + i, _mm512_add_ps(_mm512_loadu_ps(m + i), gi));
-        _mm512_storeu_ps(v + i, _mm512_add_ps(_mm512_loadu_ps(v + i), gi));
-    }
-    stream_tile_scalar(n - full, p + full, g + full, m + full, v + full);
-}
+TARGET_AVX512 static void adam_tile_avx512(TILE_PARAMS) { DISPATCH_DTYPES(avx512_adam_tile_typed) }
 #endif /* ZERO_HAVE_X86_SIMD */
 
-/* ============================================================================ 4. dispatch */
+/* ============================================================================ 3. dispatch */
 
 int zero_cpu_adam_simd_available(int level) {
     if (level == ZERO_SIMD_SCALAR) return 1;
@@ -510,8 +363,7 @@ static int thread_count(int num_threads) {
 #endif
 }
 
-typedef void (*adam_tile_fn)(int64_t, float *, const void *, int, float *, float *, void *, int, const coeffs *);
-typedef void (*stream_tile_fn)(int64_t, float *, const float *, float *, float *);
+typedef void (*adam_tile_fn)(TILE_PARAMS);
 
 static adam_tile_fn adam_tile_for(int level) {
 #if ZERO_HAVE_X86_SIMD
@@ -522,19 +374,10 @@ static adam_tile_fn adam_tile_for(int level) {
     return adam_tile_scalar;
 }
 
-static stream_tile_fn stream_tile_for(int level) {
-#if ZERO_HAVE_X86_SIMD
-    if (level == ZERO_SIMD_AVX512) return stream_tile_avx512;
-    if (level == ZERO_SIMD_AVX2) return stream_tile_avx2;
-#endif
-    (void)level;
-    return stream_tile_scalar;
-}
-
 int zero_cpu_adam_step(int64_t n, float *param, const void *grad, int32_t grad_dtype, float *exp_avg,
                        float *exp_avg_sq, void *out16, int32_t out16_dtype, const zero_adam_config *cfg,
                        int simd, int num_threads) {
-    if (n < 0 || cfg == NULL || cfg->step < 1) return ZERO_ADAM_BAD_ARGUMENT;
+    if (n < 0 || !zero_adam_config_ok(cfg)) return ZERO_ADAM_BAD_ARGUMENT;
     if (grad_dtype != ZERO_F32 && grad_dtype != ZERO_BF16 && grad_dtype != ZERO_F16) return ZERO_ADAM_BAD_ARGUMENT;
     if (out16 != NULL && out16_dtype != ZERO_BF16 && out16_dtype != ZERO_F16) return ZERO_ADAM_BAD_ARGUMENT;
     const int level = resolve_simd(simd);
@@ -542,7 +385,7 @@ int zero_cpu_adam_step(int64_t n, float *param, const void *grad, int32_t grad_d
     if (n == 0) return ZERO_ADAM_OK;
     if (param == NULL || grad == NULL || exp_avg == NULL || exp_avg_sq == NULL) return ZERO_ADAM_BAD_ARGUMENT;
 
-    const coeffs c = make_coeffs(cfg);
+    const zero_adam_coeffs c = zero_adam_coeffs_of(cfg);
     const adam_tile_fn tile = adam_tile_for(level);
     const int64_t ntiles = (n + TILE - 1) / TILE;
     const size_t gsz = (size_t)zero_dtype_size(grad_dtype);
@@ -555,30 +398,6 @@ int zero_cpu_adam_step(int64_t n, float *param, const void *grad, int32_t grad_d
         const int64_t cnt = n - b < TILE ? n - b : TILE;
         tile(cnt, param + b, (const char *)grad + (size_t)b * gsz, grad_dtype, exp_avg + b, exp_avg_sq + b,
              out16 ? (void *)((uint16_t *)out16 + b) : NULL, out16_dtype, &c);
-    }
-    return ZERO_ADAM_OK;
-}
-
-/* ============================================================================ 5. stream pass */
-
-int zero_cpu_stream_pass(int64_t n, float *param, const float *grad, float *exp_avg, float *exp_avg_sq,
-                         int simd, int num_threads) {
-    if (n < 0) return ZERO_ADAM_BAD_ARGUMENT;
-    const int level = resolve_simd(simd);
-    if (level < 0) return level;
-    if (n == 0) return ZERO_ADAM_OK;
-    if (param == NULL || grad == NULL || exp_avg == NULL || exp_avg_sq == NULL) return ZERO_ADAM_BAD_ARGUMENT;
-
-    const stream_tile_fn tile = stream_tile_for(level);
-    const int64_t ntiles = (n + TILE - 1) / TILE;
-    const int threads = thread_count(num_threads);
-    (void)threads;
-
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (ntiles > 1 && threads > 1)
-    for (int64_t t = 0; t < ntiles; t++) {
-        const int64_t b = t * TILE;
-        const int64_t cnt = n - b < TILE ? n - b : TILE;
-        tile(cnt, param + b, grad + b, exp_avg + b, exp_avg_sq + b);
     }
     return ZERO_ADAM_OK;
 }

@@ -1,4 +1,5 @@
-/* Fused multi-tensor Adam / AdamW. See fused_adam.h for the contract and the math.
+/* Fused multi-tensor Adam / AdamW. See fused_adam.h for the contract and adam/adam_math.h for
+ * the math.
  *
  * [Note: chunk table]
  * Every tensor is cut into chunks of CHUNK elements and every chunk gets one thread block, so a
@@ -14,25 +15,23 @@
  * Only tensors are counted against the table, not chunks: one launch can cover any number of
  * elements (up to 2^31 - 1 blocks).
  *
- * Within its chunk a block walks with a block-sized stride. When every pointer of a tensor is
- * aligned for it, each thread moves four elements per step with 16-byte fp32 loads (8-byte loads
- * for 16-bit grads and copies); otherwise, or for the last < 4 elements, one at a time.
+ * Within its chunk a block walks with a block-sized stride. When param, exp_avg and exp_avg_sq
+ * are 16-byte aligned, each thread moves four elements per step with 16-byte loads and stores;
+ * the gradient and the 16-bit copy join that path whatever their own alignment, loaded and
+ * stored four-wide when aligned and element by element when not. (A 16-bit copy at an arbitrary
+ * offset, such as a stage-3 group range of a shard, must not push the fp32 traffic, 14 of every
+ * 16 bytes moved, onto the scalar path.) Misaligned fp32 buffers, and the last < 4 elements,
+ * go one element at a time.
  *
- * [Note: fused Adam arithmetic]
- * sqrt and division use __fsqrt_rn / __fdiv_rn, which are IEEE round-to-nearest whatever flags
- * the file is compiled with (--use_fast_math would otherwise turn them into approximations), so
- * the update matches torch's to fp32 round-off. Scalars that depend only on the step (bias
- * corrections, 1 - lr * wd) are computed in double on the host and rounded to fp32 once, as
- * torch does with its Python-float scalars. The 16-bit copy uses the round-to-nearest-even
- * intrinsics, giving exactly what torch's `.to(torch.bfloat16 / torch.float16)` gives on CUDA. */
+ * Arithmetic and conversions are the shared ones: zero_adam_element (IEEE sqrt and division
+ * whatever the build flags) and common/dtypes.h's roundings, exactly torch's `.to()` for every
+ * non-NaN value. Never build with --use_fast_math: it would flush fp16 subnormals to zero. */
 #include "adam/fused_adam.h"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
-#include <math.h>
 #include <stdint.h>
 
+#include "adam/adam_math.h"
 #include "common/dtypes.h"
 
 namespace {
@@ -53,65 +52,47 @@ struct AdamTable {
     int n;
 };
 
-/* The per-step scalars, already rounded to fp32. */
-struct AdamScalars {
-    float beta1, one_minus_beta1;
-    float beta2, one_minus_beta2;
-    float eps;
-    float weight_decay; /* Adam: added to the grad as weight_decay * p */
-    float decay;        /* AdamW: p *= decay, decay = 1 - lr * weight_decay */
-    float step_size;    /* lr / (1 - beta1^step) */
-    float bc2_sqrt;     /* sqrt(1 - beta2^step) */
-    float grad_scale;
-    int adamw_mode;
-};
-
-static_assert(sizeof(AdamTable) + sizeof(AdamScalars) <= 4000, "kernel arguments must stay under 4 KiB");
+static_assert(sizeof(AdamTable) + sizeof(zero_adam_coeffs) <= 4000, "kernel arguments must stay under 4 KiB");
 
 /* ---------------------------------------------------------------------------- element access */
 
-__device__ __forceinline__ float f16_bits_to_f32(uint16_t h) { return __half2float(__ushort_as_half(h)); }
-__device__ __forceinline__ float bf16_bits_to_f32(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
-
-template <int DT>
-__device__ __forceinline__ float load_grad(const void *g, int i) {
-    if (DT == ZERO_F32) return static_cast<const float *>(g)[i];
-    const uint16_t h = static_cast<const uint16_t *>(g)[i];
-    return DT == ZERO_F16 ? f16_bits_to_f32(h) : bf16_bits_to_f32(h);
+__device__ __forceinline__ bool aligned(const void *p, unsigned bytes) {
+    return (reinterpret_cast<uintptr_t>(p) & (uintptr_t)(bytes - 1)) == 0;
 }
 
-/* Four consecutive grads starting at element i (a multiple of 4), from an aligned buffer. */
-template <int DT>
-__device__ __forceinline__ float4 load_grad4(const void *g, int i) {
-    if (DT == ZERO_F32) return reinterpret_cast<const float4 *>(g)[i / 4];
+/* Four consecutive grads from element i (a multiple of 4): one 16- or 8-byte load when `vec`
+ * (the buffer is aligned for it), else four element loads. */
+template <int GD>
+__device__ __forceinline__ float4 load_grad4(const void *g, int i, bool vec) {
+    if (!vec)
+        return make_float4(zero_load_f32(g, GD, i), zero_load_f32(g, GD, i + 1), zero_load_f32(g, GD, i + 2),
+                           zero_load_f32(g, GD, i + 3));
+    if (GD == ZERO_F32) return reinterpret_cast<const float4 *>(g)[i / 4];
     const uint2 raw = reinterpret_cast<const uint2 *>(g)[i / 4];
     const uint16_t h[4] = {(uint16_t)(raw.x & 0xffffu), (uint16_t)(raw.x >> 16), (uint16_t)(raw.y & 0xffffu),
                            (uint16_t)(raw.y >> 16)};
-    if (DT == ZERO_F16)
-        return make_float4(f16_bits_to_f32(h[0]), f16_bits_to_f32(h[1]), f16_bits_to_f32(h[2]), f16_bits_to_f32(h[3]));
-    return make_float4(bf16_bits_to_f32(h[0]), bf16_bits_to_f32(h[1]), bf16_bits_to_f32(h[2]), bf16_bits_to_f32(h[3]));
+    return make_float4(zero_load_f32(h, GD, 0), zero_load_f32(h, GD, 1), zero_load_f32(h, GD, 2),
+                       zero_load_f32(h, GD, 3));
 }
 
+/* Round four updated params to OD and store them at element i: one 8-byte store when `vec`,
+ * else four 2-byte stores. */
 template <int OD>
-__device__ __forceinline__ uint16_t round16(float x) {
-    if (OD == ZERO_F16) return __half_as_ushort(__float2half_rn(x));
-    return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+__device__ __forceinline__ void store_out4(uint16_t *out, int i, float4 p, bool vec) {
+    uint16_t h[4];
+    zero_store_f32(h, OD, 0, p.x);
+    zero_store_f32(h, OD, 1, p.y);
+    zero_store_f32(h, OD, 2, p.z);
+    zero_store_f32(h, OD, 3, p.w);
+    if (vec) {
+        reinterpret_cast<uint2 *>(out)[i / 4] = make_uint2((uint32_t)h[0] | ((uint32_t)h[1] << 16),
+                                                           (uint32_t)h[2] | ((uint32_t)h[3] << 16));
+    } else {
+        for (int k = 0; k < 4; k++) out[i + k] = h[k];
+    }
 }
 
-/* ---------------------------------------------------------------------------- the update */
-
-/* One Adam step on one element; p, m, v are updated in place. */
-__device__ __forceinline__ void adam_element(float &p, float &m, float &v, float g, const AdamScalars &s) {
-    g = __fdiv_rn(g, s.grad_scale);
-    if (s.adamw_mode)
-        p = p * s.decay;
-    else
-        g = g + s.weight_decay * p;
-    m = s.beta1 * m + s.one_minus_beta1 * g;
-    v = s.beta2 * v + s.one_minus_beta2 * g * g;
-    const float denom = __fdiv_rn(__fsqrt_rn(v), s.bc2_sqrt) + s.eps;
-    p = p - s.step_size * __fdiv_rn(m, denom);
-}
+/* ---------------------------------------------------------------------------- the kernel */
 
 /* Index of the tensor that block b belongs to: the last t with first_block[t] <= b. */
 __device__ __forceinline__ int tensor_of_block(const int32_t *first_block, int n, int32_t b) {
@@ -126,12 +107,8 @@ __device__ __forceinline__ int tensor_of_block(const int32_t *first_block, int n
     return lo;
 }
 
-__device__ __forceinline__ bool aligned(const void *p, unsigned bytes) {
-    return (reinterpret_cast<uintptr_t>(p) & (uintptr_t)(bytes - 1)) == 0;
-}
-
 template <int GD, int OD>
-__global__ void __launch_bounds__(THREADS) adam_kernel(const AdamTable table, const AdamScalars s) {
+__global__ void __launch_bounds__(THREADS) adam_kernel(const AdamTable table, const zero_adam_coeffs c) {
     const int t = tensor_of_block(table.first_block, table.n, (int32_t)blockIdx.x);
     const int64_t begin = (int64_t)((int32_t)blockIdx.x - table.first_block[t]) * CHUNK;
     const int64_t left = table.numels[t] - begin;
@@ -146,69 +123,42 @@ __global__ void __launch_bounds__(THREADS) adam_kernel(const AdamTable table, co
     if (OD != NO_COPY && table.out16[t] != nullptr) out = static_cast<uint16_t *>(table.out16[t]) + begin;
 
     int done = 0;
-    if (aligned(p, 16) && aligned(m, 16) && aligned(v, 16) && aligned(g, 4 * gsize) && (out == nullptr || aligned(out, 8))) {
+    if (aligned(p, 16) && aligned(m, 16) && aligned(v, 16)) {
+        /* the same for every thread of the block: no divergence */
+        const bool g_vec = aligned(g, 4 * gsize);
+        const bool out_vec = out != nullptr && aligned(out, 8);
         const int vec_end = count & ~3;
         for (int i = 4 * (int)threadIdx.x; i < vec_end; i += 4 * THREADS) {
             float4 p4 = reinterpret_cast<float4 *>(p)[i / 4];
             float4 m4 = reinterpret_cast<float4 *>(m)[i / 4];
             float4 v4 = reinterpret_cast<float4 *>(v)[i / 4];
-            const float4 g4 = load_grad4<GD>(g, i);
-            adam_element(p4.x, m4.x, v4.x, g4.x, s);
-            adam_element(p4.y, m4.y, v4.y, g4.y, s);
-            adam_element(p4.z, m4.z, v4.z, g4.z, s);
-            adam_element(p4.w, m4.w, v4.w, g4.w, s);
+            const float4 g4 = load_grad4<GD>(g, i, g_vec);
+            zero_adam_element(&p4.x, &m4.x, &v4.x, g4.x, &c);
+            zero_adam_element(&p4.y, &m4.y, &v4.y, g4.y, &c);
+            zero_adam_element(&p4.z, &m4.z, &v4.z, g4.z, &c);
+            zero_adam_element(&p4.w, &m4.w, &v4.w, g4.w, &c);
             reinterpret_cast<float4 *>(p)[i / 4] = p4;
             reinterpret_cast<float4 *>(m)[i / 4] = m4;
             reinterpret_cast<float4 *>(v)[i / 4] = v4;
-            if (OD != NO_COPY && out != nullptr) {
-                uint2 o;
-                o.x = (uint32_t)round16<OD>(p4.x) | ((uint32_t)round16<OD>(p4.y) << 16);
-                o.y = (uint32_t)round16<OD>(p4.z) | ((uint32_t)round16<OD>(p4.w) << 16);
-                reinterpret_cast<uint2 *>(out)[i / 4] = o;
-            }
+            if (OD != NO_COPY && out != nullptr) store_out4<OD>(out, i, p4, out_vec);
         }
         done = vec_end;
     }
     for (int i = done + (int)threadIdx.x; i < count; i += THREADS) {
         float pi = p[i], mi = m[i], vi = v[i];
-        adam_element(pi, mi, vi, load_grad<GD>(g, i), s);
+        zero_adam_element(&pi, &mi, &vi, zero_load_f32(g, GD, i), &c);
         p[i] = pi;
         m[i] = mi;
         v[i] = vi;
-        if (OD != NO_COPY && out != nullptr) out[i] = round16<OD>(pi);
+        if (OD != NO_COPY && out != nullptr) zero_store_f32(out, OD, i, pi);
     }
 }
 
 /* ---------------------------------------------------------------------------- host side */
 
-AdamScalars scalars_of(const zero_fused_adam_config &o) {
-    const double bc1 = o.bias_correction ? 1.0 - pow(o.beta1, (double)o.step) : 1.0;
-    const double bc2 = o.bias_correction ? 1.0 - pow(o.beta2, (double)o.step) : 1.0;
-    AdamScalars s;
-    s.beta1 = (float)o.beta1;
-    s.one_minus_beta1 = (float)(1.0 - o.beta1);
-    s.beta2 = (float)o.beta2;
-    s.one_minus_beta2 = (float)(1.0 - o.beta2);
-    s.eps = (float)o.eps;
-    s.weight_decay = (float)o.weight_decay;
-    s.decay = (float)(1.0 - o.lr * o.weight_decay);
-    s.step_size = (float)(o.lr / bc1);
-    s.bc2_sqrt = (float)sqrt(bc2);
-    s.grad_scale = (float)o.grad_scale;
-    s.adamw_mode = o.adamw_mode ? 1 : 0;
-    return s;
-}
-
-bool config_ok(const zero_fused_adam_config *o) {
-    if (o == nullptr) return false;
-    const bool finite = isfinite(o->lr) && isfinite(o->eps) && isfinite(o->weight_decay) && isfinite(o->grad_scale);
-    return finite && o->lr >= 0 && o->beta1 >= 0 && o->beta1 < 1 && o->beta2 >= 0 && o->beta2 < 1 && o->eps >= 0 &&
-           o->weight_decay >= 0 && o->grad_scale > 0 && (!o->bias_correction || o->step >= 1);
-}
-
 template <int GD, int OD>
 int launch_all(int n, float *const *params, const void *const *grads, float *const *exp_avgs,
-               float *const *exp_avg_sqs, void *const *out16, const int64_t *numels, const AdamScalars &s,
+               float *const *exp_avg_sqs, void *const *out16, const int64_t *numels, const zero_adam_coeffs &c,
                cudaStream_t stream) {
     AdamTable table;
     table.n = 0;
@@ -216,7 +166,7 @@ int launch_all(int n, float *const *params, const void *const *grads, float *con
     auto flush = [&]() -> int {
         if (table.n == 0) return 0;
         const int32_t blocks = table.first_block[table.n];
-        adam_kernel<GD, OD><<<blocks, THREADS, 0, stream>>>(table, s);
+        adam_kernel<GD, OD><<<blocks, THREADS, 0, stream>>>(table, c);
         table.n = 0;
         table.first_block[0] = 0;
         const cudaError_t err = cudaGetLastError();
@@ -244,22 +194,22 @@ int launch_all(int n, float *const *params, const void *const *grads, float *con
 template <int GD>
 int launch_for_grad(int32_t out16_dtype, int n, float *const *params, const void *const *grads,
                     float *const *exp_avgs, float *const *exp_avg_sqs, void *const *out16,
-                    const int64_t *numels, const AdamScalars &s, cudaStream_t stream) {
+                    const int64_t *numels, const zero_adam_coeffs &c, cudaStream_t stream) {
     if (out16 == nullptr)
-        return launch_all<GD, NO_COPY>(n, params, grads, exp_avgs, exp_avg_sqs, nullptr, numels, s, stream);
+        return launch_all<GD, NO_COPY>(n, params, grads, exp_avgs, exp_avg_sqs, nullptr, numels, c, stream);
     if (out16_dtype == ZERO_F16)
-        return launch_all<GD, ZERO_F16>(n, params, grads, exp_avgs, exp_avg_sqs, out16, numels, s, stream);
-    return launch_all<GD, ZERO_BF16>(n, params, grads, exp_avgs, exp_avg_sqs, out16, numels, s, stream);
+        return launch_all<GD, ZERO_F16>(n, params, grads, exp_avgs, exp_avg_sqs, out16, numels, c, stream);
+    return launch_all<GD, ZERO_BF16>(n, params, grads, exp_avgs, exp_avg_sqs, out16, numels, c, stream);
 }
 
 }  // namespace
 
 extern "C" int zero_fused_adam(int n, float *const *params, const void *const *grads, int32_t grad_dtype,
                                float *const *exp_avgs, float *const *exp_avg_sqs, void *const *out16,
-                               int32_t out16_dtype, const int64_t *numels, const zero_fused_adam_config *cfg,
+                               int32_t out16_dtype, const int64_t *numels, const zero_adam_config *cfg,
                                cudaStream_t stream) {
     /* Everything is checked before the first launch, so a bad call changes nothing. */
-    if (n < 0 || !config_ok(cfg)) return -1;
+    if (n < 0 || !zero_adam_config_ok(cfg)) return -1;
     if (grad_dtype != ZERO_F32 && grad_dtype != ZERO_F16 && grad_dtype != ZERO_BF16) return -1;
     if (out16 != nullptr && out16_dtype != ZERO_F16 && out16_dtype != ZERO_BF16) return -1;
     if (n > 0 && (params == nullptr || grads == nullptr || exp_avgs == nullptr || exp_avg_sqs == nullptr ||
@@ -271,13 +221,13 @@ extern "C" int zero_fused_adam(int n, float *const *params, const void *const *g
                               exp_avg_sqs[i] == nullptr))
             return -1;
     }
-    const AdamScalars s = scalars_of(*cfg);
+    const zero_adam_coeffs c = zero_adam_coeffs_of(cfg);
     switch (grad_dtype) {
     case ZERO_F16:
-        return launch_for_grad<ZERO_F16>(out16_dtype, n, params, grads, exp_avgs, exp_avg_sqs, out16, numels, s, stream);
+        return launch_for_grad<ZERO_F16>(out16_dtype, n, params, grads, exp_avgs, exp_avg_sqs, out16, numels, c, stream);
     case ZERO_BF16:
-        return launch_for_grad<ZERO_BF16>(out16_dtype, n, params, grads, exp_avgs, exp_avg_sqs, out16, numels, s, stream);
+        return launch_for_grad<ZERO_BF16>(out16_dtype, n, params, grads, exp_avgs, exp_avg_sqs, out16, numels, c, stream);
     default:
-        return launch_for_grad<ZERO_F32>(out16_dtype, n, params, grads, exp_avgs, exp_avg_sqs, out16, numels, s, stream);
+        return launch_for_grad<ZERO_F32>(out16_dtype, n, params, grads, exp_avgs, exp_avg_sqs, out16, numels, c, stream);
     }
 }

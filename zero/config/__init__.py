@@ -8,17 +8,18 @@ we do not implement). Everything is checked here, before any model or process gr
 
 - a misspelt key is a `ConfigError` naming its full path and the closest valid key;
 - a bad value is a `ConfigError` naming its path and the expected type or range;
-- a DeepSpeed feature we do not implement is a `ConfigError` if enabling it changes the results,
-  and a `ConfigWarning` if it only logs, profiles or tunes (see `UNIMPLEMENTED_FEATURES`).
+- a DeepSpeed key we do not read is a `ConfigError` if setting it would change the results, and a
+  `ConfigWarning` if it would not (see `UNIMPLEMENTED_FEATURES` and [Note: what zero does with a
+  DeepSpeed key] in zero/config/features.py); no accepted key is silently ignored.
 
 "auto" values: see [Note: "auto" values] in zero/config/loading.py.
 
 The package, one concern a file: `errors.py` (ConfigError, readable messages from pydantic's),
-`sections.py` (the section models), `model.py` (`ZeroConfig`, the root), `features.py` (what we do
-not implement, `check_supported`), `loading.py` (`load_config`, `resolve_auto`, the batch rule).
+`sections.py` (the section models), `model.py` (`ZeroConfig`, the root), `features.py` (the keys we
+refuse or warn about), `loading.py` (`load_config`, `resolve_auto`, the batch rule).
 """
 from zero.config.errors import ConfigError, ConfigWarning
-from zero.config.features import FEATURES, UNIMPLEMENTED_FEATURES, UnimplementedFeature, check_supported
+from zero.config.features import UNIMPLEMENTED_FEATURES, UnimplementedFeature
 from zero.config.loading import load_config, resolve_auto
 from zero.config.model import ZeroConfig
 from zero.config.sections import (AUTO, DEEPSPEED_SCHEDULERS, SUPPORTED_OPTIMIZERS, AdamParams, BF16Config,
@@ -28,8 +29,8 @@ from zero.config.sections import (AUTO, DEEPSPEED_SCHEDULERS, SUPPORTED_OPTIMIZE
                                   WarmupLRParams, ZeroOptimizationConfig)
 
 __all__ = [
-    "ConfigError", "ConfigWarning", "ZeroConfig", "load_config", "resolve_auto", "check_supported",
-    "FEATURES", "UNIMPLEMENTED_FEATURES", "DEEPSPEED_VERSION",
+    "ConfigError", "ConfigWarning", "ZeroConfig", "load_config", "resolve_auto", "UNIMPLEMENTED_FEATURES",
+    "UnimplementedFeature", "DEEPSPEED_VERSION",
 ]
 
 DEEPSPEED_VERSION = "0.17"  # defaults and key names follow DeepSpeed master of 2025 (>= v0.17)

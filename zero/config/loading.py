@@ -154,9 +154,10 @@ def load_config(config: Union[Mapping[str, Any], str, pathlib.Path], world_size:
         A frozen `ZeroConfig` whose three batch keys are all set.
 
     Raises:
-        ConfigError: unknown key, bad value, inconsistent batch sizes, or a DeepSpeed feature that
-            is not implemented and would change results. Warnings (`ConfigWarning`) are issued for
-            accepted keys that have no effect (logging/monitoring, deprecated spellings).
+        ConfigError: unknown key, bad value, inconsistent batch sizes, or a DeepSpeed key that zero
+            does not implement and that is set to a value that would change results. A
+            `ConfigWarning` is issued for each key set to a value that has no effect in zero, and for
+            deprecated spellings (see [Note: what zero does with a DeepSpeed key]).
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")

@@ -54,7 +54,7 @@ class ZeroConfig(_Section):
     communication_data_type: Optional[str] = Field(None, description="dtype of gradient communication: "
                                                    "fp32, fp16, bf16; null = the training dtype.")
     sparse_gradients: bool = Field(False, description="CSR gradients for embeddings (not implemented).")
-    disable_allgather: bool = Field(False, description="Legacy DeepSpeed knob; no effect here.")
+    disable_allgather: bool = Field(False, description="Legacy DeepSpeed knob; no effect in zero (true warns).")
     fp16: FP16Config = Field(default_factory=FP16Config, description="fp16 mixed precision.")
     bf16: BF16Config = Field(default_factory=BF16Config, description="bf16 mixed precision "
                              "(old name: bfloat16).")
@@ -63,19 +63,21 @@ class ZeroConfig(_Section):
     scheduler: Optional[SchedulerConfig] = Field(None, description="LR scheduler to build.")
     zero_optimization: ZeroOptimizationConfig = Field(default_factory=ZeroOptimizationConfig,
                                                       description="ZeRO stage and its knobs.")
-    zero_allow_untested_optimizer: bool = Field(False, description="Allow a client optimizer that is "
-                                                "not Adam/AdamW with ZeRO.")
-    zero_force_ds_cpu_optimizer: bool = Field(True, description="With offload, require our CPU Adam.")
+    zero_allow_untested_optimizer: bool = Field(False, description="DeepSpeed: allow a client optimizer "
+                                                "that is not Adam/AdamW. zero refuses one anyway (true warns).")
+    zero_force_ds_cpu_optimizer: bool = Field(True, description="DeepSpeed: with offload, require its CPU Adam. "
+                                              "zero always uses its own (false warns).")
     # logging / io
     steps_per_print: Optional[int] = Field(None, ge=0, description="Log progress every N steps; null = never.")
     wall_clock_breakdown: bool = Field(False, description="Time forward/backward/step.")
     memory_breakdown: bool = Field(False, description="Log memory use.")
     dump_state: bool = Field(False, description="Print the engine state after initialization.")
     dataloader_drop_last: bool = Field(False, description="Drop the last incomplete batch.")
-    vocabulary_size: Optional[int] = Field(None, gt=0, description="Only used for an alignment warning.")
+    vocabulary_size: Optional[int] = Field(None, gt=0, description="DeepSpeed checks it for tensor-core "
+                                           "alignment; no effect in zero (set: warns).")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoint options.")
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig, description="Extra dtypes.")
-    # DeepSpeed features we accept only to refuse or ignore them: see UNIMPLEMENTED_FEATURES
+    # DeepSpeed features we accept only to refuse them or warn: see UNIMPLEMENTED_FEATURES
     amp: _Section_ = Field(None, description="NVIDIA Apex AMP (not implemented).")
     torch_autocast: _Section_ = Field(None, description="torch.autocast mixed precision (not implemented).")
     sparse_attention: _Section_ = Field(None, description="Sparse attention (not implemented).")

@@ -67,7 +67,8 @@ class BF16Config(_Section):
     """`bf16` (old name `bfloat16`): bf16 mixed precision, no loss scaling."""
 
     enabled: bool = Field(False, description="Train with bf16 params/grads and fp32 master weights.")
-    immediate_grad_update: bool = Field(False, description="DeepSpeed BF16 optimizer knob; no effect here.")
+    immediate_grad_update: bool = Field(False, description="DeepSpeed bf16 optimizer knob; no effect in zero "
+                                        "(true warns).")
     check_grad_overflow: bool = Field(False, description="Check bf16 grads for inf/nan before stepping.")
     bf16_master_weights_and_grads: bool = Field(False, description="Keep master weights in bf16 (not implemented).")
     bf16_optimizer_states: bool = Field(False, description="Keep Adam m/v in bf16 (not implemented).")
@@ -93,7 +94,8 @@ class AdamParams(_Section):
     bias_correction: bool = Field(True, description="Apply Adam's bias correction to m and v.")
     adam_w_mode: bool = Field(True, description="Decoupled weight decay (AdamW). DeepSpeed's default is "
                               "true, so type Adam means AdamW unless this is set to false.")
-    torch_adam: bool = Field(False, description="Use torch.optim.Adam/AdamW instead of our fused kernel.")
+    torch_adam: bool = Field(False, description="DeepSpeed: use torch.optim.Adam/AdamW instead of its fused "
+                             "kernel. zero always uses its own Adam kernels (true warns).")
     amsgrad: bool = Field(False, description="Not supported (DeepSpeed's fused Adam rejects it too).")
 
     @model_validator(mode="before")
@@ -126,7 +128,8 @@ class OptimizerConfig(_Section):
 
     type: str = Field(..., description="Adam or AdamW (case-insensitive).")
     params: AdamParams = Field(default_factory=AdamParams, description="Constructor arguments.")
-    legacy_fusion: bool = Field(False, description="DeepSpeed legacy fp16 optimizer switch; no effect here.")
+    legacy_fusion: bool = Field(False, description="DeepSpeed legacy fp16 optimizer switch; no effect in zero "
+                                "(true warns).")
 
     @model_validator(mode="before")
     @classmethod
@@ -288,29 +291,52 @@ class SchedulerConfig(_Section):
 # ZeRO
 # ---------------------------------------------------------------------------------------------
 
+def _no_nvme(v: str) -> str:
+    if v == "nvme":
+        raise ValueError("'nvme' (NVMe offload) is not yet supported in zero; use 'cpu'")
+    return v
+
+
 class OffloadOptimizerConfig(_Section):
     """`zero_optimization.offload_optimizer`: fp32 master weights, Adam state and step on the CPU."""
 
-    device: Literal["none", "cpu", "nvme"] = Field("none", description="Where optimizer state lives.")
-    nvme_path: Optional[pathlib.Path] = Field(None, description="Directory for NVMe offload.")
-    buffer_count: int = Field(4, ge=0, description="NVMe swap buffers.")
+    device: Literal["none", "cpu", "nvme"] = Field("none", description="Where optimizer state lives: none or "
+                                                   "cpu ('nvme' is refused).")
+    nvme_path: Optional[pathlib.Path] = Field(None, description="NVMe only: directory to swap to (set: warns).")
+    buffer_count: int = Field(4, ge=0, description="NVMe only: swap buffers (changed: warns).")
     pin_memory: bool = Field(False, description="Page-locked CPU buffers for faster copies.")
-    pipeline_read: bool = Field(False, description="NVMe: overlap reading the next tile.")
-    pipeline_write: bool = Field(False, description="NVMe: overlap writing the previous tile.")
-    fast_init: bool = Field(False, description="NVMe: fast optimizer initialization.")
-    ratio: float = Field(1.0, ge=0, le=1, description="Fraction of optimizer state offloaded (1 = all).")
+    pipeline_read: bool = Field(False, description="NVMe only: overlap reading the next tile (true warns).")
+    pipeline_write: bool = Field(False, description="NVMe only: overlap writing the previous tile (true warns).")
+    fast_init: bool = Field(False, description="NVMe only: fast optimizer initialization (true warns).")
+    ratio: float = Field(1.0, ge=0, le=1, description="Fraction of optimizer state offloaded; only 1 (all) "
+                         "is implemented, < 1 is refused.")
     super_offload: bool = Field(False, description="DeepSpeed SuperOffload (not implemented).")
+
+    _check_device = field_validator("device")(_no_nvme)
+
+    @field_validator("ratio")
+    @classmethod
+    def _whole(cls, v: float) -> float:
+        if v < 1:
+            raise ValueError(f"ratio={v} (partial offload) is not yet supported in zero; use 1.0 "
+                             f"(all optimizer state offloaded)")
+        return v
 
 
 class OffloadParamConfig(_Section):
     """`zero_optimization.offload_param`: stage-3 parameter shards on the CPU."""
 
-    device: Literal["none", "cpu", "nvme"] = Field("none", description="Where parameter shards live.")
-    nvme_path: Optional[pathlib.Path] = Field(None, description="Directory for NVMe offload.")
-    buffer_count: int = Field(5, ge=0, description="NVMe swap buffers.")
-    buffer_size: int = Field(100_000_000, ge=0, description="NVMe swap buffer size (elements).")
-    max_in_cpu: int = Field(1_000_000_000, ge=0, description="NVMe: elements kept in CPU memory.")
+    device: Literal["none", "cpu", "nvme"] = Field("none", description="Where parameter shards live: none or "
+                                                   "cpu ('nvme' is refused).")
+    nvme_path: Optional[pathlib.Path] = Field(None, description="NVMe only: directory to swap to (set: warns).")
+    buffer_count: int = Field(5, ge=0, description="NVMe only: swap buffers (changed: warns).")
+    buffer_size: int = Field(100_000_000, ge=0, description="NVMe only: swap buffer size in elements "
+                             "(changed: warns).")
+    max_in_cpu: int = Field(1_000_000_000, ge=0, description="NVMe only: elements kept in CPU memory "
+                            "(changed: warns).")
     pin_memory: bool = Field(False, description="Page-locked CPU buffers for faster copies.")
+
+    _check_device = field_validator("device")(_no_nvme)
 
 
 def _stage(v: Any) -> Any:
@@ -323,23 +349,30 @@ class ZeroOptimizationConfig(_Section):
     """`zero_optimization`: what is partitioned across data-parallel ranks, and how."""
 
     stage: int = Field(0, description="0: off; 1: optimizer state; 2: + gradients; 3: + parameters.")
-    contiguous_gradients: bool = Field(True, description="Copy grads into one contiguous buffer.")
-    reduce_scatter: bool = Field(True, description="Reduce gradients with reduce-scatter, not all-reduce.")
+    contiguous_gradients: bool = Field(True, description="Copy grads into one contiguous buffer. zero always "
+                                       "reduces from contiguous buckets (false warns).")
+    reduce_scatter: bool = Field(True, description="Stages 1/2: reduce gradients with reduce-scatter; false "
+                                 "all-reduces whole buckets (same numbers, twice the traffic).")
     reduce_bucket_size: int = Field(500_000_000, ge=0, description="Elements reduced at a time.")
-    use_multi_rank_bucket_allreduce: bool = Field(True, description="DeepSpeed perf knob; no effect here.")
-    allgather_partitions: bool = Field(True, description="All-gather updated params (vs broadcasts).")
+    use_multi_rank_bucket_allreduce: bool = Field(True, description="DeepSpeed perf knob; no effect in zero "
+                                                  "(false warns).")
+    allgather_partitions: bool = Field(True, description="All-gather updated params (vs broadcasts). zero "
+                                       "always all-gathers (false warns).")
     allgather_bucket_size: int = Field(500_000_000, ge=0, description="Elements all-gathered at a time.")
     overlap_comm: Optional[bool] = Field(None, description="Overlap reduction with backward; "
                                          "default true for stage 3, false otherwise.")
-    load_from_fp32_weights: bool = Field(True, description="Restore fp32 master weights from checkpoints.")
-    elastic_checkpoint: bool = Field(False, description="Legacy elastic checkpoint (stage 1/2).")
+    load_from_fp32_weights: bool = Field(True, description="Restore fp32 master weights from training "
+                                         "checkpoints; zero has none yet (false warns).")
+    elastic_checkpoint: bool = Field(False, description="Legacy elastic training checkpoints; zero has none "
+                                     "yet (true warns).")
     offload_param: Optional[OffloadParamConfig] = Field(None, description="Stage-3 parameter offload.")
     offload_optimizer: Optional[OffloadOptimizerConfig] = Field(None, description="Optimizer offload.")
-    sub_group_size: int = Field(1_000_000_000, ge=0, description="Elements per optimizer step tile.")
+    sub_group_size: int = Field(1_000_000_000, ge=0, description="With offload_optimizer: elements per CPU "
+                                "Adam tile (the engine caps it). Without it: no effect (changed: warns).")
     cpu_offload: Optional[bool] = Field(None, description="Deprecated: offload_optimizer.device=cpu.")
     cpu_offload_param: Optional[bool] = Field(None, description="Deprecated: offload_param.device=cpu.")
-    cpu_offload_use_pin_memory: Optional[bool] = Field(None, description="Deprecated; no effect "
-                                                       "(as in DeepSpeed).")
+    cpu_offload_use_pin_memory: Optional[bool] = Field(None, description="Deprecated; no effect, as in "
+                                                       "DeepSpeed (set: warns).")
     prefetch_bucket_size: int = Field(50_000_000, ge=0, alias="stage3_prefetch_bucket_size",
                                       description="Stage 3: elements prefetched ahead of use.")
     param_persistence_threshold: int = Field(100_000, ge=0, alias="stage3_param_persistence_threshold",
@@ -358,12 +391,16 @@ class ZeroOptimizationConfig(_Section):
     module_granularity_threshold: int = Field(0, ge=0, alias="stage3_module_granularity_threshold",
                                               description="Stage 3: fetch fine-grained modules as a unit.")
     use_all_reduce_for_fetch_params: bool = Field(False, alias="stage3_use_all_reduce_for_fetch_params",
-                                                  description="Stage 3: fetch params with all-reduce.")
+                                                  description="Stage 3: fetch params with all-reduce. zero "
+                                                  "fetches a unit with one all-gather (true warns).")
     allgather_sequential: bool = Field(False, alias="stage3_allgather_sequential",
-                                       description="Stage 3: gather params one by one, unbucketed.")
-    ignore_unused_parameters: bool = Field(True, description="Allow params that get no gradient.")
+                                       description="Stage 3: gather params one by one, unbucketed. zero "
+                                       "fetches a unit with one all-gather (true warns).")
+    ignore_unused_parameters: bool = Field(True, description="Allow trainable params that get no gradient; "
+                                           "false makes one an error at the end of backward.")
     legacy_stage1: bool = Field(False, description="DeepSpeed's old stage 1 (not implemented).")
-    round_robin_gradients: bool = Field(False, description="Offload perf knob for stage 1/2.")
+    round_robin_gradients: bool = Field(False, description="Offload perf knob for stage 1/2; no effect in "
+                                        "zero (true warns).")
     zero_hpz_partition_size: int = Field(1, ge=0, description="ZeRO++ hpZ group size (> 1 not implemented).")
     zero_quantized_weights: bool = Field(False, description="ZeRO++ qwZ (not implemented).")
     zero_quantized_nontrainable_weights: bool = Field(False, description="ZeRO++ (not implemented).")
@@ -371,11 +408,15 @@ class ZeroOptimizationConfig(_Section):
     zeropp_loco_param: Optional[dict[str, Any]] = Field(None, description="LoCo-ZeRO++ (not implemented).")
     mics_shard_size: int = Field(-1, description="MiCS shard size; > 0 not implemented.")
     mics_hierarchical_params_gather: bool = Field(False, description="MiCS (not implemented).")
-    memory_efficient_linear: bool = Field(True, description="Stage 3 memory-efficient linear.")
-    pipeline_loading_checkpoint: bool = Field(False, description="Stage 3 pipeline checkpoint loading.")
-    override_module_apply: bool = Field(True, description="Stage 3: gather params in nn.Module.apply.")
-    log_trace_cache_warnings: bool = Field(False, description="Stage 3 trace-cache logging.")
-    enable_sanity_checks: bool = Field(False, description="Extra internal consistency checks.")
+    memory_efficient_linear: bool = Field(True, description="Stage 3: do not keep gathered linear weights "
+                                          "for backward. zero never does (false warns).")
+    pipeline_loading_checkpoint: bool = Field(False, description="Stage 3 pipelined checkpoint loading; zero "
+                                              "has no training checkpoints yet (true warns).")
+    override_module_apply: bool = Field(True, description="Stage 3: module.apply(fn) sees gathered parameters.")
+    log_trace_cache_warnings: bool = Field(False, description="Stage 3: warn when the recorded order of units "
+                                           "changes.")
+    enable_sanity_checks: bool = Field(False, description="Stage 3: check every collective's rank-divergence "
+                                       "tag before issuing it (one synchronisation per collective).")
     zenflow: Optional[dict[str, Any]] = Field(None, description="ZenFlow (not implemented).")
 
     _check_stage = field_validator("stage")(_stage)
@@ -397,9 +438,6 @@ class ZeroOptimizationConfig(_Section):
                 raise ValueError("give either cpu_offload_param (deprecated) or offload_param, not both")
             if self.cpu_offload_param:
                 d["offload_param"] = OffloadParamConfig(device="cpu")
-        if self.cpu_offload_use_pin_memory is not None:
-            _warn("zero_optimization.cpu_offload_use_pin_memory is deprecated and has no effect; "
-                  "set pin_memory in offload_optimizer / offload_param")
         if self.stage3_gather_fp16_weights_on_model_save is not None:
             _warn("stage3_gather_fp16_weights_on_model_save is deprecated; use "
                   "stage3_gather_16bit_weights_on_model_save")
@@ -407,12 +445,22 @@ class ZeroOptimizationConfig(_Section):
                 raise ValueError("give either stage3_gather_fp16_weights_on_model_save (deprecated) or "
                                  "stage3_gather_16bit_weights_on_model_save, not both")
             d["gather_16bit_weights_on_model_save"] = self.stage3_gather_fp16_weights_on_model_save
-        if self.offload_optimizer is not None and self.offload_optimizer.ratio < 1 and self.stage != 3:
-            raise ValueError("offload_optimizer.ratio < 1 (partial offload) requires stage 3")
+        self._warn_without_effect()
+        return self
+
+    def _warn_without_effect(self) -> None:
+        """READ keys that cannot matter with the other settings (see [Note: what zero does with a
+        DeepSpeed key] in zero/config/features.py)."""
         if self.offload_param is not None and self.offload_param.device != "none" and self.stage != 3:
             _warn(f"zero_optimization.offload_param has no effect at stage {self.stage}; "
                   "parameter offload needs stage 3 (as in DeepSpeed)")
-        return self
+        for name, section in (("offload_optimizer", self.offload_optimizer), ("offload_param", self.offload_param)):
+            if section is not None and section.device == "none" and section.pin_memory:
+                _warn(f"zero_optimization.{name}.pin_memory has no effect with device 'none'")
+        offloaded = self.offload_optimizer is not None and self.offload_optimizer.device != "none"
+        if self.sub_group_size != type(self).model_fields["sub_group_size"].default and not offloaded:
+            _warn(f"zero_optimization.sub_group_size = {self.sub_group_size} has no effect without "
+                  "offload_optimizer: zero uses it only as the tile size of its CPU Adam")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,11 +468,15 @@ class ZeroOptimizationConfig(_Section):
 # ---------------------------------------------------------------------------------------------
 
 class ParallelWriteConfig(_Section):
-    pipeline_stage: bool = Field(False, description="Pipeline-parallel checkpoint writing.")
+    """`checkpoint.parallel_write`."""
+
+    pipeline_stage: bool = Field(False, description="Pipeline-parallel checkpoint writing; zero has no "
+                                 "training checkpoints yet (true warns).")
 
 
 class CheckpointConfig(_Section):
-    """`checkpoint`: checkpoint tag validation and loading options."""
+    """`checkpoint`: DeepSpeed's training-checkpoint options. zero saves no training checkpoints yet,
+    so a non-default value warns (`load_universal`, which would change the loaded state, is refused)."""
 
     tag_validation: Literal["Ignore", "Warn", "Fail"] = Field("Warn", description="Check that all ranks "
                                                                "save/load the same tag (case-insensitive).")

@@ -1,4 +1,4 @@
-"""Native ops: CPU Adam, fused GPU Adam, and bucket pack/unpack.
+"""Native ops: CPU Adam and fused GPU Adam.
 
 Nothing is compiled when this package is imported; each op is built the first time it is used.
 `python -m zero.ops build` builds every op this machine can build; `python -m zero.env` reports.
@@ -6,6 +6,5 @@ Nothing is compiled when this package is imported; each op is built the first ti
 from zero.ops.builder import OPS, OpUnavailable, is_built, load, missing
 from zero.ops.cpu_adam import CPUAdam, cpu_adam_step
 from zero.ops.fused_adam import FusedAdam
-from zero.ops.pack import pack, unpack
 
-__all__ = ["CPUAdam", "cpu_adam_step", "FusedAdam", "OPS", "OpUnavailable", "is_built", "load", "missing", "pack", "unpack"]
+__all__ = ["CPUAdam", "cpu_adam_step", "FusedAdam", "OPS", "OpUnavailable", "is_built", "load", "missing"]

@@ -10,13 +10,20 @@ csrc/bindings/ turn tensors into pointers. An op is built at its first use, neve
    so one build runs on any x86-64 host (and on ARM, where only the portable path is compiled).
 2. The bindings (and any .cu files) are compiled and linked with the C objects by
    `torch.utils.cpp_extension.load`, which uses ninja and nvcc.
+   The bindings use torch's own C++ standard (c++20 in torch 2.13).
 3. The result lands in `<cache>/<op>-<hash>/`, where the hash covers every source and header
-   under csrc/, the flags, the compiler, and the torch/Python/CUDA versions. A changed source or
-   flag therefore means a new directory and a rebuild; an unchanged one is imported directly,
-   without asking a compiler or ninja anything.
+   under csrc/, the flags, the compiler, and the torch/Python/CUDA versions; for an op with CUDA
+   sources also the `nvcc --version` output and, unless TORCH_CUDA_ARCH_LIST names the archs, the
+   compute capability of every visible GPU (the binary holds code for those only). A changed source,
+   flag, toolkit or GPU therefore means a new directory and a rebuild; an unchanged one is
+   imported directly, without asking a compiler or ninja anything.
 
 The cache lives in `$ZERO_CACHE_DIR` (default `~/.cache/zero/ops`). Concurrent ranks that
 need the same op take a file lock: one builds, the others wait and import the result.
+
+An op that cannot be built (no compiler, a compile error, an nvcc whose major version differs
+from torch's CUDA) raises OpUnavailable, and the failure is remembered: later `load()` calls in
+the same process raise the same error at once instead of compiling again.
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ import fcntl
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -46,7 +54,7 @@ class OpSpec:
     """What one native op is made of.
 
     Args:
-        name: short name used by `load()` and the env report (`cpu_adam`, `pack`, ...).
+        name: short name used by `load()` and the env report (`cpu_adam`, `fused_adam`).
         what: one line for people: what the op does.
         c_sources: C11 kernel files, relative to csrc/; compiled by the C compiler.
         cpp_sources: C++ binding files (torch extension entry points), relative to csrc/.
@@ -58,7 +66,9 @@ class OpSpec:
     c_sources: tuple[str, ...] = ()
     cpp_sources: tuple[str, ...] = ()
     cuda_sources: tuple[str, ...] = ()
-    extra_cuda_cflags: tuple[str, ...] = field(default=("-O3", "--use_fast_math"))
+    # never --use_fast_math: the kernels rely on IEEE arithmetic (adam/adam_math.h) and on fp16
+    # subnormals (common/dtypes.h)
+    extra_cuda_cflags: tuple[str, ...] = field(default=("-O3",))
 
     @property
     def needs_cuda(self) -> bool:
@@ -75,25 +85,10 @@ OPS: dict[str, OpSpec] = {
             cpp_sources=("bindings/cpu_adam.cpp",),
         ),
         OpSpec(
-            "pack",
-            "CPU bucket pack/unpack with dtype cast",
-            c_sources=("comm/pack.c",),
-            cpp_sources=("bindings/pack.cpp",),
-        ),
-        OpSpec(
             "fused_adam",
             "fused multi-tensor GPU Adam/AdamW",
             cpp_sources=("bindings/fused_adam.cpp",),
             cuda_sources=("adam/fused_adam.cu",),
-            # IEEE sqrt/division and no flush-to-zero: see [Note: fused Adam arithmetic].
-            extra_cuda_cflags=("-O3",),
-        ),
-        OpSpec(
-            "pack_cuda",
-            "CUDA bucket pack/unpack with dtype cast",
-            cpp_sources=("bindings/pack_cuda.cpp",),
-            cuda_sources=("comm/pack.cu",),
-            extra_cuda_cflags=("-O3",),  # exact casts, subnormals kept: no --use_fast_math
         ),
     )
 }
@@ -150,6 +145,36 @@ def nvcc() -> str | None:
     return shutil.which("nvcc")
 
 
+@lru_cache(maxsize=None)
+def nvcc_version(path: str) -> str:
+    """The output of `<path> --version` (empty when it does not run)."""
+    try:
+        return subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _cuda_major_mismatch(nvcc_path: str) -> str | None:
+    """Why nvcc cannot build for this torch (its CUDA major version differs), or None."""
+    found = re.search(r"release (\d+)\.(\d+)", nvcc_version(nvcc_path))
+    if found is None:
+        return f"`{nvcc_path} --version` did not report a CUDA release"
+    nvcc_cuda = f"{found[1]}.{found[2]}"
+    if found[1] != torch.version.cuda.split(".")[0]:
+        return (
+            f"nvcc at {nvcc_path} is CUDA {nvcc_cuda} but this torch was built with CUDA {torch.version.cuda}; "
+            f"their major versions must match (set CUDA_HOME to a CUDA {torch.version.cuda.split('.')[0]}.x toolkit)"
+        )
+    return None
+
+
+def _visible_gpu_capabilities() -> list[tuple[int, int]]:
+    """(major, minor) compute capability of each visible GPU; empty without CUDA."""
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+
+
 def _ninja_ok() -> bool:
     try:
         from torch.utils.cpp_extension import is_ninja_available
@@ -162,7 +187,7 @@ def _ninja_ok() -> bool:
 @lru_cache(maxsize=None)
 def _c_flags() -> tuple[str, ...]:
     """C11, optimised, position independent; OpenMP when the compiler has it."""
-    # -fno-math-errno: sqrtf need not set errno, so the portable path vectorises; results are
+    # -fno-math-errno: sqrtf need not set errno, so it is the bare sqrt instruction; results are
     # the same IEEE values.
     flags = ["-std=c11", "-O3", "-fPIC", "-fno-math-errno", "-Wall", "-Wno-unknown-pragmas"]
     cc = c_compiler()
@@ -197,8 +222,10 @@ def missing(name: str) -> str | None:
     if spec.needs_cuda:
         if torch.version.cuda is None:
             return f"this torch ({torch.__version__}) was built without CUDA"
-        if nvcc() is None:
+        found = nvcc()
+        if found is None:
             return "nvcc not found (set CUDA_HOME to a CUDA toolkit)"
+        return _cuda_major_mismatch(found)
     return None
 
 
@@ -218,6 +245,10 @@ def _fingerprint(spec: OpSpec) -> str:
         h.update(f.read_bytes())
     h.update(repr((_c_flags(), c_compiler(), spec.extra_cuda_cflags, os.environ.get("TORCH_CUDA_ARCH_LIST"))).encode())
     h.update(repr((torch.__version__, torch.version.cuda, sys.version_info[:2], sysconfig.get_platform())).encode())
+    if spec.needs_cuda:
+        found = nvcc()
+        archs = os.environ.get("TORCH_CUDA_ARCH_LIST") or _visible_gpu_capabilities()  # what the binary targets
+        h.update(repr((found, nvcc_version(found) if found else None, archs)).encode())
     return h.hexdigest()[:16]
 
 
@@ -269,7 +300,10 @@ def _import_library(name: str, path: Path) -> ModuleType:
     modname = _module_name(name)
     spec = importlib.util.spec_from_file_location(modname, path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as exc:  # e.g. an undefined symbol: the cached build does not fit this process
+        raise OpUnavailable(f"op '{name}' was built in {path.parent} but does not import: {exc}") from exc
     return module
 
 
@@ -294,7 +328,7 @@ def _build(name: str) -> ModuleType:
         return cpp_extension.load(
             name=_module_name(name),
             sources=[str(src / s) for s in spec.cpp_sources + spec.cuda_sources],
-            extra_cflags=["-O3", "-std=c++17"],
+            extra_cflags=["-O3"],  # and torch's own -std
             extra_cuda_cflags=list(spec.extra_cuda_cflags),
             extra_ldflags=ldflags,
             extra_include_paths=[str(src)],
@@ -307,26 +341,39 @@ def _build(name: str) -> ModuleType:
 
 
 _loaded: dict[str, ModuleType] = {}
+_failed: dict[str, OpUnavailable] = {}  # tried once in this process, and why it failed
 
 
 def load(name: str) -> ModuleType:
     """Return the compiled module of op `name`, building it first if needed.
+
+    A failure is remembered: once an op was found unavailable in this process, every later call
+    raises the same OpUnavailable at once, without looking for a compiler or compiling again.
 
     Raises:
         OpUnavailable: the op cannot be built here (the message names the missing piece).
     """
     if name in _loaded:
         return _loaded[name]
+    if name in _failed:
+        raise _failed[name].with_traceback(None)
     if name not in OPS:
         raise KeyError(f"unknown op '{name}'; known ops: {', '.join(OPS)}")
+    try:
+        _loaded[name] = _load_once(name)
+    except OpUnavailable as exc:
+        _failed[name] = exc
+        raise
+    return _loaded[name]
+
+
+def _load_once(name: str) -> ModuleType:
     reason = missing(name)
     if reason is not None:
         raise OpUnavailable(f"op '{name}' ({OPS[name].what}) is unavailable: {reason}")
     library = _built_library(name)
-    module = None
     if not library.is_file():
         with _locked(library.parent.with_suffix(".lock")):
             if not library.is_file():  # another process may have built it while we waited
-                module = _build(name)
-    _loaded[name] = module if module is not None else _import_library(name, library)
-    return _loaded[name]
+                return _build(name)
+    return _import_library(name, library)

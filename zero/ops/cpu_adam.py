@@ -10,8 +10,10 @@ Two ways in:
   torch's Adam layout, so state moves between the two both ways.
 
 Every argument is checked, with a ValueError naming the offending one, before any buffer is
-written. The kernel picks AVX-512, AVX2 or portable C at run time; `simd_levels()` lists what
-this CPU runs and `simd=` forces one (the tests run every level against torch).
+written. `cpu_adam_step_unchecked` skips those checks, for callers (the engine's hot path) whose
+arguments are valid by construction. The kernel picks AVX-512, AVX2 or portable C at run time;
+`simd_levels()` lists what this CPU runs and `simd=` forces one (every level computes the same
+bits; the tests run each against torch).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from zero.ops.builder import load
 # SIMD level names in the kernel's numbering (ZERO_SIMD_SCALAR = 0, ...; csrc/adam/cpu_adam.h).
 SIMD_NAMES = ("scalar", "avx2", "avx512")
 _BEST = -1
+_SIMD_CODES: dict[str | None, int] = {None: _BEST, **{name: code for code, name in enumerate(SIMD_NAMES)}}
 
 
 def _op():
@@ -95,9 +98,9 @@ def cpu_adam_step(
 ) -> None:
     """One Adam/AdamW step in place on contiguous CPU buffers, in a single pass over memory.
 
-    Computes, elementwise (see csrc/adam/cpu_adam.h):
-    `g = grad / grad_scale`; AdamW: `param *= 1 - lr*weight_decay`, Adam: `g += weight_decay*param`;
-    `m = beta1*m + (1-beta1)*g`; `v = beta2*v + (1-beta2)*g*g`;
+    Computes, elementwise, what torch.optim.AdamW / Adam compute (see [Note: adam math] in
+    csrc/adam/adam_math.h): `g = grad / grad_scale`; AdamW: `param *= 1 - lr*weight_decay`,
+    Adam: `g += weight_decay*param`; `m += (1-beta1)*(g - m)`; `v = beta2*v + (1-beta2)*g*g`;
     `param -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)` with `bc = 1 - beta**step` (or 1).
 
     Args:
@@ -133,34 +136,52 @@ def cpu_adam_step(
     check_step_number(step)
     check_adam_hyperparameters(lr, betas, eps, weight_decay)
     check_grad_scale(grad_scale)
-    code = _simd_code(simd)
-    threads = _num_threads(num_threads)
+    _simd_code(simd)
+    _num_threads(num_threads)
+    cpu_adam_step_unchecked(
+        param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+        adamw_mode=adamw_mode, bias_correction=bias_correction, grad_scale=grad_scale, out16=out16, simd=simd,
+        num_threads=num_threads,
+    )  # fmt: skip
+
+
+def cpu_adam_step_unchecked(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool = True,
+    bias_correction: bool = True,
+    grad_scale: float = 1.0,
+    out16: torch.Tensor | None = None,
+    simd: str | None = None,
+    num_threads: int | None = None,
+) -> None:
+    """`cpu_adam_step` without its argument checks, for a hot path whose arguments are valid by
+    construction (the engine calls it once per offloaded tile).
+
+    Same arguments and effect as `cpu_adam_step`, which documents what valid means. Nothing here
+    checks tensors: a wrong dtype, device, size or layout is undefined behaviour (memory the
+    kernel should not touch may be read or written). Only the kernel's own last-line checks
+    remain: a bad hyperparameter or an unavailable `simd` level raises RuntimeError before
+    anything is written.
+
+    Raises:
+        OpUnavailable: the op cannot be built here (tried once per process, see zero.ops.builder).
+    """
     _op().adam_step(
         param, grad, exp_avg, exp_avg_sq, out16,
         float(lr), float(betas[0]), float(betas[1]), float(eps), float(weight_decay), float(grad_scale),
-        int(step), bool(adamw_mode), bool(bias_correction), code, threads,
+        int(step), bool(adamw_mode), bool(bias_correction), _SIMD_CODES[simd],
+        torch.get_num_threads() if num_threads is None else num_threads,
     )  # fmt: skip
     bump_versions((param, exp_avg, exp_avg_sq, out16))
-
-
-def stream_pass(
-    param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
-    simd: str | None = None, num_threads: int | None = None,
-) -> None:  # fmt: skip
-    """Bandwidth probe with the memory traffic of an fp32 Adam step (benchmark ceiling).
-
-    Reads all four float32 buffers and writes param, exp_avg and exp_avg_sq (28 bytes per element),
-    with the same tiling and threads as `cpu_adam_step`; each written buffer gets `grad` added.
-
-    Args:
-        param, grad, exp_avg, exp_avg_sq: contiguous float32 CPU tensors of equal size.
-        simd: as for `cpu_adam_step`.
-        num_threads: as for `cpu_adam_step`.
-    """
-    _check_tensor(param, "param", (torch.float32,))
-    for t, name in ((grad, "grad"), (exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")):
-        _check_tensor(t, name, (torch.float32,), param.numel())
-    _op().stream_pass(param, grad, exp_avg, exp_avg_sq, _simd_code(simd), _num_threads(num_threads))
 
 
 # ----------------------------------------------------------------------------- optimizer

@@ -11,8 +11,10 @@ The GPU twin of `zero.ops.cpu_adam`, with the same names and behaviour. Two ways
   torch's Adam layout, so state moves between the two both ways.
 
 Every argument is checked, with a ValueError naming the offending one, before anything is
-launched; scalars and dtypes are checked before devices, so those checks need no GPU. The op is
-compiled at first use, so importing this module works on a machine without CUDA.
+launched; scalars and dtypes are checked before devices, so those checks need no GPU.
+`fused_adam_step_unchecked` skips those checks, for callers (the engine's hot path) whose
+arguments are valid by construction. The op is compiled at first use, so importing this module
+works on a machine without CUDA.
 """
 from __future__ import annotations
 
@@ -81,9 +83,10 @@ def fused_adam_step(
 ) -> None:
     """One Adam/AdamW step in place over lists of CUDA tensors, in one fused launch.
 
-    Computes, elementwise (see csrc/adam/fused_adam.h):
+    Computes, elementwise, what torch.optim.AdamW / Adam compute, bit for bit what
+    `zero.ops.cpu_adam_step` computes on the CPU (see [Note: adam math] in csrc/adam/adam_math.h):
     `g = grad / grad_scale`; AdamW: `param *= 1 - lr*weight_decay`, Adam: `g += weight_decay*param`;
-    `m = beta1*m + (1-beta1)*g`; `v = beta2*v + (1-beta2)*g*g`;
+    `m += (1-beta1)*(g - m)`; `v = beta2*v + (1-beta2)*g*g`;
     `param -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)` with `bc = 1 - beta**step` (or 1).
     The launch goes on the current CUDA stream of the params' device.
 
@@ -137,12 +140,45 @@ def fused_adam_step(
             grad_scale=grad_scale)  # fmt: skip
 
 
+def fused_adam_step_unchecked(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    step: int,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool = True,
+    bias_correction: bool = True,
+    grad_scale: float = 1.0,
+    out16: Sequence[torch.Tensor | None] | None = None,
+) -> None:
+    """`fused_adam_step` without its argument checks, for a hot path whose arguments are valid by
+    construction (the engine's optimizer step).
+
+    Same arguments and effect as `fused_adam_step`, which documents what valid means. Nothing here
+    checks tensors: a wrong dtype, device, size or layout is undefined behaviour (memory the
+    kernel should not touch may be read or written). Only the kernel's own last-line checks
+    remain: a bad hyperparameter raises RuntimeError before anything is launched.
+
+    Raises:
+        OpUnavailable: the op cannot be built here (tried once per process, see zero.ops.builder).
+    """
+    n = len(params)
+    _launch(params, grads, exp_avgs, exp_avg_sqs, [None] * n if out16 is None else out16, step=step, lr=lr,
+            betas=betas, eps=eps, weight_decay=weight_decay, adamw_mode=adamw_mode,
+            bias_correction=bias_correction, grad_scale=grad_scale)  # fmt: skip
+
+
 def _launch(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    outs: list[torch.Tensor | None],
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor | None],
     *,
     step: int,
     lr: float,
@@ -153,7 +189,10 @@ def _launch(
     bias_correction: bool,
     grad_scale: float,
 ) -> None:
-    """Call the op once per (device, grad dtype, out16 dtype) over already checked tensors."""
+    """Call the op once per (device, grad dtype, out16 dtype) over already checked tensors.
+
+    The batches are built here, in lockstep, so the binding always gets lists of equal length and
+    one grad dtype and one out16 dtype per call (it checks neither)."""
     batches: dict[tuple, tuple[list, ...]] = {}
     for p, g, m, v, o in zip(params, grads, exp_avgs, exp_avg_sqs, outs):
         if p.numel() == 0:

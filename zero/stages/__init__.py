@@ -1,1 +1,51 @@
-"""ZeRO stages: gradient and optimizer-state partitioning (0-2); parameter partitioning (3)."""
+"""ZeRO stages: gradient and optimizer-state partitioning (0-2); parameter partitioning (3).
+
+    optimizer = build_optimizer(module, param_groups, config, comm, device)
+
+Rooms: `policies.py` (what the config asks, decided once), `adam.py` (the step every stage
+shares), `readiness.py` (when gradients are final, stages 2 and 3), `buckets.py` (stages 0-2),
+`unit.py`, `planning.py` and `stage3.py` (stage 3).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from zero.comm import Comm
+from zero.config import ZeroConfig
+from zero.offload import cpu_adam_threads
+from zero.precision import LossScaler
+from zero.stages.adam import ShardedAdam
+from zero.stages.buckets import ZeroOptimizer
+from zero.stages.policies import options_from_config
+from zero.stages.stage3 import RankDivergenceError, Stage3Optimizer
+
+__all__ = ["build_optimizer", "ShardedAdam", "ZeroOptimizer", "Stage3Optimizer", "RankDivergenceError"]
+
+
+def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], config: ZeroConfig, comm: Comm,
+                    device: torch.device) -> ShardedAdam:
+    """The partitioned optimizer the config's ZeRO stage asks for, owning `module`'s parameters.
+
+    Trainable parameters (all parameters under stage 3) move into the optimizer's storage one at
+    a time, taking rank 0's values; the module is not moved or cast as a whole.
+
+    Args:
+        module: the model.
+        param_groups: torch-style groups of trainable parameters with complete Adam hyperparameters.
+        config: the validated config.
+        comm: the data-parallel group.
+        device: where the model computes.
+    """
+    precision, step, reduce, stage3 = options_from_config(config, comm.world_size, cpu_adam_threads())
+    f = config.fp16
+    scaler = LossScaler(f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis,
+                        f.consecutive_hysteresis, f.min_loss_scale) if f.enabled else LossScaler.disabled()
+    stage = config.zero_optimization.stage
+    if stage == 3:
+        return Stage3Optimizer(module, param_groups, comm=comm, precision=precision, step=step, reduce=reduce,
+                               options=stage3, device=device, loss_scaler=scaler)
+    return ZeroOptimizer(module, param_groups, stage=stage, comm=comm, precision=precision, step=step, reduce=reduce,
+                         device=device, loss_scaler=scaler)

@@ -119,6 +119,7 @@ def train_side_by_side(
     if precision != "fp32":
         config[precision] = {"enabled": True}
     frozen_before = {n: p.detach().clone() for n, p in net.named_parameters() if not p.requires_grad}
+    psi = sum(p.numel() for p in net.parameters() if p.requires_grad)
     engine, *_ = zero.initialize(model=net, config=config)
     opt_cls = torch.optim.AdamW if adamw else torch.optim.Adam
     ref_opt = opt_cls([p for p in ref.parameters() if p.requires_grad], lr=lr, eps=eps, weight_decay=weight_decay)
@@ -154,6 +155,7 @@ def train_side_by_side(
         "frozen_unchanged": frozen_same,
         "units": [u.name for u in getattr(engine.optimizer, "units", [])],
         "memory": engine.memory_report(),
+        "psi": psi,  # trainable parameter elements
         "comm": engine.comm_report(),
         "global_steps": engine.global_steps,
         "grad_norm": engine.get_global_grad_norm(),

@@ -1,0 +1,72 @@
+"""Per-parameter shards (stage 3 and `zero.Init`): which elements of a parameter a rank keeps.
+
+[Note: parameter shards]
+A parameter of n elements is padded to N*s elements, s = ceil(n / N), and rank r keeps elements
+[r*s, (r+1)*s) of its flattened value: its shard. The `nn.Parameter` object stays in the module,
+but between uses its `.data` is an empty tensor; the shape lives in `param._zero.shape`. Sharding
+per parameter (as FSDP2 and DeepSpeed do) lets `zero.Init`, `GatheredParameters`, external
+parameters and consolidated saving all work on one parameter at a time. Padding elements are
+zero and stay zero.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from zero.comm import Comm
+
+if TYPE_CHECKING:
+    from zero.stages.unit import ParamUnit
+
+
+def shard_numel(numel: int, world_size: int) -> int:
+    """s = ceil(numel / world_size): the elements each rank keeps of a parameter."""
+    return -(-numel // world_size)
+
+
+@dataclass
+class ShardedParam:
+    """Bookkeeping attached to a sharded parameter as `param._zero`.
+
+    Args:
+        shape: the parameter's full shape.
+        numel: its element count.
+        shard_numel: s, the elements each rank keeps.
+        local: this rank's shard while no unit owns it (under `zero.Init`, before `initialize`).
+        unit: the unit that owns it once an engine exists.
+        offset: where its shard starts in the unit's flat shard.
+    """
+
+    shape: torch.Size
+    numel: int
+    shard_numel: int
+    local: torch.Tensor | None = None
+    unit: ParamUnit | None = None
+    offset: int = 0
+
+    def shard(self) -> torch.Tensor:
+        """This rank's shard (s elements), wherever it lives."""
+        if self.unit is not None:
+            return self.unit.shard[self.offset : self.offset + self.shard_numel]
+        return self.local
+
+
+def take_shard(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank's padded slice of a full tensor, as a new contiguous 1-D tensor."""
+    s = shard_numel(full.numel(), world_size)
+    flat = full.detach().reshape(-1)
+    out = torch.zeros(s, dtype=full.dtype, device=full.device)
+    lo, hi = min(rank * s, flat.numel()), min((rank + 1) * s, flat.numel())
+    out[: hi - lo].copy_(flat[lo:hi])
+    return out
+
+
+def gather_param(shard: torch.Tensor, numel: int, comm: Comm) -> torch.Tensor:
+    """The full flattened value of one parameter from every rank's shard (all ranks call it)."""
+    if comm.world_size == 1:
+        return shard[:numel].clone()
+    out = torch.empty(comm.world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
+    comm.all_gather(out, shard.contiguous())
+    return out[:numel]

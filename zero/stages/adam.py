@@ -1,0 +1,265 @@
+"""The optimizer step every stage shares: norm, overflow check, clipping and Adam on this rank's shards.
+
+[Note: one divisor]
+Gradients reach the shard as sums over ranks (and micro-batches, each already divided by the
+accumulation steps in `Engine.backward`), multiplied by the loss scale. The mean gradient is
+`sum / (world_size / predivide) / loss_scale`, and clipping multiplies it by `clip_coef`. All of
+that is one number, `grad_scale = world_size / predivide * loss_scale / clip_coef`, which the
+Adam kernel divides by in the same pass that updates the weights: no separate unscale, average
+or clip pass over the gradients. The norm is computed from the shard in one pass per slot and one
+all-reduce; an inf or NaN anywhere makes the norm non-finite, which is also the overflow test.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+from torch.autograd.profiler import record_function
+
+from zero.comm import Comm
+from zero.memory_report import Gauges, measure_kinds
+from zero.offload import HostAdam, HostMemory
+from zero.precision import LossScaler
+from zero.stages.policies import Precision, StepOptions
+
+ADAM_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bias_correction=True, adamw_mode=True)
+
+Slot = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+
+
+class ShardedAdam(torch.optim.Optimizer):
+    """Adam/AdamW over this rank's shards: the step shared by every stage.
+
+    Behaves as a torch optimizer for schedulers and user code (`param_groups` with `lr`, `betas`,
+    ... per group), but `step()` is meant to be called by the engine at the accumulation
+    boundary. Subclasses say where the shards are (`slots`), how gradients reach them
+    (`reduce_gradients`), and how updated 16-bit shards reach the model (`publish`).
+
+    Args:
+        param_groups: torch-style groups of trainable parameters with Adam hyperparameters.
+        comm: the data-parallel group.
+        precision: the run's dtypes.
+        step: clipping, predivide, overflow checks and optimizer offload (see StepOptions).
+    """
+
+    offload_param = False  # stage 3 with parameter offload says otherwise
+
+    def __init__(self, param_groups, *, comm: Comm, precision: Precision, step: StepOptions,
+                 loss_scaler: LossScaler | None = None):
+        super().__init__(param_groups, dict(ADAM_DEFAULTS))
+        self.comm = comm
+        self.precision = precision
+        self.options = step
+        self.offload = step.offload
+        self.loss_scaler = loss_scaler or LossScaler.disabled()
+        self.check_overflow = step.check_overflow or self.loss_scaler.dynamic
+        self.at_boundary = True  # the engine says whether the coming backward ends an accumulation
+        self.params = [p for g in self.param_groups for p in g["params"]]
+        self.step_count = 0
+        self.global_grad_norm: float | None = None
+        self.host_memory = HostMemory(self)
+        self.gauges = Gauges()  # communication and gathered buffers, measured as they come and go
+        self._host: HostAdam | None = None
+        self._warned_fallback = False
+
+    # -- where optimizer state lives -------------------------------------------------------------
+
+    def new_state(self, like: torch.Tensor, compute_device: torch.device) -> torch.Tensor:
+        """A zero fp32 optimizer-state tensor shaped like `like`: in host memory when offloaded
+        (page-locked if asked), else on the compute device."""
+        if self.offload is not None:
+            t = self.host_memory.empty(like.shape, torch.float32, self.offload.pin_memory)
+            return t.zero_()
+        return torch.zeros(like.shape, dtype=torch.float32, device=compute_device)
+
+    def grad_final(self, grad: torch.Tensor) -> None:
+        """Reducers call this when a gradient shard holds its final value for the step; with
+        offload its copy to the host starts now, overlapping the rest of backward."""
+        if self.offload is not None and self.at_boundary:
+            self._host_adam().grad_ready(grad)
+
+    def _host_adam(self) -> HostAdam:
+        if self._host is None:
+            self._host = HostAdam(self.slots(), self.offload, self.host_memory)
+        return self._host
+
+    def out16_on_host(self) -> list[bool]:
+        """Per slot: does its 16-bit output live in host memory (stage 3 with offload_param)?"""
+        return [False] * len(self.slots())
+
+    # -- this rank's optimizer state, wherever it lives -------------------------------------------
+
+    def shard_state(self) -> list[dict[str, Any]]:
+        """This rank's optimizer state, slot by slot, as host fp32 tensors: {"group", "master",
+        "exp_avg", "exp_avg_sq"} plus the step count. The layout is the same whether the state lives
+        on the device or (offloaded) on the host, so the state moves between the two."""
+        return [{"group": g, "step": self.step_count, "master": m.detach().to("cpu", copy=True),
+                 "exp_avg": ea.detach().to("cpu", copy=True), "exp_avg_sq": eas.detach().to("cpu", copy=True)}
+                for g, m, _, ea, eas, _ in self.slots()]
+
+    @torch.no_grad()
+    def load_shard_state(self, state: list[dict[str, Any]]) -> None:
+        """Load what `shard_state` returned (from this or an offloaded/non-offloaded twin) and
+        refresh the model's 16-bit parameters from the loaded master."""
+        slots = self.slots()
+        if len(state) != len(slots):
+            raise ValueError(f"shard state has {len(state)} slots, this optimizer has {len(slots)}")
+        for i, ((g, master, _, _, _, _), saved) in enumerate(zip(slots, state)):
+            if saved["group"] != g or saved["master"].shape != master.shape:
+                raise ValueError(f"shard state slot {i}: group {saved['group']} / shape {tuple(saved['master'].shape)} "
+                                 f"does not match group {g} / shape {tuple(master.shape)}")
+        for (g, master, _, ea, eas, out16), saved in zip(slots, state):
+            master.copy_(saved["master"])
+            ea.copy_(saved["exp_avg"])
+            eas.copy_(saved["exp_avg_sq"])
+            if out16 is not None:
+                out16.copy_(master)
+        self.step_count = state[0]["step"] if state else 0
+        self.publish()
+
+    # -- what subclasses provide --------------------------------------------------------------
+
+    def slots(self) -> list[Slot]:
+        """(group index, fp32 master, gradient shard, exp_avg, exp_avg_sq, 16-bit output or None)."""
+        raise NotImplementedError
+
+    def reduce_gradients(self) -> None:
+        """Finish any gradient reduction still owed at the accumulation boundary."""
+
+    def norm_is_partitioned(self) -> bool:
+        """True when each rank holds a different part of the gradient (so norms are summed)."""
+        return self.comm.world_size > 1
+
+    def publish(self) -> None:
+        """Make the updated 16-bit shards visible to the model (e.g. all-gather them)."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget this step's gradients (subclasses also clear their shards)."""
+        if self._host is not None:
+            self._host.discard()
+        for p in self.params:
+            p.grad = None
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds for model states, by kind, and its communication buffers."""
+        raise NotImplementedError
+
+    def _measure(self, parts: dict[str, list[torch.Tensor]], host_kinds: set[str]) -> dict[str, int]:
+        """`parts` measured by storage (see zero/memory_report.py), plus the host staging of
+        offload, the reduce buffers alive now and at most, and the device/host split."""
+        parts["host_staging"] = self._host.host_tensors() if self._host is not None else []
+        if self.offload is not None:
+            host_kinds = host_kinds | {"fp32_master", "optimizer_states"}
+        report = measure_kinds(parts, host_kinds | {"host_staging"})
+        g = self.gauges
+        report["reduce_buffers"] = g.reduce_buffers.now
+        report["reduce_buffers_peak"] = g.reduce_buffers.peak
+        report["device_bytes"] += g.reduce_buffers.now + g.gather_buffers.now
+        return report
+
+    # -- the step -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None) -> bool:
+        """Reduce, check, clip and apply Adam to this rank's shards, then publish them.
+
+        Returns:
+            False if the step was skipped because a gradient overflowed, True otherwise.
+        """
+        if closure is not None:
+            raise ValueError(f"{type(self).__name__}.step does not take a closure")
+        with record_function("zero::reduce_gradients"):
+            self.reduce_gradients()
+        slots = self.slots()
+        divisor = self.comm.world_size / self.options.predivide * self.loss_scaler.scale
+
+        with record_function("zero::grad_norm"):
+            device = slots[0][2].device if slots else torch.device("cpu")  # where the gradients are
+            norm_sq = torch.zeros(1, dtype=torch.float32, device=device)
+            for _, _, g, _, _, _ in slots:
+                norm_sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+            if self.norm_is_partitioned():
+                self.comm.all_reduce(norm_sq, "sum")
+            norm_sq = norm_sq.item()
+        if self.check_overflow and not math.isfinite(norm_sq):
+            self.loss_scaler.update(overflow=True)
+            self.global_grad_norm = None
+            self.zero_grad()
+            return False
+        norm = math.sqrt(norm_sq) / divisor
+        self.global_grad_norm = norm
+        clip_coef = 1.0
+        if self.options.clipping > 0:
+            clip_coef = min(1.0, self.options.clipping / (norm + 1e-6))
+
+        self.step_count += 1
+        grad_scale = divisor / clip_coef
+        with record_function("zero::adam"):
+            if self.offload is not None:
+                threads = self.offload.num_threads
+                self._host_adam().step(
+                    slots, lambda g, *t: self._adam(self.param_groups[g], *t[:4], grad_scale, t[4], threads),
+                    self.out16_on_host())
+            else:
+                for group_index, master, grad, exp_avg, exp_avg_sq, out16 in slots:
+                    self._adam(self.param_groups[group_index], master, grad, exp_avg, exp_avg_sq, grad_scale, out16)
+        with record_function("zero::publish_params"):
+            self.publish()
+        self.loss_scaler.update(overflow=False)
+        self.zero_grad()
+        return True
+
+    def _adam(self, group, master, grad, exp_avg, exp_avg_sq, grad_scale: float, out16, num_threads=None) -> None:
+        if out16 is not None and out16.dtype == torch.float32:  # fp32 model copy kept apart from the master
+            self._adam(group, master, grad, exp_avg, exp_avg_sq, grad_scale, None, num_threads)
+            out16.copy_(master)
+            return
+        if out16 is not None and out16.device != master.device:  # e.g. device master, host shard
+            staged = torch.empty_like(out16, device=master.device)
+            self._adam(group, master, grad, exp_avg, exp_avg_sq, grad_scale, staged, num_threads)
+            out16.copy_(staged)
+            return
+        kwargs = dict(step=self.step_count, lr=float(group["lr"]), betas=tuple(group["betas"]), eps=group["eps"],
+                      weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
+                      bias_correction=group["bias_correction"], grad_scale=grad_scale)
+        from zero.ops.builder import OpUnavailable
+
+        try:
+            if master.device.type == "cuda":
+                from zero.ops.fused_adam import fused_adam_step_unchecked
+
+                fused_adam_step_unchecked([master], [grad], [exp_avg], [exp_avg_sq],
+                                          out16=None if out16 is None else [out16], **kwargs)
+            else:
+                from zero.ops.cpu_adam import cpu_adam_step_unchecked
+
+                cpu_adam_step_unchecked(master, grad, exp_avg, exp_avg_sq, out16=out16, num_threads=num_threads, **kwargs)
+            return
+        except OpUnavailable as exc:  # no compiler, no nvcc: tried once (see zero/ops/builder.py)
+            reason = exc
+        if not self._warned_fallback:
+            warnings.warn(f"zero: native Adam unavailable ({reason}); using the slower torch implementation")
+            self._warned_fallback = True
+        torch_adam_step(master, grad, exp_avg, exp_avg_sq, out16=out16, **kwargs)
+
+
+def torch_adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, betas, eps, weight_decay, adamw_mode,
+                    bias_correction, grad_scale, out16=None) -> None:
+    """Adam/AdamW on flat tensors with torch ops: the fallback when no native kernel can be built.
+    Same formula as the kernels (see [Note: adam math] in csrc/adam/)."""
+    beta1, beta2 = betas
+    g = grad.float() / grad_scale
+    if adamw_mode:
+        param.mul_(1 - lr * weight_decay)
+    elif weight_decay:
+        g = g.add(param, alpha=weight_decay)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bc1 = 1 - beta1**step if bias_correction else 1.0
+    bc2 = 1 - beta2**step if bias_correction else 1.0
+    denom = (exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-lr / bc1)
+    if out16 is not None:
+        out16.copy_(param)

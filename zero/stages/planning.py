@@ -1,0 +1,94 @@
+"""Stage 3 planning: shard every parameter, then decide which parameters form which unit."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from zero.comm import Comm
+from zero.partition.shards import ShardedParam, shard_numel, take_shard
+
+
+def _owner(paths: list[str]) -> str:
+    """The deepest module path that is a prefix (an ancestor) of every path in `paths`."""
+    parts = [p.split(".") if p else [] for p in paths]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def _in_subtree(path: str, root: str) -> bool:
+    return root == "" or path == root or path.startswith(root + ".")
+
+
+def plan_units(module: nn.Module, persistence_threshold: int, unit_threshold: int,
+               persistence_budget: int | None = None) -> tuple[list[tuple[str, list[nn.Parameter]]], list[nn.Parameter]]:
+    """Decide which parameters form which unit.
+
+    A parameter belongs to the deepest module that contains every module holding it (a tied
+    embedding/output weight belongs to their common ancestor, so it stays gathered across both
+    uses). Parameters of at most `persistence_threshold` elements are persistent. Walking the
+    module tree bottom-up, a module becomes a unit when the unclaimed parameters of its subtree
+    reach `unit_threshold` elements, or when it is marked with `zero.set_z3_leaf_modules`; the
+    root takes whatever is left. ModuleList/ModuleDict are skipped: they are never called.
+    `persistence_budget` caps the total elements kept persistent (smallest parameters first).
+
+    Returns:
+        ([(module path, params)] in module order, persistent params)
+    """
+    holders: dict[nn.Parameter, list[str]] = {}
+    for path, m in module.named_modules(remove_duplicate=False):
+        for p in m._parameters.values():
+            if p is not None:
+                holders.setdefault(p, []).append(path)
+    owner = {p: _owner(paths) for p, paths in holders.items()}
+    size = {p: p._zero.numel if getattr(p, "_zero", None) is not None else p.numel() for p in holders}
+    persistent, kept = [], 0
+    for p in sorted((p for p in holders if size[p] <= persistence_threshold), key=size.__getitem__):
+        if persistence_budget is not None and kept + size[p] > persistence_budget:
+            break
+        persistent.append(p)
+        kept += size[p]
+    unclaimed = set(holders) - set(persistent)
+    modules = dict(module.named_modules())
+    order = {path: i for i, path in enumerate(modules)}
+    rank_of = {p: i for i, p in enumerate(holders)}
+    units: list[tuple[str, list[nn.Parameter]]] = []
+    for path in sorted(modules, key=lambda p: (-(p.count(".") + 1 if p else 0), order[p])):
+        if isinstance(modules[path], (nn.ModuleList, nn.ModuleDict)):
+            continue  # containers are never called, so their hooks would never fire
+        mine = [p for p in unclaimed if _in_subtree(owner[p], path)]
+        leaf = getattr(modules[path], "_zero_unit", False)
+        if mine and (path == "" or leaf or sum(size[p] for p in mine) >= unit_threshold):
+            mine.sort(key=rank_of.__getitem__)
+            units.append((path, mine))
+            unclaimed -= set(mine)
+    units.sort(key=lambda u: order[u[0]])
+    return units, persistent
+
+
+def describe_shard(p: nn.Parameter, world_size: int) -> ShardedParam:
+    """`p._zero`, created for a parameter that is still whole (see [Note: parameter shards])."""
+    if getattr(p, "_zero", None) is None:
+        p._zero = ShardedParam(p.shape, p.numel(), shard_numel(p.numel(), world_size))
+    return p._zero
+
+
+@torch.no_grad()
+def take_local_shard(p: nn.Parameter, comm: Comm, device: torch.device) -> torch.Tensor:
+    """This rank's shard of `p`, in `p`'s own dtype (the exact values the fp32 master starts from).
+
+    A whole parameter is moved to `device` on its own (never the whole model), takes rank 0's
+    values and is cut; its full tensor is dropped (`p.data` becomes empty). A parameter sharded
+    by `zero.Init` already holds rank 0's values in its local shard, which is handed over.
+    """
+    info = describe_shard(p, comm.world_size)
+    local, info.local = info.local, None
+    if local is None:
+        full = p.detach().to(device)
+        comm.broadcast(full, src=0)  # every rank starts from rank 0's values
+        local = take_shard(full, comm.rank, comm.world_size)
+        p.data = local[:0]
+    return local

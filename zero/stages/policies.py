@@ -1,0 +1,161 @@
+"""Frozen policies: what the config asks of the ZeRO core, decided once when the engine is built.
+
+The optimizers and the stage-3 runtime take these instead of a dozen loose arguments, and every
+rule that derives one setting from others (the gradient dtype, whether an fp32 master exists, the
+default unit size) lives here, once.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from zero.config import ZeroConfig
+
+DEFAULT_UNIT_ELEMENTS = 1_000_000  # stage3_module_granularity_threshold 0 means this
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The dtypes of one training run.
+
+    Args:
+        param: dtype of parameters and gradients in forward/backward (fp32, bf16 or fp16).
+        reduce: dtype gradients are communicated in (`communication_data_type`, else `param`).
+        grad: dtype of the gradient shard: fp32 when several micro-batches are accumulated or
+            training is fp32, else `reduce` (the Adam kernels read 16-bit gradients directly).
+    """
+
+    param: torch.dtype
+    reduce: torch.dtype
+    grad: torch.dtype
+
+    @classmethod
+    def from_config(cls, cfg: ZeroConfig) -> Precision:
+        accumulate = cfg.gradient_accumulation_steps > 1 or cfg.dtype == torch.float32
+        return cls(cfg.dtype, cfg.communication_dtype, torch.float32 if accumulate else cfg.communication_dtype)
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    """Optimizer offload: fp32 master, Adam moments and the update in host memory.
+
+    Args:
+        pin_memory: page-lock host buffers (asynchronous copies; needs CUDA).
+        tile_elements: elements per CPU Adam tile (DeepSpeed's `sub_group_size`, capped).
+        num_threads: CPU Adam threads (see zero.offload.cpu_adam_threads).
+    """
+
+    pin_memory: bool = True
+    tile_elements: int = 1 << 22
+    num_threads: int = 1
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How gradients become an update (all stages).
+
+    Args:
+        clipping: clip the global gradient norm to this; 0 = off.
+        predivide: gradients are divided by this before the reduction.
+        check_overflow: skip steps whose gradients hold inf/NaN (always on with fp16).
+        offload: optimizer offload, or None to keep optimizer state with the model.
+    """
+
+    clipping: float = 0.0
+    predivide: float = 1.0
+    check_overflow: bool = False
+    offload: OffloadOptions | None = None
+
+
+@dataclass(frozen=True)
+class ReduceOptions:
+    """How gradients are reduced across ranks.
+
+    Args:
+        overlap_comm: reduce while backward goes on (asynchronous collectives).
+        reduce_scatter: stages 1/2 reduce-scatter (False: all-reduce whole buckets, as
+            DeepSpeed's `reduce_scatter: false`; twice the traffic, same numbers).
+        bucket_elements: stages 0-2: elements per bucket.
+        in_flight_elements: at most this many gradient elements are being reduced at once
+            (at least one bucket or unit); see [Note: gradient readiness].
+        ignore_unused_parameters: False makes a trainable parameter without a gradient an error.
+    """
+
+    overlap_comm: bool = False
+    reduce_scatter: bool = True
+    bucket_elements: int = 500_000_000
+    in_flight_elements: int = 500_000_000
+    ignore_unused_parameters: bool = True
+
+
+@dataclass(frozen=True)
+class Stage3Options:
+    """How stage 3 groups, keeps and fetches parameters.
+
+    Args:
+        unit_elements: a module whose unclaimed parameters reach this many elements becomes a
+            unit (see zero.stages.planning.plan_units).
+        persistence_threshold: parameters of at most this many elements stay whole everywhere.
+        persistence_budget: at most this many elements stay whole in total (None: no cap).
+        prefetch_elements: elements gathered ahead of use beyond the next unit (0: no prefetch).
+        max_live_elements: gathered elements kept at once before idle units are released.
+        max_reuse_distance: a unit used again within this many gathered elements is kept.
+        offload_param: keep parameter shards in host memory.
+        pin_memory: page-lock those host shards.
+        strict_checks: check every collective's rank-divergence tag before issuing it, also on
+            NCCL (one synchronisation per collective; `enable_sanity_checks` or
+            TORCH_DISTRIBUTED_DEBUG=DETAIL).
+        log_trace_changes: warn when a recorded order of units changes
+            (`log_trace_cache_warnings`).
+        gather_on_apply: `module.apply(fn)` sees gathered parameters (`override_module_apply`).
+    """
+
+    unit_elements: int = DEFAULT_UNIT_ELEMENTS
+    persistence_threshold: int = 100_000
+    persistence_budget: int | None = None
+    prefetch_elements: int = 50_000_000
+    max_live_elements: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+    offload_param: bool = False
+    pin_memory: bool = False
+    strict_checks: bool = False
+    log_trace_changes: bool = False
+    gather_on_apply: bool = True
+
+
+def options_from_config(cfg: ZeroConfig, world_size: int, num_threads: int
+                        ) -> tuple[Precision, StepOptions, ReduceOptions, Stage3Options]:
+    """Every policy of the core, from a validated config.
+
+    Args:
+        cfg: the config.
+        world_size: ranks in the data-parallel group (`prescale_gradients` divides by it).
+        num_threads: CPU Adam threads when the optimizer is offloaded.
+    """
+    zc = cfg.zero_optimization
+    offload = None
+    if zc.offload_optimizer is not None and zc.offload_optimizer.device == "cpu":
+        offload = OffloadOptions(pin_memory=zc.offload_optimizer.pin_memory,
+                                 tile_elements=max(1, min(zc.sub_group_size, 1 << 22)), num_threads=num_threads)
+    predivide = float(world_size) if cfg.prescale_gradients else cfg.gradient_predivide_factor
+    step = StepOptions(clipping=cfg.gradient_clipping, predivide=predivide,
+                       check_overflow=cfg.fp16.enabled or cfg.bf16.check_grad_overflow, offload=offload)
+    reduce = ReduceOptions(overlap_comm=bool(zc.overlap_comm), reduce_scatter=zc.reduce_scatter,
+                           bucket_elements=max(1, min(zc.reduce_bucket_size, zc.allgather_bucket_size)),
+                           in_flight_elements=max(1, zc.reduce_bucket_size),
+                           ignore_unused_parameters=zc.ignore_unused_parameters)
+    offload_param = zc.offload_param is not None and zc.offload_param.device == "cpu"
+    stage3 = Stage3Options(
+        unit_elements=zc.module_granularity_threshold or DEFAULT_UNIT_ELEMENTS,
+        persistence_threshold=zc.param_persistence_threshold,
+        persistence_budget=zc.model_persistence_threshold if zc.model_persistence_threshold < sys.maxsize else None,
+        prefetch_elements=zc.prefetch_bucket_size, max_live_elements=zc.max_live_parameters,
+        max_reuse_distance=zc.max_reuse_distance, offload_param=offload_param,
+        pin_memory=offload_param and zc.offload_param.pin_memory,
+        strict_checks=zc.enable_sanity_checks or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL",
+        log_trace_changes=zc.log_trace_cache_warnings, gather_on_apply=zc.override_module_apply)
+    return Precision.from_config(cfg), step, reduce, stage3
+

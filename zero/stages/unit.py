@@ -1,0 +1,288 @@
+"""Stage 3 storage: parameters grouped into units that are gathered and freed together.
+
+[Note: parameter units]
+A `ParamUnit` is a set of parameters gathered and released together, usually those of one
+transformer block. Its rank-local storage is flat: the shards of its parameters back to back
+(see [Note: parameter shards] in zero/partition/shards.py), trainable ones first and grouped by
+param group, so each group's range gets one Adam call and every rank's shard has the same length
+S. Gathering is one all-gather of S elements per rank into an (N, S) buffer whose columns
+[off_p, off_p + s_p) hold parameter p's rows; one `torch.split_with_sizes_copy` moves every
+parameter's (N, s_p) block into the unit's full buffer, in which each parameter is a contiguous
+view. A unit of one parameter is gathered into its full buffer directly. Reducing gradients is
+the reverse: one `torch._chunk_cat` lays the gradients out as (N, S_trainable) in the reduce
+dtype, and one reduce-scatter leaves every rank the sum of its own shards.
+
+[Note: freeing gathered parameters]
+Autograd saves views of the parameters that backward needs (F.linear saves `weight.t()`), and a
+saved view keeps its storage alive: swapping `param.data` frees nothing. So a unit owns one
+full-size buffer for its whole life, and each parameter's full value is a view into it, made once.
+Releasing the unit resizes that buffer's storage to 0 bytes, which frees the memory, also under
+every view autograd saved. Gathering resizes the same storage back and writes into it, so a saved
+view reads the new values when backward uses it (the runtime gathers the unit again before its
+backward; see [Note: stage 3 hooks]). Between uses `param.data` is an empty tensor, so nothing
+reads the freed storage by accident. This is FSDP2's [Note: FSDP and autograd] applied to units.
+
+A world of one without parameter offload needs none of this: the shard is the whole parameter,
+and the parameters stay views into the shard.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.autograd.profiler import record_function
+
+from zero.comm import Comm
+from zero.partition.shards import ShardedParam
+from zero.stages.policies import Precision
+from zero.memory_report import Gauges
+
+
+class ShardedState(enum.Enum):
+    SHARDED = "sharded"  # the full buffer's storage is freed; parameters' .data are empty
+    GATHERING = "gathering"  # an all-gather is in flight (a prefetch)
+    GATHERED = "gathered"  # parameters are views into the full buffer
+
+
+@dataclass
+class GroupRange:
+    """One param group's part of a unit's shard, [lo, hi), with its optimizer tensors."""
+
+    group: int
+    lo: int
+    hi: int
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    grad: torch.Tensor
+
+
+@dataclass
+class _InFlight:
+    """A collective of this unit that may still be running, and the buffers it uses."""
+
+    work: object
+    buffer: torch.Tensor | None  # all-gather output or reduce-scatter input (counted in the comm gauge)
+    source: torch.Tensor | None = None  # the shard staged onto the device (offload_param)
+    mine: torch.Tensor | None = None  # a reduce-scatter's output: this rank's row
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.untyped_storage().nbytes()
+
+
+class ParamUnit:
+    """Parameters gathered and released together; see [Note: parameter units].
+
+    Args:
+        index: position among the engine's units (its tag in collectives).
+        name: module path, for messages ("" is the root module).
+        params: the parameters, each described by `param._zero` (see describe_shard).
+        groups: the optimizer param-group index of each parameter, or -1 for a frozen one.
+        comm: the data-parallel group.
+        precision: parameter, reduce and gradient dtypes.
+        device: where the model computes (full parameters, gradients).
+        local_shard: gives this rank's shard of a parameter (see take_local_shard); its values,
+            usually fp32, also start the fp32 master.
+        new_state: makes an fp32 optimizer-state tensor like a given one (wherever state lives).
+        alias_master: fp32 training with state beside the shard: the shard is its own master.
+        persistent: gathered once and never released (small parameters).
+        offload_param: the shard lives in host memory; it is staged onto the device to gather.
+        host_empty: allocates that host shard (pinned when asked).
+        gauges: where the bytes of full buffers, all-gather and reduce buffers are measured.
+    """
+
+    def __init__(self, index: int, name: str, params: list[nn.Parameter], groups: list[int], comm: Comm,
+                 precision: Precision, device: torch.device, local_shard: Callable[[nn.Parameter], torch.Tensor],
+                 new_state: Callable[[torch.Tensor], torch.Tensor], *, alias_master: bool, persistent: bool,
+                 offload_param: bool, host_empty: Callable[..., torch.Tensor], gauges: Gauges):
+        self.index, self.name, self.comm, self.device = index, name, comm, device
+        self.dtype, self.reduce_dtype = precision.param, precision.reduce
+        self.persistent, self.offload_param = persistent, offload_param
+        self.gauges = gauges
+        order = sorted(range(len(params)), key=lambda i: (groups[i] < 0, groups[i]))  # trainable first, by group
+        self.params = [params[i] for i in order]
+        self.groups = [groups[i] for i in order]
+        self.trainable = [p for p, g in zip(self.params, self.groups) if g >= 0]
+        self.has_frozen = len(self.trainable) < len(self.params)
+        world = comm.world_size
+        info = [p._zero for p in self.params]
+        self.split_sizes = [z.shard_numel for z in info]
+        self.offsets = [sum(self.split_sizes[:i]) for i in range(len(info))]
+        self.numel = sum(self.split_sizes)  # S
+        self.trainable_numel = sum(self.split_sizes[: len(self.trainable)])
+        self.full_numel = world * self.numel  # gathered elements (what stage3_max_live_parameters counts)
+
+        with torch.no_grad():
+            self.shard = host_empty(self.numel, dtype=self.dtype) if offload_param else \
+                torch.empty(self.numel, dtype=self.dtype, device=device)
+            self.ranges: list[GroupRange] = []
+            for g in sorted({g for g in self.groups if g >= 0}):
+                members = [i for i, gi in enumerate(self.groups) if gi == g]
+                lo, hi = self.offsets[members[0]], self.offsets[members[-1]] + self.split_sizes[members[-1]]
+                master = self.shard[lo:hi] if alias_master else new_state(self.shard[lo:hi])
+                self.ranges.append(GroupRange(g, lo, hi, master, new_state(master), new_state(master),
+                                              torch.zeros(hi - lo, dtype=precision.grad, device=device)))
+            for i, (p, z, off) in enumerate(zip(self.params, info, self.offsets)):  # one parameter at a time
+                local = local_shard(p)
+                self.shard[off : off + z.shard_numel].copy_(local)
+                r = next((r for r in self.ranges if r.lo <= off < r.hi), None)
+                if r is not None and not alias_master:  # from the shard's own (fp32) values, not their rounding
+                    r.master[off - r.lo : off - r.lo + z.shard_numel].copy_(local)
+                z.unit, z.offset = self, off
+                del local
+
+        # the full buffer and the parameters' views into it, made once (see [Note: freeing gathered parameters])
+        self.aliased = world == 1 and not offload_param
+        self.full = self.shard if self.aliased else torch.empty(self.full_numel, dtype=self.dtype, device=device)
+        self._views = [self.full[world * off : world * off + z.numel].view(z.shape) for z, off in zip(info, self.offsets)]
+        self._blocks = [self.full[world * off : world * (off + s)].view(world, s) for off, s in zip(self.offsets, self.split_sizes)]
+        self._full_nbytes = self.full.untyped_storage().nbytes()
+        self._empty = torch.empty(0, dtype=self.dtype, device=device)
+        self._gather: _InFlight | None = None
+        self._reduce: _InFlight | None = None
+        if self.aliased:
+            self.state = ShardedState.GATHERED
+            self._show()
+        else:
+            self.state = ShardedState.SHARDED
+            self.full.untyped_storage().resize_(0)
+            self._hide()
+
+        # training state, owned by the stage-3 runtime (see [Note: stage 3 hooks])
+        self.forward_uses = 0  # forwards of this unit's modules now running (nested calls count)
+        self.needed_in_backward = False  # backward reached it and still needs its values
+        self.trace_pos = -1  # where the runtime last recorded its use in the current pass
+
+    def __repr__(self) -> str:
+        return f"ParamUnit({self.index}, '{self.name or '<root>'}', {len(self.params)} params, {self.full_numel} elements)"
+
+    @property
+    def label(self) -> str:
+        return repr(self.name or "<root>")
+
+    @property
+    def resident(self) -> bool:
+        """Never released: persistent, or a world of one where the shard is the parameter."""
+        return self.persistent or self.aliased
+
+    # -- storage ------------------------------------------------------------------------------------
+
+    def _show(self) -> None:
+        for p, view in zip(self.params, self._views):
+            p.data = view
+
+    def _hide(self) -> None:
+        for p in self.params:
+            p.data = self._empty
+
+    def _allocate(self) -> None:
+        storage = self.full.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self._full_nbytes)
+            if not self.persistent:  # persistent parameters are model state, counted as such
+                self.gauges.gathered.add(self._full_nbytes)
+
+    def held_bytes(self) -> int:
+        """Bytes the full buffer holds now, beyond the shard."""
+        return 0 if self.aliased else self.full.untyped_storage().nbytes()
+
+    def start_gather(self) -> None:
+        """Issue the all-gather of this unit (asynchronously)."""
+        assert self.state is ShardedState.SHARDED, self
+        self.state = ShardedState.GATHERING
+        shard = self.shard
+        if self.shard.device != self.device:  # offload_param on a GPU: bring the shard to the device
+            with record_function(f"zero::fetch_offloaded_shard[{self.name}]"):
+                shard = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+                shard.copy_(self.shard, non_blocking=True)
+        world = self.comm.world_size
+        with record_function(f"zero::gather_unit[{self.name}]"):
+            if world == 1 or len(self.params) == 1:  # the output layout is the full buffer's own
+                self._allocate()
+                work = self.comm.all_gather(self.full, shard, async_op=True)
+                self._gather = _InFlight(work, None, source=shard)
+            else:
+                buffer = torch.empty(self.full_numel, dtype=self.dtype, device=self.device)
+                self.gauges.gather_buffers.add(_nbytes(buffer))
+                self._gather = _InFlight(self.comm.all_gather(buffer, shard, async_op=True), buffer, source=shard)
+
+    def finish_gather(self, wait: Callable[[object], None]) -> None:
+        """Wait for the all-gather (`wait(work)`), write the full buffer and show the parameters."""
+        assert self.state is ShardedState.GATHERING, self
+        inflight, self._gather = self._gather, None
+        wait(inflight.work)
+        inflight.source = None  # the staged shard (offload_param) is not needed any more
+        if inflight.buffer is not None:
+            with record_function(f"zero::unshard_unit[{self.name}]"):
+                self._allocate()
+                rows = inflight.buffer.view(self.comm.world_size, self.numel)
+                torch.split_with_sizes_copy(rows, self.split_sizes, dim=1, out=self._blocks)
+            self.gauges.gather_buffers.sub(_nbytes(inflight.buffer))
+        self._show()
+        self.state = ShardedState.GATHERED
+
+    def free(self) -> None:
+        """Free the full buffer's storage; only the shard remains (see [Note: freeing gathered
+        parameters])."""
+        assert self.state is ShardedState.GATHERED and not self.resident, self
+        self._hide()
+        self.gauges.gathered.sub(self.full.untyped_storage().nbytes())
+        self.full.untyped_storage().resize_(0)
+        self.state = ShardedState.SHARDED
+
+    def refresh(self, wait: Callable[[object], None]) -> None:
+        """Persistent units: gather the updated shards into the (still allocated) full buffer."""
+        if self.aliased:
+            return
+        self.state = ShardedState.SHARDED
+        self.start_gather()
+        self.finish_gather(wait)
+
+    # -- gradients ----------------------------------------------------------------------------------
+
+    def start_reduce(self, predivide: float) -> int:
+        """Lay the trainable parameters' gradients out as (N, S_trainable) in the reduce dtype and
+        issue one reduce-scatter; a missing gradient counts as zero. Frees `param.grad`.
+
+        Returns:
+            The bytes of the reduce-scatter buffer now in flight.
+        """
+        world, rank = self.comm.world_size, self.comm.rank
+        grads = []
+        for p in self.trainable:
+            g, p.grad = p.grad, None
+            grads.append(g.reshape(-1) if g is not None else torch.zeros(p._zero.numel, dtype=self.dtype, device=self.device))
+        with record_function(f"zero::pack_grads[{self.name}]"):
+            send = torch.empty(world * self.trainable_numel, dtype=self.reduce_dtype, device=self.device)
+            torch._chunk_cat(grads, 0, world, out=send.view(world, self.trainable_numel))
+            del grads
+            if predivide != 1.0:
+                send.div_(predivide)
+        mine = send[rank * self.trainable_numel : (rank + 1) * self.trainable_numel]
+        nbytes = _nbytes(send)
+        self.gauges.reduce_buffers.add(nbytes)
+        self._reduce = _InFlight(self.comm.reduce_scatter(mine, send, async_op=True), send, mine=mine)
+        return nbytes
+
+    def finish_reduce(self, wait: Callable[[object], None]) -> list[torch.Tensor]:
+        """Wait for the reduce-scatter and add this rank's part to the gradient shards.
+
+        Returns:
+            The gradient shards it added to.
+        """
+        inflight, self._reduce = self._reduce, None
+        wait(inflight.work)
+        for r in self.ranges:
+            r.grad.add_(inflight.mine[r.lo : r.hi])
+        self.gauges.reduce_buffers.sub(_nbytes(inflight.buffer))
+        return [r.grad for r in self.ranges]
+
+    def zero_grads(self) -> None:
+        for r in self.ranges:
+            r.grad.zero_()
+        for p in self.params:
+            p.grad = None
