@@ -6,7 +6,7 @@ PYTHON ?= python3
 # TORCH_SPEC="torch==X --index-url <your CPU wheel index>" for a CPU-only machine).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test bench ops
+.PHONY: setup demo test lint bench ops
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install $(TORCH_SPEC)
 	$(PYTHON) -m pip install --no-build-isolation -e ".[test]"
@@ -15,6 +15,7 @@ demo: setup
 	$(PYTHON) -m torch.distributed.run --nproc_per_node 2 examples/train_zero2.py
 
 test: setup
+	$(PYTHON) -m ruff check .
 	$(PYTHON) -m pytest -q
 
 bench: setup
@@ -24,3 +25,6 @@ bench: setup
 
 ops: setup
 	$(PYTHON) -m zero.ops build
+
+lint:
+	$(PYTHON) -m ruff check .

@@ -252,7 +252,7 @@ def cpu_rows(n: int, reps: int, warmup: int, num_threads: int, with_deepspeed: b
     for copy_out in (False, True):
         candidates = [(name, make, mode if copy_out else None, note) for name, make, mode, note in factories]
         rows += measure(candidates, n, "cpu", ceiling, reps, warmup)
-    del bufs
+    ceiling = bufs = None
     free_memory()
     return rows
 
@@ -281,7 +281,7 @@ def gpu_rows(n: int, reps: int, warmup: int, calls: int) -> list[Row]:
     for copy_out in (False, True):
         candidates = [(name, make, mode if copy_out else None, note) for name, make, mode, note in factories]
         rows += measure(candidates, n, "cuda", ceiling, reps, warmup, calls)
-    del src, dst
+    ceiling = src = dst = None  # free the device buffers before the next round
     free_memory()
     return rows
 

@@ -6,8 +6,9 @@
 One process, one device (a world of one). For each configuration it trains a few warm-up steps,
 then times `--steps` steps and prints per-step milliseconds for forward, backward, the optimizer
 step, and inside the step the time spent waiting for gradient copies, in CPU Adam, and waiting
-for parameter copies, with and without overlap (gradient copies started during backward, and
-the copy-back pipelined tile by tile while later tiles are updated).
+for parameter copies (gradient copies start during backward, and the copy-back is pipelined tile
+by tile while later tiles are updated). A configuration that runs out of memory is reported as
+such and the others go on.
 
 On a CPU-only machine host and device are the same memory, so the copies are plain memcpy and
 the numbers show the cost of the offload path itself, not PCIe. With `--gpu` it also reports
@@ -18,7 +19,6 @@ that trains with (a) stage 2 + optimizer offload, (b) stage 3 + optimizer and pa
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import sys
 import time
@@ -52,9 +52,7 @@ def timed_steps(engine, vocab, seq, batch, warmup, steps):
     g = torch.Generator().manual_seed(0)
     for i in range(warmup + steps):
         if i == warmup:
-            engine._times = dict.fromkeys(engine._times, 0.0)
-            if engine.optimizer._host is not None:
-                engine.optimizer._host.times = dict.fromkeys(engine.optimizer._host.times, 0.0)
+            engine.wall_clock_report(reset=True)
             start = time.perf_counter()
         idx = torch.randint(0, vocab, (batch, seq + 1), generator=g).to(device)
         engine.backward(engine(idx[:, :-1], idx[:, 1:]))
@@ -62,10 +60,19 @@ def timed_steps(engine, vocab, seq, batch, warmup, steps):
     if device.type == "cuda":
         torch.cuda.synchronize()
     total = (time.perf_counter() - start) / steps
-    row = {"total": total, **{k: v / steps for k, v in engine._times.items()}}
-    host = engine.optimizer._host
-    row.update({k: v / steps for k, v in (host.times.items() if host is not None else {})})
-    return row
+    return {"total": total, **{k: v / steps for k, v in engine.wall_clock_report().items()}}
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def _release_memory() -> None:
+    """Free what a finished trial held, device and pinned host caches included."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        getattr(torch._C, "_host_emptyCache", lambda: None)()
 
 
 def breakdown(args) -> None:
@@ -76,35 +83,40 @@ def breakdown(args) -> None:
           f"{'cuda' if args.gpu else 'cpu'}, torch {torch.__version__}\n")
     cols = ["total", "forward", "backward", "step", "grad_copy_wait", "cpu_adam", "param_copy_wait"]
     print(f"{'config':<28}" + "".join(f"{c:>16}" for c in cols) + f"{'TFLOPS':>9}")
-    for name, stage, offload, overlap in [("stage 2, no offload", 2, {}, True),
-                                          ("stage 2 + opt offload", 2, OFFLOAD_OPT, True),
-                                          ("stage 2 + opt offload, serial", 2, OFFLOAD_OPT, False),
-                                          ("stage 3 + opt+param offload", 3, OFFLOAD_BOTH, True)]:
+    for name, stage, offload in [("stage 2, no offload", 2, {}), ("stage 2 + opt offload", 2, OFFLOAD_OPT),
+                                 ("stage 3 + opt+param offload", 3, OFFLOAD_BOTH)]:
         torch.manual_seed(0)
-        engine = engine_for(build(args.layers, args.embd, args.vocab, args.seq), stage, offload, args.batch)
-        if engine.optimizer.offload is not None:
-            engine.optimizer.offload = dataclasses.replace(engine.optimizer.offload, overlap=overlap)
-        row = timed_steps(engine, args.vocab, args.seq, args.batch, args.warmup, args.steps)
+        engine = None
+        try:
+            engine = engine_for(build(args.layers, args.embd, args.vocab, args.seq), stage, offload, args.batch)
+            row = timed_steps(engine, args.vocab, args.seq, args.batch, args.warmup, args.steps)
+        except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:
+            if not _out_of_memory(exc):
+                raise
+            print(f"{name:<28} out of memory")
+            continue
+        finally:
+            engine = None
+            _release_memory()
         tflops = flops / row["total"] / 1e12
         print(f"{name:<28}" + "".join(f"{row.get(c, 0.0) * 1e3:>13.1f} ms" for c in cols) + f"{tflops:>9.3f}")
-        del engine
-        gc.collect()
-    print("\nms per step; grad_copy_wait / cpu_adam / param_copy_wait are parts of `step`. 'serial' copies "
-          "everything inside the step and updates whole shards (no pipelining).")
+    print("\nms per step; grad_copy_wait / cpu_adam / param_copy_wait are parts of `step`.")
 
 
 def trains(layers: int, embd: int, stage: int, offload: dict, args) -> bool:
+    """One step at batch 1 and a short sequence, so model states, not activations, run out."""
+    engine = None
     try:
-        engine = engine_for(build(layers, embd, args.vocab, args.seq), stage, offload, args.batch)
-        timed_steps(engine, args.vocab, args.seq, args.batch, 0, 1)
+        engine = engine_for(build(layers, embd, args.vocab, args.search_seq), stage, offload, 1)
+        timed_steps(engine, args.vocab, args.search_seq, 1, 0, 1)
         return True
     except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:
-        if "out of memory" not in str(exc).lower() and not isinstance(exc, torch.cuda.OutOfMemoryError):
+        if not _out_of_memory(exc):
             raise
         return False
     finally:
-        gc.collect()
-        torch.cuda.empty_cache()
+        engine = None
+        _release_memory()
 
 
 def largest_models(args) -> None:
@@ -132,11 +144,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--no-search", action="store_true", help="skip the largest-model search (--gpu)")
+    parser.add_argument("--search-seq", type=int, default=128, help="sequence length of the search (batch 1)")
     args = parser.parse_args()
     if args.gpu and not torch.cuda.is_available():
         print("bench_offload: --gpu needs a CUDA GPU; none is available here")
         return
-    defaults = dict(layers=32, embd=4096, vocab=32000, seq=4096, batch=8) if args.gpu else \
+    # GPU: a 1.3B GPT whose activations fit beside every configuration on one 80 GB GPU
+    defaults = dict(layers=24, embd=2048, vocab=32000, seq=1024, batch=4) if args.gpu else \
         dict(layers=4, embd=256, vocab=4096, seq=64, batch=4)
     for k, v in defaults.items():
         if getattr(args, k) is None:

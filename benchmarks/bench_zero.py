@@ -100,9 +100,11 @@ def run_one(kind: str, layers: int, embd: int, vocab: int, seq: int, batch: int,
         stage = int(kind[4])
         zc = {"stage": stage, "reduce_bucket_size": 5_000_000, "overlap_comm": stage >= 2,
               "allgather_bucket_size": 5_000_000}
-        if stage == 3:  # one unit per transformer block, like FSDP2's fully_shard per block
-            zc.update(stage3_module_granularity_threshold=1_000_000, stage3_param_persistence_threshold=0,
-                      stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0 if kind.endswith("noprefetch") else 1)  # one unit ahead, as FSDP2
+        if stage == 3:  # one unit per transformer block (below), like FSDP2's fully_shard per block;
+            # released after forward and one unit prefetched ahead, as FSDP2 does
+            zc.update(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0,
+                      stage3_prefetch_bucket_size=0 if kind.endswith("noprefetch") else 1)
+            zero.set_z3_leaf_modules(model, [type(model.blocks[0])])
         config = {"train_micro_batch_size_per_gpu": batch, "optimizer": {"type": "AdamW", "params": {"lr": lr}},
                   "zero_optimization": zc}
         engine, *_ = zero.initialize(model=model, config=config)

@@ -1,5 +1,4 @@
 """Shared fixtures: a reusable pool of gloo ranks per world size (see zero/testing/dist.py)."""
-import os
 
 import pytest
 

@@ -7,11 +7,19 @@ import sys
 import typing
 import warnings
 
+import pydantic
 import pytest
 import torch
 
-from zero.config import (DEEPSPEED_SCHEDULERS, UNIMPLEMENTED_FEATURES, ConfigError, ConfigWarning, ZeroConfig,
-                         load_config, resolve_auto)
+from zero.config import (
+    DEEPSPEED_SCHEDULERS,
+    UNIMPLEMENTED_FEATURES,
+    ConfigError,
+    ConfigWarning,
+    ZeroConfig,
+    load_config,
+    resolve_auto,
+)
 from zero.config.sections import _Section
 
 BASE = {"train_batch_size": 8}
@@ -95,9 +103,9 @@ def test_precision_property():
 
 def test_config_is_frozen():
     cfg = load()
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
         cfg.gradient_clipping = 1.0
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
         cfg.zero_optimization.stage = 2
 
 

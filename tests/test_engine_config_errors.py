@@ -64,7 +64,7 @@ def test_json_path_config_and_a_world_of_one_without_torchrun(tmp_path):
 def test_client_adamw_with_param_groups_and_a_scheduler():
     model = MLP()
     groups = [{"params": model.layers[0].parameters(), "weight_decay": 0.0},
-              {"params": [p for l in model.layers[1:] for p in l.parameters()], "lr": 5e-3}]
+              {"params": [p for layer in model.layers[1:] for p in layer.parameters()], "lr": 5e-3}]
     opt = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)
     config = {"train_batch_size": 2, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}
     engine, optimizer, _, scheduler = zero.initialize(model=model, optimizer=opt, config=config)

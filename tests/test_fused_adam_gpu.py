@@ -40,7 +40,7 @@ def _torch_optimizer(params, adamw_mode, **hp):
 
 def _assert_params_close(ours, ref):
     for i, (a, b) in enumerate(zip(ours, ref)):
-        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7, msg=lambda m: f"param {i}: {m}")
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7, msg=lambda m, i=i: f"param {i}: {m}")
 
 
 # ----------------------------------------------------------------------------- equivalence with torch

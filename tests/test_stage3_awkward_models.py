@@ -235,7 +235,6 @@ def generate_greedily(steps: int = 6):
         for _ in range(steps):  # every rank runs the same number of forwards
             tokens = torch.cat([tokens, engine(tokens)[:, -1:].argmax(-1)], dim=1)
             ref_tokens = torch.cat([ref_tokens, ref(ref_tokens)[:, -1:].argmax(-1)], dim=1)
-    opt = engine.optimizer
     return torch.equal(tokens, ref_tokens), engine.memory_report()["gathered_bytes"] == 0
 
 

@@ -362,6 +362,24 @@ class Engine(nn.Module):
         self.comm.barrier()
         return True
 
+    def wall_clock_report(self, reset: bool = False) -> dict[str, float]:
+        """Seconds spent in forward, backward and step since the last reset (with
+        `wall_clock_breakdown: true`), and, with optimizer offload, inside the step: waiting for
+        gradient copies, in CPU Adam, waiting for parameter copies.
+
+        Args:
+            reset: start counting again from zero after reading.
+        """
+        report = dict(self._times)
+        host = self.optimizer.host_adam
+        if host is not None:
+            report.update(host.times)
+        if reset:
+            self._times = dict.fromkeys(self._times, 0.0)
+            if host is not None:
+                host.times = dict.fromkeys(host.times, 0.0)
+        return report
+
     def comm_report(self) -> dict[str, dict[str, int]]:
         """Logical calls/elements/bytes per collective during the last optimizer step's window
         (from the previous step's end to this step's end). See [Note: logical counts]."""

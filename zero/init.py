@@ -11,11 +11,9 @@ See [Note: parameter shards] in zero/partition/shards.py for what a sharded para
 """
 from __future__ import annotations
 
-import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from zero.comm import Comm

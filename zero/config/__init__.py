@@ -22,11 +22,27 @@ from zero.config.errors import ConfigError, ConfigWarning
 from zero.config.features import UNIMPLEMENTED_FEATURES, UnimplementedFeature
 from zero.config.loading import load_config, resolve_auto
 from zero.config.model import ZeroConfig
-from zero.config.sections import (AUTO, DEEPSPEED_SCHEDULERS, SUPPORTED_OPTIMIZERS, AdamParams, BF16Config,
-                                  CheckpointConfig, DataTypesConfig, FP16Config, LRRangeTestParams,
-                                  OffloadOptimizerConfig, OffloadParamConfig, OneCycleParams, OptimizerConfig,
-                                  ParallelWriteConfig, SchedulerConfig, WarmupCosineLRParams, WarmupDecayLRParams,
-                                  WarmupLRParams, ZeroOptimizationConfig)
+from zero.config.sections import (
+                                  AUTO,
+                                  DEEPSPEED_SCHEDULERS,
+                                  SUPPORTED_OPTIMIZERS,
+                                  AdamParams,
+                                  BF16Config,
+                                  CheckpointConfig,
+                                  DataTypesConfig,
+                                  FP16Config,
+                                  LRRangeTestParams,
+                                  OffloadOptimizerConfig,
+                                  OffloadParamConfig,
+                                  OneCycleParams,
+                                  OptimizerConfig,
+                                  ParallelWriteConfig,
+                                  SchedulerConfig,
+                                  WarmupCosineLRParams,
+                                  WarmupDecayLRParams,
+                                  WarmupLRParams,
+                                  ZeroOptimizationConfig,
+)
 
 __all__ = [
     "ConfigError", "ConfigWarning", "ZeroConfig", "load_config", "resolve_auto", "UNIMPLEMENTED_FEATURES",

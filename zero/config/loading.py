@@ -12,7 +12,8 @@ from __future__ import annotations
 import copy
 import json
 import pathlib
-from typing import Any, Mapping, Optional, Union
+from collections.abc import Mapping
+from typing import Any, Optional, Union
 
 from pydantic import ValidationError
 

@@ -7,9 +7,16 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from zero.config.errors import _fmt, _NestedIssues, _warn
-from zero.config.sections import (BF16Config, CheckpointConfig, DataTypesConfig, FP16Config, OptimizerConfig,
-                                  SchedulerConfig, ZeroOptimizationConfig, _Section)
-
+from zero.config.sections import (
+    BF16Config,
+    CheckpointConfig,
+    DataTypesConfig,
+    FP16Config,
+    OptimizerConfig,
+    SchedulerConfig,
+    ZeroOptimizationConfig,
+    _Section,
+)
 
 _DTYPE_SPELLINGS = {
     "fp32": ("fp32", "float32", "float", "torch.float32"),
@@ -130,7 +137,7 @@ class ZeroConfig(_Section):
         classmethod(lambda cls, v: _dtype_name(v)))
 
     @model_validator(mode="after")
-    def _precision(self) -> "ZeroConfig":
+    def _precision(self) -> ZeroConfig:
         if self.fp16.enabled and self.bf16.enabled:
             raise _NestedIssues([(("bf16", "enabled"), "fp16.enabled and bf16.enabled are both true; "
                                                         "enable at most one")])

@@ -269,7 +269,7 @@ class SchedulerConfig(_Section):
                          f"{', '.join(DEEPSPEED_SCHEDULERS)}; or any torch.optim.lr_scheduler class)")
 
     @model_validator(mode="after")
-    def _params(self) -> "SchedulerConfig":
+    def _params(self) -> SchedulerConfig:
         params = self.params
         if isinstance(params, BaseModel):
             return self
@@ -422,7 +422,7 @@ class ZeroOptimizationConfig(_Section):
     _check_stage = field_validator("stage")(_stage)
 
     @model_validator(mode="after")
-    def _resolve(self) -> "ZeroOptimizationConfig":
+    def _resolve(self) -> ZeroOptimizationConfig:
         d = self.__dict__
         if self.overlap_comm is None:  # DeepSpeed: on for stage 3, off otherwise
             d["overlap_comm"] = self.stage == 3

@@ -12,8 +12,13 @@ checks a config block's type and params and builds the scheduler.
 """
 
 from zero.lr_schedules.build import DEEPSPEED_SCHEDULERS, build_scheduler, valid_scheduler_names
-from zero.lr_schedules.schedules import (WARMUP_LINEAR_RATE, WARMUP_LOG_RATE, LRRangeTest, OneCycle,
-                                         WarmupCosineLR, WarmupDecayLR, WarmupLR)
+from zero.lr_schedules.schedules import (
+                                         LRRangeTest,
+                                         OneCycle,
+                                         WarmupCosineLR,
+                                         WarmupDecayLR,
+                                         WarmupLR,
+)
 
 __all__ = [
     "LRRangeTest",

@@ -12,8 +12,16 @@ import difflib
 import inspect
 from typing import Any
 
-from zero.lr_schedules.schedules import (LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR,
-                                         _is_int, _is_number, _torch_optimizer)
+from zero.lr_schedules.schedules import (
+    LRRangeTest,
+    OneCycle,
+    WarmupCosineLR,
+    WarmupDecayLR,
+    WarmupLR,
+    _is_int,
+    _is_number,
+    _torch_optimizer,
+)
 
 DEEPSPEED_SCHEDULERS: dict[str, type] = {
     "LRRangeTest": LRRangeTest,

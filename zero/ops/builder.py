@@ -38,7 +38,7 @@ import sys
 import sysconfig
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from types import ModuleType
 
@@ -145,7 +145,7 @@ def nvcc() -> str | None:
     return shutil.which("nvcc")
 
 
-@lru_cache(maxsize=None)
+@cache
 def nvcc_version(path: str) -> str:
     """The output of `<path> --version` (empty when it does not run)."""
     try:
@@ -184,7 +184,7 @@ def _ninja_ok() -> bool:
         return shutil.which("ninja") is not None
 
 
-@lru_cache(maxsize=None)
+@cache
 def _c_flags() -> tuple[str, ...]:
     """C11, optimised, position independent; OpenMP when the compiler has it."""
     # -fno-math-errno: sqrtf need not set errno, so it is the bare sqrt instruction; results are

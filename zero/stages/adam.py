@@ -80,6 +80,11 @@ class ShardedAdam(torch.optim.Optimizer):
         if self.offload is not None and self.at_boundary:
             self._host_adam().grad_ready(grad)
 
+    @property
+    def host_adam(self) -> HostAdam | None:
+        """The host side of optimizer offload, once it exists (None without offload)."""
+        return self._host
+
     def _host_adam(self) -> HostAdam:
         if self._host is None:
             self._host = HostAdam(self.slots(), self.offload, self.host_memory)
@@ -110,7 +115,7 @@ class ShardedAdam(torch.optim.Optimizer):
             if saved["group"] != g or saved["master"].shape != master.shape:
                 raise ValueError(f"shard state slot {i}: group {saved['group']} / shape {tuple(saved['master'].shape)} "
                                  f"does not match group {g} / shape {tuple(master.shape)}")
-        for (g, master, _, ea, eas, out16), saved in zip(slots, state):
+        for (_, master, _, ea, eas, out16), saved in zip(slots, state):
             master.copy_(saved["master"])
             ea.copy_(saved["exp_avg"])
             eas.copy_(saved["exp_avg_sq"])
@@ -240,7 +245,8 @@ class ShardedAdam(torch.optim.Optimizer):
         except OpUnavailable as exc:  # no compiler, no nvcc: tried once (see zero/ops/builder.py)
             reason = exc
         if not self._warned_fallback:
-            warnings.warn(f"zero: native Adam unavailable ({reason}); using the slower torch implementation")
+            warnings.warn(f"zero: native Adam unavailable ({reason}); using the slower torch implementation",
+                          stacklevel=3)
             self._warned_fallback = True
         torch_adam_step(master, grad, exp_avg, exp_avg_sq, out16=out16, **kwargs)
 

@@ -4,8 +4,8 @@
 Every trainable parameter's storage moves into one flat buffer of the training dtype (see
 [Note: bucket layout] in zero/partition/layout.py) and `param.data` becomes a view into it, so the
 module, the user's references and autograd all keep working on the same objects. This happens one
-parameter at a time: the parameter is brought to the device alone, takes rank 0's values, is cast
-into its place in the flat buffer, and its exact fp32 values seed the fp32 master of the slices
+parameter at a time: the parameter takes rank 0's values where it is, is copied and cast into its
+place in the flat buffer on the device, and its exact fp32 values seed the fp32 master of the slices
 this rank owns. The engine never holds a second full copy of the model. After each update the
 owners' slices are all-gathered back into the flat buffer, bucket by bucket, in place.
 
@@ -99,7 +99,7 @@ class ZeroOptimizer(ShardedAdam):
         self.exp_avg = [self.new_state(m, device) for m in self.master]
         self.exp_avg_sq = [self.new_state(m, device) for m in self.master]
         for i, p in enumerate(self.params):
-            full = p.detach().to(device).reshape(-1)
+            full = p.detach().reshape(-1)  # where the user built it (copied across devices below)
             self.comm.broadcast(full, src=0)  # every rank starts from rank 0's values
             off, n = layout.offsets[i], layout.numels[i]
             self.flat[off : off + n].copy_(full)

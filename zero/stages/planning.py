@@ -77,17 +77,19 @@ def describe_shard(p: nn.Parameter, world_size: int) -> ShardedParam:
 
 
 @torch.no_grad()
-def take_local_shard(p: nn.Parameter, comm: Comm, device: torch.device) -> torch.Tensor:
-    """This rank's shard of `p`, in `p`'s own dtype (the exact values the fp32 master starts from).
+def take_local_shard(p: nn.Parameter, comm: Comm) -> torch.Tensor:
+    """This rank's shard of `p`, in `p`'s own dtype and on its own device (the exact values the
+    fp32 master starts from).
 
-    A whole parameter is moved to `device` on its own (never the whole model), takes rank 0's
-    values and is cut; its full tensor is dropped (`p.data` becomes empty). A parameter sharded
-    by `zero.Init` already holds rank 0's values in its local shard, which is handed over.
+    A whole parameter takes rank 0's values where it is (under NCCL a host parameter goes through
+    the GPU on its own, see [Note: host tensors and NCCL]) and is cut; its full tensor is dropped
+    (`p.data` becomes empty). A parameter sharded by `zero.Init` already holds rank 0's values in
+    its local shard, which is handed over.
     """
     info = describe_shard(p, comm.world_size)
     local, info.local = info.local, None
     if local is None:
-        full = p.detach().to(device)
+        full = p.detach()
         comm.broadcast(full, src=0)  # every rank starts from rank 0's values
         local = take_shard(full, comm.rank, comm.world_size)
         p.data = local[:0]

@@ -52,7 +52,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.autograd.profiler import record_function
 
 from zero.comm import Comm
 from zero.precision import LossScaler
@@ -430,7 +429,7 @@ class Stage3Optimizer(ShardedAdam):
         host_empty = self.host_memory.empty if options.pin_memory else self.host_memory.empty_pageable
         for path, params in planned + ([("<persistent>", persistent)] if persistent else []):
             unit = ParamUnit(len(self.units), path, params, [group_of.get(p, -1) for p in params], comm, precision,
-                             device, lambda p: take_local_shard(p, comm, device), lambda like: self.new_state(like, device),
+                             device, lambda p: take_local_shard(p, comm), lambda like: self.new_state(like, device),
                              alias_master=precision.param == torch.float32 and step.offload is None and not options.offload_param,
                              persistent=path == "<persistent>", offload_param=options.offload_param,
                              host_empty=host_empty, gauges=self.gauges)

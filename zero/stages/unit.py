@@ -36,9 +36,8 @@ import torch.nn as nn
 from torch.autograd.profiler import record_function
 
 from zero.comm import Comm
-from zero.partition.shards import ShardedParam
-from zero.stages.policies import Precision
 from zero.memory_report import Gauges
+from zero.stages.policies import Precision
 
 
 class ShardedState(enum.Enum):
@@ -126,7 +125,7 @@ class ParamUnit:
                 master = self.shard[lo:hi] if alias_master else new_state(self.shard[lo:hi])
                 self.ranges.append(GroupRange(g, lo, hi, master, new_state(master), new_state(master),
                                               torch.zeros(hi - lo, dtype=precision.grad, device=device)))
-            for i, (p, z, off) in enumerate(zip(self.params, info, self.offsets)):  # one parameter at a time
+            for p, z, off in zip(self.params, info, self.offsets):  # one parameter at a time
                 local = local_shard(p)
                 self.shard[off : off + z.shard_numel].copy_(local)
                 r = next((r for r in self.ranges if r.lo <= off < r.hi), None)

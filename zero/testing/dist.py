@@ -31,6 +31,9 @@ class RankFailed(RuntimeError):
 def _worker(rank: int, world_size: int, init_file: str, sys_path: list[str], tasks, results, timeout_s: float) -> None:
     sys.path[:] = sys_path
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    # The pool is CPU ranks over gloo, also on a machine with GPUs: hide them before torch loads,
+    # so every rank computes on the CPU like the reference it is compared with.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
     import torch.distributed as dist
 
@@ -67,7 +70,8 @@ class DistPool:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, os.path.join(self._dir, "rendezvous"), list(sys.path), self._tasks[r], self._results, collective_timeout),
+                args=(r, world_size, os.path.join(self._dir, "rendezvous"), list(sys.path), self._tasks[r], self._results,
+                      collective_timeout),
                 daemon=True,
             )
             for r in range(world_size)

@@ -19,7 +19,6 @@ import torch.nn as nn
 import zero
 from zero.testing.models import GPT, MLP, GPTConfig
 
-
 # stage-3 settings that make the small test models shard into several units
 STAGE3 = {
     "mlp": {"stage3_param_persistence_threshold": 20, "stage3_module_granularity_threshold": 300},
