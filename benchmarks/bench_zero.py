@@ -21,6 +21,7 @@ not a network.
 from __future__ import annotations
 
 import argparse
+import gc
 import resource
 import statistics
 import sys
@@ -50,15 +51,21 @@ def _state_bytes(tensors) -> int:
 def run_one(kind: str, layers: int, embd: int, vocab: int, seq: int, batch: int, warmup: int, steps: int,
             measure: bool = False):
     """Train `kind` on this rank; return (median step seconds, model-state bytes, peak RSS bytes, Psi).
-    With `measure`, return instead the allocator peak of building the job and two steps."""
+    With `measure`, return instead the allocator peak of building the job and two steps: the median
+    of three such runs (gloo's own temporary buffers, freed on its threads, make single runs vary)."""
     if measure:
-        with AllocatorPeak() as mem:
-            run_one(kind, layers, embd, vocab, seq, batch, 0, 2)
-        return mem.peak
+        peaks = []
+        for _ in range(3):
+            gc.collect()  # the previous run's engine sits in reference cycles
+            with AllocatorPeak() as mem:
+                run_one(kind, layers, embd, vocab, seq, batch, 0, 2)
+            peaks.append(mem.peak)
+        return statistics.median(peaks)
     rank = dist.get_rank()
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=max(1, embd // 64), n_embd=embd)
     model = GPT(cfg)
+    psi = sum(p.numel() for p in model.parameters())
     lr = 1e-4
     if kind == "ddp":
         engine = torch.nn.parallel.DistributedDataParallel(model)
@@ -126,7 +133,7 @@ def run_one(kind: str, layers: int, embd: int, vocab: int, seq: int, batch: int,
         if i >= warmup or not steps:
             times.append(time.perf_counter() - start)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return statistics.median(times), states(), peak_rss, sum(p.numel() for p in GPT(cfg).parameters())
+    return statistics.median(times), states(), peak_rss, psi
 
 
 def main() -> None:

@@ -56,7 +56,7 @@ def test_json_path_config_and_a_world_of_one_without_torchrun(tmp_path):
     assert optimizer is engine.optimizer and loader is None and scheduler is None
     for _ in range(2):
         assert engine.is_gradient_accumulation_boundary() == (engine.micro_steps % 2 == 1)
-        engine.backward(engine(torch.randn(4, 13), torch.randn(4, 5)))
+        engine.backward(engine(torch.randn(4, 13, device=engine.device), torch.randn(4, 5, device=engine.device)))
         engine.step()
     assert engine.global_steps == 1
 
@@ -70,7 +70,7 @@ def test_client_adamw_with_param_groups_and_a_scheduler():
     engine, optimizer, _, scheduler = zero.initialize(model=model, optimizer=opt, config=config)
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.0, 0.1]
     assert [g["lr"] for g in optimizer.param_groups][1] != 1e-2  # WarmupLR took over the lr
-    engine.backward(engine(torch.randn(2, 13), torch.randn(2, 5)))
+    engine.backward(engine(torch.randn(2, 13, device=engine.device), torch.randn(2, 5, device=engine.device)))
     engine.step()
     assert scheduler.get_last_lr() == engine.get_lr()
 
@@ -88,7 +88,7 @@ def test_logging_keys_print_progress_timings_and_memory(capsys):
               "wall_clock_breakdown": True, "memory_breakdown": True, "dump_state": True}
     engine, *_ = zero.initialize(model=MLP(), config=config)
     for _ in range(2):
-        engine.backward(engine(torch.randn(2, 13), torch.randn(2, 5)))
+        engine.backward(engine(torch.randn(2, 13, device=engine.device), torch.randn(2, 5, device=engine.device)))
         engine.step()
     out = capsys.readouterr().out
     assert "engine state" in out and "zero: step 2" in out

@@ -25,7 +25,7 @@ def test_every_parameter_element_has_exactly_one_owner(partitions, bucket_size):
         assert all(layout.offsets[i] + k in owner for k in range(n))
     spans = sorted((layout.offsets[i], layout.offsets[i] + n) for i, n in enumerate(numels) if n)
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no overlap
-    assert layout.numel == sum(b.numel for b in layout.buckets) == layout.shard_numel() * partitions
+    assert layout.numel == sum(b.numel for b in layout.buckets) == sum(b.slice_numel for b in layout.buckets) * partitions
 
 
 def test_parameters_are_laid_out_in_reverse_order_so_the_first_bucket_fills_first_in_backward():

@@ -48,6 +48,9 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+_CONTROL: dict[tuple[int, int], tuple[object, Comm]] = {}  # see Comm.control
+
+
 class CollectiveTimeout(RuntimeError):
     """A collective did not complete in time; the message says which and what to check."""
 
@@ -103,6 +106,22 @@ class Comm:
         # (default 600). Only stage 3 waits this way: its collectives depend on which modules
         # run, so ranks that run different modules must end in an error, not a hang.
         self.timeout_s = float(os.environ.get("ZERO_COLLECTIVE_TIMEOUT", "600"))
+
+    def control(self) -> Comm:
+        """A gloo group over the same ranks, for small host messages (stage 3's rank-divergence
+        tags) that must not queue behind this group's data collectives: gloo runs a group's
+        collectives in order, so a tag sent on the data group would wait for every prefetch and
+        reduction issued before it. Made once per group and process; the first call is collective
+        (every rank of the group must make it)."""
+        if not self.distributed or self.world_size == 1:
+            return self
+        world = dist.group.WORLD
+        key = (id(world), id(self.group))
+        entry = _CONTROL.get(key)
+        if entry is None or entry[0] is not world:
+            ranks = dist.get_process_group_ranks(self.group if self.group is not None else world)
+            entry = _CONTROL[key] = (world, Comm(dist.new_group(ranks, backend="gloo")))
+        return entry[1]
 
     # -- counting
 

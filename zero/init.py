@@ -129,7 +129,8 @@ class Init:
             self.comm.broadcast(p.data, src=0)  # every rank starts from rank 0's values
             shard = take_shard(p.data, self.comm.rank, self.comm.world_size)
             if self.remote_device == "cpu":
-                shard = shard.cpu().pin_memory() if self.pin_memory and torch.cuda.is_available() else shard.cpu()
+                host = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=self.pin_memory and torch.cuda.is_available())
+                shard = host.copy_(shard)  # pinned directly: no second copy (see [Note: page-locked host memory])
             if self.dtype is not None:
                 shard = shard.to(self.dtype)
             p._zero = ShardedParam(p.shape, p.numel(), shard_numel(p.numel(), self.comm.world_size), local=shard)

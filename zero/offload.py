@@ -74,10 +74,12 @@ class HostMemory:
         t = torch.empty(shape, dtype=dtype, device="cpu")
         if not pin or not torch.cuda.is_available() or t.numel() == 0:
             return t
-        if torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.untyped_storage().nbytes(), 0) == 0:
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostRegister(t.data_ptr(), t.untyped_storage().nbytes(), 0)) == 0:
             self._registered.append(t)
             return t
-        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)  # registration refused
+        cudart.cudaGetLastError()  # registration refused: clear the error, pin through torch's allocator
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
 
     def empty_pageable(self, shape, dtype: torch.dtype) -> torch.Tensor:
         return self.empty(shape, dtype, pin=False)

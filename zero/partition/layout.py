@@ -100,7 +100,3 @@ class ShardLayout:
     def param_numel(self) -> int:
         """Elements of real parameters (Psi), without padding."""
         return sum(self.numels)
-
-    def shard_numel(self) -> int:
-        """Elements one rank owns across all buckets."""
-        return self.numel // self.partitions

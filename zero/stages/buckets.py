@@ -84,9 +84,11 @@ class ZeroOptimizer(ShardedAdam):
             elsize = torch.finfo(precision.reduce).bits // 8
             self.readiness = GradReadiness(
                 [[self.params[i] for i in b.params] for b in self.layout.buckets], take=self._take, launch=self._launch,
-                finish=self._finish, ordered=True, in_flight_bytes=reduce.in_flight_elements * elsize, names=self.names,
+                finish=self._finish, comm=comm, ordered=True, overlap=reduce.overlap_comm,
+                in_flight_bytes=reduce.in_flight_elements * elsize, names=self.names,
                 ignore_unused=reduce.ignore_unused_parameters)
             module.register_forward_pre_hook(lambda m, a: self._recover())
+            module.register_forward_hook(lambda m, a, out: self.readiness.hook_outputs(out))
 
     @torch.no_grad()
     def _place_parameters(self, device: torch.device) -> None:

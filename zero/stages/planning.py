@@ -31,8 +31,8 @@ def plan_units(module: nn.Module, persistence_threshold: int, unit_threshold: in
     embedding/output weight belongs to their common ancestor, so it stays gathered across both
     uses). Parameters of at most `persistence_threshold` elements are persistent. Walking the
     module tree bottom-up, a module becomes a unit when the unclaimed parameters of its subtree
-    reach `unit_threshold` elements, or when it is marked with `zero.set_z3_leaf_modules`; the
-    root takes whatever is left. ModuleList/ModuleDict are skipped: they are never called.
+    reach `unit_threshold` elements, or when it is marked with `zero.set_z3_leaf_modules` (then
+    its whole subtree is that one unit); the root takes whatever is left. ModuleList/ModuleDict are skipped: they are never called.
     `persistence_budget` caps the total elements kept persistent (smallest parameters first).
 
     Returns:
@@ -55,10 +55,13 @@ def plan_units(module: nn.Module, persistence_threshold: int, unit_threshold: in
     modules = dict(module.named_modules())
     order = {path: i for i, path in enumerate(modules)}
     rank_of = {p: i for i, p in enumerate(holders)}
+    leaves = [path for path, m in modules.items() if getattr(m, "_zero_unit", False)]
     units: list[tuple[str, list[nn.Parameter]]] = []
     for path in sorted(modules, key=lambda p: (-(p.count(".") + 1 if p else 0), order[p])):
         if isinstance(modules[path], (nn.ModuleList, nn.ModuleDict)):
             continue  # containers are never called, so their hooks would never fire
+        if any(path != leaf and _in_subtree(path, leaf) for leaf in leaves):
+            continue  # inside a leaf module: the leaf is gathered as a whole
         mine = [p for p in unclaimed if _in_subtree(owner[p], path)]
         leaf = getattr(modules[path], "_zero_unit", False)
         if mine and (path == "" or leaf or sum(size[p] for p in mine) >= unit_threshold):

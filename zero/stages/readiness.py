@@ -10,20 +10,32 @@ unit):
 - Launch order: `ordered` groups launch strictly in index order (stage 2: every rank issues the
   same collectives in the same order even if gradients arrive in another order on another rank);
   otherwise groups launch as they complete (stage 3, whose collectives carry rank-divergence tags).
-- In flight: after each launch, the oldest reductions are finished while more than two are in
-  flight or their buffers hold more than `in_flight_bytes`. So the reduce buffers alive during
-  backward are bounded by the config (`reduce_bucket_size`), not by the model. On NCCL finishing
-  only orders the stream, so this costs no CPU stall.
+- In flight: before a launch, the previous reduction is finished (with `overlap_comm`; without
+  it each one is finished as soon as it is launched), and the oldest are finished while their
+  buffers hold more than `in_flight_bytes`. So at most one reduction runs while the next is
+  prepared, and the reduce buffers alive during backward are bounded by the config
+  (`reduce_bucket_size`), not by the model. On NCCL finishing only orders the stream, so this
+  costs no CPU stall.
+- Ordered groups wait for the parameters that had a gradient in the previous backward (all of
+  them at first): a parameter left unused does not hold back its bucket and, in order, every
+  later one.
 - A callback queued on the autograd engine with the first gradient runs at the end of backward:
   it launches groups that got no (or only part of their) gradients, as zeros, so every rank issues
   the same collectives; it re-sends gradients that arrived after their group was launched (a
-  parameter reached twice, as with reentrant activation checkpointing: reduction is linear, so
-  sending the late part separately is exact); and it finishes everything.
+  parameter reached twice, as with reentrant activation checkpointing, or one unused in the
+  previous backward: reduction is linear, so sending the late part separately is exact), for the
+  groups any rank has late gradients for (the ranks agree on them in one tiny all-reduce on the
+  control group); and it finishes everything. The callback is queued from a hook on the model's
+  outputs, so it belongs to the outermost backward even when the first gradient arrives inside a
+  nested one.
 - A backward that raised never reaches that callback. The next forward or `zero_grad` notices and
-  drops what it left (`recover`), so one failed batch does not silence every later one.
+  forgets its bookkeeping (`recover`), so one failed batch does not silence every later one; the
+  gradients it produced stay until `zero_grad()`, as with plain torch.
 """
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 
@@ -31,7 +43,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.profiler import record_function
 
-MAX_IN_FLIGHT = 2  # reductions in flight at once (double buffering)
+from zero.comm import Comm
 
 
 class UnusedParameterError(RuntimeError):
@@ -48,10 +60,17 @@ class GradReadiness:
 
     Args:
         groups: the trainable parameters of each group, in group index order.
-        take: `take(group, param)` receives `param.grad` as soon as autograd has it.
+        take: `take(group, param)` receives `param.grad` as soon as autograd has it (the group's
+            reduction, if any, has finished by then).
         launch: `launch(group)` starts the group's reduction; returns the bytes it keeps in flight.
         finish: `finish(group)` waits for it and accumulates the result.
-        ordered: launch strictly in group order (see [Note: gradient readiness]).
+        comm: the data-parallel group (ranks agree on late gradients through its control group).
+        ordered: launch strictly in group order, and let a group wait only for the parameters
+            that had a gradient in the previous backward (see [Note: gradient readiness]);
+            otherwise launch a group once all its parameters have their gradients (stage 3
+            releases a unit then, so its gradients must really be complete).
+        overlap: leave one reduction in flight while the next is prepared (`overlap_comm`);
+            False finishes each one as soon as it is launched.
         in_flight_bytes: finish the oldest reductions when more than this is in flight.
         names: parameter names for messages.
         ignore_unused: False raises UnusedParameterError at the end of a backward in which a
@@ -60,75 +79,115 @@ class GradReadiness:
     """
 
     def __init__(self, groups: Sequence[Sequence[nn.Parameter]], *, take: Callable[[int, nn.Parameter], None],
-                 launch: Callable[[int], int], finish: Callable[[int], None], ordered: bool, in_flight_bytes: int,
-                 names: Mapping[nn.Parameter, str], ignore_unused: bool = True, on_end: Callable[[], None] | None = None):
+                 launch: Callable[[int], int], finish: Callable[[int], None], comm: Comm, ordered: bool,
+                 overlap: bool, in_flight_bytes: int, names: Mapping[nn.Parameter, str], ignore_unused: bool = True,
+                 on_end: Callable[[], None] | None = None):
         self.groups = [list(g) for g in groups]
         self._take, self._launch_fn, self._finish_fn, self._on_end = take, launch, finish, on_end
         self.ordered = ordered
+        self.max_in_flight = 1 if overlap else 0
         self.in_flight_limit = in_flight_bytes
         self.names = names
         self.ignore_unused = ignore_unused
+        self._control = comm.control()
         self._group_of = {p: gi for gi, g in enumerate(self.groups) for p in g}
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._group_of]
+        # parameters whose gradient a group waits for: those that got one in the previous backward
+        # (all, at first), so a parameter unused last time does not hold back its group
+        self._expected = [set(g) for g in self.groups]
         self.active = False  # a backward has started and its end-of-backward callback is queued
         self._reset()
 
     def _reset(self) -> None:
-        self._waiting = [set(g) for g in self.groups]
+        self._waiting = [set(g) for g in self._expected]
+        self._arrived: set[nn.Parameter] = set()
         self._launched = [False] * len(self.groups)
         self._late: set[int] = set()
         self._next = 0  # ordered: the next group to launch
         self._in_flight: deque[tuple[int, int]] = deque()
+        self._task = None
         self.active = False
 
     # -- during backward ----------------------------------------------------------------------
 
     def begin_backward(self) -> None:
-        """Queue the end-of-backward callback (once per backward; idempotent)."""
+        """Queue the end-of-backward callback on the running backward (once; idempotent)."""
         if not self.active:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self.active = True
 
+    def hook_outputs(self, output) -> None:
+        """Begin the backward from a hook on the model's outputs: the first thing any backward of
+        them reaches, so the end-of-backward callback lands on that backward, not on a nested one
+        (reentrant activation checkpointing runs backward passes inside it)."""
+        tensors = [t for t in tensors_in(output) if t.requires_grad] if torch.is_grad_enabled() else []
+        if tensors:
+            this = weakref.proxy(self)
+            for t in tensors:
+                t.register_hook(lambda grad: (this.begin_backward(), grad)[1])
+
     def _on_grad(self, param: nn.Parameter) -> None:
         gi = self._group_of[param]
         self.begin_backward()
-        self._take(gi, param)
-        if self._launched[gi]:
-            self._late.add(gi)  # its group was already sent in this backward: send again at the end
+        self._arrived.add(param)
+        if self._launched[gi]:  # its group was already sent in this backward: send again at the end
+            for k, (g, _) in enumerate(self._in_flight):
+                if g == gi:  # first finish what uses the group's buffers
+                    del self._in_flight[k]
+                    self._finish_fn(gi)
+                    break
+            self._late.add(gi)
+            self._take(gi, param)
             return
+        self._take(gi, param)
         waiting = self._waiting[gi]
         waiting.discard(param)
-        if waiting:
-            return
+        if not waiting:
+            self._ready(gi)
+
+    def _ready(self, gi: int) -> None:
         if not self.ordered:
             self._launch(gi)
             return
         while self._next < len(self.groups) and not self._waiting[self._next]:
-            self._launch(self._next)
+            if not self._launched[self._next]:
+                self._launch(self._next)
             self._next += 1
 
     def _launch(self, gi: int) -> None:
-        while len(self._in_flight) >= MAX_IN_FLIGHT:  # room for this one first
+        while self._in_flight and len(self._in_flight) >= self.max_in_flight:  # room for this one first
             self._finish_fn(self._in_flight.popleft()[0])
         self._launched[gi] = True
         self._in_flight.append((gi, self._launch_fn(gi)))
-        while len(self._in_flight) > 1 and sum(b for _, b in self._in_flight) > self.in_flight_limit:
+        while self._in_flight and (len(self._in_flight) > self.max_in_flight or (
+                len(self._in_flight) > 1 and sum(b for _, b in self._in_flight) > self.in_flight_limit)):
             self._finish_fn(self._in_flight.popleft()[0])
 
     def _finish_all(self) -> None:
         while self._in_flight:
             self._finish_fn(self._in_flight.popleft()[0])
 
+    def _agreed_late(self) -> list[int]:
+        """The groups any rank has late gradients for: every rank re-sends the same groups."""
+        if self._control.world_size == 1:
+            return sorted(self._late)
+        flags = torch.zeros(len(self.groups), dtype=torch.float32)
+        flags[list(self._late)] = 1.0
+        self._control.all_reduce(flags, "max")
+        return [gi for gi, f in enumerate(flags.tolist()) if f]
+
     def _end_of_backward(self) -> None:
         with record_function("zero::end_of_backward"):
-            unused = [p for g in self._waiting for p in g] if not self.ignore_unused else []
+            unused = [p for g in self.groups for p in g if p not in self._arrived] if not self.ignore_unused else []
             for gi in range(len(self.groups)):
                 if not self._launched[gi]:
                     self._launch(gi)
             self._finish_all()
-            for gi in sorted(self._late):
+            for gi in self._agreed_late():
                 self._launch(gi)
             self._finish_all()
+            if self.ordered:
+                self._expected = [{p for p in g if p in self._arrived} for g in self.groups]
             self._reset()
             if self._on_end is not None:
                 self._on_end()
@@ -143,12 +202,25 @@ class GradReadiness:
     # -- recovery -------------------------------------------------------------------------------
 
     def recover(self) -> bool:
-        """Drop the state a backward left when it raised before its end (see [Note: gradient
-        readiness]); reductions it had launched are finished first. Returns True if there was
-        anything to drop."""
+        """Forget the bookkeeping of a backward that raised before its end (see [Note: gradient
+        readiness]). Reductions it had launched are completed first (every rank issued them); the
+        gradients that backward produced stay where they are until `zero_grad()`, as they would
+        with plain torch. Returns True if there was anything to forget."""
         if not self.active or in_backward():
             return False
         self._finish_all()
         self._reset()
         return True
 
+
+def tensors_in(obj) -> list[torch.Tensor]:
+    """Tensors inside a module output: a tensor, tuples/lists/dicts of them (HF outputs), dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for x in obj for t in tensors_in(x)]
+    if isinstance(obj, dict):
+        return [t for x in obj.values() for t in tensors_in(x)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in tensors_in(getattr(obj, f.name))]
+    return []

@@ -8,8 +8,13 @@
   the module's own backward: it gathers the unit again and marks it needed in backward.
 - A unit is released in backward as soon as its gradients are reduced (see [Note: gradient
   readiness] in zero/stages/readiness.py): once all of its trainable parameters have their
-  gradients, no backward step still needs its values. A unit with frozen parameters stays until
-  the end of backward: a frozen weight may still be needed for the gradient of an input.
+  gradients, no backward step still needs its values. A unit with frozen parameters may still be
+  needed for the gradient of an input: an identity autograd function on its module's inputs
+  (whose backward runs once those gradients are done) tells when; it is released when both are
+  done, or at the end of backward.
+- A forward re-run inside backward (activation checkpointing) keeps its unit for the backward that
+  follows at once. A backward hook fires once per backward, so `retain_graph` and repeated
+  backward passes gather again.
 - At the end of each backward every unit still gathered is released.
 - What is gathered is really freed on release, also under the views autograd saved; see
   [Note: freeing gathered parameters] in zero/stages/unit.py. A unit whose module hides its
@@ -31,19 +36,20 @@ Prefetch decisions depend only on the traces, so every rank issues the same coll
 same order.
 
 [Note: rank-divergent control flow]
-Before every all-gather and reduce-scatter of a unit, the ranks all-gather a tag (unit, phase). If
-ranks disagree, every rank raises RankDivergenceError with the unit each rank was at and the
-step; a collective that never completes (a rank stopped issuing them) raises CollectiveTimeout
-after ZERO_COLLECTIVE_TIMEOUT seconds instead of hanging (see Comm.wait_for). Host tags (gloo) are
-checked before the data collective is issued, so mismatched collectives never start. GPU tags
-(NCCL) are read together at the end of each backward (or of a forward without grad), because
-reading them per unit would stall the CPU until the GPU catches up; NCCL does not check sizes, so
-there the check is best effort, and `enable_sanity_checks` (or TORCH_DISTRIBUTED_DEBUG=DETAIL)
-checks each tag before its collective, at one synchronisation per collective.
+Before every all-gather and reduce-scatter of a unit, the ranks all-gather a tag (unit, phase) on a
+control group of their own (gloo, host tensors; `Comm.control`), so a tag never waits behind the
+data collectives in flight and never touches the GPU. If ranks disagree, every rank raises
+RankDivergenceError with the unit each rank was at and the step; a tag exchange that never
+completes (a rank stopped) raises CollectiveTimeout after ZERO_COLLECTIVE_TIMEOUT seconds instead
+of hanging (see Comm.wait_for). With gloo data collectives each tag is checked before its
+collective is issued, so mismatched collectives (which abort gloo) never start. With NCCL the tags
+are checked together at the end of each backward (or of a forward without grad), so the CPU never
+waits per unit; NCCL does not check sizes, so there the check is best effort, and
+`enable_sanity_checks` (or TORCH_DISTRIBUTED_DEBUG=DETAIL) checks each tag before its collective,
+at one host round trip per collective.
 """
 from __future__ import annotations
 
-import dataclasses
 import types
 import warnings
 import weakref
@@ -58,7 +64,7 @@ from zero.precision import LossScaler
 from zero.stages.adam import ShardedAdam
 from zero.stages.planning import describe_shard, plan_units, take_local_shard
 from zero.stages.policies import Precision, ReduceOptions, Stage3Options, StepOptions
-from zero.stages.readiness import GradReadiness, in_backward
+from zero.stages.readiness import GradReadiness, in_backward, tensors_in
 from zero.stages.unit import ParamUnit, ShardedState
 
 FORWARD, BACKWARD, REDUCE = "forward", "backward", "reduce"  # what a unit collective is for
@@ -70,17 +76,19 @@ class RankDivergenceError(RuntimeError):
     """Ranks ran different modules (or in a different order) in the same step."""
 
 
-def _tensors_in(obj) -> list[torch.Tensor]:
-    """Tensors inside a module output: a tensor, tuples/lists/dicts of them (HF outputs), dataclasses."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for x in obj for t in _tensors_in(x)]
-    if isinstance(obj, dict):
-        return [t for x in obj.values() for t in _tensors_in(x)]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [t for f in dataclasses.fields(obj) for t in _tensors_in(getattr(obj, f.name))]
-    return []
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs whose backward runs once the module's backward has produced
+    the gradients of those inputs: the module's own backward is then done (FSDP2 does the same)."""
+
+    @staticmethod
+    def forward(ctx, callback, *inputs):
+        ctx.callback = callback
+        return tuple(t.view_as(t) for t in inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
 
 
 class Stage3Runtime:
@@ -113,13 +121,16 @@ class Stage3Runtime:
         self._following = False
         self._reuse: dict[bool, dict[int, float]] = {}  # see _reuse_distances
         self._unchecked: list[tuple[Any, torch.Tensor, str]] = []
-        tag_device = torch.device("cuda", torch.cuda.current_device()) if comm.uses_nccl else torch.device("cpu")
+        self._control = comm.control()  # tags travel on their own (gloo, host) group
+        # a tag is checked before its data collective on gloo (where mismatched sizes abort the
+        # process) and in strict mode; on NCCL otherwise at the end of the pass
+        self._check_at_once = not comm.uses_nccl or options.strict_checks
         self._tags = torch.tensor([[[u.index, code] for code in range(3)] for u in units],
-                                  dtype=torch.int64, device=tag_device).reshape(len(units), 3, 2)
+                                  dtype=torch.int64).reshape(len(units), 3, 2)
         self._reducible = [u for u in units if u.trainable]
         self.readiness = GradReadiness(
             [u.trainable for u in self._reducible], take=lambda gi, p: None, launch=self._launch_reduce,
-            finish=self._finish_reduce, ordered=False,
+            finish=self._finish_reduce, comm=comm, ordered=False, overlap=reduce.overlap_comm,
             in_flight_bytes=reduce.in_flight_elements * torch.finfo(units[0].reduce_dtype).bits // 8 if units else 0,
             names=names, ignore_unused=reduce.ignore_unused_parameters, on_end=self._end_backward)
         self._install_hooks(unit_modules)
@@ -132,15 +143,15 @@ class Stage3Runtime:
         root.register_forward_pre_hook(lambda m, a: this._begin_forward())
         for unit, mod in zip(self.units, unit_modules):
             if mod is not None:
-                mod.register_forward_pre_hook(lambda m, a, u=unit: this._pre_forward([u]))
+                mod.register_forward_pre_hook(lambda m, a, u=unit: this._pre_forward([u], a))
                 mod.register_forward_hook(lambda m, a, out, u=unit: this._post_forward([u], out))
         for mod in root.modules():
             external = [p._zero.unit for p in getattr(mod, "_zero_external_params", []) if getattr(p, "_zero", None)]
             users = sorted({u.index: u for u in external if not u.resident}.values(), key=lambda u: u.index)
             if users:
-                mod.register_forward_pre_hook(lambda m, a, us=users: this._pre_forward(us))
+                mod.register_forward_pre_hook(lambda m, a, us=users: this._pre_forward(us, a))
                 mod.register_forward_hook(lambda m, a, out, us=users: this._post_forward(us, out))
-        root.register_forward_hook(lambda m, a, out: this._end_forward())
+        root.register_forward_hook(lambda m, a, out: this._end_forward(out))
 
     # -- passes and traces --------------------------------------------------------------------------
 
@@ -159,6 +170,7 @@ class Stage3Runtime:
             self.traces[self._pass] = self._recording
             self._reuse = self._reuse_distances()
         self._pass = None
+        self._recording = []
 
     def _reuse_distances(self) -> dict[bool, dict[int, float]]:
         """For each forward trace position, the gathered elements between it and its unit's next
@@ -218,23 +230,22 @@ class Stage3Runtime:
         if self.comm.world_size == 1:
             return
         tag = self._tags[unit.index, _PHASE_CODE[phase]]
-        tags = torch.empty(self.comm.world_size * 2, dtype=tag.dtype, device=tag.device)
-        work = self.comm.all_gather(tags, tag, async_op=True, label="unit_tags")
+        tags = torch.empty(self.comm.world_size * 2, dtype=tag.dtype)
+        work = self._control.all_gather(tags, tag, async_op=True, label="unit_tags")
         what = self._describe(unit, phase)
-        if tags.is_cuda and not self.options.strict_checks:
+        if not self._check_at_once:
             self._unchecked.append((work, tags, what))
+            if len(self._unchecked) > 4096:  # forwards with grad but no backward: do not pile up
+                self._check_deferred_tags()
             return
-        self._wait(work, what)
+        self._wait(work, what, self._control)
         self._verify(tags, what)
 
     def _check_deferred_tags(self) -> None:
         pending, self._unchecked = self._unchecked, []
-        if pending:
-            for work, _, what in pending:
-                self._wait(work, what)
-            rows = torch.stack([t for _, t, _ in pending]).cpu()  # one synchronisation for all of them
-            for row, (_, _, what) in zip(rows, pending):
-                self._verify(row, what)
+        for work, tags, what in pending:  # host tensors on the control group: no GPU synchronisation
+            self._wait(work, what, self._control)
+            self._verify(tags, what)
 
     def _verify(self, tags: torch.Tensor, what: str) -> None:
         rows = tags.view(self.comm.world_size, 2).tolist()
@@ -248,8 +259,9 @@ class Stage3Runtime:
                 f"same modules in the same order (rank-dependent branches, early exits or a different number of "
                 f"forward passes cause this; for generation pass synced_gpus=True).")
 
-    def _wait(self, work, what: str) -> None:
-        self.comm.wait_for(work, lambda: f"ZeRO-3 step {self._step()}: {what}")
+    def _wait(self, work, what: str, comm: Comm | None = None) -> None:
+        """Wait for a collective of `comm` (default: the data group); see Comm.wait_for."""
+        (comm or self.comm).wait_for(work, lambda: f"ZeRO-3 step {self._step()}: {what}")
 
     # -- gather and release ---------------------------------------------------------------------------
 
@@ -300,7 +312,7 @@ class Stage3Runtime:
         self._finish_prefetches()
         for unit in self.units:
             unit.forward_uses = 0
-            unit.needed_in_backward = False
+            unit.needed_in_backward = unit.grads_done = unit.inputs_done = False
             if unit.state is ShardedState.GATHERED and not unit.resident:
                 self._release(unit)
 
@@ -315,28 +327,45 @@ class Stage3Runtime:
                 unit.forward_uses = 0
         self._begin_pass(FORWARD)
 
-    def _pre_forward(self, units: list[ParamUnit]) -> None:
+    def _pre_forward(self, units: list[ParamUnit], args: tuple):
+        recompute = in_backward()  # activation checkpointing re-runs the forward inside backward
         for unit in units:
-            self._acquire(unit, FORWARD if not in_backward() else BACKWARD)
+            self._acquire(unit, BACKWARD if recompute else FORWARD)
             unit.forward_uses += 1
+        frozen = [u for u in units if u.has_frozen]
+        if frozen and torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            # a unit with frozen weights is released when the module's backward is done, not when
+            # its (trainable) gradients are: see [Note: stage 3 hooks]
+            this = weakref.proxy(self)
+            positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+            wrapped = _PostBackward.apply(lambda: this._post_backward(frozen), *(args[i] for i in positions))
+            args = list(args)
+            for i, t in zip(positions, wrapped):
+                args[i] = t
+            return tuple(args)
+        return None
 
     def _post_forward(self, units: list[ParamUnit], output):
         grad = torch.is_grad_enabled()
-        hooked = [t for t in _tensors_in(output) if t.requires_grad] if grad else []
+        hooked = [t for t in tensors_in(output) if t.requires_grad] if grad else []
+        recompute = in_backward()
         for unit in units:
             unit.forward_uses -= 1
-            if grad and not hooked and any(p.requires_grad for p in unit.params):
-                unit.needed_in_backward = True  # no output to hook: keep it (see [Note: stage 3 hooks])
+            if grad and (recompute or (not hooked and any(p.requires_grad for p in unit.params))):
+                # a recomputed unit is used by the backward that follows at once; a unit whose
+                # outputs hide from the hooks would not be gathered again: keep both
+                unit.needed_in_backward = True
             if unit.forward_uses == 0 and unit.state is ShardedState.GATHERED and self._idle(unit):
                 if not self._kept_for_reuse(unit):
                     self._release(unit)
         if hooked:
-            fired = [False]
+            fired = [None]  # the backward (graph task) it last fired in: once per backward, also with retain_graph
             this = weakref.proxy(self)
 
             def before_backward(grad_out, us=units):
-                if not fired[0]:
-                    fired[0] = True
+                task = torch._C._current_graph_task_id()
+                if fired[0] != task:
+                    fired[0] = task
                     this._pre_backward(us)
                 return grad_out
 
@@ -350,9 +379,10 @@ class Stage3Runtime:
         distance = self._reuse.get(torch.is_grad_enabled(), {}).get(unit.trace_pos, float("inf"))
         return distance < self.options.max_reuse_distance
 
-    def _end_forward(self) -> None:
+    def _end_forward(self, output) -> None:
         if in_backward():
             return
+        self.readiness.hook_outputs(output)
         self._finish_prefetches()
         if not torch.is_grad_enabled():  # no backward follows: drop what is only kept for it
             for unit in self.units:
@@ -362,6 +392,19 @@ class Stage3Runtime:
         self._end_pass()
 
     # -- backward ---------------------------------------------------------------------------------------
+
+    def _post_backward(self, units: list[ParamUnit]) -> None:
+        """The gradients of a module's inputs are done; a unit with frozen weights is not needed
+        any more once its trainable parameters' gradients are done too."""
+        for unit in units:
+            unit.inputs_done = True
+            if not unit.trainable or unit.grads_done:
+                self._done_in_backward(unit)
+
+    def _done_in_backward(self, unit: ParamUnit) -> None:
+        unit.needed_in_backward = False
+        if unit.state is ShardedState.GATHERED and self._idle(unit):
+            self._release(unit)
 
     def _pre_backward(self, units: list[ParamUnit]) -> None:
         self.readiness.begin_backward()
@@ -375,10 +418,9 @@ class Stage3Runtime:
         unit = self._reducible[gi]
         self._exchange_tag(unit, REDUCE)
         nbytes = unit.start_reduce(self.predivide)
-        if not unit.has_frozen:  # nothing in backward needs its values any more
-            unit.needed_in_backward = False
-            if unit.state is ShardedState.GATHERED and self._idle(unit):
-                self._release(unit)
+        unit.grads_done = True
+        if not unit.has_frozen or unit.inputs_done:  # nothing in backward needs its values any more
+            self._done_in_backward(unit)
         return nbytes
 
     def _finish_reduce(self, gi: int) -> None:

@@ -154,6 +154,8 @@ class ParamUnit:
         # training state, owned by the stage-3 runtime (see [Note: stage 3 hooks])
         self.forward_uses = 0  # forwards of this unit's modules now running (nested calls count)
         self.needed_in_backward = False  # backward reached it and still needs its values
+        self.grads_done = False  # its gradients were reduced in this backward
+        self.inputs_done = False  # a backward of its module produced the gradients of its inputs
         self.trace_pos = -1  # where the runtime last recorded its use in the current pass
 
     def __repr__(self) -> str:
