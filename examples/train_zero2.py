@@ -74,11 +74,13 @@ def main() -> None:
                   f"grad norm {engine.get_global_grad_norm():.3f}  ({ms:.0f} ms/step)", flush=True)
     if rank == 0:
         mem = engine.memory_report()
-        psi, n = sum(p.numel() for p in engine.optimizer.params), engine.world_size
+        psi = sum(p._zero.numel if getattr(p, "_zero", None) else p.numel() for p in engine.optimizer.params)
+        n = engine.world_size
         p16 = 2 if args.bf16 else 4  # bytes of a parameter and of a gradient
         master = 4 if args.bf16 or args.offload else 0  # fp32 training without offload: params are the master
         shard = {1: (p16 * psi, p16 * psi), 2: (p16 * psi, p16 * psi / n)}.get(args.stage, (p16 * psi / n, p16 * psi / n))
         formula = shard[0] + shard[1] + (master + 8) * psi / n  # ZeRO paper, stages 1-3 (padding aside)
+        formula += p16 * mem.get("persistent_params", 0)  # stage 3 keeps small parameters whole
         print(f"final loss {loss.item():.3f}")
         print(f"model-state bytes per rank: {mem['model_states_total']:,} measured, {formula:,.0f} by the ZeRO formula")
         print(f"last step's collectives: {engine.comm_report()}")
