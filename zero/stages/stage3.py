@@ -417,11 +417,10 @@ class Stage3Runtime:
     def _launch_reduce(self, gi: int) -> int:
         unit = self._reducible[gi]
         self._exchange_tag(unit, REDUCE)
-        nbytes = unit.start_reduce(self.predivide)
         unit.grads_done = True
-        if not unit.has_frozen or unit.inputs_done:  # nothing in backward needs its values any more
-            self._done_in_backward(unit)
-        return nbytes
+        if not unit.has_frozen or unit.inputs_done:  # nothing in backward needs its values any more:
+            self._done_in_backward(unit)  # free them before the reduce buffer is allocated
+        return unit.start_reduce(self.predivide)
 
     def _finish_reduce(self, gi: int) -> None:
         unit = self._reducible[gi]
