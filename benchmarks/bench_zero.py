@@ -105,8 +105,9 @@ def run_one(kind: str, layers: int, embd: int, vocab: int, seq: int, batch: int,
         import zero
 
         stage = int(kind[4])
-        zc = {"stage": stage, "reduce_bucket_size": 5_000_000, "overlap_comm": stage >= 2,
-              "allgather_bucket_size": 5_000_000}
+        zc = {"stage": stage, "reduce_bucket_size": 5_000_000, "overlap_comm": stage >= 2}
+        if stage < 3:
+            zc["allgather_bucket_size"] = 5_000_000
         if stage == 3:  # one unit per transformer block (below), like FSDP2's fully_shard per block;
             # released after forward and one unit prefetched ahead, as FSDP2 does
             zc.update(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0,

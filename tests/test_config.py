@@ -701,3 +701,13 @@ def test_huggingface_zero3_example_config_loads():
     assert cfg.precision == "bf16" and cfg.train_batch_size == 8
     assert cfg.zero_optimization.offload_param.pin_memory and cfg.steps_per_print == 2000
     assert cfg.scheduler.params.warmup_num_steps == 50
+
+
+def test_bucket_keys_that_stage_3_does_not_use_warn():
+    with pytest.warns(ConfigWarning, match="reduce_scatter = false has no effect at stage 3"):
+        load({"zero_optimization": {"stage": 3, "reduce_scatter": False}})
+    with pytest.warns(ConfigWarning, match="allgather_bucket_size has no effect at stage 3"):
+        load({"zero_optimization": {"stage": 3, "allgather_bucket_size": 1000}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load({"zero_optimization": {"stage": 2, "reduce_scatter": False, "allgather_bucket_size": 1000}})

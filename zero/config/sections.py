@@ -461,6 +461,12 @@ class ZeroOptimizationConfig(_Section):
         if self.sub_group_size != type(self).model_fields["sub_group_size"].default and not offloaded:
             _warn(f"zero_optimization.sub_group_size = {self.sub_group_size} has no effect without "
                   "offload_optimizer: zero uses it only as the tile size of its CPU Adam")
+        if self.stage in (0, 3) and not self.reduce_scatter:
+            _warn(f"zero_optimization.reduce_scatter = false has no effect at stage {self.stage}: stage 0 "
+                  "all-reduces and stage 3 always reduce-scatters (the numbers are the same either way)")
+        if self.stage == 3 and self.allgather_bucket_size != type(self).model_fields["allgather_bucket_size"].default:
+            _warn("zero_optimization.allgather_bucket_size has no effect at stage 3: parameters are gathered "
+                  "one unit at a time (see stage3_module_granularity_threshold, stage3_prefetch_bucket_size)")
 
 
 # ---------------------------------------------------------------------------------------------
