@@ -15,8 +15,13 @@ import zero
 from zero.partition.layout import ShardLayout
 from zero.testing.training import relative_error, train_side_by_side
 
-ONE_UNIT_PER_LAYER = {"stage3_param_persistence_threshold": 0, "stage3_module_granularity_threshold": 100,
-                      "stage3_max_reuse_distance": 0, "reduce_bucket_size": 200}
+
+def small_groups(stage: int) -> dict:
+    """Many groups: one unit per layer (stage 3), buckets of 200 elements (stages 1-2)."""
+    if stage == 3:
+        return {"stage3_param_persistence_threshold": 0, "stage3_module_granularity_threshold": 100,
+                "stage3_max_reuse_distance": 0}
+    return {"reduce_bucket_size": 200}
 
 
 def _batch(n_in, n_out):
@@ -44,7 +49,7 @@ class SharedUnderTwoCheckpoints(nn.Module):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_gradients_arriving_after_their_group_was_sent_are_reduced(dist_run, stage):
-    for r in dist_run(2, train_side_by_side, model=SharedUnderTwoCheckpoints, stage=stage, extra_config=ONE_UNIT_PER_LAYER):
+    for r in dist_run(2, train_side_by_side, model=SharedUnderTwoCheckpoints, stage=stage, extra_config=small_groups(stage)):
         assert r["error"] < 1e-6, r["error"]
 
 
@@ -68,7 +73,7 @@ class CheckpointedLayers(nn.Module):
 
 def comm_of_checkpointed_steps(stage: int):
     r = train_side_by_side(model=CheckpointedLayers, stage=stage, steps=3,
-                           extra_config={**ONE_UNIT_PER_LAYER, "stage3_module_granularity_threshold": 50,
+                           extra_config={**small_groups(stage), **({"stage3_module_granularity_threshold": 50} if stage == 3 else {}),
                                          "ignore_unused_parameters": False})
     return r["error"], r["comm"], len(r["units"])
 
@@ -96,7 +101,7 @@ def retain_graph_twice(stage: int):
     ref = copy.deepcopy(net)
     engine, *_ = zero.initialize(model=net, config={
         "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-        "zero_optimization": {"stage": stage, **ONE_UNIT_PER_LAYER}})
+        "zero_optimization": {"stage": stage, **small_groups(stage)}})
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)  # the config's default
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
@@ -175,7 +180,7 @@ def skip_a_failed_batch(stage: int, fail: bool):
     net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
     engine, *_ = zero.initialize(model=net, config={
         "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-        "zero_optimization": {"stage": stage, **ONE_UNIT_PER_LAYER}})
+        "zero_optimization": {"stage": stage, **small_groups(stage)}})
     g = torch.Generator().manual_seed(10 + rank)
     for step in range(4):
         x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)

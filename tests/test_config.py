@@ -704,6 +704,8 @@ def test_huggingface_zero3_example_config_loads():
 
 
 def test_bucket_keys_that_stage_3_does_not_use_warn():
+    with pytest.warns(ConfigWarning, match="reduce_bucket_size has no effect at stage 3"):
+        load({"zero_optimization": {"stage": 3, "reduce_bucket_size": 1000}})
     with pytest.warns(ConfigWarning, match="reduce_scatter = false has no effect at stage 3"):
         load({"zero_optimization": {"stage": 3, "reduce_scatter": False}})
     with pytest.warns(ConfigWarning, match="allgather_bucket_size has no effect at stage 3"):

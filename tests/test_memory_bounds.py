@@ -20,8 +20,9 @@ def mlp() -> nn.Module:
 def construction_peak(stage: int):
     model = mlp()
     largest_fp32 = max(p.numel() for p in model.parameters()) * 4
-    zc = {"stage": stage, "reduce_bucket_size": 3 * WIDTH * WIDTH, "stage3_module_granularity_threshold": WIDTH * WIDTH,
-          "stage3_param_persistence_threshold": 0}  # one unit per layer, none gathered at construction
+    zc = {"stage": stage, "stage3_module_granularity_threshold": WIDTH * WIDTH,
+          "stage3_param_persistence_threshold": 0} if stage == 3 else {"stage": stage, "reduce_bucket_size": 3 * WIDTH * WIDTH}
+    # stage 3: one unit per layer, none gathered at construction
     with AllocatorPeak() as mem:
         engine, *_ = zero.initialize(model=model, config={
             "train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "optimizer": {"type": "AdamW"},
@@ -40,8 +41,8 @@ def reduce_buffer_peak(stage: int, bucket: int):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=6, n_head=2, n_embd=32))
     total = sum(p.numel() for p in model.parameters()) * 4  # the whole gradient in fp32
-    zc = {"stage": stage, "overlap_comm": True, "reduce_bucket_size": bucket,
-          "stage3_module_granularity_threshold": 5000, "stage3_param_persistence_threshold": 0}
+    zc = {"stage": stage, "overlap_comm": True, **({"reduce_bucket_size": bucket} if stage == 2 else {
+          "stage3_module_granularity_threshold": 5000, "stage3_param_persistence_threshold": 0})}
     engine, *_ = zero.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}, "zero_optimization": zc})
     g = torch.Generator().manual_seed(0)

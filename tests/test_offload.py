@@ -31,7 +31,7 @@ def twin_runs(stage: int, offload: dict, precision: str, steps: int = 5, accumul
     base = build_model("gpt")
     engines = []
     for extra in ({}, offload):
-        zc = {"stage": stage, "reduce_bucket_size": 2000, **(STAGE3["gpt"] if stage == 3 else {}), **extra}
+        zc = {"stage": stage, **(STAGE3["gpt"] if stage == 3 else {"reduce_bucket_size": 2000}), **extra}
         cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accumulation,
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}, "zero_optimization": zc}
         if precision == "fp16":

@@ -464,9 +464,11 @@ class ZeroOptimizationConfig(_Section):
         if self.stage in (0, 3) and not self.reduce_scatter:
             _warn(f"zero_optimization.reduce_scatter = false has no effect at stage {self.stage}: stage 0 "
                   "all-reduces and stage 3 always reduce-scatters (the numbers are the same either way)")
-        if self.stage == 3 and self.allgather_bucket_size != type(self).model_fields["allgather_bucket_size"].default:
-            _warn("zero_optimization.allgather_bucket_size has no effect at stage 3: parameters are gathered "
-                  "one unit at a time (see stage3_module_granularity_threshold, stage3_prefetch_bucket_size)")
+        for key in ("allgather_bucket_size", "reduce_bucket_size"):
+            if self.stage == 3 and getattr(self, key) != type(self).model_fields[key].default:
+                _warn(f"zero_optimization.{key} has no effect at stage 3: parameters are gathered and their "
+                      f"gradients reduced one unit at a time (see stage3_module_granularity_threshold), with at "
+                      f"most one reduction in flight")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ all-reduce; an inf or NaN anywhere makes the norm non-finite, which is also the 
 """
 from __future__ import annotations
 
+import abc
 import math
 import warnings
 from typing import Any
@@ -29,7 +30,7 @@ ADAM_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bi
 Slot = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
 
 
-class ShardedAdam(torch.optim.Optimizer):
+class ShardedAdam(torch.optim.Optimizer, abc.ABC):
     """Adam/AdamW over this rank's shards: the step shared by every stage.
 
     Behaves as a torch optimizer for schedulers and user code (`param_groups` with `lr`, `betas`,
@@ -126,9 +127,9 @@ class ShardedAdam(torch.optim.Optimizer):
 
     # -- what subclasses provide --------------------------------------------------------------
 
+    @abc.abstractmethod
     def slots(self) -> list[Slot]:
         """(group index, fp32 master, gradient shard, exp_avg, exp_avg_sq, 16-bit output or None)."""
-        raise NotImplementedError
 
     def reduce_gradients(self) -> None:
         """Finish any gradient reduction still owed at the accumulation boundary."""
@@ -147,9 +148,9 @@ class ShardedAdam(torch.optim.Optimizer):
         for p in self.params:
             p.grad = None
 
+    @abc.abstractmethod
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds for model states, by kind, and its communication buffers."""
-        raise NotImplementedError
 
     def _measure(self, parts: dict[str, list[torch.Tensor]], host_kinds: set[str]) -> dict[str, int]:
         """`parts` measured by storage (see zero/memory_report.py), plus the host staging of

@@ -81,11 +81,9 @@ class ZeroOptimizer(ShardedAdam):
             self.shards = [torch.zeros(b.slice_numel, dtype=grad_dtype, device=device) for b in self.layout.buckets]
             self._staging: dict[int, torch.Tensor] = {}
             self._work: dict[int, Any] = {}
-            elsize = torch.finfo(precision.reduce).bits // 8
             self.readiness = GradReadiness(
                 [[self.params[i] for i in b.params] for b in self.layout.buckets], take=self._take, launch=self._launch,
-                finish=self._finish, comm=comm, ordered=True, overlap=reduce.overlap_comm,
-                in_flight_bytes=reduce.in_flight_elements * elsize, names=self.names,
+                finish=self._finish, comm=comm, ordered=True, overlap=reduce.overlap_comm, names=self.names,
                 ignore_unused=reduce.ignore_unused_parameters)
             module.register_forward_pre_hook(lambda m, a: self._recover())
             module.register_forward_hook(lambda m, a, out: self.readiness.hook_outputs(out))
@@ -174,10 +172,9 @@ class ZeroOptimizer(ShardedAdam):
             off = self.layout.offsets[i] - self.layout.buckets[b].start
             self._staging_for(b)[off : off + grad.numel()].add_(grad.reshape(-1))
 
-    def _launch(self, b: int) -> int:
+    def _launch(self, b: int) -> None:
         staging = self._staging_for(b)  # a bucket without any gradient on this rank contributes zeros
         self._work[b] = self._reduce_bucket(self.layout.buckets[b], staging, async_op=self.reduce.overlap_comm)
-        return staging.untyped_storage().nbytes()
 
     def _finish(self, b: int) -> None:
         with record_function("zero::accumulate_grad_shard"):

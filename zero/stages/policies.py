@@ -79,15 +79,12 @@ class ReduceOptions:
         reduce_scatter: stages 1/2 reduce-scatter (False: all-reduce whole buckets, as
             DeepSpeed's `reduce_scatter: false`; twice the traffic, same numbers).
         bucket_elements: stages 0-2: elements per bucket.
-        in_flight_elements: at most this many gradient elements are being reduced at once
-            (at least one bucket or unit); see [Note: gradient readiness].
         ignore_unused_parameters: False makes a trainable parameter without a gradient an error.
     """
 
     overlap_comm: bool = False
     reduce_scatter: bool = True
     bucket_elements: int = 500_000_000
-    in_flight_elements: int = 500_000_000
     ignore_unused_parameters: bool = True
 
 
@@ -145,7 +142,6 @@ def options_from_config(cfg: ZeroConfig, world_size: int, num_threads: int
                        check_overflow=cfg.fp16.enabled or cfg.bf16.check_grad_overflow, offload=offload)
     reduce = ReduceOptions(overlap_comm=bool(zc.overlap_comm), reduce_scatter=zc.reduce_scatter,
                            bucket_elements=max(1, min(zc.reduce_bucket_size, zc.allgather_bucket_size)),
-                           in_flight_elements=max(1, zc.reduce_bucket_size),
                            ignore_unused_parameters=zc.ignore_unused_parameters)
     offload_param = zc.offload_param is not None and zc.offload_param.device == "cpu"
     stage3 = Stage3Options(

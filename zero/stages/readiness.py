@@ -11,11 +11,10 @@ unit):
   same collectives in the same order even if gradients arrive in another order on another rank);
   otherwise groups launch as they complete (stage 3, whose collectives carry rank-divergence tags).
 - In flight: before a launch, the previous reduction is finished (with `overlap_comm`; without
-  it each one is finished as soon as it is launched), and the oldest are finished while their
-  buffers hold more than `in_flight_bytes`. So at most one reduction runs while the next is
-  prepared, and the reduce buffers alive during backward are bounded by the config
-  (`reduce_bucket_size`), not by the model. On NCCL finishing only orders the stream, so this
-  costs no CPU stall.
+  it each one is finished as soon as it is launched). So at most one reduction runs while the
+  next is prepared, and the reduce buffers alive during backward are bounded by one or two
+  groups (a stage-2 bucket is at most `reduce_bucket_size` elements), not by the model. On NCCL
+  finishing only orders the stream, so this costs no CPU stall.
 - Ordered groups wait for the parameters that had a gradient in the previous backward (all of
   them at first): a parameter left unused does not hold back its bucket and, in order, every
   later one.
@@ -62,7 +61,7 @@ class GradReadiness:
         groups: the trainable parameters of each group, in group index order.
         take: `take(group, param)` receives `param.grad` as soon as autograd has it (the group's
             reduction, if any, has finished by then).
-        launch: `launch(group)` starts the group's reduction; returns the bytes it keeps in flight.
+        launch: `launch(group)` starts the group's reduction.
         finish: `finish(group)` waits for it and accumulates the result.
         comm: the data-parallel group (ranks agree on late gradients through its control group).
         ordered: launch strictly in group order, and let a group wait only for the parameters
@@ -71,7 +70,6 @@ class GradReadiness:
             releases a unit then, so its gradients must really be complete).
         overlap: leave one reduction in flight while the next is prepared (`overlap_comm`);
             False finishes each one as soon as it is launched.
-        in_flight_bytes: finish the oldest reductions when more than this is in flight.
         names: parameter names for messages.
         ignore_unused: False raises UnusedParameterError at the end of a backward in which a
             trainable parameter got no gradient.
@@ -80,13 +78,12 @@ class GradReadiness:
 
     def __init__(self, groups: Sequence[Sequence[nn.Parameter]], *, take: Callable[[int, nn.Parameter], None],
                  launch: Callable[[int], int], finish: Callable[[int], None], comm: Comm, ordered: bool,
-                 overlap: bool, in_flight_bytes: int, names: Mapping[nn.Parameter, str], ignore_unused: bool = True,
+                 overlap: bool, names: Mapping[nn.Parameter, str], ignore_unused: bool = True,
                  on_end: Callable[[], None] | None = None):
         self.groups = [list(g) for g in groups]
         self._take, self._launch_fn, self._finish_fn, self._on_end = take, launch, finish, on_end
         self.ordered = ordered
         self.max_in_flight = 1 if overlap else 0
-        self.in_flight_limit = in_flight_bytes
         self.names = names
         self.ignore_unused = ignore_unused
         self._control = comm.control()
@@ -104,7 +101,7 @@ class GradReadiness:
         self._launched = [False] * len(self.groups)
         self._late: set[int] = set()
         self._next = 0  # ordered: the next group to launch
-        self._in_flight: deque[tuple[int, int]] = deque()
+        self._in_flight: deque[int] = deque()
         self._task = None
         self.active = False
 
@@ -131,11 +128,9 @@ class GradReadiness:
         self.begin_backward()
         self._arrived.add(param)
         if self._launched[gi]:  # its group was already sent in this backward: send again at the end
-            for k, (g, _) in enumerate(self._in_flight):
-                if g == gi:  # first finish what uses the group's buffers
-                    del self._in_flight[k]
-                    self._finish_fn(gi)
-                    break
+            if gi in self._in_flight:  # first finish what uses the group's buffers
+                self._in_flight.remove(gi)
+                self._finish_fn(gi)
             self._late.add(gi)
             self._take(gi, param)
             return
@@ -156,16 +151,16 @@ class GradReadiness:
 
     def _launch(self, gi: int) -> None:
         while self._in_flight and len(self._in_flight) >= self.max_in_flight:  # room for this one first
-            self._finish_fn(self._in_flight.popleft()[0])
+            self._finish_fn(self._in_flight.popleft())
         self._launched[gi] = True
-        self._in_flight.append((gi, self._launch_fn(gi)))
-        while self._in_flight and (len(self._in_flight) > self.max_in_flight or (
-                len(self._in_flight) > 1 and sum(b for _, b in self._in_flight) > self.in_flight_limit)):
-            self._finish_fn(self._in_flight.popleft()[0])
+        self._launch_fn(gi)
+        self._in_flight.append(gi)
+        if len(self._in_flight) > self.max_in_flight:  # no overlap: finish it at once
+            self._finish_fn(self._in_flight.popleft())
 
     def _finish_all(self) -> None:
         while self._in_flight:
-            self._finish_fn(self._in_flight.popleft()[0])
+            self._finish_fn(self._in_flight.popleft())
 
     def _agreed_late(self) -> list[int]:
         """The groups any rank has late gradients for: every rank re-sends the same groups."""

@@ -130,9 +130,8 @@ class Stage3Runtime:
         self._reducible = [u for u in units if u.trainable]
         self.readiness = GradReadiness(
             [u.trainable for u in self._reducible], take=lambda gi, p: None, launch=self._launch_reduce,
-            finish=self._finish_reduce, comm=comm, ordered=False, overlap=reduce.overlap_comm,
-            in_flight_bytes=reduce.in_flight_elements * torch.finfo(units[0].reduce_dtype).bits // 8 if units else 0,
-            names=names, ignore_unused=reduce.ignore_unused_parameters, on_end=self._end_backward)
+            finish=self._finish_reduce, comm=comm, ordered=False, overlap=reduce.overlap_comm, names=names,
+            ignore_unused=reduce.ignore_unused_parameters, on_end=self._end_backward)
         self._install_hooks(unit_modules)
 
     # -- hooks --------------------------------------------------------------------------------------
@@ -414,13 +413,13 @@ class Stage3Runtime:
             self._acquire(unit, BACKWARD)
             unit.needed_in_backward = True
 
-    def _launch_reduce(self, gi: int) -> int:
+    def _launch_reduce(self, gi: int) -> None:
         unit = self._reducible[gi]
         self._exchange_tag(unit, REDUCE)
         unit.grads_done = True
         if not unit.has_frozen or unit.inputs_done:  # nothing in backward needs its values any more:
             self._done_in_backward(unit)  # free them before the reduce buffer is allocated
-        return unit.start_reduce(self.predivide)
+        unit.start_reduce(self.predivide)
 
     def _finish_reduce(self, gi: int) -> None:
         unit = self._reducible[gi]

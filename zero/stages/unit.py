@@ -245,13 +245,9 @@ class ParamUnit:
 
     # -- gradients ----------------------------------------------------------------------------------
 
-    def start_reduce(self, predivide: float) -> int:
+    def start_reduce(self, predivide: float) -> None:
         """Lay the trainable parameters' gradients out as (N, S_trainable) in the reduce dtype and
-        issue one reduce-scatter; a missing gradient counts as zero. Frees `param.grad`.
-
-        Returns:
-            The bytes of the reduce-scatter buffer now in flight.
-        """
+        issue one reduce-scatter; a missing gradient counts as zero. Frees `param.grad`."""
         world, rank = self.comm.world_size, self.comm.rank
         grads = []
         for p in self.trainable:
@@ -264,10 +260,8 @@ class ParamUnit:
             if predivide != 1.0:
                 send.div_(predivide)
         mine = send[rank * self.trainable_numel : (rank + 1) * self.trainable_numel]
-        nbytes = _nbytes(send)
-        self.gauges.reduce_buffers.add(nbytes)
+        self.gauges.reduce_buffers.add(_nbytes(send))
         self._reduce = _InFlight(self.comm.reduce_scatter(mine, send, async_op=True), send, mine=mine)
-        return nbytes
 
     def finish_reduce(self, wait: Callable[[object], None]) -> list[torch.Tensor]:
         """Wait for the reduce-scatter and add this rank's part to the gradient shards.

@@ -24,11 +24,6 @@ from collections.abc import Iterable
 import torch
 
 
-def storage_key(t: torch.Tensor) -> int:
-    """Identity of a tensor's storage (shared by all views of it), stable while it is resized."""
-    return t.untyped_storage()._cdata
-
-
 def distinct_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind `tensors`, at their current size."""
     seen: dict[int, int] = {}

@@ -111,7 +111,7 @@ def train_side_by_side(
         "gradient_clipping": clip,
         "optimizer": {"type": "AdamW" if adamw else "Adam",
                       "params": {"lr": lr, "eps": eps, "weight_decay": weight_decay, "adam_w_mode": adamw}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, **(extra_config or {})},
+        "zero_optimization": {"stage": stage, **({"reduce_bucket_size": 500} if stage < 3 else {}), **(extra_config or {})},
     }
     if stage == 3 and isinstance(model, str):
         config["zero_optimization"] = {**STAGE3[model], **config["zero_optimization"]}
