@@ -37,8 +37,9 @@ def resolve_auto(config: Mapping[str, Any], values: Optional[Mapping[str, Any]] 
         config: a DeepSpeed-style config dict (not modified).
         values: dotted key path -> value, e.g. {"optimizer.params.lr": 3e-4,
             "train_micro_batch_size_per_gpu": 8}. The special key "hidden_size" fills
-            zero_optimization.reduce_bucket_size = h*h and, at stage 3,
-            stage3_prefetch_bucket_size = int(0.9*h*h) and stage3_param_persistence_threshold = 10*h.
+            zero_optimization.reduce_bucket_size = h*h below stage 3 (it has no effect at stage 3)
+            and, at stage 3, stage3_prefetch_bucket_size = int(0.9*h*h) and
+            stage3_param_persistence_threshold = 10*h.
 
     Only keys whose value is "auto" are filled; "auto" keys without a supplied value are left as
     they are (load_config then treats them as not given).
@@ -62,8 +63,9 @@ def resolve_auto(config: Mapping[str, Any], values: Optional[Mapping[str, Any]] 
     zero = out.get("zero_optimization")
     if hidden is not None and isinstance(zero, dict):
         h = int(hidden)
-        fill("zero_optimization.reduce_bucket_size", h * h)
-        if zero.get("stage") == 3:
+        if zero.get("stage") != 3:  # stage 3 reduces one unit at a time: the key has no effect there
+            fill("zero_optimization.reduce_bucket_size", h * h)
+        else:
             for prefix in ("stage3_", ""):
                 fill(f"zero_optimization.{prefix}prefetch_bucket_size", int(0.9 * h * h))
                 fill(f"zero_optimization.{prefix}param_persistence_threshold", 10 * h)
