@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import time
 import warnings
@@ -26,7 +27,10 @@ import torch.nn as nn
 
 from zero.comm import Comm
 from zero.config import ZeroConfig, load_config
+from zero.precision import NonFiniteGradientError
 from zero.stages import build_optimizer
+
+log = logging.getLogger("zero")
 
 
 def init_distributed(dist_backend: str | None = None, timeout_s: float = 1800.0) -> None:
@@ -239,6 +243,8 @@ class Engine(nn.Module):
                                "reduced across ranks, so stepping now would update each rank with its own gradient "
                                "and the ranks would diverge. Leave the no_sync() context before calling step().")
         boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
+            self.optimizer.check_hyperparameters()  # a bad lr is refused before anything changes
         self.micro_steps += 1
         self.optimizer.at_boundary = self.is_gradient_accumulation_boundary()  # for the next backward
         self.global_samples += self.config.train_micro_batch_size_per_gpu * self.comm.world_size
@@ -254,11 +260,34 @@ class Engine(nn.Module):
         else:
             self.skipped_steps += 1
         self.global_steps += 1
+        if not updated:
+            self._report_skip()
         self._last_comm = self.comm.report()
         self.comm.reset_counts()
         every = self.config.steps_per_print
         if every and self.global_steps % every == 0 and self.comm.rank == 0:
             self._print_progress(every)
+
+    def _report_skip(self) -> None:
+        """Log a skipped step (rank 0), and stop when fp16 cannot lower the loss scale any more
+        (as DeepSpeed does): every later step would be skipped too."""
+        norm, before, after = self.optimizer.skipped
+        scaler = self.optimizer.loss_scaler
+        if scaler.dynamic and scaler.exhausted:
+            raise NonFiniteGradientError(
+                f"step {self.global_steps}: fp16 gradients overflowed at the minimum loss scale {scaler.min_scale:g} "
+                f"({self.skipped_steps} steps skipped so far). Every further step would be skipped. The loss or the "
+                f"gradients are inf/NaN by themselves: check the data and the loss, lower the learning rate, or "
+                f"train in bf16.")
+        if self.comm.rank != 0:
+            return
+        if scaler.dynamic:
+            log.warning("zero: step %d skipped: fp16 gradients overflowed; loss scale %g -> %g",
+                        self.global_steps, before, after)
+        else:
+            log.warning("zero: step %d skipped: the gradient holds inf or NaN (norm %s) on at least one rank; "
+                        "parameters and optimizer state are unchanged. Check the batch and the loss (lower the "
+                        "learning rate, or clip gradients, if this repeats).", self.global_steps, norm)
 
     def _print_progress(self, every: int) -> None:
         print(f"zero: step {self.global_steps} lr {self.get_lr()} grad_norm {self.get_global_grad_norm()}"

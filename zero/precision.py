@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 
+class NonFiniteGradientError(FloatingPointError):
+    """Training cannot go on: fp16 gradients overflow even at the minimum loss scale."""
+
+
 class LossScaler:
     """The factor the loss is multiplied by before backward, and how it reacts to overflow.
 
@@ -39,6 +43,7 @@ class LossScaler:
         self._hysteresis_left = hysteresis
         self._iteration = 0
         self._last_overflow = -1
+        self.exhausted = False  # an overflow came when the scale could not be lowered any more
 
     @classmethod
     def disabled(cls) -> LossScaler:
@@ -50,6 +55,7 @@ class LossScaler:
         if self.dynamic:
             if overflow:
                 if self._hysteresis_left <= 1:
+                    self.exhausted = self.scale <= self.min_scale
                     self.scale = max(self.scale / 2, self.min_scale)
                 else:
                     self._hysteresis_left -= 1

@@ -7,7 +7,8 @@ accumulation steps in `Engine.backward`), multiplied by the loss scale. The mean
 that is one number, `grad_scale = world_size / predivide * loss_scale / clip_coef`, which the
 Adam kernel divides by in the same pass that updates the weights: no separate unscale, average
 or clip pass over the gradients. The norm is computed from the shard in one pass per slot and one
-all-reduce; an inf or NaN anywhere makes the norm non-finite, which is also the overflow test.
+all-reduce; an inf or NaN anywhere makes the norm non-finite, which is also the overflow test
+(see [Note: norm without overflow]).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from zero.offload import HostAdam, HostMemory
 from zero.precision import LossScaler
 from zero.stages.policies import Precision, StepOptions
 
+_FP32_MAX = float(torch.finfo(torch.float32).max)
 ADAM_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bias_correction=True, adamw_mode=True)
 
 Slot = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
@@ -55,11 +57,11 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
         self.options = step
         self.offload = step.offload
         self.loss_scaler = loss_scaler or LossScaler.disabled()
-        self.check_overflow = step.check_overflow or self.loss_scaler.dynamic
         self.at_boundary = True  # the engine says whether the coming backward ends an accumulation
         self.params = [p for g in self.param_groups for p in g["params"]]
         self.step_count = 0
         self.global_grad_norm: float | None = None
+        self.skipped: tuple[float, float, float] | None = None  # the last skipped step: (norm, scale before, after)
         self.host_memory = HostMemory(self)
         self.gauges = Gauges()  # communication and gathered buffers, measured as they come and go
         self._host: HostAdam | None = None
@@ -112,10 +114,22 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
         slots = self.slots()
         if len(state) != len(slots):
             raise ValueError(f"shard state has {len(state)} slots, this optimizer has {len(slots)}")
-        for i, ((g, master, _, _, _, _), saved) in enumerate(zip(slots, state)):
-            if saved["group"] != g or saved["master"].shape != master.shape:
-                raise ValueError(f"shard state slot {i}: group {saved['group']} / shape {tuple(saved['master'].shape)} "
-                                 f"does not match group {g} / shape {tuple(master.shape)}")
+        tensors = ("master", "exp_avg", "exp_avg_sq")
+        for i, ((g, master, _, _, _, _), saved) in enumerate(zip(slots, state)):  # all checked before any is loaded
+            absent = [k for k in ("group", "step", *tensors) if not isinstance(saved, dict) or k not in saved]
+            if absent:
+                raise ValueError(f"shard state slot {i} lacks {', '.join(map(repr, absent))}; load_shard_state takes "
+                                 f"what shard_state() returned: per slot a dict with 'group', 'step', "
+                                 f"{', '.join(map(repr, tensors))}")
+            for key in tensors:
+                value = saved[key]
+                if not isinstance(value, torch.Tensor) or saved["group"] != g or value.shape != master.shape:
+                    shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                    raise ValueError(f"shard state slot {i}: {key!r} of group {saved['group']} / shape {shape} "
+                                     f"does not match group {g} / shape {tuple(master.shape)}")
+                if not bool(torch.isfinite(value).all()):
+                    raise ValueError(f"shard state slot {i}: {key!r} holds non-finite values (inf or NaN); "
+                                     f"refusing to load them into the optimizer")
         for (_, master, _, ea, eas, out16), saved in zip(slots, state):
             master.copy_(saved["master"])
             ea.copy_(saved["exp_avg"])
@@ -167,37 +181,71 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
 
     # -- the step -----------------------------------------------------------------------------
 
+    def check_hyperparameters(self) -> None:
+        """Every group's lr and betas are usable, checked before the step changes anything (a
+        scheduler or the user may have set them since the last step)."""
+        for i, g in enumerate(self.param_groups):
+            lr, betas = g["lr"], tuple(g["betas"])
+            if not (isinstance(lr, (int, float)) and math.isfinite(lr) and 0 <= lr <= _FP32_MAX):
+                raise ValueError(f"param group {i} has lr={lr!r}: the learning rate must be a finite number >= 0 "
+                                 f"(and at most {_FP32_MAX:.3g}, the kernels compute in fp32). It was set by the "
+                                 f"lr scheduler or by code that edits optimizer.param_groups; nothing was updated.")
+            if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+                raise ValueError(f"param group {i} has betas={betas!r}: expected two numbers in [0, 1)")
+
+    def _grad_norm(self, slots: list[Slot]) -> float:
+        """The 2-norm of the reduced gradient (before unscaling), over all slots and ranks.
+
+        [Note: norm without overflow]
+        Squares are summed in fp64, so gradients up to fp32's largest value give a finite norm (an
+        fp32 sum of squares overflows from 1.8e19). A slot whose own fp32 norm overflows is
+        measured again scaled by its largest element; only inf/NaN gradients make the norm
+        non-finite."""
+        device = slots[0][2].device if slots else torch.device("cpu")  # where the gradients are
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for _, _, g, _, _, _ in slots]
+        total = torch.zeros(1, dtype=torch.float64, device=device)
+        if norms:
+            total += torch.stack(norms).double().square().sum()
+        if not math.isfinite(total.item()):
+            total.zero_()
+            for (_, _, g, _, _, _), n in zip(slots, norms):
+                if not torch.isfinite(n):
+                    top = g.abs().amax().float()
+                    n = top * torch.linalg.vector_norm(g / top, dtype=torch.float32) if torch.isfinite(top) else top
+                total += n.double().square()
+        if self.norm_is_partitioned():
+            self.comm.all_reduce(total, "sum")
+        return math.sqrt(total.item())
+
     @torch.no_grad()
     def step(self, closure=None) -> bool:
         """Reduce, check, clip and apply Adam to this rank's shards, then publish them.
 
+        A step whose gradient holds inf or NaN (on any rank) is skipped on every rank and logged:
+        parameters, master weights and Adam state stay as they were, and the gradients are
+        dropped. With fp16 this is the loss scale's overflow rule; in fp32 and bf16 it keeps one
+        bad batch from turning every parameter into NaN.
+
         Returns:
-            False if the step was skipped because a gradient overflowed, True otherwise.
+            False if the step was skipped because a gradient was not finite, True otherwise.
         """
         if closure is not None:
             raise ValueError(f"{type(self).__name__}.step does not take a closure")
+        self.check_hyperparameters()
         with record_function("zero::reduce_gradients"):
             self.reduce_gradients()
         slots = self.slots()
         divisor = self.comm.world_size / self.options.predivide * self.loss_scaler.scale
 
         with record_function("zero::grad_norm"):
-            device = slots[0][2].device if slots else torch.device("cpu")  # where the gradients are
-            norm_sq = torch.zeros(1, dtype=torch.float32, device=device)
-            for _, _, g, _, _, _ in slots:
-                norm_sq += torch.linalg.vector_norm(g, dtype=torch.float32).square()
-            if self.norm_is_partitioned():
-                self.comm.all_reduce(norm_sq, "sum")
-            norm_sq = norm_sq.item()
-        if self.check_overflow and not math.isfinite(norm_sq):
-            self.loss_scaler.update(overflow=True)
-            self.global_grad_norm = None
-            self.zero_grad()
+            norm = self._grad_norm(slots)
+        if not math.isfinite(norm):
+            self._skip(norm)
             return False
-        norm = math.sqrt(norm_sq) / divisor
+        norm /= divisor
         self.global_grad_norm = norm
         clip_coef = 1.0
-        if self.options.clipping > 0:
+        if self.options.clipping > 0:  # as torch.nn.utils.clip_grad_norm_
             clip_coef = min(1.0, self.options.clipping / (norm + 1e-6))
 
         self.step_count += 1
@@ -216,6 +264,14 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
         self.loss_scaler.update(overflow=False)
         self.zero_grad()
         return True
+
+    def _skip(self, norm: float) -> None:
+        """Skip this step: its gradient is inf or NaN on some rank (the engine logs it)."""
+        before = self.loss_scaler.scale
+        self.loss_scaler.update(overflow=True)
+        self.skipped = (norm, before, self.loss_scaler.scale)
+        self.global_grad_norm = None
+        self.zero_grad()
 
     def _adam(self, group, master, grad, exp_avg, exp_avg_sq, grad_scale: float, out16, num_threads=None) -> None:
         if out16 is not None and out16.dtype == torch.float32:  # fp32 model copy kept apart from the master
