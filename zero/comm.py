@@ -33,6 +33,7 @@ reduce-scatter with an all-reduce; a ring all-reduce sends about 2E), so do not 
 """
 from __future__ import annotations
 
+import math
 import os
 from collections import defaultdict
 from collections.abc import Callable
@@ -87,6 +88,26 @@ class CollectiveCount:
     bytes: int = 0
 
 
+def collective_timeout_s(value: str | None = None) -> float:
+    """Seconds a stage-3 collective may take (`Comm.wait_for`): ZERO_COLLECTIVE_TIMEOUT, default 600.
+
+    Args:
+        value: the setting to parse; None reads ZERO_COLLECTIVE_TIMEOUT from the environment.
+
+    Raises:
+        ValueError: the value is not a positive, finite number of seconds.
+    """
+    raw = os.environ.get("ZERO_COLLECTIVE_TIMEOUT", "600") if value is None else value
+    try:
+        seconds = float(raw)
+        timedelta(seconds=seconds)  # what `wait_for` passes on; overflows past ~2.7 million years
+    except (ValueError, OverflowError):
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"ZERO_COLLECTIVE_TIMEOUT must be a positive finite number of seconds, got {raw!r}")
+    return seconds
+
+
 class Comm:
     """The collectives of one process group, counted.
 
@@ -105,7 +126,7 @@ class Comm:
         # Seconds `wait_for` lets a collective take before raising; ZERO_COLLECTIVE_TIMEOUT
         # (default 600). Only stage 3 waits this way: its collectives depend on which modules
         # run, so ranks that run different modules must end in an error, not a hang.
-        self.timeout_s = float(os.environ.get("ZERO_COLLECTIVE_TIMEOUT", "600"))
+        self.timeout_s = collective_timeout_s()
 
     def control(self) -> Comm:
         """A gloo group over the same ranks, for small host messages (stage 3's rank-divergence

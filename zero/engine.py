@@ -379,15 +379,16 @@ class Engine(nn.Module):
         Under stage 3 this needs `stage3_gather_16bit_weights_on_model_save: true` (as in
         DeepSpeed); otherwise it warns, saves nothing and returns False.
         """
+        from zero.checkpoint import atomic_save, checked_save_path
+
+        save_path = checked_save_path(save_dir, save_filename)  # on every rank, before any gather or write
         if self.config.zero_optimization.stage == 3 and not self.config.zero_optimization.gather_16bit_weights_on_model_save:
             warnings.warn("save_16bit_model: stage3_gather_16bit_weights_on_model_save is false, nothing saved "
                           "(set it to true to gather the weights)", stacklevel=2)
             return False
-        from zero.checkpoint import atomic_save
-
         state = self.consolidated_16bit_state_dict(exclude_frozen_parameters)
         if self.comm.rank == 0:
-            atomic_save(state, os.path.join(save_dir, save_filename))
+            atomic_save(state, save_path)
         self.comm.barrier()
         return True
 

@@ -22,8 +22,9 @@ The cache lives in `$ZERO_CACHE_DIR` (default `~/.cache/zero/ops`). Concurrent r
 need the same op take a file lock: one builds, the others wait and import the result.
 
 An op that cannot be built (no compiler, a compile error, an nvcc whose major version differs
-from torch's CUDA) raises OpUnavailable, and the failure is remembered: later `load()` calls in
-the same process raise the same error at once instead of compiling again.
+from torch's CUDA, a cache directory that cannot be created or written) raises OpUnavailable,
+and the failure is remembered: later `load()` calls in the same process raise the same error at
+once instead of compiling again.
 """
 from __future__ import annotations
 
@@ -271,10 +272,23 @@ def is_built(name: str) -> bool:
     return _built_library(name).is_file()
 
 
+def _cache_unusable(name: str, path: Path, exc: OSError) -> OpUnavailable:
+    setting = os.environ.get("ZERO_CACHE_DIR")
+    where = f"ZERO_CACHE_DIR={setting}" if setting else "the default ~/.cache/zero/ops (ZERO_CACHE_DIR is not set)"
+    return OpUnavailable(f"op '{name}' ({OPS[name].what}) is unavailable: its build cache {path} cannot be "
+                         f"created or written ({exc}); the cache comes from {where}. Point ZERO_CACHE_DIR at a "
+                         f"writable directory.")
+
+
 @contextmanager
-def _locked(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fh:
+def _locked(path: Path, name: str):
+    """An exclusive lock on `path` for building op `name` (OpUnavailable if the cache is unusable)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(path, "w")
+    except OSError as exc:
+        raise _cache_unusable(name, path.parent, exc) from exc
+    with fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
@@ -373,7 +387,7 @@ def _load_once(name: str) -> ModuleType:
         raise OpUnavailable(f"op '{name}' ({OPS[name].what}) is unavailable: {reason}")
     library = _built_library(name)
     if not library.is_file():
-        with _locked(library.parent.with_suffix(".lock")):
+        with _locked(library.parent.with_suffix(".lock"), name):
             if not library.is_file():  # another process may have built it while we waited
                 return _build(name)
     return _import_library(name, library)
