@@ -132,6 +132,8 @@ def _issues_from(err: ValidationError, root: type, prefix: tuple = ()) -> list[t
             msg = msg.replace(f"expected {words} ", f"expected a value {sign} ")
         if kind in ("int_from_float", "int_parsing", "int_type"):
             msg = "expected an integer"
+        if kind == "int_parsing_size":
+            msg = "expected an integer that fits in 64 bits"
         if kind != "value_error":
             msg += f", got {_fmt(e.get('input'))}"
         issues.append((loc, msg))

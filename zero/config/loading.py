@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from zero.config.errors import ConfigError, _issues_from, _raise
 from zero.config.features import _check_unimplemented
-from zero.config.model import ZeroConfig
+from zero.config.model import MAX_BATCH, ZeroConfig
 from zero.config.sections import AUTO
 
 # ---------------------------------------------------------------------------------------------
@@ -108,6 +108,10 @@ def _resolve_batch(cfg: ZeroConfig, world_size: int) -> dict[str, int]:
     else:
         _raise([(("train_batch_size",), f"batch size not given: set train_batch_size or "
                  f"train_micro_batch_size_per_gpu (of {names}, any two determine the third)")])
+    if train >= MAX_BATCH:
+        _raise([(("train_batch_size",), f"train_batch_size = train_micro_batch_size_per_gpu * "
+                 f"gradient_accumulation_steps * world_size = {micro} * {accum} * {world_size} = {train}, "
+                 f"expected a value < 2**31 = {MAX_BATCH}")])
     return {"train_batch_size": train, "train_micro_batch_size_per_gpu": micro,
             "gradient_accumulation_steps": accum}
 

@@ -39,6 +39,10 @@ def _dtype_name(v: Any) -> Any:
 
 _Section_ = Optional[dict[str, Any]]  # an accepted-but-unimplemented DeepSpeed section
 
+# The batch keys count samples (or micro-batches): 2**31 or more is a typo or an overflow upstream,
+# not a batch, and would overflow any int32 that holds it later. DeepSpeed sets no bound.
+MAX_BATCH = 2**31
+
 
 class ZeroConfig(_Section):
     """The whole config. Build it with `load_config` (which also resolves the batch sizes)."""
@@ -54,7 +58,7 @@ class ZeroConfig(_Section):
     gradient_clipping: float = Field(0.0, ge=0, allow_inf_nan=False, description="Clip the global grad "
                                      "norm to this value; 0 disables clipping.")
     prescale_gradients: bool = Field(False, description="Divide grads by world size before reducing.")
-    gradient_predivide_factor: float = Field(1.0, gt=0, description="Divide grads by this before the "
+    gradient_predivide_factor: float = Field(1.0, description="Divide grads by this before the "
                                              "reduction and by world_size/factor after.")
     gradient_allreduce_op: Literal["mean", "sum"] = Field("mean", description="Average or sum grads "
                                                           "across ranks ('sum' not implemented).")
@@ -135,6 +139,22 @@ class ZeroConfig(_Section):
 
     _check_comm_dtype = field_validator("communication_data_type", mode="before")(
         classmethod(lambda cls, v: _dtype_name(v)))
+
+    @field_validator("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    @classmethod
+    def _batch_bound(cls, v: Optional[int]) -> Optional[int]:
+        if v is not None and v >= MAX_BATCH:
+            raise ValueError(f"expected a value < 2**31 = {MAX_BATCH}, got {v}")
+        return v
+
+    @field_validator("gradient_predivide_factor")
+    @classmethod
+    def _predivide(cls, v: float) -> float:
+        if not v >= 1:
+            raise ValueError(f"expected a value >= 1, got {v!r}: gradients are divided by it before the reduction "
+                             f"(to keep fp16 sums from overflowing) and multiplied back after, so a value below 1 "
+                             f"multiplies them instead; 1 (the default) turns it off")
+        return v
 
     @model_validator(mode="after")
     def _precision(self) -> ZeroConfig:

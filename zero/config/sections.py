@@ -8,24 +8,75 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
 import pathlib
 import sys
-from typing import Any, Literal, Optional
+import typing
+from typing import Any, Literal, Optional, Union
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from zero.config.errors import _fmt, _keys_of, _NestedIssues, _suggest, _validate_nested, _warn
+from zero.lr_schedules.build import mistyped_params
 
 AUTO = "auto"
+
+FP32_MAX = torch.finfo(torch.float32).max  # the largest learning rate (or scale) a float32 can hold
 
 
 # ---------------------------------------------------------------------------------------------
 # Base section
 # ---------------------------------------------------------------------------------------------
 
+# [Note: JSON types are strict]
+# pydantic's lax mode reads "4" as 4, true as 1, and "false", "yes" or 0 as booleans. In JSON those
+# are different types, and a quoted number or a string boolean is nearly always a mistake (a
+# template or shell variable pasted in quotes), which lax mode would turn into a plausible value
+# without a word. So every bool, int and float field of every section accepts only
+# its own JSON type: true/false for a bool, a number that is not a boolean for an int or a float.
+# "auto" is the one string any field accepts (see [Note: "auto" values] in zero/config/loading.py).
+# An int field still accepts a float with an integral value, because DeepSpeed configs write sizes
+# as 5e8 (a JSON float); a fractional one is an error. A float must be finite: no field of this
+# config has a meaning for inf or nan. `_Section` checks all of this before pydantic converts
+# anything, so a new field gets the same rules without doing anything.
+
+_JSON_SCALARS = (bool, int, float)
+
+
+def _scalar_type(annotation: Any) -> Optional[type]:
+    """bool, int or float for a field typed X or Optional[X] with X one of those; else None."""
+    if annotation in _JSON_SCALARS:
+        return annotation
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is Union and len(args) == 1 and args[0] in _JSON_SCALARS:
+        return args[0]
+    return None
+
+
+def _json_type_problem(kind: type, value: Any) -> Optional[str]:
+    """Why `value` is not a JSON `kind` (see [Note: JSON types are strict]); None if it is one."""
+    if value is None:
+        return None  # whether null is allowed is the field's business
+    if kind is bool:
+        if isinstance(value, bool):
+            return None
+        quoted = " (a JSON boolean, without quotes)" if isinstance(value, str) else " (a JSON boolean)"
+        return f"expected true or false{quoted}, got {_fmt(value)}"
+    what = "an integer" if kind is int else "a number"
+    if isinstance(value, bool):
+        return f"expected {what}, got {str(value).lower()} (a JSON boolean is not a number)"
+    if isinstance(value, str):
+        return (f"expected {what}, got the string {_fmt(value)} (write numbers without quotes; the only "
+                f"string allowed here is \"auto\")")
+    if kind is float and isinstance(value, float) and not math.isfinite(value):
+        return f"expected a finite number, got {value}"
+    return None
+
+
 class _Section(BaseModel):
-    """Frozen, strict: unknown keys are errors; "auto" on a known key means "not given"."""
+    """Frozen, strict: unknown keys are errors; "auto" on a known key means "not given"; JSON types
+    are not converted into one another (see [Note: JSON types are strict])."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True,
                               validate_default=False, protected_namespaces=())
@@ -37,15 +88,30 @@ class _Section(BaseModel):
             return data
         known = _keys_of(cls)
         out = {k: v for k, v in data.items() if not (isinstance(v, str) and v == AUTO and k in known)}
+        kinds: dict[str, type] = {}
         for name, field in cls.model_fields.items():
             if field.alias and field.alias != name and name in out and field.alias in out:
                 raise ValueError(f"both '{field.alias}' and its alias '{name}' are given; keep one")
+            kind = _scalar_type(field.annotation)
+            if kind is not None:
+                kinds.update({name: kind, **({field.alias: kind} if field.alias else {})})
+        issues = [((key,), problem) for key, value in out.items() if key in kinds
+                  and (problem := _json_type_problem(kinds[key], value)) is not None]
+        if issues:
+            raise _NestedIssues(issues)
         return out
 
 
 # ---------------------------------------------------------------------------------------------
 # Precision
 # ---------------------------------------------------------------------------------------------
+
+# A loss scale above 2**63 is far past any useful one (fp16 tops out near 2**16, so gradients
+# scaled that much overflow on every step) and 2**63 * loss stays finite in fp32 (max ~2**128) for
+# any loss below 2**64. DeepSpeed's default initial_scale_power is 16; it sets no bound, and a
+# power of 2000 overflows Python's float when the scaler is built.
+MAX_LOSS_SCALE_POWER = 63
+
 
 class FP16Config(_Section):
     """`fp16`: fp16 mixed precision with (dynamic) loss scaling."""
@@ -62,6 +128,23 @@ class FP16Config(_Section):
     min_loss_scale: float = Field(1.0, ge=0, description="Lower bound of the dynamic loss scale.")
     fp16_master_weights_and_grads: bool = Field(False, description="Keep master weights in fp16 (not implemented).")
 
+    @field_validator("initial_scale_power")
+    @classmethod
+    def _power(cls, v: int) -> int:
+        if v > MAX_LOSS_SCALE_POWER:
+            raise ValueError(f"expected 0..{MAX_LOSS_SCALE_POWER}: dynamic loss scaling starts at "
+                             f"2**initial_scale_power, which must stay finite in fp32 (DeepSpeed's default is 16), "
+                             f"got {v}")
+        return v
+
+    @field_validator("loss_scale", "min_loss_scale")
+    @classmethod
+    def _scale(cls, v: float) -> float:
+        if v > 2.0 ** MAX_LOSS_SCALE_POWER:
+            raise ValueError(f"expected a loss scale <= 2**{MAX_LOSS_SCALE_POWER}: the scaled loss must stay "
+                             f"finite in fp32, got {v!r}")
+        return v
+
 
 class BF16Config(_Section):
     """`bf16` (old name `bfloat16`): bf16 mixed precision, no loss scaling."""
@@ -77,6 +160,13 @@ class BF16Config(_Section):
 # ---------------------------------------------------------------------------------------------
 # Optimizer
 # ---------------------------------------------------------------------------------------------
+
+def _lr(v: Optional[float]) -> Optional[float]:
+    """A learning rate must fit a float32: optimizers and schedulers compute with it in fp32."""
+    if v is not None and v > FP32_MAX:
+        raise ValueError(f"expected a learning rate <= {FP32_MAX:.6g} (the largest float32), got {v!r}")
+    return v
+
 
 SUPPORTED_OPTIMIZERS = ("Adam", "AdamW")
 _DEEPSPEED_ONLY_OPTIMIZERS = ("adagrad", "lamb", "onebitadam", "zerooneadam", "onebitlamb", "muadam",
@@ -105,6 +195,8 @@ class AdamParams(_Section):
             raise ValueError("'max_grad_norm' is not an optimizer parameter; use the top-level "
                              "'gradient_clipping' key (as DeepSpeed requires)")
         return data
+
+    _check_lr = field_validator("lr")(_lr)
 
     @field_validator("betas", mode="before")
     @classmethod
@@ -171,6 +263,8 @@ class WarmupLRParams(_Section):
     warmup_type: Literal["log", "linear"] = Field("log", description="Shape of the warmup curve.")
     last_batch_iteration: int = Field(-1, ge=-1, description="Resume point; -1 starts fresh.")
 
+    _check_lr = field_validator("warmup_min_lr", "warmup_max_lr")(_lr)
+
 
 class WarmupDecayLRParams(WarmupLRParams):
     """WarmupDecayLR: WarmupLR, then linear decay to 0 at total_num_steps."""
@@ -207,6 +301,8 @@ class OneCycleParams(_Section):
     decay_mom_rate: float = Field(0.0, ge=0, description="Post-cycle momentum decay rate.")
     last_batch_iteration: int = Field(-1, ge=-1, description="Resume point; -1 starts fresh.")
 
+    _check_lr = field_validator("cycle_min_lr", "cycle_max_lr")(_lr)
+
 
 class LRRangeTestParams(_Section):
     """LRRangeTest: lr grows from lr_range_test_min_lr to find a usable maximum."""
@@ -216,6 +312,8 @@ class LRRangeTestParams(_Section):
     lr_range_test_step_rate: float = Field(1.0, ge=0, description="Growth rate.")
     lr_range_test_staircase: bool = Field(False, description="Grow in stairs instead of smoothly.")
     last_batch_iteration: int = Field(-1, ge=-1, description="Resume point; -1 starts fresh.")
+
+    _check_lr = field_validator("lr_range_test_min_lr")(_lr)
 
 
 DEEPSPEED_SCHEDULERS: dict[str, type] = {
@@ -231,6 +329,11 @@ def _torch_scheduler(name: str) -> Optional[type]:
     return cls if ok else None
 
 
+# Learning rates among the arguments of torch's schedulers (CyclicLR, OneCycleLR, CosineAnnealing*,
+# ReduceLROnPlateau); they must fit a float32 like every other lr in the config.
+_TORCH_LR_PARAMS = frozenset({"base_lr", "max_lr", "eta_min", "min_lr"})
+
+
 def _check_torch_scheduler_params(cls: type, params: dict) -> dict:
     sig = inspect.signature(cls.__init__)
     accepted = [p for p in list(sig.parameters.values())[2:]
@@ -244,6 +347,18 @@ def _check_torch_scheduler_params(cls: type, params: dict) -> dict:
     for p in accepted:
         if p.default is inspect.Parameter.empty and p.name not in params:
             issues.append(((p.name,), f"required by torch.optim.lr_scheduler.{cls.__name__}"))
+    for key, ann in mistyped_params(cls, {k: v for k, v in params.items() if k in names}).items():
+        issues.append(((key,), f"expected {ann} for torch.optim.lr_scheduler.{cls.__name__}, got {_fmt(params[key])}"))
+    for key, value in params.items():
+        for i, item in enumerate(value if isinstance(value, list) else [value]):
+            if not isinstance(item, (int, float)) or isinstance(item, bool):
+                continue
+            where = (key, i) if isinstance(value, list) else (key,)
+            if not math.isfinite(item):
+                issues.append((where, f"expected a finite number, got {item}"))
+            elif key in _TORCH_LR_PARAMS and not 0 <= item <= FP32_MAX:
+                issues.append((where, f"expected a learning rate in [0, {FP32_MAX:.6g}] (the largest float32), "
+                                      f"got {item!r}"))
     if issues:
         raise _NestedIssues(issues)
     return dict(params)
@@ -339,6 +454,15 @@ class OffloadParamConfig(_Section):
     _check_device = field_validator("device")(_no_nvme)
 
 
+# CPU Adam runs on tiles of `sub_group_size` elements, and each tile has a fixed cost (a Python
+# iteration, five slices, a kernel call, a copy back): about 25 us, as long as Adam takes on ~15,000
+# elements. Measured on a 1M-parameter model: 1.5 ms per step with large tiles, 3.8 ms with 10,000,
+# 26 ms with 1,000 (17x), 25 s with 1 (15,000x). Tiles below SMALL_SUB_GROUP_SIZE warn. 1000 is
+# lower than the overhead argues for (~100,000 would keep it near 15%) because configs and tests
+# use sub_group_size 1000 for small models; below it the step is always > 10x slower.
+SMALL_SUB_GROUP_SIZE = 1000
+
+
 def _stage(v: Any) -> Any:
     if isinstance(v, int) and not isinstance(v, bool) and not 0 <= v <= 3:
         raise ValueError(f"expected a ZeRO stage 0, 1, 2 or 3, got {v}")
@@ -421,6 +545,14 @@ class ZeroOptimizationConfig(_Section):
 
     _check_stage = field_validator("stage")(_stage)
 
+    @field_validator("reduce_bucket_size", "allgather_bucket_size")
+    @classmethod
+    def _bucket(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError("expected a value >= 1 (elements per bucket; 0 would make every bucket empty; "
+                             "DeepSpeed's default is 5e8), got 0")
+        return v
+
     @model_validator(mode="after")
     def _resolve(self) -> ZeroOptimizationConfig:
         d = self.__dict__
@@ -445,8 +577,24 @@ class ZeroOptimizationConfig(_Section):
                 raise ValueError("give either stage3_gather_fp16_weights_on_model_save (deprecated) or "
                                  "stage3_gather_16bit_weights_on_model_save, not both")
             d["gather_16bit_weights_on_model_save"] = self.stage3_gather_fp16_weights_on_model_save
+        self._check_sub_group_size()
         self._warn_without_effect()
         return self
+
+    def _check_sub_group_size(self) -> None:
+        """With optimizer offload, sub_group_size is the CPU Adam tile: at least 1, and small ones warn.
+        Without it the key is not read (0 appears in published configs), see _warn_without_effect."""
+        if self.offload_optimizer is None or self.offload_optimizer.device == "none":
+            return
+        if self.sub_group_size < 1:
+            raise _NestedIssues([(("sub_group_size",), f"expected a value >= 1 with offload_optimizer (elements "
+                                  f"per CPU Adam tile; DeepSpeed's default is 1e9), got {self.sub_group_size}")])
+        if self.sub_group_size < SMALL_SUB_GROUP_SIZE:
+            _warn(f"zero_optimization.sub_group_size = {self.sub_group_size} makes CPU Adam work on tiles of "
+                  f"{self.sub_group_size} elements; each tile has a fixed overhead worth ~15,000 elements of Adam, "
+                  f"so the optimizer step is more than 10x slower than with large tiles. Use at least "
+                  f"{SMALL_SUB_GROUP_SIZE}, better 1e5 or more (DeepSpeed's default 1e9 is fine: zero caps tiles "
+                  f"at 4M elements)")
 
     def _warn_without_effect(self) -> None:
         """READ keys that cannot matter with the other settings (see [Note: what zero does with a

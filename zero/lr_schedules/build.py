@@ -138,11 +138,33 @@ def _check_params(type_name: str, cls: type, params: dict[str, Any]) -> None:
                if p.default is inspect.Parameter.empty and name not in params]
     if missing:
         raise ValueError(f"{type_name}: missing required parameter(s) {', '.join(map(repr, missing))}")
+    mistyped = mistyped_params(cls, params)
+    if mistyped:
+        key, ann = next(iter(mistyped.items()))
+        raise ValueError(f"{type_name}: parameter {key!r} must be {ann}, "
+                         f"got {type(params[key]).__name__} {params[key]!r}")
+
+
+def mistyped_params(cls: type, params: dict[str, Any]) -> dict[str, str]:
+    """The keyword arguments whose JSON value does not fit the annotation of ``cls.__init__``.
+
+    Args:
+        cls: a scheduler class.
+        params: keyword arguments; names ``cls`` does not accept are skipped.
+
+    Returns:
+        parameter name -> its annotation as written, for each value that is certainly of the wrong
+        type (a string where a number is expected, a boolean where an int is, ...). Annotations the
+        checker does not understand are given the benefit of the doubt.
+    """
+    signature = inspect.signature(cls.__init__)
+    out = {}
     for key, value in params.items():
-        ann = accepted[key].annotation
-        if _matches_annotation(value, ann) is False:
-            raise ValueError(f"{type_name}: parameter {key!r} must be {ann}, "
-                             f"got {type(value).__name__} {value!r}")
+        p = signature.parameters.get(key)
+        if p is not None and _matches_annotation(value, p.annotation) is False:
+            ann = p.annotation
+            out[key] = ann if isinstance(ann, str) else getattr(ann, "__name__", None) or str(ann)
+    return out
 
 
 def build_scheduler(type_name: str, params: dict[str, Any] | None, optimizer: Any) -> Any:

@@ -26,8 +26,9 @@ The numbers of every valid configuration are DeepSpeed's. What differs is how in
 - An unknown ``warmup_type`` raises ValueError (DeepSpeed logs a warning and uses "log").
 - ``WarmupDecayLR`` with ``total_num_steps < warmup_num_steps`` raises ValueError (DeepSpeed
   logs a warning and decays to ``warmup_min_lr`` immediately after warmup).
-- Wrong types, negative sizes and per-group lists of the wrong length raise ValueError naming
-  the scheduler and the parameter, before the optimizer's learning rate is touched.
+- Wrong types, negative sizes, learning rates that are negative, infinite or beyond the largest
+  float32, and per-group lists of the wrong length raise ValueError naming the scheduler and the
+  parameter, before the optimizer's learning rate is touched.
 - ``WarmupLR(warmup_max_lr=None)`` warms each group up to that group's own lr; DeepSpeed uses
   group 0's lr for every group (the same thing when the groups share one lr).
 - A tensor ``lr`` in a param group is updated in place (``fill_``), as torch's schedulers do,
@@ -109,8 +110,19 @@ def _check_number(scheduler: str, name: str, value: Any) -> None:
         raise ValueError(f"{scheduler}: {name} must be a number, got {type(value).__name__} {value!r}")
 
 
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
+def _check_lr(scheduler: str, name: str, value: Any) -> None:
+    """A learning rate: a finite number in [0, largest float32] (the optimizer computes with it in fp32)."""
+    _check_number(scheduler, name, value)
+    if not (math.isfinite(value) and 0 <= value <= _FP32_MAX):
+        raise ValueError(f"{scheduler}: {name} must be a finite learning rate in [0, {_FP32_MAX:.6g}] "
+                         f"(the largest float32), got {value!r}")
+
+
 def _per_group(scheduler: str, name: str, value: Any, num_groups: int) -> list[float]:
-    """A scalar broadcast to every param group, or a list/tuple with one value per group."""
+    """A learning rate broadcast to every param group, or a list/tuple with one per group."""
     if isinstance(value, (list, tuple)):
         if len(value) != num_groups:
             raise ValueError(
@@ -118,9 +130,9 @@ def _per_group(scheduler: str, name: str, value: Any, num_groups: int) -> list[f
                 f"param groups; give one value per group or a single number"
             )
         for i, item in enumerate(value):
-            _check_number(scheduler, f"{name}[{i}]", item)
+            _check_lr(scheduler, f"{name}[{i}]", item)
         return list(value)
-    _check_number(scheduler, name, value)
+    _check_lr(scheduler, name, value)
     return [value] * num_groups
 
 
@@ -297,8 +309,9 @@ class OneCycle(_BatchScheduler):
     ) -> None:
         name = type(self).__name__
         self.optimizer = _torch_optimizer(optimizer, name)
-        for key, value in (("cycle_min_lr", cycle_min_lr), ("cycle_max_lr", cycle_max_lr),
-                           ("decay_lr_rate", decay_lr_rate), ("cycle_min_mom", cycle_min_mom),
+        _check_lr(name, "cycle_min_lr", cycle_min_lr)
+        _check_lr(name, "cycle_max_lr", cycle_max_lr)
+        for key, value in (("decay_lr_rate", decay_lr_rate), ("cycle_min_mom", cycle_min_mom),
                            ("cycle_max_mom", cycle_max_mom), ("decay_mom_rate", decay_mom_rate)):
             _check_number(name, key, value)
         _check_int(name, "cycle_first_step_size", cycle_first_step_size, minimum=1)
