@@ -56,6 +56,39 @@ class CollectiveTimeout(RuntimeError):
     """A collective did not complete in time; the message says which and what to check."""
 
 
+class RankDivergenceError(RuntimeError):
+    """Ranks reached different collectives (different modules, a skipped backward, an extra step)."""
+
+
+# [Note: rank-agreement tags]
+# Before a collective whose place in the program could differ between ranks, every rank
+# all-gathers a small tag saying where it is, on the control group (`Comm.control`): four int64s,
+# (what, a, b, c). Every control-group message has this one size, so a rank that is somewhere else
+# shows up as a different tag, never as a size mismatch (which aborts gloo without a word). A
+# mismatch raises RankDivergenceError on every rank, naming where each rank was.
+TAG_WORDS = {
+    0: "forward of unit {a}",
+    1: "backward of unit {a}",
+    2: "gradient reduction of unit {a}",
+    3: "gradient reduction of bucket {a}",
+    4: "optimizer step {a} after {b} backward pass(es)",
+    5: "GatheredParameters over {a} parameter(s) of {b} elements",
+    6: "saving the 16-bit model",
+    7: "the end of a backward pass",
+    8: "zero.initialize",
+}
+TAG_SIZE = 4
+UNIT_PHASES = (0, 1, 2)  # tags whose `a` is a stage-3 unit
+
+
+def describe_tag(row: list[int], unit_label: Callable[[int], str] | None = None) -> str:
+    """Words for one rank's tag (see [Note: rank-agreement tags])."""
+    what, a, b, _ = row
+    if what in UNIT_PHASES and unit_label is not None:
+        a = unit_label(a)
+    return TAG_WORDS.get(what, f"unknown tag {row}").format(a=a, b=b)
+
+
 class _Done:
     """The handle of a collective that completed at once (a world of one)."""
 
@@ -79,6 +112,19 @@ class _SliceAfter:
         mine = self.input.view(-1)[self.rank * n : (self.rank + 1) * n]
         if mine.data_ptr() != self.output.data_ptr():
             self.output.view(-1).copy_(mine)
+
+
+class _Timed:
+    """Handle of a gloo collective whose wait is bounded (see Comm.wait_for)."""
+
+    def __init__(self, work, comm: Comm, what: str):
+        self.work, self.comm, self.what = work, comm, what
+
+    def wait(self, timeout=None) -> None:
+        self.comm.wait_for(self.work, lambda: self.what)
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
 
 
 @dataclass
@@ -124,9 +170,9 @@ class Comm:
         self.counts: dict[str, CollectiveCount] = defaultdict(CollectiveCount)
         self.backend = dist.get_backend(group) if self.distributed else "local"
         # Seconds `wait_for` lets a collective take before raising; ZERO_COLLECTIVE_TIMEOUT
-        # (default 600). Only stage 3 waits this way: its collectives depend on which modules
-        # run, so ranks that run different modules must end in an error, not a hang.
+        # (default 600). Every gloo collective waits this way (see [Note: bounded waits]).
         self.timeout_s = collective_timeout_s()
+        self.data: Comm | None = None  # for a control group (see `control`), the group it serves
 
     def control(self) -> Comm:
         """A gloo group over the same ranks, for small host messages (stage 3's rank-divergence
@@ -142,6 +188,7 @@ class Comm:
         if entry is None or entry[0] is not world:
             ranks = dist.get_process_group_ranks(self.group if self.group is not None else world)
             entry = _CONTROL[key] = (world, Comm(dist.new_group(ranks, backend="gloo")))
+            entry[1].data = self
         return entry[1]
 
     # -- counting
@@ -174,6 +221,14 @@ class Comm:
         return ([torch.empty_like(t, device=device) for t in outputs],
                 [t.to(device, non_blocking=True) for t in inputs])
 
+    def _bounded(self, work, async_op: bool, what: str):
+        """A gloo collective issued asynchronously: its handle, or (sync) wait for it, bounded."""
+        timed = _Timed(work, self, what)
+        if async_op:
+            return timed
+        timed.wait()
+        return None
+
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """output = this rank's 1/world_size slice of the SUM of `input` over ranks.
 
@@ -192,8 +247,9 @@ class Comm:
                 output.copy_(out)
                 return _Done() if async_op else None
             if self.backend == "gloo":
-                work = dist.all_reduce(input, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
-                return _SliceAfter(work, output, input, self.rank) if async_op else _SliceAfter(None, output, input, self.rank).wait()
+                work = dist.all_reduce(input, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+                what = f"a gradient reduce-scatter of {input.numel():,} elements"
+                return self._bounded(_SliceAfter(work, output, input, self.rank), async_op, what)
             return _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = "all_gather"):
@@ -211,6 +267,9 @@ class Comm:
                 _all_gather(out, inp, group=self.group)
                 output.copy_(out)
                 return _Done() if async_op else None
+            if self.backend == "gloo":
+                work = _all_gather(output, input, group=self.group, async_op=True)
+                return self._bounded(work, async_op, f"an all-gather of {output.numel():,} elements ({label})")
             return _all_gather(output, input, group=self.group, async_op=async_op)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False):
@@ -226,6 +285,9 @@ class Comm:
                 dist.all_reduce(t, op=red, group=self.group)
                 tensor.copy_(t)
                 return _Done() if async_op else None
+            if self.backend == "gloo":
+                work = dist.all_reduce(tensor, op=red, group=self.group, async_op=True)
+                return self._bounded(work, async_op, f"an all-reduce of {tensor.numel():,} elements")
             return dist.all_reduce(tensor, op=red, group=self.group, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
@@ -239,30 +301,94 @@ class Comm:
                 _, (t,) = staged
                 dist.broadcast(t, src=src, group=self.group)
                 tensor.copy_(t)
+            elif self.backend == "gloo":
+                work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
+                self._bounded(work, False, f"a broadcast of {tensor.numel():,} elements from rank {src}")
             else:
                 dist.broadcast(tensor, src=src, group=self.group)
 
-    def wait_for(self, work, describe: Callable[[], str]) -> None:
-        """Wait for `work` at most `timeout_s` seconds; on timeout raise CollectiveTimeout with
-        `describe()` (which names what was being waited for).
+    # -- bounded waits and rank agreement
 
-        Under NCCL a timed wait would block the CPU until the GPU finishes, on every unit: there the
-        wait only orders the current stream, and a hang is bounded by the process group's own
-        timeout (NCCL's watchdog) instead."""
+    def wait_for(self, work, describe: Callable[[], str]) -> None:
+        """[Note: bounded waits]
+        Wait for `work` at most `timeout_s` seconds (ZERO_COLLECTIVE_TIMEOUT); if it does not
+        complete (a rank stopped, or waits in another collective) or fails (a rank died), abort
+        this process's groups, so that it can exit at once instead of waiting in gloo's threads
+        for the process group's own timeout, and raise CollectiveTimeout naming `describe()`.
+
+        Under NCCL a timed wait would block the CPU until the GPU finishes: there the wait only
+        orders the current stream, and a hang is bounded by the process group's own timeout
+        (NCCL's watchdog; `zero.init_distributed` sets it to ZERO_COLLECTIVE_TIMEOUT)."""
         if work is None:
             return
+        if isinstance(work, _Timed):
+            work = work.work
         if self.uses_nccl:
             work.wait()
             return
         try:
             work.wait(timeout=timedelta(seconds=self.timeout_s))
         except RuntimeError as exc:
-            raise CollectiveTimeout(
-                f"{describe()} did not complete within {self.timeout_s:.0f} s ({exc}). Usually this means the ranks "
-                f"ran different modules (rank-divergent control flow): every rank must run the same modules in the "
-                f"same order. Set ZERO_COLLECTIVE_TIMEOUT to wait longer."
-            ) from exc
+            self.abort()
+            if "timed out" in str(exc).lower():
+                cause = (f"did not complete within {self.timeout_s:g} s. Usually this means the ranks ran different "
+                         f"code (rank-divergent control flow, or a rank stalled): every rank must run the same "
+                         f"modules in the same order and call backward, step and save the same number of times. "
+                         f"Set ZERO_COLLECTIVE_TIMEOUT to wait longer")
+            else:
+                cause = "failed because another rank stopped or crashed (see its log for the first error)"
+            raise CollectiveTimeout(f"{describe()} {cause} ({exc}).") from exc
+
+    def start_tag(self, tag: list[int]):
+        """All-gather `tag` on the control group; returns (handle, gathered tags). See
+        [Note: rank-agreement tags]."""
+        ctl = self.control()
+        mine = torch.tensor(tag, dtype=torch.int64)
+        tags = torch.empty(self.world_size * TAG_SIZE, dtype=torch.int64)
+        return ctl.all_gather(tags, mine, async_op=True, label="rank_tags"), tags
+
+    def check_tags(self, work, tags: torch.Tensor, what: str, unit_label: Callable[[int], str] | None = None,
+                   advice: str = "", key: Callable[[list[int]], object] = tuple) -> list[list[int]]:
+        """Wait for a tag exchange (bounded) and raise RankDivergenceError if the ranks' tags
+        differ (in `key`); returns every rank's tag."""
+        self.control().wait_for(work, lambda: f"{what}: the rank-agreement check")
+        rows = tags.view(self.world_size, TAG_SIZE).tolist()
+        if any(key(r) != key(rows[0]) for r in rows):
+            self.abort()
+            seen = "; ".join(f"rank {r}: {describe_tag(row, unit_label)}" for r, row in enumerate(rows))
+            raise RankDivergenceError(
+                f"{what}: ranks diverged ({seen}). Every rank must run the same modules in the same order and call "
+                f"backward, step, GatheredParameters and save_16bit_model the same number of times{advice}.")
+        return rows
+
+    def agree(self, tag: list[int], what: str) -> None:
+        """Every rank must be at the same point (`tag`) before the collective that follows."""
+        if self.world_size > 1:
+            self.check_tags(*self.start_tag(tag), what)
+
+    def abort(self) -> None:
+        """Abort this group and its control group after a fatal divergence or timeout, so the
+        process can exit at once (their pending collectives will never complete). Later
+        collectives on them fail."""
+        if not self.distributed:
+            return
+        if self.data is not None:  # this is a control group: abort its data group with it
+            return self.data.abort()
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        groups = [self.group or dist.group.WORLD]
+        entry = _CONTROL.get((id(dist.group.WORLD), id(self.group)))
+        if entry is not None:
+            groups.append(entry[1].group)
+        for group in groups:
+            try:
+                if abort is not None:
+                    abort(group)
+                else:
+                    group.abort()
+            except Exception:  # noqa: BLE001 - best effort: the error being raised matters more
+                pass
 
     def barrier(self) -> None:
+        """A barrier bounded only by the process group's own timeout (waits may be long: a save)."""
         if self.world_size > 1:
             dist.barrier(group=self.group)

@@ -18,6 +18,7 @@ import logging
 import os
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zero.comm import Comm
+from zero.comm import Comm, RankDivergenceError
 from zero.config import ZeroConfig, load_config
 from zero.precision import NonFiniteGradientError
 from zero.stages import build_optimizer
@@ -33,7 +34,7 @@ from zero.stages import build_optimizer
 log = logging.getLogger("zero")
 
 
-def init_distributed(dist_backend: str | None = None, timeout_s: float = 1800.0) -> None:
+def init_distributed(dist_backend: str | None = None, timeout_s: float | None = None) -> None:
     """Join the torch.distributed group that torchrun (or a similar launcher) describes.
 
     Does nothing if a group is already initialised or no launcher environment is present (a
@@ -41,7 +42,8 @@ def init_distributed(dist_backend: str | None = None, timeout_s: float = 1800.0)
 
     Args:
         dist_backend: override the backend ("nccl", "gloo").
-        timeout_s: collective timeout in seconds.
+        timeout_s: the process group's collective timeout in seconds (default: ZERO_COLLECTIVE_TIMEOUT,
+            600), after which NCCL's watchdog ends a hung collective; see [Note: bounded waits].
     """
     if dist.is_initialized() or "WORLD_SIZE" not in os.environ or "MASTER_ADDR" not in os.environ:
         return
@@ -53,6 +55,10 @@ def init_distributed(dist_backend: str | None = None, timeout_s: float = 1800.0)
         kwargs["device_id"] = device
     from datetime import timedelta
 
+    if timeout_s is None:
+        from zero.comm import collective_timeout_s
+
+        timeout_s = collective_timeout_s()
     dist.init_process_group(backend=backend, init_method="env://", timeout=timedelta(seconds=timeout_s), **kwargs)
     atexit.register(_destroy_process_group)
 
@@ -141,6 +147,74 @@ def _place_the_rest(module: nn.Module, placed: list[nn.Parameter], device: torch
             comm.broadcast(t.data, src=0)
 
 
+def _what_ranks_must_share(module: nn.Module, config: ZeroConfig, world_size: int) -> list[str]:
+    """What every rank must agree on before the first collective: the world size, the config
+    (which fixes the stage, dtypes, bucket sizes and batch sizes) and every parameter's name,
+    shape, dtype and trainability (which fix the bucket and unit layouts)."""
+    lines = [f"world size {world_size}", f"config {config.model_dump_json()}"]
+    lines += [f"parameter {n!r}: shape {tuple(p.shape)}, {p.dtype}, requires_grad={p.requires_grad}"
+              for n, p in module.named_parameters()]
+    return lines
+
+
+def check_ranks_agree(module: nn.Module, config: ZeroConfig, comm: Comm) -> None:
+    """Raise RankDivergenceError, on every rank, if the ranks built different models or configs.
+
+    One tag exchange carries a digest of `_what_ranks_must_share`; only when digests differ do
+    the ranks exchange the full descriptions, to name the first difference."""
+    if comm.world_size == 1:
+        return
+    import hashlib
+
+    lines = _what_ranks_must_share(module, config, comm.world_size)
+    digest = hashlib.sha256("\n".join(lines).encode()).digest()
+    words = [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in (0, 8, 16)]
+    work, tags = comm.start_tag([8, *words])
+    rows = comm.check_tags(work, tags, "zero.initialize", key=lambda row: row[0])
+    if all(row == rows[0] for row in rows):
+        return
+    # every rank knows the digests differ and raises below, with nothing left in flight: no abort
+    everyone: list = [None] * comm.world_size
+    dist.all_gather_object(everyone, lines, group=comm.control().group)
+    first = next(i for i in range(max(map(len, everyone)) + 1)
+                 if len({tuple(d[i : i + 1]) for d in everyone}) > 1)
+    seen = "; ".join(f"rank {r}: {d[i] if (i := first) < len(d) else 'nothing (fewer parameters)'}"
+                     for r, d in enumerate(everyone))
+    raise RankDivergenceError(
+        f"zero.initialize: the ranks built different models or configs. First difference: {seen}. Every rank must "
+        f"build the same model (same parameters in the same order) from the same config.")
+
+
+def _refuse_claimed(params: list[nn.Parameter], names: dict) -> None:
+    """Refuse parameters another zero engine already trains (its hooks would take their gradients)."""
+    for p in params:
+        owner = getattr(p, "_zero_owner", None)
+        if owner is not None and owner() is not None:
+            raise ValueError(
+                f"parameter {names.get(p, '?')!r} is already trained by another zero engine: zero.initialize was "
+                f"called twice on this model, or two models share this parameter. The first engine's hooks take its "
+                f"gradients, so the second would never train it. Build one engine per model (re-create the model to "
+                f"start over), and put modules that share weights in one model.")
+
+
+def _refuse_foreign_parameters(module: nn.Module, groups: list[dict], config: ZeroConfig) -> None:
+    """Parameters to train must belong to the model; zero.Init models need stage 3."""
+    names = {p: n for n, p in module.named_parameters()}
+    for gi, g in enumerate(groups):
+        for p in g["params"]:
+            if p not in names:
+                raise ValueError(
+                    f"param group {gi} holds a parameter of shape {tuple(p.shape)} that is not in the model: "
+                    f"model_parameters (or the optimizer's param groups) must be parameters of the model passed "
+                    f"to zero.initialize (was the optimizer built over another model?)")
+    stage = config.zero_optimization.stage
+    sharded = next((n for p, n in names.items() if getattr(p, "_zero", None) is not None), None)
+    if sharded is not None and stage < 3:
+        raise ValueError(f"the model was built under zero.Init (parameter {sharded!r} is partitioned), which only "
+                         f"ZeRO stage 3 can train; set zero_optimization.stage to 3, or build the model without "
+                         f"zero.Init for stage {stage}")
+
+
 class Engine(nn.Module):
     """A model wrapped for ZeRO data-parallel training. Build it with `zero.initialize`."""
 
@@ -158,8 +232,15 @@ class Engine(nn.Module):
         self.device = _compute_device(self.comm)
         defaults = _optimizer_defaults(config, optimizer)
         groups = _param_groups(module, model_parameters if optimizer is None else optimizer.param_groups, defaults)
+        _refuse_claimed(list(module.parameters()), {p: n for n, p in module.named_parameters()})
+        _refuse_foreign_parameters(module, groups, config)
+        check_ranks_agree(module, config, self.comm)  # before the first broadcast
         self.module = module
         self.optimizer = build_optimizer(module, groups, config, self.comm, self.device)
+        for p in module.parameters():  # whose hooks take their gradients from now on
+            p._zero_owner = weakref.ref(self.optimizer)
+        self._trainable = [(n, p, p.requires_grad) for n, p in module.named_parameters()]
+        self._backwards = 0  # backward passes since the last optimizer step (ranks must agree)
         _place_the_rest(module, self.optimizer.params, self.device, config.dtype, self.comm)
         self.optimizer.at_boundary = config.gradient_accumulation_steps == 1
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
@@ -227,9 +308,14 @@ class Engine(nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of `loss / gradient_accumulation_steps * loss_scale`; gradients flow into the
         partitioned buffers through hooks. Returns the loss it was given."""
+        if not isinstance(loss, torch.Tensor):
+            hint = " (pass the loss inside it, e.g. outputs[0] or outputs.loss)" if isinstance(loss, (tuple, list, dict)) \
+                or hasattr(loss, "loss") else ""
+            raise TypeError(f"engine.backward(loss) takes the scalar loss tensor, got a {type(loss).__name__}{hint}")
         scaled = loss.float() * (self.optimizer.loss_scaler.scale / self.config.gradient_accumulation_steps)
         with self._timed("backward"):
             scaled.backward(retain_graph=retain_graph)
+        self._backwards += 1
         return loss
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -243,8 +329,13 @@ class Engine(nn.Module):
                                "reduced across ranks, so stepping now would update each rank with its own gradient "
                                "and the ranks would diverge. Leave the no_sync() context before calling step().")
         boundary = self.is_gradient_accumulation_boundary()
-        if boundary:
-            self.optimizer.check_hyperparameters()  # a bad lr is refused before anything changes
+        if boundary:  # refused before anything changes:
+            self.optimizer.check_hyperparameters()  # a bad lr
+            self._check_trainable_unchanged()  # requires_grad flipped since initialize
+            # every rank at this step after the same number of backward passes (a rank that
+            # skipped one would contribute stale or zero gradients), before its collectives
+            self.comm.agree([4, self.global_steps + 1, self._backwards, 0], f"optimizer step {self.global_steps + 1}")
+            self._backwards = 0
         self.micro_steps += 1
         self.optimizer.at_boundary = self.is_gradient_accumulation_boundary()  # for the next backward
         self.global_samples += self.config.train_micro_batch_size_per_gpu * self.comm.world_size
@@ -267,6 +358,17 @@ class Engine(nn.Module):
         every = self.config.steps_per_print
         if every and self.global_steps % every == 0 and self.comm.rank == 0:
             self._print_progress(every)
+
+    def _check_trainable_unchanged(self) -> None:
+        changed = [(n, p.requires_grad) for n, p, was in self._trainable if p.requires_grad != was]
+        if changed:
+            name, now = changed[0]
+            raise RuntimeError(
+                f"parameter {name!r} was {'un' if now else ''}frozen (requires_grad={now}) after zero.initialize "
+                f"({len(changed)} parameter(s) changed). The engine fixes which parameters it trains when it is "
+                f"built: a parameter frozen later would still be moved by Adam's momentum, one unfrozen later would "
+                f"never be trained. Set requires_grad before zero.initialize (a parameter to freeze for a while can "
+                f"stay trainable with its learning rate set to 0 in its own param group).")
 
     def _report_skip(self) -> None:
         """Log a skipped step (rank 0), and stop when fp16 cannot lower the loss scale any more
@@ -454,6 +556,11 @@ def initialize(
         raise ValueError("initialize() needs config= (a dict or a JSON path)")
     if dist_init_required is not False:
         init_distributed()
+    elif not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise RuntimeError(
+            f"zero.initialize(dist_init_required=False): WORLD_SIZE={os.environ['WORLD_SIZE']} says this process is "
+            f"one of several ranks, but no torch.distributed process group exists, so every rank would train alone. "
+            f"Call torch.distributed.init_process_group() first, or leave dist_init_required unset.")
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     cfg = load_config(config, world_size=world_size)  # every config error is raised here, first
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):

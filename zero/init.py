@@ -165,6 +165,8 @@ class GatheredParameters:
         if not self.params:
             return self
         self.comm = Comm()
+        # every rank must enter with the same parameters (see [Note: rank-agreement tags])
+        self.comm.agree([5, len(self.params), sum(p._zero.numel for p in self.params), 0], "GatheredParameters")
         with torch.no_grad():
             for p in self.params:
                 info: ShardedParam = p._zero
@@ -191,13 +193,10 @@ class GatheredParameters:
         self.comm.broadcast(full, src=self.modifier_rank)
         if full.data_ptr() != p.data.data_ptr():
             p.data.copy_(full)
-        mine = take_shard(full, self.comm.rank, self.comm.world_size)
-        info.shard().copy_(mine)
-        unit = info.unit
-        if unit is not None:  # keep the fp32 master in step with the new value
-            for r in unit.ranges:
-                if r.lo <= info.offset < r.hi and r.master.data_ptr() != unit.shard.data_ptr():
-                    r.master[info.offset - r.lo : info.offset - r.lo + info.shard_numel].copy_(mine)
+        if info.unit is not None:  # the shard, and the fp32 master with it
+            info.unit.load_param(p, full.view(info.shape))
+        else:
+            info.shard().copy_(take_shard(full, self.comm.rank, self.comm.world_size))
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:

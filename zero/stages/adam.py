@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 import math
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -138,6 +139,45 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
                 out16.copy_(master)
         self.step_count = state[0]["step"] if state else 0
         self.publish()
+
+    # -- model.load_state_dict after initialize ---------------------------------------------------
+
+    def hook_state_dict_loads(self, module: torch.nn.Module) -> None:
+        """[Note: load_state_dict after initialize]
+        `model.load_state_dict(sd)` after `zero.initialize` writes the model's (16-bit, or under
+        stage 3 released and empty) parameters; left alone, the next step would overwrite them
+        from the stale fp32 master. A pre-hook on every module with parameters of its own hands
+        each incoming value to `load_param` first, which puts it where this optimizer keeps it
+        (the master's exact fp32 values, stage 3's shard), then lets torch finish."""
+        this = weakref.proxy(self)
+        for m in module.modules():
+            own = list(m.named_parameters(recurse=False))
+            if own:
+                m.register_load_state_dict_pre_hook(
+                    lambda mod, sd, prefix, meta, strict, missing, unexpected, errors, own=own:
+                    this._on_load(sd, prefix, own, errors))
+
+    @torch.no_grad()
+    def _on_load(self, state_dict: dict, prefix: str, own: list, errors: list[str]) -> None:
+        for name, p in own:
+            key = prefix + name
+            value = state_dict.get(key)
+            if not isinstance(value, torch.Tensor):
+                continue
+            shape = p._zero.shape if getattr(p, "_zero", None) is not None else p.shape
+            if value.shape != shape:
+                errors.append(f"size mismatch for {key}: copying a param with shape {value.shape} from checkpoint, "
+                              f"the shape in current model is {shape}.")
+                state_dict[key] = p.data  # torch's own message would show a released parameter's empty shape
+                continue
+            replacement = self.load_param(p, value)
+            if replacement is not None:
+                state_dict[key] = replacement
+
+    def load_param(self, param: torch.nn.Parameter, value: torch.Tensor) -> torch.Tensor | None:
+        """Take `value` (the full, correctly shaped new value of `param`) into the optimizer's own
+        copies; return what torch should copy into `param.data` instead of `value`, if anything."""
+        return None
 
     # -- what subclasses provide --------------------------------------------------------------
 

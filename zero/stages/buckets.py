@@ -68,6 +68,7 @@ class ZeroOptimizer(ShardedAdam):
         self.names = {p: n for n, p in module.named_parameters()}
         self._index = {p: i for i, p in enumerate(self.params)}
         self._place_parameters(device)
+        self.hook_state_dict_loads(module)
 
         grad_dtype = precision.grad
         if stage < 2:
@@ -109,6 +110,20 @@ class ZeroOptimizer(ShardedAdam):
             if not alias and a < b:  # the exact fp32 values of the part this rank owns
                 self.master[bucket.index][a - lo : b - lo].copy_(full[a - off : b - off])
             p.data = self.flat[off : off + n].view_as(p)
+
+    def load_param(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """The master's part of `param` takes `value` exactly (torch then writes the 16-bit param)."""
+        i = self._index.get(param)
+        if i is None:
+            return None
+        off, n = self.layout.offsets[i], self.layout.numels[i]
+        bucket = self.layout.buckets[self.layout.bucket_of[i]]
+        lo, hi = self._own(bucket)
+        a, b = max(lo, off), min(hi, off + n)
+        master = self.master[bucket.index]
+        if a < b and master.data_ptr() != self.flat[lo:hi].data_ptr():
+            master[a - lo : b - lo].copy_(value.detach().reshape(-1)[a - off : b - off])
+        return None
 
     def _own(self, bucket: Bucket) -> tuple[int, int]:
         return bucket.slice_range(self.rank) if self.partitions > 1 else (bucket.start, bucket.start + bucket.numel)
@@ -173,6 +188,7 @@ class ZeroOptimizer(ShardedAdam):
             self._staging_for(b)[off : off + grad.numel()].add_(grad.reshape(-1))
 
     def _launch(self, b: int) -> None:
+        self.comm.agree([3, b, 0, 0], f"stage 2, gradient reduction of bucket {b}")
         staging = self._staging_for(b)  # a bucket without any gradient on this rank contributes zeros
         self._work[b] = self._reduce_bucket(self.layout.buckets[b], staging, async_op=self.reduce.overlap_comm)
 

@@ -86,6 +86,7 @@ class GradReadiness:
         self.max_in_flight = 1 if overlap else 0
         self.names = names
         self.ignore_unused = ignore_unused
+        self._comm = comm
         self._control = comm.control()
         self._group_of = {p: gi for gi, g in enumerate(self.groups) for p in g}
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._group_of]
@@ -164,8 +165,12 @@ class GradReadiness:
 
     def _agreed_late(self) -> list[int]:
         """The groups any rank has late gradients for: every rank re-sends the same groups."""
-        if self._control.world_size == 1:
+        if self._comm.world_size == 1:
             return sorted(self._late)
+        work, tags = self._comm.start_tag([7, len(self._late), 0, 0])  # one tag exchange per backward
+        rows = self._comm.check_tags(work, tags, "the end of a backward pass", key=lambda row: row[0])
+        if not any(row[1] for row in rows):
+            return []
         flags = torch.zeros(len(self.groups), dtype=torch.float32)
         flags[list(self._late)] = 1.0
         self._control.all_reduce(flags, "max")

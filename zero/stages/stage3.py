@@ -59,7 +59,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from zero.comm import Comm
+from zero.comm import Comm, RankDivergenceError  # noqa: F401 - RankDivergenceError: its old home
 from zero.precision import LossScaler
 from zero.stages.adam import ShardedAdam
 from zero.stages.planning import describe_shard, plan_units, take_local_shard
@@ -69,11 +69,6 @@ from zero.stages.unit import ParamUnit, ShardedState
 
 FORWARD, BACKWARD, REDUCE = "forward", "backward", "reduce"  # what a unit collective is for
 _PHASE_CODE = {FORWARD: 0, BACKWARD: 1, REDUCE: 2}  # in its rank-divergence tag
-_PHASE_WORDS = {0: "forward of", 1: "backward of", 2: "gradient reduction of"}
-
-
-class RankDivergenceError(RuntimeError):
-    """Ranks ran different modules (or in a different order) in the same step."""
 
 
 class _PostBackward(torch.autograd.Function):
@@ -125,8 +120,6 @@ class Stage3Runtime:
         # a tag is checked before its data collective on gloo (where mismatched sizes abort the
         # process) and in strict mode; on NCCL otherwise at the end of the pass
         self._check_at_once = not comm.uses_nccl or options.strict_checks
-        self._tags = torch.tensor([[[u.index, code] for code in range(3)] for u in units],
-                                  dtype=torch.int64).reshape(len(units), 3, 2)
         self._reducible = [u for u in units if u.trainable]
         self.readiness = GradReadiness(
             [u.trainable for u in self._reducible], take=lambda gi, p: None, launch=self._launch_reduce,
@@ -228,35 +221,26 @@ class Stage3Runtime:
         """See [Note: rank-divergent control flow]."""
         if self.comm.world_size == 1:
             return
-        tag = self._tags[unit.index, _PHASE_CODE[phase]]
-        tags = torch.empty(self.comm.world_size * 2, dtype=tag.dtype)
-        work = self._control.all_gather(tags, tag, async_op=True, label="unit_tags")
-        what = self._describe(unit, phase)
+        work, tags = self.comm.start_tag([_PHASE_CODE[phase], unit.index, 0, 0])
+        what = f"ZeRO-3 step {self._step()}, {self._describe(unit, phase)}"
         if not self._check_at_once:
             self._unchecked.append((work, tags, what))
             if len(self._unchecked) > 4096:  # forwards with grad but no backward: do not pile up
                 self._check_deferred_tags()
             return
-        self._wait(work, what, self._control)
-        self._verify(tags, what)
+        self._verify(work, tags, what)
 
     def _check_deferred_tags(self) -> None:
         pending, self._unchecked = self._unchecked, []
         for work, tags, what in pending:  # host tensors on the control group: no GPU synchronisation
-            self._wait(work, what, self._control)
-            self._verify(tags, what)
+            self._verify(work, tags, what)
 
-    def _verify(self, tags: torch.Tensor, what: str) -> None:
-        rows = tags.view(self.comm.world_size, 2).tolist()
-        if any(r != rows[0] for r in rows):
-            def name(i: int) -> str:
-                return self.units[i].label if 0 <= i < len(self.units) else f"#{i}"
+    def _verify(self, work, tags: torch.Tensor, what: str) -> None:
+        def label(i: int) -> str:
+            return self.units[i].label if 0 <= i < len(self.units) else f"#{i}"
 
-            seen = "; ".join(f"rank {r}: {_PHASE_WORDS.get(ph, '?')} unit {name(u)}" for r, (u, ph) in enumerate(rows))
-            raise RankDivergenceError(
-                f"ZeRO-3 ranks diverged at step {self._step()} during {what}: {seen}. Every rank must run the "
-                f"same modules in the same order (rank-dependent branches, early exits or a different number of "
-                f"forward passes cause this; for generation pass synced_gpus=True).")
+        self.comm.check_tags(work, tags, what, label, advice=" (rank-dependent branches, early exits or a different "
+                             "number of forward passes cause this; for generation pass synced_gpus=True)")
 
     def _wait(self, work, what: str, comm: Comm | None = None) -> None:
         """Wait for a collective of `comm` (default: the data group); see Comm.wait_for."""
@@ -475,6 +459,7 @@ class Stage3Optimizer(ShardedAdam):
                              host_empty=host_empty, gauges=self.gauges)
             self.units.append(unit)
             unit_modules.append(None if unit.persistent else modules.get(path))
+        self.hook_state_dict_loads(module)
         self.runtime = Stage3Runtime(module, self.units, unit_modules, comm, options, reduce, step.predivide, names,
                                      lambda: self.step_count + 1, self.grad_final)
         for unit in self.units:
@@ -491,6 +476,10 @@ class Stage3Optimizer(ShardedAdam):
                 out16 = None if r.master.data_ptr() == shard.data_ptr() else shard
                 out.append((r.group, r.master, r.grad, r.exp_avg, r.exp_avg_sq, out16))
         return out
+
+    def load_param(self, param: nn.Parameter, value: torch.Tensor) -> torch.Tensor | None:
+        z = getattr(param, "_zero", None)
+        return None if z is None or z.unit is None else z.unit.load_param(param, value)
 
     def out16_on_host(self) -> list[bool]:
         return [self.offload_param for unit in self.units for _ in unit.ranges]

@@ -243,6 +243,24 @@ class ParamUnit:
         self.start_gather()
         self.finish_gather(wait)
 
+    @torch.no_grad()
+    def load_param(self, p: nn.Parameter, value: torch.Tensor) -> torch.Tensor | None:
+        """Set `p` to `value` (its full value): this rank's shard, its fp32 master and, while the
+        unit is gathered, the full buffer. Returns the empty tensor torch should copy instead
+        while the unit is released."""
+        from zero.partition.shards import take_shard
+
+        i = self.params.index(p)
+        off, n = self.offsets[i], self.split_sizes[i]
+        local = take_shard(value.detach().to(self.shard.device), self.comm.rank, self.comm.world_size)
+        self.shard[off : off + n].copy_(local)
+        r = next((r for r in self.ranges if r.lo <= off < r.hi), None)
+        if r is not None and r.master.data_ptr() != self.shard[r.lo : r.hi].data_ptr():
+            r.master[off - r.lo : off - r.lo + n].copy_(local)
+        if self.state is ShardedState.GATHERED:
+            return None  # torch copies `value` into the gathered view
+        return p.data
+
     # -- gradients ----------------------------------------------------------------------------------
 
     def start_reduce(self, predivide: float) -> None:
