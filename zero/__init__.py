@@ -17,6 +17,14 @@ def __getattr__(name):  # keep `import zero` light: torch-heavy modules load on 
         from zero import init
 
         return getattr(init, name)
+    if name in ("RankDivergenceError", "CollectiveTimeout"):
+        from zero import comm
+
+        return getattr(comm, name)
+    if name == "NonFiniteGradientError":
+        from zero import precision
+
+        return precision.NonFiniteGradientError
     if name in ("ConfigError", "load_config"):
         from zero import config
 
@@ -25,4 +33,5 @@ def __getattr__(name):  # keep `import zero` light: torch-heavy modules load on 
 
 
 __all__ = ["initialize", "init_distributed", "Engine", "ConfigError", "load_config", "Init", "GatheredParameters",
-           "register_external_parameter", "unregister_external_parameter", "set_z3_leaf_modules", "__version__"]
+           "register_external_parameter", "unregister_external_parameter", "set_z3_leaf_modules", "RankDivergenceError",
+           "CollectiveTimeout", "NonFiniteGradientError", "__version__"]

@@ -151,7 +151,12 @@ def _what_ranks_must_share(module: nn.Module, config: ZeroConfig, world_size: in
     """What every rank must agree on before the first collective: the world size, the config
     (which fixes the stage, dtypes, bucket sizes and batch sizes) and every parameter's name,
     shape, dtype and trainability (which fix the bucket and unit layouts)."""
-    lines = [f"world size {world_size}", f"config {config.model_dump_json()}"]
+    def flat(prefix: str, value) -> list[str]:
+        if isinstance(value, dict):
+            return [line for k, v in value.items() for line in flat(f"{prefix}{k}.", v)]
+        return [f"config {prefix[:-1]} = {value!r}"]
+
+    lines = [f"world size {world_size}", *flat("", config.model_dump())]
     lines += [f"parameter {n!r}: shape {tuple(p.shape)}, {p.dtype}, requires_grad={p.requires_grad}"
               for n, p in module.named_parameters()]
     return lines

@@ -128,3 +128,62 @@ class DistPool:
                 p.join(timeout=5)
         self.broken = True
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _once(rank: int, world_size: int, init_file: str, sys_path: list[str], fn, args, results, env: dict) -> None:
+    sys.path[:] = sys_path
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+                      CUDA_VISIBLE_DEVICES="", **env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=1800))  # the bound must come from zero, not from here
+    try:
+        results.put((rank, True, fn(*args), time.monotonic()))
+    except BaseException:  # noqa: BLE001 - report everything to the caller
+        results.put((rank, False, traceback.format_exc(), time.monotonic()))
+    # then exit as a training script would: whatever gloo still waits for decides how long that takes
+
+
+def run_once(world_size: int, fn: Callable[..., Any], *args: Any, env: dict | None = None,
+             timeout: float = 120.0) -> tuple[list[Any], list[float]]:
+    """Run `fn(*args)` once on `world_size` fresh gloo ranks (process group timeout 1800 s), let
+    each process exit on its own, and measure how long each took to exit after returning.
+
+    Returns:
+        (each rank's result, or its traceback if it raised; seconds from each rank's return to
+        its process's exit, inf for a process that had to be killed)
+    """
+    ctx = mp.get_context("spawn")
+    tmp = tempfile.mkdtemp(prefix="zero_once_")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_once, args=(r, world_size, os.path.join(tmp, "rendezvous"), list(sys.path), fn, args,
+                                             results, env or {}))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    returned: dict[int, float] = {}
+    exited: dict[int, float] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline and len(exited) < world_size:
+            try:
+                rank, ok, value, when = results.get(timeout=0.05)
+                out[rank] = value if ok else f"raised: {value}"
+                returned[rank] = when
+            except queue.Empty:
+                pass
+            for r, p in enumerate(procs):
+                if r not in exited and not p.is_alive():
+                    exited[r] = time.monotonic()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+        shutil.rmtree(tmp, ignore_errors=True)
+    exit_s = [exited[r] - returned[r] if r in exited and r in returned else float("inf") for r in range(world_size)]
+    return [out.get(r, "no result (killed)") for r in range(world_size)], exit_s
