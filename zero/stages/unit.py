@@ -250,7 +250,7 @@ class ParamUnit:
         while the unit is released."""
         from zero.partition.shards import take_shard
 
-        i = self.params.index(p)
+        i = next(i for i, q in enumerate(self.params) if q is p)
         off, n = self.offsets[i], self.split_sizes[i]
         local = take_shard(value.detach().to(self.shard.device), self.comm.rank, self.comm.world_size)
         self.shard[off : off + n].copy_(local)

@@ -1,0 +1,128 @@
+"""Misuse that would train silently wrong is refused with an error that says what to do, before
+anything changes; `model.load_state_dict` after initialize really loads (every stage, 16-bit too)."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zero
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _config(stage: int, **extra) -> dict:
+    zc = {"stage": stage}
+    if stage == 3:
+        zc["stage3_param_persistence_threshold"] = 0
+    return {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": zc, **extra}
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_second_engine_on_the_same_parameters_is_refused(stage):
+    net = _net()
+    zero.initialize(model=net, config=_config(stage))
+    with pytest.raises(ValueError, match=r"parameter '0.weight' is already trained by another zero engine: "
+                                         r"zero.initialize was called twice"):
+        zero.initialize(model=net, config=_config(stage))
+    shared = nn.Sequential(net[0], nn.Linear(16, 2))  # a layer shared with the first model
+    with pytest.raises(ValueError, match=r"parameter '0.weight' is already trained by another zero engine"):
+        zero.initialize(model=shared, config=_config(stage))
+
+
+def test_parameters_outside_the_model_and_zero_init_models_below_stage_3_are_refused():
+    net, other = _net(), _net()
+    with pytest.raises(ValueError, match=r"param group 0 holds a parameter of shape \(16, 8\) that is not in the "
+                                         r"model.*optimizer built over another model"):
+        zero.initialize(model=net, optimizer=torch.optim.AdamW(other.parameters()), config=_config(2))
+    with pytest.raises(ValueError, match="not in the model"):
+        zero.initialize(model=net, model_parameters=list(net.parameters()) + [nn.Parameter(torch.ones(3))],
+                        config=_config(1))
+    with zero.Init():
+        sharded = nn.Linear(8, 4)
+    with pytest.raises(ValueError, match=r"built under zero.Init \(parameter 'weight' is partitioned\), which only "
+                                         r"ZeRO stage 3 can train"):
+        zero.initialize(model=sharded, config=_config(2))
+    engine, *_ = zero.initialize(model=net, config=_config(2))  # nothing was claimed by the refused calls
+    assert engine.global_steps == 0
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_freezing_or_unfreezing_after_initialize_is_refused_before_the_step(stage):
+    net = _net()
+    net[2].bias.requires_grad_(False)
+    engine, *_ = zero.initialize(model=net, config=_config(stage))
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    for name, param, flag in (("0.weight", net[0].weight, False), ("2.bias", net[2].bias, True)):
+        param.requires_grad_(flag)
+        loss = F.mse_loss(engine(x), y)
+        engine.backward(loss)
+        with pytest.raises(RuntimeError, match=rf"parameter '{name}' was {'un' if flag else ''}frozen "
+                                               rf"\(requires_grad={flag}\) after zero.initialize"):
+            engine.step()
+        param.requires_grad_(not flag)
+        engine.zero_grad()
+    assert engine.global_steps == 0 and engine.optimizer.step_count == 0
+
+
+def test_backward_of_a_tuple_or_a_model_output_names_the_type():
+    engine, *_ = zero.initialize(model=_net(), config=_config(2))
+    out = engine(torch.randn(4, 8))
+    with pytest.raises(TypeError, match=r"engine.backward\(loss\) takes the scalar loss tensor, got a tuple "
+                                        r"\(pass the loss inside it, e.g. outputs\[0\] or outputs.loss\)"):
+        engine.backward((out.sum(), out))
+
+
+def test_dist_init_required_false_under_a_launcher_without_a_group_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"WORLD_SIZE=2 says this process is one of several ranks, but no "
+                                           r"torch.distributed process group exists"):
+        zero.initialize(model=_net(), config=_config(2), dist_init_required=False)
+
+
+def load_after_initialize(stage: int, dtype: str):
+    """Train a step, load a state dict (new fp32 values), step with lr 0: the loaded values stay
+    (the fp32 master took them), and training from them equals training a fresh copy."""
+    net = _net()
+    extra = {"bf16": {"enabled": True}} if dtype == "bf16" else {}
+    engine, opt, *_ = zero.initialize(model=net, config=_config(stage, **extra))
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    engine.backward(F.mse_loss(engine(x.to(net[0].weight.dtype)).float(), y))
+    engine.step()
+    torch.manual_seed(1)
+    new = {k: torch.randn_like(v, dtype=torch.float32) for k, v in _net().state_dict().items()}
+    net.load_state_dict(new)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    engine.backward(F.mse_loss(engine(x.to(net[0].weight.dtype)).float(), y))
+    engine.step()
+    with zero.GatheredParameters(list(net.parameters())):
+        got = {k: v.detach().float().clone() for k, v in net.state_dict().items()}
+    masters = [s["master"] for s in opt.shard_state()]
+    return max((got[k] - new[k]).abs().max().item() for k in new), masters
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_load_state_dict_after_initialize_is_kept(dist_run, stage, dtype):
+    results = dist_run(2, load_after_initialize, stage, dtype)
+    for error, _ in results:
+        assert error <= (4e-3 if dtype == "bf16" else 0.0), error  # bf16: the parameters' rounding only
+
+
+def test_a_shape_mismatch_in_load_state_dict_names_the_real_shape():
+    net = _net()
+    zero.initialize(model=net, config=_config(3))
+    bad = copy.deepcopy(_net().state_dict())
+    bad["0.weight"] = torch.zeros(3, 3)
+    with pytest.raises(RuntimeError, match=r"size mismatch for 0.weight: copying a param with shape "
+                                           r"torch.Size\(\[3, 3\]\) from checkpoint, the shape in current model is "
+                                           r"torch.Size\(\[16, 8\]\)"):
+        net.load_state_dict(bad)
+    assert dist.is_available()
