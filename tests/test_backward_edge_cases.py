@@ -174,35 +174,50 @@ class FailsOnce(torch.autograd.Function):
         return g
 
 
-def skip_a_failed_batch(stage: int, fail: bool):
+class RaisesOnce(nn.Module):
+    """Identity whose forward raises once when armed (an OOM in the middle of the forward)."""
+
+    armed = False
+
+    def forward(self, x):
+        if RaisesOnce.armed:
+            RaisesOnce.armed = False
+            raise RuntimeError("simulated out of memory in forward")
+        return x
+
+
+def skip_a_failed_batch(stage: int, fail: str | None):
+    """The "skip the batch" loop of docs/engine.md: batch 1 fails in `fail` ("forward" or
+    "backward") and is skipped; the result must equal a run that never saw batch 1."""
     rank = dist.get_rank()
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), RaisesOnce(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
     engine, *_ = zero.initialize(model=net, config={
         "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
         "zero_optimization": {"stage": stage, **small_groups(stage)}})
     g = torch.Generator().manual_seed(10 + rank)
     for step in range(4):
         x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
-        if step == 1:
-            if not fail:
-                continue  # the clean run simply skips this batch
-            FailsOnce.armed = True
-            try:  # the usual "catch the error, skip the batch" loop
-                engine.backward(F.mse_loss(FailsOnce.apply(engine(x)), y))
-            except RuntimeError:
-                engine.zero_grad()
-            continue
-        engine.backward(F.mse_loss(engine(x), y))
-        engine.step()
+        if step == 1 and fail is None:
+            continue  # the clean run never sees this batch
+        RaisesOnce.armed = step == 1 and fail == "forward"
+        FailsOnce.armed = step == 1 and fail == "backward"
+        try:
+            engine.backward(F.mse_loss(FailsOnce.apply(engine(x)), y))
+            engine.step()
+        except RuntimeError as exc:
+            assert "simulated out of memory" in str(exc)
+            engine.zero_grad()  # drop what the failed batch left
     with zero.GatheredParameters(list(net.parameters())):
-        return [p.detach().clone() for p in net.parameters()], engine.get_global_grad_norm()
+        return [p.detach().clone() for p in net.parameters()], engine.get_global_grad_norm(), engine.global_steps
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_a_backward_that_raises_leaves_no_trace_after_zero_grad(dist_run, stage):
-    clean = dist_run(2, skip_a_failed_batch, stage, False)
-    failed = dist_run(2, skip_a_failed_batch, stage, True)
-    for (a, norm_a), (b, norm_b) in zip(clean, failed):
-        assert norm_a > 0 and norm_a == pytest.approx(norm_b, rel=1e-6)
-        assert all(torch.allclose(x, y, rtol=0, atol=1e-7) for x, y in zip(a, b))
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_skipping_a_batch_that_raised_in_forward_or_backward_equals_never_seeing_it(dist_run, stage):
+    clean = dist_run(2, skip_a_failed_batch, stage, None)
+    for fail in ("forward", "backward"):
+        failed = dist_run(2, skip_a_failed_batch, stage, fail)
+        for (a, norm_a, steps_a), (b, norm_b, steps_b) in zip(clean, failed):
+            assert norm_a > 0 and norm_a == pytest.approx(norm_b, rel=1e-6), fail
+            assert steps_a == steps_b == 3
+            assert all(torch.allclose(x, y, rtol=0, atol=1e-7) for x, y in zip(a, b)), fail

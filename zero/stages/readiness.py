@@ -23,8 +23,9 @@ unit):
   the same collectives; it re-sends gradients that arrived after their group was launched (a
   parameter reached twice, as with reentrant activation checkpointing, or one unused in the
   previous backward: reduction is linear, so sending the late part separately is exact), for the
-  groups any rank has late gradients for (the ranks agree on them in one tiny all-reduce on the
-  control group); and it finishes everything. The callback is queued from a hook on the model's
+  groups any rank has late gradients for (the ranks exchange one rank-agreement tag carrying their
+  count of late groups, and only when some rank has any, the groups themselves, on the control
+  group); and it finishes everything. The callback is queued from a hook on the model's
   outputs, so it belongs to the outermost backward even when the first gradient arrives inside a
   nested one.
 - A backward that raised never reaches that callback. The next forward or `zero_grad` notices and
