@@ -126,3 +126,17 @@ def test_a_shape_mismatch_in_load_state_dict_names_the_real_shape():
                                            r"torch.Size\(\[16, 8\]\)"):
         net.load_state_dict(bad)
     assert dist.is_available()
+
+
+def test_questionable_but_legal_use_warns():
+    net = _net()
+    net[0].half()
+    with pytest.warns(UserWarning, match=r"2 trainable parameter\(s\) are torch.float16 \(first: '0.weight'\) but "
+                                         r"the config trains in torch.float32"):
+        engine, *_ = zero.initialize(model=net, config=_config(2))
+    with pytest.warns(UserWarning, match=r"optimizer step 1 comes after 0 engine.backward\(\) call\(s\) where "
+                                         r"gradient_accumulation_steps is 1.*weight decay and momentum"):
+        engine.step()
+    bad = [{"params": list(_net().parameters()), "lr": float("nan")}]
+    with pytest.raises(ValueError, match=r"param group 0 has lr=nan.*Check model_parameters"):
+        zero.initialize(model=_net(), model_parameters=bad, config=_config(2))

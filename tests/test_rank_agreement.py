@@ -140,3 +140,21 @@ def test_ranks_that_diverge_at_run_time_raise_and_exit_within_a_bound(stage, how
     if how == "skip backward":
         assert "optimizer step 2 after 0 backward pass(es)" in results[1], results[1]
     assert max(exit_s) < 10, (exit_s, results)  # not the process group's 1800 s
+
+
+def config_error_on_rank_one():
+    rank = dist.get_rank()
+    start = time.monotonic()
+    try:
+        zero.initialize(model=_net(), config=_config(2 if rank == 0 else 9))
+        return "no error"
+    except Exception as exc:  # noqa: BLE001 - the message is what is tested
+        return f"{type(exc).__name__} after {time.monotonic() - start:.1f} s: {exc}"
+
+
+def test_a_rank_that_fails_inside_initialize_does_not_leave_the_others_waiting():
+    results, exit_s = run_once(2, config_error_on_rank_one, env={"ZERO_COLLECTIVE_TIMEOUT": "3"}, timeout=60)
+    assert results[1].startswith("ConfigError") and "zero_optimization.stage" in results[1], results[1]
+    assert results[0].startswith("CollectiveTimeout") and "did not all arrive within 3 s" in results[0], results[0]
+    assert float(results[0].split(" after ")[1].split(" s:")[0]) < 6, results[0]
+    assert max(exit_s) < 10, exit_s

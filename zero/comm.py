@@ -187,7 +187,16 @@ class Comm:
         entry = _CONTROL.get(key)
         if entry is None or entry[0] is not world:
             ranks = dist.get_process_group_ranks(self.group if self.group is not None else world)
-            entry = _CONTROL[key] = (world, Comm(dist.new_group(ranks, backend="gloo")))
+            # bounded like every wait of zero's: a rank that never gets here (it failed before) makes
+            # the others fail in the connection set-up after ZERO_COLLECTIVE_TIMEOUT
+            try:
+                group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=self.timeout_s))
+            except (RuntimeError, dist.DistError) as exc:
+                raise CollectiveTimeout(
+                    f"setting up zero's control group: ranks {ranks} did not all arrive within {self.timeout_s:g} s "
+                    f"(ZERO_COLLECTIVE_TIMEOUT). Another rank probably failed before this point (see its log for "
+                    f"the first error) ({exc})") from exc
+            entry = _CONTROL[key] = (world, Comm(group))
             entry[1].data = self
         return entry[1]
 

@@ -30,6 +30,7 @@ from zero.comm import Comm, RankDivergenceError
 from zero.config import ZeroConfig, load_config
 from zero.precision import NonFiniteGradientError
 from zero.stages import build_optimizer
+from zero.stages.adam import check_param_groups
 
 log = logging.getLogger("zero")
 
@@ -212,6 +213,12 @@ def _refuse_foreign_parameters(module: nn.Module, groups: list[dict], config: Ze
                     f"param group {gi} holds a parameter of shape {tuple(p.shape)} that is not in the model: "
                     f"model_parameters (or the optimizer's param groups) must be parameters of the model passed "
                     f"to zero.initialize (was the optimizer built over another model?)")
+    trained = {p for g in groups for p in g["params"]}
+    odd = [(n, p.dtype) for p, n in names.items() if p in trained and p.dtype not in (torch.float32, config.dtype)]
+    if odd:
+        warnings.warn(f"zero: {len(odd)} trainable parameter(s) are {odd[0][1]} (first: {odd[0][0]!r}) but the config "
+                      f"trains in {config.dtype}: they are trained in {config.dtype} (enable fp16/bf16 in the config to "
+                      f"train in 16 bits)", stacklevel=4)
     stage = config.zero_optimization.stage
     sharded = next((n for p, n in names.items() if getattr(p, "_zero", None) is not None), None)
     if sharded is not None and stage < 3:
@@ -237,6 +244,7 @@ class Engine(nn.Module):
         self.device = _compute_device(self.comm)
         defaults = _optimizer_defaults(config, optimizer)
         groups = _param_groups(module, model_parameters if optimizer is None else optimizer.param_groups, defaults)
+        check_param_groups(groups, "Check model_parameters / the optimizer's param groups.")
         _refuse_claimed(list(module.parameters()), {p: n for n, p in module.named_parameters()})
         _refuse_foreign_parameters(module, groups, config)
         check_ranks_agree(module, config, self.comm)  # before the first broadcast
@@ -246,6 +254,7 @@ class Engine(nn.Module):
             p._zero_owner = weakref.ref(self.optimizer)
         self._trainable = [(n, p, p.requires_grad) for n, p in module.named_parameters()]
         self._backwards = 0  # backward passes since the last optimizer step (ranks must agree)
+        self._warned_count = False
         _place_the_rest(module, self.optimizer.params, self.device, config.dtype, self.comm)
         self.optimizer.at_boundary = config.gradient_accumulation_steps == 1
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
@@ -340,6 +349,15 @@ class Engine(nn.Module):
             # every rank at this step after the same number of backward passes (a rank that
             # skipped one would contribute stale or zero gradients), before its collectives
             self.comm.agree([4, self.global_steps + 1, self._backwards, 0], f"optimizer step {self.global_steps + 1}")
+            if self._backwards != self.config.gradient_accumulation_steps and not self._warned_count:
+                self._warned_count = True
+                effect = ("a step without gradients still applies weight decay and momentum" if not self._backwards
+                          else "extra backward passes add up")
+                warnings.warn(
+                    f"zero: optimizer step {self.global_steps + 1} comes after {self._backwards} engine.backward() "
+                    f"call(s) where gradient_accumulation_steps is {self.config.gradient_accumulation_steps}. Call "
+                    f"engine.backward(loss) (not loss.backward()) and then engine.step() once per micro-batch; "
+                    f"{effect} (warned once)", stacklevel=2)
             self._backwards = 0
         self.micro_steps += 1
         self.optimizer.at_boundary = self.is_gradient_accumulation_boundary()  # for the next backward

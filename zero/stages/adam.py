@@ -224,14 +224,8 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
     def check_hyperparameters(self) -> None:
         """Every group's lr and betas are usable, checked before the step changes anything (a
         scheduler or the user may have set them since the last step)."""
-        for i, g in enumerate(self.param_groups):
-            lr, betas = g["lr"], tuple(g["betas"])
-            if not (isinstance(lr, (int, float)) and math.isfinite(lr) and 0 <= lr <= _FP32_MAX):
-                raise ValueError(f"param group {i} has lr={lr!r}: the learning rate must be a finite number >= 0 "
-                                 f"(and at most {_FP32_MAX:.3g}, the kernels compute in fp32). It was set by the "
-                                 f"lr scheduler or by code that edits optimizer.param_groups; nothing was updated.")
-            if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
-                raise ValueError(f"param group {i} has betas={betas!r}: expected two numbers in [0, 1)")
+        check_param_groups(self.param_groups, "It was set by the lr scheduler or by code that edits "
+                                              "optimizer.param_groups; nothing was updated.")
 
     def _grad_norm(self, slots: list[Slot]) -> float:
         """The 2-norm of the reduced gradient (before unscaling), over all slots and ranks.
@@ -346,6 +340,20 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
                           stacklevel=3)
             self._warned_fallback = True
         torch_adam_step(master, grad, exp_avg, exp_avg_sq, out16=out16, **kwargs)
+
+
+def check_param_groups(groups: list[dict], source: str) -> None:
+    """Raise ValueError naming the group whose lr is not a finite number in [0, fp32 max] or whose
+    betas are not two numbers in [0, 1); `source` says where the value came from."""
+    for i, g in enumerate(groups):
+        lr, betas = g["lr"], tuple(g["betas"])
+        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and 0 <= lr <= _FP32_MAX):
+            raise ValueError(f"param group {i} has lr={lr!r}: the learning rate must be a finite number >= 0 "
+                             f"(and at most {_FP32_MAX:.3g}, the kernels compute in fp32). {source}")
+        if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+            raise ValueError(f"param group {i} has betas={betas!r}: expected two numbers in [0, 1). {source}")
+        if not (isinstance(g["eps"], (int, float)) and math.isfinite(g["eps"]) and g["eps"] >= 0):
+            raise ValueError(f"param group {i} has eps={g['eps']!r}: expected a finite number >= 0. {source}")
 
 
 def torch_adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, betas, eps, weight_decay, adamw_mode,
