@@ -140,3 +140,42 @@ def test_questionable_but_legal_use_warns():
     bad = [{"params": list(_net().parameters()), "lr": float("nan")}]
     with pytest.raises(ValueError, match=r"param group 0 has lr=nan.*Check model_parameters"):
         zero.initialize(model=_net(), model_parameters=bad, config=_config(2))
+
+
+def edit_in_place(stage: int):
+    """Halve a weight in place between steps (lr 0): 16-bit stages 1/2 and a gathered (persistent)
+    stage-3 parameter keep the edit; a released stage-3 parameter raises at the step."""
+    net = _net()
+    zc = {"stage3_param_persistence_threshold": 100} if stage == 3 else {}  # 2.bias (4) stays whole
+    engine, opt, *_ = zero.initialize(model=net, config={**_config(stage, bf16={"enabled": True}),
+                                                        "zero_optimization": {"stage": stage, **zc}})
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    with zero.GatheredParameters([net[2].bias]):
+        expected = net[2].bias.detach().float() * 0.5
+    with torch.no_grad():
+        net[2].bias.mul_(0.5)
+    x = torch.randn(4, 8).bfloat16()
+    engine.backward(engine(x).float().square().mean())
+    engine.step()
+    with zero.GatheredParameters([net[2].bias]):
+        kept = torch.equal(net[2].bias.detach().float(), expected)
+    if stage < 3:
+        return kept, None
+    with torch.no_grad():
+        net[0].weight.mul_(0.5)  # released: its .data is empty
+    engine.backward(engine(x).float().square().mean())
+    try:
+        engine.step()
+        return kept, "no error"
+    except RuntimeError as exc:
+        return kept, str(exc)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_in_place_edits_between_steps_are_kept_or_refused(dist_run, stage):
+    for kept, message in dist_run(2, edit_in_place, stage):
+        assert kept
+        if stage == 3:
+            assert message.startswith("parameter '0.weight' was changed in place while ZeRO-3 held only this rank's "
+                                      "shard of it"), message

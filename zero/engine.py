@@ -346,6 +346,7 @@ class Engine(nn.Module):
         if boundary:  # refused before anything changes:
             self.optimizer.check_hyperparameters()  # a bad lr
             self._check_trainable_unchanged()  # requires_grad flipped since initialize
+            self.optimizer.adopt_edits()  # parameters changed in place since the last step
             # every rank at this step after the same number of backward passes (a rank that
             # skipped one would contribute stale or zero gradients), before its collectives
             self.comm.agree([4, self.global_steps + 1, self._backwards, 0], f"optimizer step {self.global_steps + 1}")

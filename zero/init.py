@@ -185,6 +185,8 @@ class GatheredParameters:
                     self._write_back(p)
             for p in self._gathered:
                 p.data = p._zero.shard()[:0]
+            for p in self.params:  # what was changed inside has been written back (or was read-only)
+                p._zero_version = p._version
         self._gathered.clear()
 
     def _write_back(self, p: nn.Parameter) -> None:

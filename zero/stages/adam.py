@@ -142,6 +142,37 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
 
     # -- model.load_state_dict after initialize ---------------------------------------------------
 
+    # -- in-place edits of parameters between steps ------------------------------------------------
+
+    def watch_edits(self, params: list[torch.nn.Parameter]) -> None:
+        """[Note: in-place edits]
+        A parameter changed in place between steps (`with torch.no_grad(): p.mul_(0.5)`, an
+        init function) changes only the model's copy: in 16-bit training the next step would
+        overwrite it from the fp32 master, and under stage 3 a released parameter has no values
+        to change. Every in-place op bumps the parameter's autograd version counter (zero's own
+        writes go through the buffers the parameters view, which leaves it alone), so at each step
+        `adopt_edits` finds the parameters whose version moved: the optimizer takes their new
+        values into its own copies (`adopt_edit`), or, for a released stage-3 parameter, raises.
+        Edits through `p.data` bypass the counter and are not seen."""
+        self._watched = list(params)
+        self.edits_seen(self._watched)
+
+    @staticmethod
+    def edits_seen(params) -> None:
+        """Forget in-place changes of `params` so far (their values are already where they belong)."""
+        for p in params:
+            p._zero_version = p._version
+
+    def adopt_edits(self) -> None:
+        """See [Note: in-place edits]."""
+        for p in getattr(self, "_watched", ()):
+            if p._version != p._zero_version:
+                self.adopt_edit(p)
+                p._zero_version = p._version
+
+    def adopt_edit(self, param: torch.nn.Parameter) -> None:
+        """Take `param`'s current (edited) values into the optimizer's copies."""
+
     def hook_state_dict_loads(self, module: torch.nn.Module) -> None:
         """[Note: load_state_dict after initialize]
         `model.load_state_dict(sd)` after `zero.initialize` writes the model's (16-bit, or under
@@ -156,6 +187,7 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
                 m.register_load_state_dict_pre_hook(
                     lambda mod, sd, prefix, meta, strict, missing, unexpected, errors, own=own:
                     this._on_load(sd, prefix, own, errors))
+                m.register_load_state_dict_post_hook(lambda mod, keys, own=own: this.edits_seen(p for _, p in own))
 
     @torch.no_grad()
     def _on_load(self, state_dict: dict, prefix: str, own: list, errors: list[str]) -> None:
@@ -266,6 +298,7 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
         if closure is not None:
             raise ValueError(f"{type(self).__name__}.step does not take a closure")
         self.check_hyperparameters()
+        self.adopt_edits()
         with record_function("zero::reduce_gradients"):
             self.reduce_gradients()
         slots = self.slots()

@@ -69,6 +69,8 @@ class ZeroOptimizer(ShardedAdam):
         self._index = {p: i for i, p in enumerate(self.params)}
         self._place_parameters(device)
         self.hook_state_dict_loads(module)
+        if self.master and self.master[0].data_ptr() != self.flat[slice(*self._own(self.layout.buckets[0]))].data_ptr():
+            self.watch_edits(self.params)  # 16-bit or offloaded: the master is a copy (fp32: the parameters)
 
         grad_dtype = precision.grad
         if stage < 2:
@@ -124,6 +126,9 @@ class ZeroOptimizer(ShardedAdam):
         if a < b and master.data_ptr() != self.flat[lo:hi].data_ptr():
             master[a - lo : b - lo].copy_(value.detach().reshape(-1)[a - off : b - off])
         return None
+
+    def adopt_edit(self, param: nn.Parameter) -> None:
+        self.load_param(param, param.detach())
 
     def _own(self, bucket: Bucket) -> tuple[int, int]:
         return bucket.slice_range(self.rank) if self.partitions > 1 else (bucket.start, bucket.start + bucket.numel)

@@ -460,6 +460,7 @@ class Stage3Optimizer(ShardedAdam):
             self.units.append(unit)
             unit_modules.append(None if unit.persistent else modules.get(path))
         self.hook_state_dict_loads(module)
+        self.names = names
         self.runtime = Stage3Runtime(module, self.units, unit_modules, comm, options, reduce, step.predivide, names,
                                      lambda: self.step_count + 1, self.grad_final)
         for unit in self.units:
@@ -467,6 +468,7 @@ class Stage3Optimizer(ShardedAdam):
                 unit.refresh(lambda work: work.wait())
         if options.gather_on_apply:
             _gather_on_apply(module)
+        self.watch_edits([p for unit in self.units for p in unit.params])
 
     def slots(self):
         out = []
@@ -480,6 +482,16 @@ class Stage3Optimizer(ShardedAdam):
     def load_param(self, param: nn.Parameter, value: torch.Tensor) -> torch.Tensor | None:
         z = getattr(param, "_zero", None)
         return None if z is None or z.unit is None else z.unit.load_param(param, value)
+
+    def adopt_edit(self, param: nn.Parameter) -> None:
+        unit = param._zero.unit
+        if unit.state is ShardedState.GATHERED:  # the edit is in the gathered values: take it into the shard
+            unit.load_param(param, param.detach().clone())
+            return
+        raise RuntimeError(
+            f"parameter {self.names.get(param, '?')!r} was changed in place while ZeRO-3 held only this rank's shard "
+            f"of it (between uses its .data is empty), so the change was lost. Change sharded parameters inside "
+            f"`with zero.GatheredParameters(params, modifier_rank=0):`, or with model.load_state_dict(...).")
 
     def out16_on_host(self) -> list[bool]:
         return [self.offload_param for unit in self.units for _ in unit.ranges]
