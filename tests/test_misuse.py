@@ -137,6 +137,8 @@ def test_questionable_but_legal_use_warns():
     with pytest.warns(UserWarning, match=r"optimizer step 1 comes after 0 engine.backward\(\) call\(s\) where "
                                          r"gradient_accumulation_steps is 1.*weight decay and momentum"):
         engine.step()
+    with pytest.warns(UserWarning, match=r"Adam eps is 0: an element whose gradient is 0"):
+        zero.initialize(model=_net(), config={**_config(2), "optimizer": {"type": "AdamW", "params": {"eps": 0}}})
     bad = [{"params": list(_net().parameters()), "lr": float("nan")}]
     with pytest.raises(ValueError, match=r"param group 0 has lr=nan.*Check model_parameters"):
         zero.initialize(model=_net(), model_parameters=bad, config=_config(2))

@@ -245,6 +245,10 @@ class Engine(nn.Module):
         defaults = _optimizer_defaults(config, optimizer)
         groups = _param_groups(module, model_parameters if optimizer is None else optimizer.param_groups, defaults)
         check_param_groups(groups, "Check model_parameters / the optimizer's param groups.")
+        if any(g["eps"] == 0 for g in groups):
+            warnings.warn("zero: Adam eps is 0: an element whose gradient is 0 (an unused parameter, a padding row) "
+                          "gets 0/0 = NaN in the update, as with torch.optim.Adam; use a small eps such as 1e-8",
+                          stacklevel=3)
         _refuse_claimed(list(module.parameters()), {p: n for n, p in module.named_parameters()})
         _refuse_foreign_parameters(module, groups, config)
         check_ranks_agree(module, config, self.comm)  # before the first broadcast
