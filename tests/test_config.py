@@ -398,7 +398,6 @@ READ = {
     # precision
     "fp16.enabled", "fp16.auto_cast", "fp16.loss_scale", "fp16.initial_scale_power", "fp16.loss_scale_window",
     "fp16.hysteresis", "fp16.consecutive_hysteresis", "fp16.min_loss_scale", "bf16.enabled",
-    "bf16.check_grad_overflow",
     # optimizer (a type other than Adam/AdamW is refused by its validator)
     "optimizer.type", "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
     "optimizer.params.weight_decay", "optimizer.params.bias_correction", "optimizer.params.adam_w_mode",

@@ -133,3 +133,30 @@ def test_a_nan_learning_rate_is_refused_before_anything_changes():
         engine.step()
     assert opt.step_count == 1 and engine.global_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+
+
+def test_training_goes_on_after_a_caught_min_scale_error_and_norms_beyond_fp32_are_clipped():
+    net = _net()
+    engine, *_ = zero.initialize(model=net, config=_config(2, fp16={
+        "enabled": True, "initial_scale_power": 1, "hysteresis": 1, "loss_scale_window": 1, "min_loss_scale": 1}))
+    x, y = torch.randn(4, 8).half(), torch.randn(4, 4).half()
+    with pytest.raises(NonFiniteGradientError):
+        for _ in range(3):
+            engine.backward((engine(x) - y).float().sum() * float("inf"))
+            engine.step()
+    for _ in range(3):  # the user caught it and goes on: the scale grows again
+        engine.backward(F.mse_loss(engine(x).float(), y.float()))
+        engine.step()
+    assert engine.optimizer.loss_scaler.scale == 8
+    engine.backward((engine(x) - y).float().sum() * float("inf"))  # one overflow above the minimum: a skip
+    engine.step()
+    assert engine.optimizer.loss_scaler.scale == 4
+
+    big = nn.Linear(100, 100, bias=False)  # each gradient ~1e38: the norm, 1e40, is beyond fp32
+    engine, *_ = zero.initialize(model=big, config={**_config(2, gradient_clipping=1.0),
+                                                   "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}})
+    before = big.weight.detach().clone()
+    engine.backward((big(torch.full((1, 100), 1e19)) * 1e19).sum())
+    engine.step()
+    assert engine.skipped_steps == 0 and engine.get_global_grad_norm() == pytest.approx(1e40, rel=1e-6)
+    assert (big.weight - before).abs().max().item() == pytest.approx(0.1, rel=1e-4)  # Adam's first step: lr

@@ -158,3 +158,52 @@ def test_a_rank_that_fails_inside_initialize_does_not_leave_the_others_waiting()
     assert results[0].startswith("CollectiveTimeout") and "did not all arrive within 3 s" in results[0], results[0]
     assert float(results[0].split(" after ")[1].split(" s:")[0]) < 6, results[0]
     assert max(exit_s) < 10, exit_s
+
+
+def two_engines_diverge():
+    """A GAN-like job: two engines in one process; rank 1 runs the other engine's backward."""
+    rank = dist.get_rank()
+    gen, disc = _net(), _net()
+    g_engine, *_ = zero.initialize(model=gen, config=_config(2))
+    d_engine, *_ = zero.initialize(model=disc, config=_config(2))
+    x = torch.randn(4, 8)
+    for engine in (g_engine, d_engine):  # one normal round
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    engine = g_engine if rank == 0 else d_engine
+    try:
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        return "no error"
+    except Exception as exc:  # noqa: BLE001 - the message is what is tested
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_two_engines_in_one_process_are_told_apart():
+    results, exit_s = run_once(2, two_engines_diverge, env={"ZERO_COLLECTIVE_TIMEOUT": "4"}, timeout=60)
+    for message in results:
+        assert message.startswith("RankDivergenceError"), message
+        assert ("rank 0: gradient reduction of bucket 0 (320 elements) of engine 1; rank 1: gradient reduction of "
+                "bucket 0 (320 elements) of engine 2") in message, message
+    assert max(exit_s) < 10, exit_s
+
+
+def save_fails_on_rank_zero(path: str):
+    engine, *_ = zero.initialize(model=_net(), config=_config(2))
+    try:
+        engine.save_16bit_model(path, "model.bin")  # `path` is a file: rank 0 cannot make the directory
+        outcome = "saved"
+    except (OSError, RuntimeError) as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    engine.backward(engine(torch.randn(4, 8)).square().mean())  # and training goes on
+    engine.step()
+    return outcome, engine.global_steps
+
+
+def test_a_save_that_fails_on_rank_zero_raises_on_every_rank_and_training_goes_on(dist_run, tmp_path):
+    blocker = tmp_path / "not_a_directory"
+    blocker.write_text("")
+    (rank0, steps0), (rank1, steps1) = dist_run(2, save_fails_on_rank_zero, str(blocker), timeout=60)
+    assert "not_a_directory" in rank0 and not rank0.startswith("RuntimeError: save_16bit_model"), rank0
+    assert rank1.startswith("RuntimeError: save_16bit_model: rank 0 could not write"), rank1
+    assert steps0 == steps1 == 1

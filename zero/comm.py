@@ -63,14 +63,17 @@ class RankDivergenceError(RuntimeError):
 # [Note: rank-agreement tags]
 # Before a collective whose place in the program could differ between ranks, every rank
 # all-gathers a small tag saying where it is, on the control group (`Comm.control`): four int64s,
-# (what, a, b, c). Every control-group message has this one size, so a rank that is somewhere else
-# shows up as a different tag, never as a size mismatch (which aborts gloo without a word). A
-# mismatch raises RankDivergenceError on every rank, naming where each rank was.
+# (what, a, b, engine), where `engine` numbers the engines of the process in the order they were
+# built (the same on every rank; 0 outside an engine), so two engines' collectives (a GAN's
+# generator and discriminator) never pass for each other. Every control-group message has this
+# one size, so a rank that is somewhere else shows up as a different tag, never as a size mismatch
+# (which aborts gloo without a word). A mismatch raises RankDivergenceError on every rank, naming
+# where each rank was.
 TAG_WORDS = {
     0: "forward of unit {a}",
     1: "backward of unit {a}",
     2: "gradient reduction of unit {a}",
-    3: "gradient reduction of bucket {a}",
+    3: "gradient reduction of bucket {a} ({b} elements)",
     4: "optimizer step {a} after {b} backward pass(es)",
     5: "GatheredParameters over {a} parameter(s) of {b} elements",
     6: "saving the 16-bit model",
@@ -81,12 +84,13 @@ TAG_SIZE = 4
 UNIT_PHASES = (0, 1, 2)  # tags whose `a` is a stage-3 unit
 
 
-def describe_tag(row: list[int], unit_label: Callable[[int], str] | None = None) -> str:
-    """Words for one rank's tag (see [Note: rank-agreement tags])."""
-    what, a, b, _ = row
+def describe_tag(row: list[int], unit_label: Callable[[int], str] | None = None, engine: bool = False) -> str:
+    """Words for one rank's tag (see [Note: rank-agreement tags]); `engine` adds the engine number."""
+    what, a, b, number = row
     if what in UNIT_PHASES and unit_label is not None:
         a = unit_label(a)
-    return TAG_WORDS.get(what, f"unknown tag {row}").format(a=a, b=b)
+    words = TAG_WORDS.get(what, f"unknown tag {row}").format(a=a, b=b)
+    return f"{words} of engine {number}" if engine else words
 
 
 class _Done:
@@ -135,7 +139,9 @@ class CollectiveCount:
 
 
 def collective_timeout_s(value: str | None = None) -> float:
-    """Seconds a stage-3 collective may take (`Comm.wait_for`): ZERO_COLLECTIVE_TIMEOUT, default 600.
+    """Seconds a collective may take (`Comm.wait_for`): ZERO_COLLECTIVE_TIMEOUT, default 1800 (torch's
+    and DeepSpeed's process-group default: work one rank does alone, a long save or an evaluation,
+    must fit in it; lower it to fail faster).
 
     Args:
         value: the setting to parse; None reads ZERO_COLLECTIVE_TIMEOUT from the environment.
@@ -143,14 +149,14 @@ def collective_timeout_s(value: str | None = None) -> float:
     Raises:
         ValueError: the value is not a positive, finite number of seconds.
     """
-    raw = os.environ.get("ZERO_COLLECTIVE_TIMEOUT", "600") if value is None else value
+    raw = os.environ.get("ZERO_COLLECTIVE_TIMEOUT", "1800") if value is None else value
     try:
         seconds = float(raw)
         timedelta(seconds=seconds)  # what `wait_for` passes on; overflows past ~2.7 million years
     except (ValueError, OverflowError):
         seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"ZERO_COLLECTIVE_TIMEOUT must be a positive finite number of seconds, got {raw!r}")
+    if not (math.isfinite(seconds) and seconds >= 0.001):
+        raise ValueError(f"ZERO_COLLECTIVE_TIMEOUT must be a finite number of seconds >= 0.001, got {raw!r}")
     return seconds
 
 
@@ -170,9 +176,10 @@ class Comm:
         self.counts: dict[str, CollectiveCount] = defaultdict(CollectiveCount)
         self.backend = dist.get_backend(group) if self.distributed else "local"
         # Seconds `wait_for` lets a collective take before raising; ZERO_COLLECTIVE_TIMEOUT
-        # (default 600). Every gloo collective waits this way (see [Note: bounded waits]).
+        # (default 1800). Every gloo collective waits this way (see [Note: bounded waits]).
         self.timeout_s = collective_timeout_s()
         self.data: Comm | None = None  # for a control group (see `control`), the group it serves
+        self.engine = 0  # the engine these collectives belong to (see [Note: rank-agreement tags])
 
     def control(self) -> Comm:
         """A gloo group over the same ranks, for small host messages (stage 3's rank-divergence
@@ -349,22 +356,24 @@ class Comm:
             raise CollectiveTimeout(f"{describe()} {cause} ({exc}).") from exc
 
     def start_tag(self, tag: list[int]):
-        """All-gather `tag` on the control group; returns (handle, gathered tags). See
-        [Note: rank-agreement tags]."""
+        """All-gather (what, a, b) and this group's engine number on the control group; returns
+        (handle, gathered tags). See [Note: rank-agreement tags]."""
         ctl = self.control()
-        mine = torch.tensor(tag, dtype=torch.int64)
+        mine = torch.tensor([*tag, self.engine], dtype=torch.int64)
         tags = torch.empty(self.world_size * TAG_SIZE, dtype=torch.int64)
         return ctl.all_gather(tags, mine, async_op=True, label="rank_tags"), tags
 
     def check_tags(self, work, tags: torch.Tensor, what: str, unit_label: Callable[[int], str] | None = None,
                    advice: str = "", key: Callable[[list[int]], object] = tuple) -> list[list[int]]:
         """Wait for a tag exchange (bounded) and raise RankDivergenceError if the ranks' tags
-        differ (in `key`); returns every rank's tag."""
+        differ (in `key`, which must include the engine number unless it is being agreed on);
+        returns every rank's tag."""
         self.control().wait_for(work, lambda: f"{what}: the rank-agreement check")
         rows = tags.view(self.world_size, TAG_SIZE).tolist()
         if any(key(r) != key(rows[0]) for r in rows):
             self.abort()
-            seen = "; ".join(f"rank {r}: {describe_tag(row, unit_label)}" for r, row in enumerate(rows))
+            engines = len({row[3] for row in rows}) > 1
+            seen = "; ".join(f"rank {r}: {describe_tag(row, unit_label, engines)}" for r, row in enumerate(rows))
             raise RankDivergenceError(
                 f"{what}: ranks diverged ({seen}). Every rank must run the same modules in the same order and call "
                 f"backward, step, GatheredParameters and save_16bit_model the same number of times{advice}.")
@@ -397,7 +406,14 @@ class Comm:
             except Exception:  # noqa: BLE001 - best effort: the error being raised matters more
                 pass
 
-    def barrier(self) -> None:
-        """A barrier bounded only by the process group's own timeout (waits may be long: a save)."""
-        if self.world_size > 1:
-            dist.barrier(group=self.group)
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if `flag` is True on any; a barrier bounded only by the process
+        group's own timeout (one rank may be busy for long, writing a checkpoint)."""
+        if self.world_size == 1:
+            return flag
+        t = torch.tensor([float(flag)])
+        staged = self._staged([], [t])
+        if staged is not None:
+            t = staged[1][0]
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import logging
 import os
 import time
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from zero.comm import Comm, RankDivergenceError
 from zero.config import ZeroConfig, load_config
@@ -33,6 +35,7 @@ from zero.stages import build_optimizer
 from zero.stages.adam import check_param_groups
 
 log = logging.getLogger("zero")
+_ENGINE_NUMBERS = itertools.count(1)  # engines of this process, in the order built (see [Note: rank-agreement tags])
 
 
 def init_distributed(dist_backend: str | None = None, timeout_s: float | None = None) -> None:
@@ -157,10 +160,17 @@ def _what_ranks_must_share(module: nn.Module, config: ZeroConfig, world_size: in
             return [line for k, v in value.items() for line in flat(f"{prefix}{k}.", v)]
         return [f"config {prefix[:-1]} = {value!r}"]
 
-    lines = [f"world size {world_size}", *flat("", config.model_dump())]
+    shared = {k: v for k, v in config.model_dump().items() if k not in _PER_RANK_KEYS}
+    lines = [f"world size {world_size}", *flat("", shared)]
     lines += [f"parameter {n!r}: shape {tuple(p.shape)}, {p.dtype}, requires_grad={p.requires_grad}"
               for n, p in module.named_parameters()]
     return lines
+
+
+# config keys that only report or log, which a rank may set differently (rank 0 alone timing, a
+# per-rank log directory) without changing any collective
+_PER_RANK_KEYS = {"steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state", "tensorboard", "wandb",
+                  "csv_monitor", "comet", "flops_profiler", "comms_logger", "timers", "autotuning"}
 
 
 def check_ranks_agree(module: nn.Module, config: ZeroConfig, comm: Comm) -> None:
@@ -174,10 +184,15 @@ def check_ranks_agree(module: nn.Module, config: ZeroConfig, comm: Comm) -> None
 
     lines = _what_ranks_must_share(module, config, comm.world_size)
     digest = hashlib.sha256("\n".join(lines).encode()).digest()
-    words = [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in (0, 8, 16)]
+    words = [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in (0, 8)]
     work, tags = comm.start_tag([8, *words])
     rows = comm.check_tags(work, tags, "zero.initialize", key=lambda row: row[0])
-    if all(row == rows[0] for row in rows):
+    # the engine number of these collectives: the same on every rank from here on, even if a rank
+    # built an engine the others did not (one that failed, say)
+    global _ENGINE_NUMBERS
+    comm.engine = max(row[3] for row in rows)
+    _ENGINE_NUMBERS = itertools.count(comm.engine + 1)
+    if all(row[:3] == rows[0][:3] for row in rows):
         return
     # every rank knows the digests differ and raises below, with nothing left in flight: no abort
     everyone: list = [None] * comm.world_size
@@ -191,16 +206,29 @@ def check_ranks_agree(module: nn.Module, config: ZeroConfig, comm: Comm) -> None
         f"build the same model (same parameters in the same order) from the same config.")
 
 
-def _refuse_claimed(params: list[nn.Parameter], names: dict) -> None:
-    """Refuse parameters another zero engine already trains (its hooks would take their gradients)."""
-    for p in params:
-        owner = getattr(p, "_zero_owner", None)
-        if owner is not None and owner() is not None:
+# parameter -> (the optimizer whose hooks take its gradient, whether it is stage 3, which shards
+# every parameter); weak both ways, and kept off the parameter so the model stays picklable
+_OWNERS = WeakIdKeyDictionary()
+
+
+def _refuse_claimed(module: nn.Module, trained: set, stage: int) -> None:
+    """Refuse parameters another live zero engine trains (its hooks would take their gradients)
+    or shards (stage 3)."""
+    for name, p in module.named_parameters():
+        owner, sharded = _OWNERS.get(p, (None, False))
+        if owner is not None and owner() is not None and (sharded or stage == 3 or p in trained):
             raise ValueError(
-                f"parameter {names.get(p, '?')!r} is already trained by another zero engine: zero.initialize was "
-                f"called twice on this model, or two models share this parameter. The first engine's hooks take its "
-                f"gradients, so the second would never train it. Build one engine per model (re-create the model to "
-                f"start over), and put modules that share weights in one model.")
+                f"parameter {name!r} is already {'sharded' if sharded else 'trained'} by another zero engine: "
+                f"zero.initialize was called twice on this model, or two models share this parameter. The first "
+                f"engine {'keeps only a shard of it' if sharded else 'takes its gradients with its hooks'}, so the "
+                f"second would never train it. Build one engine per model (re-create the model to start over), and "
+                f"put modules that share weights in one model.")
+
+
+def _claim(module: nn.Module, optimizer, stage: int) -> None:
+    owner = (weakref.ref(optimizer), stage == 3)
+    for p in (module.parameters() if stage == 3 else optimizer.params):
+        _OWNERS[p] = owner
 
 
 def _refuse_foreign_parameters(module: nn.Module, groups: list[dict], config: ZeroConfig) -> None:
@@ -241,6 +269,7 @@ class Engine(nn.Module):
         super().__init__()
         self.config = config
         self.comm = Comm()
+        self.comm.engine = next(_ENGINE_NUMBERS)
         self.device = _compute_device(self.comm)
         defaults = _optimizer_defaults(config, optimizer)
         groups = _param_groups(module, model_parameters if optimizer is None else optimizer.param_groups, defaults)
@@ -249,13 +278,12 @@ class Engine(nn.Module):
             warnings.warn("zero: Adam eps is 0: an element whose gradient is 0 (an unused parameter, a padding row) "
                           "gets 0/0 = NaN in the update, as with torch.optim.Adam; use a small eps such as 1e-8",
                           stacklevel=3)
-        _refuse_claimed(list(module.parameters()), {p: n for n, p in module.named_parameters()})
+        _refuse_claimed(module, {p for g in groups for p in g["params"]}, config.zero_optimization.stage)
         _refuse_foreign_parameters(module, groups, config)
         check_ranks_agree(module, config, self.comm)  # before the first broadcast
         self.module = module
         self.optimizer = build_optimizer(module, groups, config, self.comm, self.device)
-        for p in module.parameters():  # whose hooks take their gradients from now on
-            p._zero_owner = weakref.ref(self.optimizer)
+        _claim(module, self.optimizer, config.zero_optimization.stage)  # whose hooks take the gradients now
         self._trainable = [(n, p, p.requires_grad) for n, p in module.named_parameters()]
         self._backwards = 0  # backward passes since the last optimizer step (ranks must agree)
         self._warned_count = False
@@ -353,16 +381,13 @@ class Engine(nn.Module):
             self.optimizer.adopt_edits()  # parameters changed in place since the last step
             # every rank at this step after the same number of backward passes (a rank that
             # skipped one would contribute stale or zero gradients), before its collectives
-            self.comm.agree([4, self.global_steps + 1, self._backwards, 0], f"optimizer step {self.global_steps + 1}")
-            if self._backwards != self.config.gradient_accumulation_steps and not self._warned_count:
+            self.comm.agree([4, self.global_steps + 1, self._backwards], f"optimizer step {self.global_steps + 1}")
+            if not self._backwards and not self._warned_count:
                 self._warned_count = True
-                effect = ("a step without gradients still applies weight decay and momentum" if not self._backwards
-                          else "extra backward passes add up")
                 warnings.warn(
-                    f"zero: optimizer step {self.global_steps + 1} comes after {self._backwards} engine.backward() "
-                    f"call(s) where gradient_accumulation_steps is {self.config.gradient_accumulation_steps}. Call "
-                    f"engine.backward(loss) (not loss.backward()) and then engine.step() once per micro-batch; "
-                    f"{effect} (warned once)", stacklevel=2)
+                    f"zero: optimizer step {self.global_steps + 1} comes after no engine.backward() call: it applies "
+                    f"weight decay and Adam's momentum without new gradients. Call engine.backward(loss) (not "
+                    f"loss.backward()) before engine.step() (warned once)", stacklevel=2)
             self._backwards = 0
         self.micro_steps += 1
         self.optimizer.at_boundary = self.is_gradient_accumulation_boundary()  # for the next backward
@@ -517,9 +542,17 @@ class Engine(nn.Module):
                           "(set it to true to gather the weights)", stacklevel=2)
             return False
         state = self.consolidated_16bit_state_dict(exclude_frozen_parameters)
+        error = None
         if self.comm.rank == 0:
-            atomic_save(state, save_path)
-        self.comm.barrier()
+            try:
+                atomic_save(state, save_path)
+            except Exception as exc:  # noqa: BLE001 - every rank must learn of it, then it is raised
+                error = exc
+        if self.comm.any_rank(error is not None):  # as long as the write takes: the process group's timeout
+            if error is not None:
+                raise error
+            raise RuntimeError(f"save_16bit_model: rank 0 could not write {save_path} (its error says why); nothing "
+                               f"was written and training can go on")
         return True
 
     def wall_clock_report(self, reset: bool = False) -> dict[str, float]:

@@ -166,7 +166,7 @@ class GatheredParameters:
             return self
         self.comm = Comm()
         # every rank must enter with the same parameters (see [Note: rank-agreement tags])
-        self.comm.agree([5, len(self.params), sum(p._zero.numel for p in self.params), 0], "GatheredParameters")
+        self.comm.agree([5, len(self.params), sum(p._zero.numel for p in self.params)], "GatheredParameters")
         with torch.no_grad():
             for p in self.params:
                 info: ShardedParam = p._zero

@@ -52,6 +52,7 @@ class LossScaler:
 
     def update(self, overflow: bool) -> None:
         """Account for one optimizer step that did (or did not) overflow."""
+        self.exhausted = False
         if self.dynamic:
             if overflow:
                 if self._hysteresis_left <= 1:

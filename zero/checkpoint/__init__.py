@@ -173,7 +173,7 @@ def consolidated_state_dict(module: nn.Module, comm: Comm, exclude_frozen_parame
     """
     from zero.init import GatheredParameters
 
-    comm.agree([6, 0, 0, 0], "saving the 16-bit model")  # every rank, or none (see [Note: rank-agreement tags])
+    comm.agree([6, 0, 0], "saving the 16-bit model")  # every rank, or none (see [Note: rank-agreement tags])
     out: dict[str, torch.Tensor] = {}
     done: dict[int, torch.Tensor] = {}
     for name, value in module.state_dict(keep_vars=True).items():

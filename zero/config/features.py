@@ -149,6 +149,8 @@ UNIMPLEMENTED_FEATURES: tuple[UnimplementedFeature, ...] = (
     _warned("zero_force_ds_cpu_optimizer", "with optimizer offload, zero always steps with its own CPU Adam"),
     _warned("optimizer.legacy_fusion", "a switch of DeepSpeed's fp16 optimizer; zero has one fp16 path"),
     _warned("optimizer.params.torch_adam", "the engine always steps with its own Adam kernels"),
+    _warned("bf16.check_grad_overflow", "zero always skips a step whose gradients hold inf or NaN, in every "
+                                        "precision (see docs/engine.md)"),
     _warned("bf16.immediate_grad_update", "a scheduling knob of DeepSpeed's bf16 optimizer; zero's "
                                           "updates do not depend on it"),
     _warned("zero_optimization.contiguous_gradients", "gradients are always reduced from contiguous buckets"),

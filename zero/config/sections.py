@@ -152,7 +152,7 @@ class BF16Config(_Section):
     enabled: bool = Field(False, description="Train with bf16 params/grads and fp32 master weights.")
     immediate_grad_update: bool = Field(False, description="DeepSpeed bf16 optimizer knob; no effect in zero "
                                         "(true warns).")
-    check_grad_overflow: bool = Field(False, description="Accepted; zero always skips a step whose gradients hold inf/NaN (see engine.md).")
+    check_grad_overflow: bool = Field(False, description="No effect in zero, which always checks (true warns).")
     bf16_master_weights_and_grads: bool = Field(False, description="Keep master weights in bf16 (not implemented).")
     bf16_optimizer_states: bool = Field(False, description="Keep Adam m/v in bf16 (not implemented).")
 

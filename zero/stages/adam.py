@@ -13,9 +13,9 @@ all-reduce; an inf or NaN anywhere makes the norm non-finite, which is also the 
 from __future__ import annotations
 
 import abc
+import functools
 import math
 import warnings
-import weakref
 from typing import Any
 
 import torch
@@ -180,17 +180,22 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
         from the stale fp32 master. A pre-hook on every module with parameters of its own hands
         each incoming value to `load_param` first, which puts it where this optimizer keeps it
         (the master's exact fp32 values, stage 3's shard), then lets torch finish."""
-        this = weakref.proxy(self)
-        for m in module.modules():
+        for m in module.modules():  # bound methods, not lambdas: the model stays picklable
             own = list(m.named_parameters(recurse=False))
             if own:
-                m.register_load_state_dict_pre_hook(
-                    lambda mod, sd, prefix, meta, strict, missing, unexpected, errors, own=own:
-                    this._on_load(sd, prefix, own, errors))
-                m.register_load_state_dict_post_hook(lambda mod, keys, own=own: this.edits_seen(p for _, p in own))
+                m.register_load_state_dict_pre_hook(functools.partial(self._before_load, own))
+                m.register_load_state_dict_post_hook(functools.partial(self._after_load, own))
+
+    def _after_load(self, own: list, module, incompatible_keys) -> None:
+        self.edits_seen(p for _, p in own)
 
     @torch.no_grad()
-    def _on_load(self, state_dict: dict, prefix: str, own: list, errors: list[str]) -> None:
+    def _before_load(self, own: list, module, state_dict: dict, prefix: str, local_metadata: dict, strict, missing,
+                     unexpected, errors: list[str]) -> None:
+        if local_metadata.get("assign_to_params_buffers"):
+            errors.append("load_state_dict(assign=True) after zero.initialize would replace the parameters the "
+                          "engine trains (their gradients would never reach it); load without assign=True")
+            return
         for name, p in own:
             key = prefix + name
             value = state_dict.get(key)
@@ -277,7 +282,8 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
             for (_, _, g, _, _, _), n in zip(slots, norms):
                 if not torch.isfinite(n):
                     top = g.abs().amax().float()
-                    n = top * torch.linalg.vector_norm(g / top, dtype=torch.float32) if torch.isfinite(top) else top
+                    n = top.double() * torch.linalg.vector_norm(g / top, dtype=torch.float32).double() \
+                        if torch.isfinite(top) else top.double()
                 total += n.double().square()
         if self.norm_is_partitioned():
             self.comm.all_reduce(total, "sum")
@@ -317,6 +323,10 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
 
         self.step_count += 1
         grad_scale = divisor / clip_coef
+        if grad_scale > 1e30:  # a norm beyond fp32's range, clipped: the kernels take the divisor in fp32
+            for _, _, grad, _, _, _ in slots:
+                grad.div_(grad_scale / 1e30)
+            grad_scale = 1e30
         with record_function("zero::adam"):
             if self.offload is not None:
                 threads = self.offload.num_threads

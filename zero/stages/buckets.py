@@ -193,7 +193,7 @@ class ZeroOptimizer(ShardedAdam):
             self._staging_for(b)[off : off + grad.numel()].add_(grad.reshape(-1))
 
     def _launch(self, b: int) -> None:
-        self.comm.agree([3, b, 0, 0], f"stage 2, gradient reduction of bucket {b}")
+        self.comm.agree([3, b, self.layout.buckets[b].numel], f"stage 2, gradient reduction of bucket {b}")
         staging = self._staging_for(b)  # a bucket without any gradient on this rank contributes zeros
         self._work[b] = self._reduce_bucket(self.layout.buckets[b], staging, async_op=self.reduce.overlap_comm)
 

@@ -168,8 +168,8 @@ class GradReadiness:
         """The groups any rank has late gradients for: every rank re-sends the same groups."""
         if self._comm.world_size == 1:
             return sorted(self._late)
-        work, tags = self._comm.start_tag([7, len(self._late), 0, 0])  # one tag exchange per backward
-        rows = self._comm.check_tags(work, tags, "the end of a backward pass", key=lambda row: row[0])
+        work, tags = self._comm.start_tag([7, len(self._late), len(self.groups)])  # one tag exchange per backward
+        rows = self._comm.check_tags(work, tags, "the end of a backward pass", key=lambda row: (row[0], row[2], row[3]))
         if not any(row[1] for row in rows):
             return []
         flags = torch.zeros(len(self.groups), dtype=torch.float32)

@@ -221,7 +221,7 @@ class Stage3Runtime:
         """See [Note: rank-divergent control flow]."""
         if self.comm.world_size == 1:
             return
-        work, tags = self.comm.start_tag([_PHASE_CODE[phase], unit.index, 0, 0])
+        work, tags = self.comm.start_tag([_PHASE_CODE[phase], unit.index, 0])
         what = f"ZeRO-3 step {self._step()}, {self._describe(unit, phase)}"
         if not self._check_at_once:
             self._unchecked.append((work, tags, what))
