@@ -109,6 +109,9 @@ class _SliceAfter:
     def __init__(self, work, output: torch.Tensor, input: torch.Tensor, rank: int):
         self.work, self.output, self.input, self.rank = work, output, input, rank
 
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
     def wait(self, timeout=None) -> None:
         if self.work is not None:
             self.work.wait() if timeout is None else self.work.wait(timeout=timeout)

@@ -87,7 +87,12 @@ class ZeroOptimizer(ShardedAdam):
             self.readiness = GradReadiness(
                 [[self.params[i] for i in b.params] for b in self.layout.buckets], take=self._take, launch=self._launch,
                 finish=self._finish, comm=comm, ordered=True, overlap=reduce.overlap_comm, names=self.names,
-                ignore_unused=reduce.ignore_unused_parameters)
+                ignore_unused=reduce.ignore_unused_parameters, on_end=self._check_deferred_tags)
+            # a bucket's tag is checked before its reduction on gloo (where mismatched sizes abort
+            # the process); on NCCL together at the end of the backward, so the CPU does not wait
+            # for the other ranks at every bucket (as stage 3 does; see [Note: rank-agreement tags])
+            self._check_at_once = not comm.uses_nccl or reduce.strict_checks
+            self._unchecked: list = []
             module.register_forward_pre_hook(lambda m, a: self._recover())
             module.register_forward_hook(lambda m, a, out: self.readiness.hook_outputs(out))
 
@@ -193,9 +198,20 @@ class ZeroOptimizer(ShardedAdam):
             self._staging_for(b)[off : off + grad.numel()].add_(grad.reshape(-1))
 
     def _launch(self, b: int) -> None:
-        self.comm.agree([3, b, self.layout.buckets[b].numel], f"stage 2, gradient reduction of bucket {b}")
+        what = f"stage 2, gradient reduction of bucket {b}"
+        if self.comm.world_size > 1:
+            work, tags = self.comm.start_tag([3, b, self.layout.buckets[b].numel])
+            if self._check_at_once:
+                self.comm.check_tags(work, tags, what)
+            else:
+                self._unchecked.append((work, tags, what))
         staging = self._staging_for(b)  # a bucket without any gradient on this rank contributes zeros
         self._work[b] = self._reduce_bucket(self.layout.buckets[b], staging, async_op=self.reduce.overlap_comm)
+
+    def _check_deferred_tags(self) -> None:
+        pending, self._unchecked = self._unchecked, []
+        for work, tags, what in pending:
+            self.comm.check_tags(work, tags, what)
 
     def _finish(self, b: int) -> None:
         with record_function("zero::accumulate_grad_shard"):
@@ -211,6 +227,7 @@ class ZeroOptimizer(ShardedAdam):
 
     def _recover(self) -> None:
         if self.readiness.recover():
+            self._check_deferred_tags()
             for staging in self._staging.values():
                 self.gauges.reduce_buffers.sub(staging.untyped_storage().nbytes())
             self._staging.clear()

@@ -78,12 +78,16 @@ class ReduceOptions:
             DeepSpeed's `reduce_scatter: false`; twice the traffic, same numbers).
         bucket_elements: stages 0-2: elements per bucket.
         ignore_unused_parameters: False makes a trainable parameter without a gradient an error.
+        strict_checks: check every collective's rank-divergence tag before issuing it, also on
+            NCCL (one synchronisation per collective; `enable_sanity_checks` or
+            TORCH_DISTRIBUTED_DEBUG=DETAIL).
     """
 
     overlap_comm: bool = False
     reduce_scatter: bool = True
     bucket_elements: int = 500_000_000
     ignore_unused_parameters: bool = True
+    strict_checks: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,9 +104,6 @@ class Stage3Options:
         max_reuse_distance: a unit used again within this many gathered elements is kept.
         offload_param: keep parameter shards in host memory.
         pin_memory: page-lock those host shards.
-        strict_checks: check every collective's rank-divergence tag before issuing it, also on
-            NCCL (one synchronisation per collective; `enable_sanity_checks` or
-            TORCH_DISTRIBUTED_DEBUG=DETAIL).
         log_trace_changes: warn when a recorded order of units changes
             (`log_trace_cache_warnings`).
         gather_on_apply: `module.apply(fn)` sees gathered parameters (`override_module_apply`).
@@ -116,7 +117,6 @@ class Stage3Options:
     max_reuse_distance: int = 1_000_000_000
     offload_param: bool = False
     pin_memory: bool = False
-    strict_checks: bool = False
     log_trace_changes: bool = False
     gather_on_apply: bool = True
 
@@ -139,7 +139,9 @@ def options_from_config(cfg: ZeroConfig, world_size: int, num_threads: int
     step = StepOptions(clipping=cfg.gradient_clipping, predivide=predivide, offload=offload)
     reduce = ReduceOptions(overlap_comm=bool(zc.overlap_comm), reduce_scatter=zc.reduce_scatter,
                            bucket_elements=max(1, min(zc.reduce_bucket_size, zc.allgather_bucket_size)),
-                           ignore_unused_parameters=zc.ignore_unused_parameters)
+                           ignore_unused_parameters=zc.ignore_unused_parameters,
+                           strict_checks=zc.enable_sanity_checks or
+                           os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL")
     offload_param = zc.offload_param is not None and zc.offload_param.device == "cpu"
     stage3 = Stage3Options(
         unit_elements=zc.module_granularity_threshold or DEFAULT_UNIT_ELEMENTS,
@@ -148,7 +150,6 @@ def options_from_config(cfg: ZeroConfig, world_size: int, num_threads: int
         prefetch_elements=zc.prefetch_bucket_size, max_live_elements=zc.max_live_parameters,
         max_reuse_distance=zc.max_reuse_distance, offload_param=offload_param,
         pin_memory=offload_param and zc.offload_param.pin_memory,
-        strict_checks=zc.enable_sanity_checks or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL",
         log_trace_changes=zc.log_trace_cache_warnings, gather_on_apply=zc.override_module_apply)
     return Precision.from_config(cfg), step, reduce, stage3
 

@@ -119,7 +119,7 @@ class Stage3Runtime:
         self._control = comm.control()  # tags travel on their own (gloo, host) group
         # a tag is checked before its data collective on gloo (where mismatched sizes abort the
         # process) and in strict mode; on NCCL otherwise at the end of the pass
-        self._check_at_once = not comm.uses_nccl or options.strict_checks
+        self._check_at_once = not comm.uses_nccl or reduce.strict_checks
         self._reducible = [u for u in units if u.trainable]
         self.readiness = GradReadiness(
             [u.trainable for u in self._reducible], take=lambda gi, p: None, launch=self._launch_reduce,
