@@ -555,6 +555,36 @@ class Engine(nn.Module):
                                f"was written and training can go on")
         return True
 
+    def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
+        """Save the whole training state under `save_dir/tag` (default tag `global_step<N>`); all
+        ranks call it. See docs/checkpoint.md for the layout and guarantees.
+
+        Args:
+            save_dir: the checkpoint directory (shared by all ranks).
+            tag: the sub-directory name; `latest` then names it (with `save_latest`).
+            client_state: your own JSON-serialisable values, returned by `load_checkpoint`.
+            save_latest: point `save_dir/latest` at this tag once it is complete.
+            exclude_frozen_parameters: leave out parameters with requires_grad=False.
+        """
+        from zero.checkpoint.training import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str, dict]:
+        """Resume from `load_dir/tag` (default: the tag `latest` names), saved at any world size and
+        stage; all ranks call it. Every check is made before anything changes.
+
+        Returns:
+            (the tag's path, the client_state saved with it)
+        """
+        from zero.checkpoint.training import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only)
+
     def wall_clock_report(self, reset: bool = False) -> dict[str, float]:
         """Seconds spent in forward, backward and step since the last reset (with
         `wall_clock_breakdown: true`), and, with optimizer offload, inside the step: waiting for

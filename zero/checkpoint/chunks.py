@@ -21,6 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint import (
     DefaultLoadPlanner,
     DefaultSavePlanner,
@@ -92,7 +93,7 @@ def save_chunks(chunks: list[Chunk], path: str, process_group=None) -> None:
     import torch.distributed.checkpoint as dcp
 
     dcp.save({}, storage_writer=HuggingFaceStorageWriter(path, save_distributed=True), planner=_SaveChunks(chunks),
-             process_group=process_group)
+             process_group=process_group, no_dist=not dist.is_initialized())
 
 
 def saved_tensors(path: str) -> dict[str, int]:
@@ -106,4 +107,4 @@ def load_chunks(chunks: list[Chunk], path: str, process_group=None) -> None:
     import torch.distributed.checkpoint as dcp
 
     dcp.load({}, storage_reader=HuggingFaceStorageReader(path), planner=_LoadChunks(chunks),
-             process_group=process_group)
+             process_group=process_group, no_dist=not dist.is_initialized())

@@ -216,6 +216,18 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
         copies; return what torch should copy into `param.data` instead of `value`, if anything."""
         return None
 
+    # -- checkpoints (see [Note: checkpoint chunks] in zero/checkpoint/chunks.py) -----------------
+
+    @abc.abstractmethod
+    def param_chunks(self, param: torch.nn.Parameter, saving: bool) -> list[tuple[str, int, torch.Tensor]]:
+        """(kind, offset, local 1-D view) of `param`'s global tensors this rank writes (`saving`)
+        or reads: kind "model" (the parameter in the training dtype), and for a trainable
+        parameter "master", "exp_avg" and "exp_avg_sq" (fp32)."""
+
+    def after_checkpoint_load(self) -> None:
+        """Make the loaded values visible to the model (16-bit copies, gathered units)."""
+        self.publish()
+
     # -- what subclasses provide --------------------------------------------------------------
 
     @abc.abstractmethod

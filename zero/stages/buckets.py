@@ -118,6 +118,29 @@ class ZeroOptimizer(ShardedAdam):
                 self.master[bucket.index][a - lo : b - lo].copy_(full[a - off : b - off])
             p.data = self.flat[off : off + n].view_as(p)
 
+    def param_chunks(self, param: nn.Parameter, saving: bool) -> list[tuple[str, int, torch.Tensor]]:
+        i = self._index.get(param)
+        if i is None:  # frozen: replicated on every rank, written by rank 0
+            whole = param.detach().reshape(-1)
+            return [("model", 0, whole)] if not saving or self.comm.rank == 0 else []
+        off, n = self.layout.offsets[i], self.layout.numels[i]
+        bucket = self.layout.buckets[self.layout.bucket_of[i]]
+        lo, hi = self._own(bucket)
+        a, b = max(lo, off), min(hi, off + n)
+        b = max(a, b)
+        out = []
+        if saving and (self.partitions > 1 or self.comm.rank == 0):
+            out.append(("model", a - off, self.flat[a:b]))  # this rank's slice (stage 0: rank 0 writes all)
+        elif not saving:
+            out.append(("model", 0, self.flat[off : off + n]))  # every rank holds the whole parameter
+        if saving and self.partitions == 1 and self.comm.rank != 0:
+            return out
+        master = self.master[bucket.index]
+        for kind, t in (("master", master), ("exp_avg", self.exp_avg[bucket.index]),
+                        ("exp_avg_sq", self.exp_avg_sq[bucket.index])):
+            out.append((kind, a - off, t[a - lo : b - lo]))
+        return out
+
     def load_param(self, param: nn.Parameter, value: torch.Tensor) -> None:
         """The master's part of `param` takes `value` exactly (torch then writes the 16-bit param)."""
         i = self._index.get(param)

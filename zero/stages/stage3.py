@@ -479,6 +479,9 @@ class Stage3Optimizer(ShardedAdam):
                 out.append((r.group, r.master, r.grad, r.exp_avg, r.exp_avg_sq, out16))
         return out
 
+    def param_chunks(self, param: nn.Parameter, saving: bool) -> list[tuple[str, int, torch.Tensor]]:
+        return param._zero.unit.param_chunks(param)
+
     def load_param(self, param: nn.Parameter, value: torch.Tensor) -> torch.Tensor | None:
         z = getattr(param, "_zero", None)
         return None if z is None or z.unit is None else z.unit.load_param(param, value)

@@ -243,6 +243,20 @@ class ParamUnit:
         self.start_gather()
         self.finish_gather(wait)
 
+    def param_chunks(self, p: nn.Parameter) -> list[tuple[str, int, torch.Tensor]]:
+        """This rank's pieces of `p`: its shard (without padding) and, if trainable, the master's
+        and Adam states' parts (see ShardedAdam.param_chunks)."""
+        i = next(i for i, q in enumerate(self.params) if q is p)
+        z, off, s = p._zero, self.offsets[i], self.split_sizes[i]
+        start = self.comm.rank * s
+        n = max(0, min(z.numel, start + s) - start)
+        out = [("model", start, self.shard[off : off + n])]
+        r = next((r for r in self.ranges if r.lo <= off < r.hi), None)
+        if r is not None:
+            for kind, t in (("master", r.master), ("exp_avg", r.exp_avg), ("exp_avg_sq", r.exp_avg_sq)):
+                out.append((kind, start, t[off - r.lo : off - r.lo + n]))
+        return out
+
     @torch.no_grad()
     def load_param(self, p: nn.Parameter, value: torch.Tensor) -> torch.Tensor | None:
         """Set `p` to `value` (its full value): this rank's shard, its fp32 master and, while the

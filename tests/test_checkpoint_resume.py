@@ -1,0 +1,127 @@
+"""Training checkpoints: resuming equals never stopping, and a checkpoint loads at another world
+size and stage."""
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zero
+from zero.testing.training import build_model, make_batch
+
+SCHEDULER = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 4}}
+
+VARIANTS = {
+    "stage0": {"stage": 0},
+    "stage1": {"stage": 1},
+    "stage2": {"stage": 2, "reduce_bucket_size": 300},
+    "stage3": {"stage": 3, "stage3_param_persistence_threshold": 20, "stage3_module_granularity_threshold": 300},
+    "stage2-offload": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False}},
+    "stage3-offload": {"stage": 3, "stage3_param_persistence_threshold": 20, "offload_param": {"device": "cpu"},
+                       "offload_optimizer": {"device": "cpu", "pin_memory": False}},
+}
+
+
+def _engine(zc: dict, fp16: bool = False):
+    torch.manual_seed(0)
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+           "scheduler": SCHEDULER, "zero_optimization": zc}
+    if fp16:
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 3}
+    engine, *_ = zero.initialize(model=build_model("mlp"), config=cfg)
+    return engine
+
+
+def _train(engine, first: int, last: int) -> None:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for step in range(first, last):
+        for micro in range(2):
+            x, y = make_batch("mlp", 4, torch.Generator().manual_seed(1000 * step + 10 * micro + rank))
+            if engine.config.fp16.enabled:
+                x, y = x.half(), y.half()
+            engine.backward(engine(x, y))
+            engine.step()
+
+
+def _state(engine) -> dict:
+    with zero.GatheredParameters(list(engine.module.parameters())):
+        params = [p.detach().float().clone() for p in engine.module.parameters()]
+    return dict(params=params, shards=engine.optimizer.shard_state(), steps=engine.global_steps,
+                lr=engine.get_lr(), scale=engine.optimizer.loss_scaler.scale, skipped=engine.skipped_steps,
+                torch_rng=torch.rand(1).item())
+
+
+def resume_equals_straight(variant: str, fp16: bool, path: str):
+    zc = VARIANTS[variant]
+    straight = _engine(zc, fp16)
+    _train(straight, 0, 10)
+    expected = _state(straight)
+
+    first = _engine(zc, fp16)
+    _train(first, 0, 5)
+    torch.manual_seed(123)  # the RNG state is saved and restored with the checkpoint
+    first.save_checkpoint(path, client_state={"epoch": 3})
+    torch.manual_seed(123)
+    after_save = torch.rand(1).item()
+    resumed = _engine(zc, fp16)
+    torch.manual_seed(999)
+    loaded, client = resumed.load_checkpoint(path)
+    rng_restored = torch.rand(1).item() == after_save
+    _train(resumed, 5, 10)
+    got = _state(resumed)
+    same_params = all(torch.equal(a, b) for a, b in zip(expected["params"], got["params"]))
+    same_shards = all(torch.equal(a[k], b[k]) for a, b in zip(expected["shards"], got["shards"])
+                      for k in ("master", "exp_avg", "exp_avg_sq")) and len(expected["shards"]) == len(got["shards"])
+    return dict(params=same_params, shards=same_shards, client=client, path=loaded, rng=rng_restored,
+                counters=(got["steps"], got["lr"], got["scale"], got["skipped"]) ==
+                (expected["steps"], expected["lr"], expected["scale"], expected["skipped"]))
+
+
+@pytest.mark.parametrize("variant,fp16", [(v, False) for v in VARIANTS] + [("stage2", True)])
+def test_resuming_from_a_checkpoint_equals_never_stopping(dist_run, tmp_path, variant, fp16):
+    for r in dist_run(2, resume_equals_straight, variant, fp16, str(tmp_path)):
+        assert r["params"] and r["shards"], r  # bitwise
+        assert r["counters"] and r["rng"], r
+        assert r["client"] == {"epoch": 3} and r["path"] == os.path.join(str(tmp_path), "global_step5")
+    assert (tmp_path / "latest").read_text() == "global_step5"
+    files = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert all(f.endswith((".json", ".safetensors")) or f == "latest" for f in files), files
+    state = json.loads((tmp_path / "global_step5" / "zero_checkpoint.json").read_text())
+    assert state["global_steps"] == 5 and state["world_size"] == 2
+
+
+def save_at(stage: int, path: str):
+    engine = _engine(VARIANTS[f"stage{stage}"] if stage else {"stage": 0})
+    _train(engine, 0, 4)
+    engine.save_checkpoint(path)
+    return _state(engine)["params"]
+
+
+def load_at(stage: int, path: str, offload: bool = False):
+    zc = dict(VARIANTS[f"stage{stage}"] if stage else {"stage": 0})
+    if offload:
+        zc["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    engine = _engine(zc)
+    engine.load_checkpoint(path)
+    loaded = _state(engine)["params"]
+    _train(engine, 4, 6)
+    return loaded, _state(engine)["params"], engine.global_steps
+
+
+def test_a_checkpoint_loads_at_another_world_size_and_stage(dist_run, tmp_path):
+    saved = dist_run(2, save_at, 3, str(tmp_path / "w2s3"))[0]
+    continued = {}
+    for world, stage in ((1, 1), (1, 2), (2, 1), (2, 2), (2, 0)):
+        if world == 1:
+            results = [load_at(stage, str(tmp_path / "w2s3"))]
+        else:
+            results = dist_run(2, load_at, stage, str(tmp_path / "w2s3"), stage == 2)
+        for loaded, _after, steps in results:
+            assert all(torch.equal(a, b) for a, b in zip(saved, loaded)), (world, stage)
+            assert steps == 6
+        continued[(world, stage)] = results[0][1]
+    # 2 ranks at stages 0/1/2 continue identically to each other (same data, same world size)
+    for key in ((2, 2), (2, 0)):
+        assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(continued[(2, 1)], continued[key])), key

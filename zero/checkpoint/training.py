@@ -1,0 +1,287 @@
+"""Training checkpoints: `engine.save_checkpoint` / `engine.load_checkpoint` (DeepSpeed's API).
+
+[Note: checkpoint layout]
+    save_dir/
+      latest                      the last complete tag (written last, atomically)
+      global_step100/             one tag
+        zero_checkpoint.json      format, world size, stage, counters, loss scaler, lr scheduler,
+                                  param groups, every parameter's shape/dtype, client_state
+        tensors/*.safetensors     model/master/exp_avg/exp_avg_sq as chunked global 1-D tensors,
+                                  one file per saving rank (see [Note: checkpoint chunks])
+        rng/rank<r>.safetensors   each rank's torch (CPU and CUDA), numpy and python RNG states
+Nothing is a pickle: tensors are safetensors, everything else JSON. A tag is written under a
+temporary name (`.global_step100.tmp`) and renamed once every rank has finished; `latest` is
+replaced after that. A crash at any moment leaves the previous tag and `latest` as they were.
+Loading reads only the files above and refuses a tag directory holding anything else that could
+be a pickle, without opening it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from zero.checkpoint.chunks import Chunk, load_chunks, save_chunks, saved_tensors
+
+FORMAT = "zero-checkpoint"
+VERSION = 1
+STATE_FILE = "zero_checkpoint.json"
+OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded; the message names the file and the problem."""
+
+
+def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
+    """(name, tensor, is_parameter) for every parameter (tied ones once) and persistent buffer."""
+    out = [(n, p, True) for n, p in module.named_parameters()]
+    names = set(module.state_dict().keys())
+    out += [(n, b, False) for n, b in module.named_buffers() if n in names]
+    return out
+
+
+def _shape(t: torch.Tensor) -> list[int]:
+    z = getattr(t, "_zero", None)
+    return list(z.shape if z is not None else t.shape)
+
+
+def _chunks(engine, saving: bool, kinds: tuple[str, ...] = ("model", *OPTIMIZER_KINDS),
+            exclude_frozen: bool = False) -> list[Chunk]:
+    opt = engine.optimizer
+    out: list[Chunk] = []
+    for name, t, is_param in _named_tensors(engine.module):
+        numel = int(np.prod(_shape(t)))
+        if is_param:
+            if exclude_frozen and not t.requires_grad:
+                continue
+            pieces = opt.param_chunks(t, saving)
+        else:  # buffers are replicated: rank 0 writes them, every rank reads them
+            if not t.is_contiguous():
+                raise CheckpointError(f"buffer {name!r} is not contiguous; zero checkpoints store buffers flat")
+            pieces = [("model", 0, t.detach().view(-1))] if not saving or engine.comm.rank == 0 else []
+        out += [Chunk(f"{kind}/{name}", off, view, numel) for kind, off, view in pieces if kind in kinds]
+    return out
+
+
+def _json_or_error(value: Any, what: str) -> Any:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{what} cannot be saved: zero checkpoints hold it as JSON (no pickle), and {exc}. "
+                              f"Keep numbers, strings, lists and dicts in it (tensors as lists).") from None
+    return value
+
+
+def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{i}"] = s
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    tensors["numpy_keys"] = torch.from_numpy(np.asarray(keys, dtype=np.int64))
+    version, state, py_gauss = random.getstate()
+    meta = {"numpy": json.dumps([kind, int(pos), int(has_gauss), float(gauss)]),
+            "python": json.dumps([version, list(state), py_gauss])}
+    return tensors, meta
+
+
+def _set_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    cuda = [tensors[k] for k in sorted(k for k in tensors if k.startswith("torch_cuda_"))]
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+    kind, pos, has_gauss, gauss = json.loads(meta["numpy"])
+    np.random.set_state((kind, tensors["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, state, py_gauss = json.loads(meta["python"])
+    random.setstate((version, tuple(state), py_gauss))
+
+
+def _write_json(path: Path, value: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(value, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None,
+                    save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
+    """See Engine.save_checkpoint. Returns the tag's path."""
+    from safetensors.torch import save_file
+
+    comm = engine.comm
+    tag = tag if tag is not None else f"global_step{engine.global_steps}"
+    if not tag or "/" in tag or tag in (".", "..") or tag.startswith("."):
+        raise CheckpointError(f"checkpoint tag {tag!r} must be a plain directory name")
+    root = Path(save_dir)
+    final, tmp = root / tag, root / f".{tag}.tmp"
+    scheduler = engine.lr_scheduler
+    state = {
+        "format": FORMAT, "version": VERSION, "world_size": comm.world_size,
+        "stage": engine.config.zero_optimization.stage, "dtype": str(engine.config.dtype),
+        "global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
+        "micro_steps": engine.micro_steps, "global_samples": engine.global_samples,
+        "optimizer_step": engine.optimizer.step_count,
+        "loss_scaler": _json_or_error(engine.optimizer.loss_scaler.state_dict(), "the loss scaler's state"),
+        "lr_scheduler": _json_or_error(scheduler.state_dict(), "the lr scheduler's state_dict()")
+        if scheduler is not None and hasattr(scheduler, "state_dict") else None,
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
+        "tensors": {n: {"shape": _shape(t), "dtype": str(t.dtype), "parameter": is_param,
+                        "trainable": bool(is_param and t.requires_grad)}
+                    for n, t, is_param in _named_tensors(engine.module)},
+        "client_state": _json_or_error(dict(client_state or {}), "client_state"),
+    }
+    comm.agree([6, 1, 0], f"save_checkpoint({str(root)!r}, tag={tag!r})")  # every rank, or none
+    error = None
+    try:
+        if comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a save that died before
+            (tmp / "rng").mkdir(parents=True)
+    except OSError as exc:
+        error = exc
+    if comm.any_rank(error is not None):  # the directory exists before anyone writes into it
+        raise CheckpointError(f"save_checkpoint: could not create {tmp} on rank 0 ({error or 'see rank 0'})")
+    try:
+        with torch.no_grad():
+            chunks = _chunks(engine, saving=True, exclude_frozen=exclude_frozen_parameters)
+            save_chunks([Chunk(c.name, c.offset, c.tensor.detach().to("cpu", copy=True), c.numel) for c in chunks],
+                        str(tmp / "tensors"))
+        tensors, meta = _rng_state()
+        save_file(tensors, str(tmp / "rng" / f"rank{comm.rank}.safetensors"), metadata=meta)
+        if comm.rank == 0:
+            _write_json(tmp / STATE_FILE, state)
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+        error = exc
+    if comm.any_rank(error is not None):  # every rank has written its files, or some rank failed
+        raise CheckpointError(f"save_checkpoint: writing {tmp} failed on "
+                              f"{'this rank' if error else 'another rank'} ({error or 'see its log'}); the "
+                              f"previous checkpoints and 'latest' are unchanged") from error
+    if comm.rank == 0:
+        old = root / f".{tag}.old"
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+        if save_latest:
+            latest = root / "latest"
+            with open(root / ".latest.tmp", "w") as fh:
+                fh.write(tag)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(root / ".latest.tmp", latest)
+    comm.any_rank(False)  # the tag is in place before anyone goes on
+    return str(final)
+
+
+_OURS = {STATE_FILE}
+
+
+def _check_tag_dir(path: Path) -> None:
+    """Refuse a tag directory holding files zero did not write (a pickle could hide there)."""
+    for p in sorted(path.rglob("*")):
+        if p.is_dir():
+            continue
+        rel = p.relative_to(path)
+        ok = rel.name in _OURS or (rel.parts[0] in ("tensors", "rng") and rel.suffix == ".safetensors")
+        if not ok:
+            raise CheckpointError(f"{p}: not a file of a zero checkpoint (zero checkpoints hold only JSON and "
+                                  f"safetensors files; a pickle is never loaded). Remove it, or check that "
+                                  f"{path} is a zero checkpoint.")
+
+
+def resolve_tag(load_dir: str | os.PathLike, tag: str | None) -> Path:
+    root = Path(load_dir)
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint directory {root} does not exist")
+    if tag is None:
+        latest = root / "latest"
+        if not latest.is_file():
+            raise CheckpointError(f"{latest} does not exist: pass tag= or save with save_latest=True")
+        tag = latest.read_text().strip()
+    path = root / tag
+    if not (path / STATE_FILE).is_file():
+        raise CheckpointError(f"checkpoint tag {tag!r} not found: {path / STATE_FILE} does not exist")
+    return path
+
+
+def read_state(path: Path) -> dict:
+    _check_tag_dir(path)
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path / STATE_FILE} is not readable JSON: {exc}") from None
+    if state.get("format") != FORMAT or state.get("version") != VERSION:
+        raise CheckpointError(f"{path / STATE_FILE}: unknown format {state.get('format')!r} version "
+                              f"{state.get('version')!r} (this zero reads {FORMAT!r} version {VERSION})")
+    return state
+
+
+def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False) -> tuple[str, dict]:
+    """See Engine.load_checkpoint."""
+    from safetensors import safe_open
+
+    path = resolve_tag(load_dir, tag)
+    state = read_state(path)
+    # check everything before changing anything
+    saved = state["tensors"]
+    mine = {n: (_shape(t), is_param) for n, t, is_param in _named_tensors(engine.module)}
+    problems = [f"{n}: shape {saved[n]['shape']} in the checkpoint, {s} in the model"
+                for n, (s, _) in mine.items() if n in saved and saved[n]["shape"] != s]
+    if load_module_strict:
+        problems += [f"{n}: missing from the checkpoint" for n in mine if n not in saved]
+        problems += [f"{n}: in the checkpoint, not in the model" for n in saved if n not in mine]
+    if problems:
+        raise CheckpointError(f"{path}: the checkpoint does not match the model ({len(problems)} problem(s)): "
+                              + "; ".join(problems))
+    try:
+        stored = saved_tensors(str(path / "tensors"))
+    except Exception as exc:  # noqa: BLE001 - safetensors and DCP raise many kinds on a damaged file
+        raise CheckpointError(f"{path / 'tensors'}: a tensor file is truncated or corrupt ({exc})") from None
+    with_optimizer = load_optimizer_states and not load_module_only
+    trainable = [n for n, t, is_param in _named_tensors(engine.module) if is_param and t.requires_grad]
+    if with_optimizer:
+        absent = [f"{k}/{n}" for n in trainable for k in OPTIMIZER_KINDS if f"{k}/{n}" not in stored]
+        if absent:
+            raise CheckpointError(f"{path}: the checkpoint lacks optimizer states ({absent[:4]}...); load with "
+                                  f"load_optimizer_states=False to take the model only")
+    kinds = ("model", *OPTIMIZER_KINDS) if with_optimizer else ("model",)
+    chunks = [c for c in _chunks(engine, saving=False, kinds=kinds) if c.name in stored]
+    try:
+        with torch.no_grad():
+            load_chunks(chunks, str(path / "tensors"))
+            if not with_optimizer:  # the master follows the loaded model
+                load_chunks([Chunk(f"model/{c.name.split('/', 1)[1]}", c.offset, c.tensor, c.numel)
+                             for c in _chunks(engine, saving=False, kinds=("master",))], str(path / "tensors"))
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"{path / 'tensors'}: reading failed ({exc})") from exc
+    engine.optimizer.after_checkpoint_load()
+    engine.optimizer.edits_seen(engine.module.parameters())
+    if load_module_only:
+        return str(path), state["client_state"]
+    if with_optimizer:
+        engine.optimizer.step_count = state["optimizer_step"]
+        for group, saved_group in zip(engine.optimizer.param_groups, state["param_groups"]):
+            group.update({k: tuple(v) if k == "betas" else v for k, v in saved_group.items()})
+        engine.optimizer.loss_scaler.load_state_dict(state["loss_scaler"])
+    if load_lr_scheduler_states and state["lr_scheduler"] is not None and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    for key in ("global_steps", "skipped_steps", "micro_steps", "global_samples"):
+        setattr(engine, key, state[key])
+    engine.optimizer.at_boundary = engine.is_gradient_accumulation_boundary()
+    engine._backwards = 0
+    rng = path / "rng" / f"rank{engine.comm.rank}.safetensors"
+    if rng.is_file():
+        with safe_open(str(rng), framework="pt") as f:
+            _set_rng_state({k: f.get_tensor(k) for k in f.keys()}, f.metadata())
+    return str(path), state["client_state"]
