@@ -409,14 +409,20 @@ class Comm:
             except Exception:  # noqa: BLE001 - best effort: the error being raised matters more
                 pass
 
-    def any_rank(self, flag: bool) -> bool:
+    def any_rank(self, flag: bool, what: str = "a save") -> bool:
         """True on every rank if `flag` is True on any; a barrier bounded only by the process
-        group's own timeout (one rank may be busy for long, writing a checkpoint)."""
+        group's own timeout (one rank may be busy for long, writing a checkpoint). `what` names
+        the work being waited for, in the error if a rank dies meanwhile."""
         if self.world_size == 1:
             return flag
         t = torch.tensor([float(flag)])
         staged = self._staged([], [t])
         if staged is not None:
             t = staged[1][0]
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        except RuntimeError as exc:
+            self.abort()
+            raise CollectiveTimeout(f"waiting for every rank to finish {what} failed because another rank stopped "
+                                    f"or crashed (see its log for the first error) ({exc}).") from exc
         return bool(t.item())

@@ -161,7 +161,7 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
             _write_json(tmp / STATE_FILE, state)
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it
         error = exc
-    if comm.any_rank(error is not None):  # every rank has written its files, or some rank failed
+    if comm.any_rank(error is not None, f"writing checkpoint {tmp}"):  # all written, or a rank failed
         raise CheckpointError(f"save_checkpoint: writing {tmp} failed on "
                               f"{'this rank' if error else 'another rank'} ({error or 'see its log'}); the "
                               f"previous checkpoints and 'latest' are unchanged") from error
