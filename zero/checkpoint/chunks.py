@@ -18,6 +18,7 @@ reshards.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -92,8 +93,10 @@ def save_chunks(chunks: list[Chunk], path: str, process_group=None) -> None:
     """Write this rank's chunks into `path` (every rank calls it; one safetensors file per rank)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save({}, storage_writer=HuggingFaceStorageWriter(path, save_distributed=True), planner=_SaveChunks(chunks),
-             process_group=process_group, no_dist=not dist.is_initialized())
+    with warnings.catch_warnings():  # a world of one: DCP says it saves in one process, which is meant
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({}, storage_writer=HuggingFaceStorageWriter(path, save_distributed=True), planner=_SaveChunks(chunks),
+                 process_group=process_group, no_dist=not dist.is_initialized())
 
 
 def saved_tensors(path: str) -> dict[str, int]:
@@ -106,5 +109,7 @@ def load_chunks(chunks: list[Chunk], path: str, process_group=None) -> None:
     """Fill every chunk from the checkpoint in `path`, whatever layout saved it (every rank calls it)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.load({}, storage_reader=HuggingFaceStorageReader(path), planner=_LoadChunks(chunks),
-             process_group=process_group, no_dist=not dist.is_initialized())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({}, storage_reader=HuggingFaceStorageReader(path), planner=_LoadChunks(chunks),
+                 process_group=process_group, no_dist=not dist.is_initialized())
