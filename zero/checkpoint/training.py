@@ -48,6 +48,13 @@ def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
     return out
 
 
+def _tied_aliases(module: nn.Module) -> dict[str, str]:
+    """Other names of tied parameters (as `state_dict()` lists them) -> the name they are saved under."""
+    first = {id(p): n for n, p in module.named_parameters()}
+    return {n: first[id(v)] for n, v in module.state_dict(keep_vars=True).items()
+            if id(v) in first and first[id(v)] != n}
+
+
 def _shape(t: torch.Tensor) -> list[int]:
     z = getattr(t, "_zero", None)
     return list(z.shape if z is not None else t.shape)
@@ -139,6 +146,7 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
                         "trainable": bool(is_param and t.requires_grad)}
                     for n, t, is_param in _named_tensors(engine.module)},
         "client_state": _json_or_error(dict(client_state or {}), "client_state"),
+        "tied": _tied_aliases(engine.module),
     }
     comm.agree([6, 1, 0], f"save_checkpoint({str(root)!r}, tag={tag!r})")  # every rank, or none
     error = None
