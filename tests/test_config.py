@@ -391,6 +391,7 @@ def test_zero_optimization_bool_legacy_form():
 # See [Note: what zero does with a DeepSpeed key] in zero/config/features.py.
 
 READ = {
+    "checkpoint.async_save",
     # batch, gradients, logging
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
     "prescale_gradients", "gradient_predivide_factor", "communication_data_type", "steps_per_print",

@@ -87,7 +87,7 @@ def _above(limit: int) -> Predicate:
 
 
 _NVME_ONLY = "only NVMe offload uses it, and zero offloads to the CPU only"
-_NO_CHECKPOINTS = "zero saves no training checkpoints yet, only the 16-bit model (save_16bit_model)"
+_NO_CHECKPOINTS = "zero's training checkpoints do not use it (see docs/checkpoint.md)"
 _NOT_MONITORED = "zero has no monitoring backends; log from your training loop"
 
 UNIMPLEMENTED_FEATURES: tuple[UnimplementedFeature, ...] = (

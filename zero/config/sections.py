@@ -486,9 +486,9 @@ class ZeroOptimizationConfig(_Section):
     overlap_comm: Optional[bool] = Field(None, description="Overlap reduction with backward; "
                                          "default true for stage 3, false otherwise.")
     load_from_fp32_weights: bool = Field(True, description="Restore fp32 master weights from training "
-                                         "checkpoints; zero has none yet (false warns).")
-    elastic_checkpoint: bool = Field(False, description="Legacy elastic training checkpoints; zero has none "
-                                     "yet (true warns).")
+                                         "checkpoints; zero's checkpoints always do (false warns).")
+    elastic_checkpoint: bool = Field(False, description="Legacy elastic training checkpoints; zero's load at any "
+                                     "world size anyway (true warns).")
     offload_param: Optional[OffloadParamConfig] = Field(None, description="Stage-3 parameter offload.")
     offload_optimizer: Optional[OffloadOptimizerConfig] = Field(None, description="Optimizer offload.")
     sub_group_size: int = Field(1_000_000_000, ge=0, description="With offload_optimizer: elements per CPU "
@@ -535,7 +535,7 @@ class ZeroOptimizationConfig(_Section):
     memory_efficient_linear: bool = Field(True, description="Stage 3: do not keep gathered linear weights "
                                           "for backward. zero never does (false warns).")
     pipeline_loading_checkpoint: bool = Field(False, description="Stage 3 pipelined checkpoint loading; zero "
-                                              "has no training checkpoints yet (true warns).")
+                                              "loads with DCP instead (true warns).")
     override_module_apply: bool = Field(True, description="Stage 3: module.apply(fn) sees gathered parameters.")
     log_trace_cache_warnings: bool = Field(False, description="Stage 3: warn when the recorded order of units "
                                            "changes.")
@@ -627,13 +627,15 @@ class ParallelWriteConfig(_Section):
     """`checkpoint.parallel_write`."""
 
     pipeline_stage: bool = Field(False, description="Pipeline-parallel checkpoint writing; zero has no "
-                                 "training checkpoints yet (true warns).")
+                                 "pipeline parallelism yet (true warns).")
 
 
 class CheckpointConfig(_Section):
-    """`checkpoint`: DeepSpeed's training-checkpoint options. zero saves no training checkpoints yet,
-    so a non-default value warns (`load_universal`, which would change the loaded state, is refused)."""
+    """`checkpoint`: training-checkpoint options (see docs/checkpoint.md). `async_save` is zero's;
+    DeepSpeed's other keys change nothing here and warn (`load_universal` is refused)."""
 
+    async_save: bool = Field(False, description="save_checkpoint snapshots the state to host memory and writes it in "
+                             "the background while training goes on.")
     tag_validation: Literal["Ignore", "Warn", "Fail"] = Field("Warn", description="Check that all ranks "
                                                                "save/load the same tag (case-insensitive).")
     load_universal: bool = Field(False, description="Load a DeepSpeed universal checkpoint (not implemented).")
