@@ -49,7 +49,7 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-_CONTROL: dict[tuple[int, int], tuple[object, Comm]] = {}  # see Comm.control
+_CONTROL: dict[tuple[int, int, str], tuple[object, Comm]] = {}  # see Comm.control and Comm.io
 
 
 class CollectiveTimeout(RuntimeError):
@@ -190,10 +190,18 @@ class Comm:
         collectives in order, so a tag sent on the data group would wait for every prefetch and
         reduction issued before it. Made once per group and process; the first call is collective
         (every rank of the group must make it)."""
+        return self._side_group("control")
+
+    def io(self) -> Comm:
+        """Another gloo group over the same ranks, for checkpoint writing, which may run in a
+        background thread while training uses the data and control groups. Made like `control`."""
+        return self._side_group("io")
+
+    def _side_group(self, kind: str) -> Comm:
         if not self.distributed or self.world_size == 1:
             return self
         world = dist.group.WORLD
-        key = (id(world), id(self.group))
+        key = (id(world), id(self.group), kind)
         entry = _CONTROL.get(key)
         if entry is None or entry[0] is not world:
             ranks = dist.get_process_group_ranks(self.group if self.group is not None else world)
@@ -203,7 +211,7 @@ class Comm:
                 group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=self.timeout_s))
             except (RuntimeError, dist.DistError) as exc:
                 raise CollectiveTimeout(
-                    f"setting up zero's control group: ranks {ranks} did not all arrive within {self.timeout_s:g} s "
+                    f"setting up zero's {kind} group: ranks {ranks} did not all arrive within {self.timeout_s:g} s "
                     f"(ZERO_COLLECTIVE_TIMEOUT). Another rank probably failed before this point (see its log for "
                     f"the first error) ({exc})") from exc
             entry = _CONTROL[key] = (world, Comm(group))
@@ -397,9 +405,10 @@ class Comm:
             return self.data.abort()
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
         groups = [self.group or dist.group.WORLD]
-        entry = _CONTROL.get((id(dist.group.WORLD), id(self.group)))
-        if entry is not None:
-            groups.append(entry[1].group)
+        for kind in ("control", "io"):
+            entry = _CONTROL.get((id(dist.group.WORLD), id(self.group), kind))
+            if entry is not None:
+                groups.append(entry[1].group)
         for group in groups:
             try:
                 if abort is not None:

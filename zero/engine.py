@@ -287,6 +287,7 @@ class Engine(nn.Module):
         self._trainable = [(n, p, p.requires_grad) for n, p in module.named_parameters()]
         self._backwards = 0  # backward passes since the last optimizer step (ranks must agree)
         self._warned_count = False
+        self._pending_save = None  # an asynchronous checkpoint save being written
         _place_the_rest(module, self.optimizer.params, self.device, config.dtype, self.comm)
         self.optimizer.at_boundary = config.gradient_accumulation_steps == 1
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
@@ -556,7 +557,8 @@ class Engine(nn.Module):
         return True
 
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None,
-                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False,
+                        async_save: bool | None = None) -> str:
         """Save the whole training state under `save_dir/tag` (default tag `global_step<N>`); all
         ranks call it. See docs/checkpoint.md for the layout and guarantees.
 
@@ -566,10 +568,25 @@ class Engine(nn.Module):
             client_state: your own JSON-serialisable values, returned by `load_checkpoint`.
             save_latest: point `save_dir/latest` at this tag once it is complete.
             exclude_frozen_parameters: leave out parameters with requires_grad=False.
+            async_save: copy the state to host memory and write it in the background (default:
+                the config's `checkpoint.async_save`); the next save, `load_checkpoint`,
+                `wait_for_checkpoint()` and process exit wait for it.
         """
         from zero.checkpoint.training import save_checkpoint
 
-        return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        self.wait_for_checkpoint()
+        if async_save is None:
+            async_save = self.config.checkpoint.async_save
+        result = save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters, async_save)
+        if not async_save:
+            return result
+        self._pending_save = result
+        return result.path
+
+    def wait_for_checkpoint(self) -> str | None:
+        """Wait for an asynchronous save to finish (raising its error, if any); returns its path."""
+        pending, self._pending_save = self._pending_save, None
+        return pending.wait() if pending is not None else None
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -582,6 +599,7 @@ class Engine(nn.Module):
         """
         from zero.checkpoint.training import load_checkpoint
 
+        self.wait_for_checkpoint()
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only)
 

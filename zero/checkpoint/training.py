@@ -17,10 +17,13 @@ be a pickle, without opening it.
 """
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import os
 import random
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -121,16 +124,14 @@ def _write_json(path: Path, value: Any) -> None:
 
 
 def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None,
-                    save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
-    """See Engine.save_checkpoint. Returns the tag's path."""
-    from safetensors.torch import save_file
-
+                    save_latest: bool = True, exclude_frozen_parameters: bool = False, async_save: bool = False):
+    """See Engine.save_checkpoint. Returns the tag's path, or with `async_save` a PendingSave."""
     comm = engine.comm
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
     if not tag or "/" in tag or tag in (".", "..") or tag.startswith("."):
         raise CheckpointError(f"checkpoint tag {tag!r} must be a plain directory name")
     root = Path(save_dir)
-    final, tmp = root / tag, root / f".{tag}.tmp"
+    final = root / tag
     scheduler = engine.lr_scheduler
     state = {
         "format": FORMAT, "version": VERSION, "world_size": comm.world_size,
@@ -149,45 +150,92 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
         "tied": _tied_aliases(engine.module),
     }
     comm.agree([6, 1, 0], f"save_checkpoint({str(root)!r}, tag={tag!r})")  # every rank, or none
+    with torch.no_grad():  # the snapshot: host copies, so training may go on while they are written
+        chunks = [Chunk(c.name, c.offset, c.tensor.detach().to("cpu", copy=True), c.numel)
+                  for c in _chunks(engine, saving=True, exclude_frozen=exclude_frozen_parameters)]
+    rng = _rng_state()
+    io = comm.io()
+    write = functools.partial(_write, io, root, tag, state, chunks, rng, save_latest)
+    if not async_save:
+        write()
+        return str(final)
+    pending = PendingSave(write, str(final))
+    _PENDING.add(pending)
+    return pending
+
+
+class PendingSave(threading.Thread):
+    """A checkpoint being written in the background (`checkpoint.async_save`)."""
+
+    def __init__(self, write, path: str):
+        super().__init__(name=f"zero-save {path}", daemon=True)
+        self.write, self.path, self.error = write, path, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.write()
+        except BaseException as exc:  # noqa: BLE001 - raised by `wait`
+            self.error = exc
+
+    def wait(self) -> str:
+        """Block until the write is done; raise its error if it failed."""
+        self.join()
+        _PENDING.discard(self)
+        if self.error is not None:
+            raise self.error
+        return self.path
+
+
+_PENDING: set[PendingSave] = set()
+
+
+@atexit.register
+def _finish_pending_saves() -> None:
+    for pending in list(_PENDING):
+        pending.join()
+
+
+def _write(io, root: Path, tag: str, state: dict, chunks: list[Chunk], rng, save_latest: bool) -> None:
+    """Write a snapshot under a temporary name, then (rank 0) rename it into place and point
+    `latest` at it; uses only the io group, so it may run in a background thread."""
+    from safetensors.torch import save_file
+
+    final, tmp = root / tag, root / f".{tag}.tmp"
     error = None
     try:
-        if comm.rank == 0:
+        if io.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a save that died before
             (tmp / "rng").mkdir(parents=True)
     except OSError as exc:
         error = exc
-    if comm.any_rank(error is not None):  # the directory exists before anyone writes into it
+    if io.any_rank(error is not None):  # the directory exists before anyone writes into it
         raise CheckpointError(f"save_checkpoint: could not create {tmp} on rank 0 ({error or 'see rank 0'})")
     try:
-        with torch.no_grad():
-            chunks = _chunks(engine, saving=True, exclude_frozen=exclude_frozen_parameters)
-            save_chunks([Chunk(c.name, c.offset, c.tensor.detach().to("cpu", copy=True), c.numel) for c in chunks],
-                        str(tmp / "tensors"))
-        tensors, meta = _rng_state()
-        save_file(tensors, str(tmp / "rng" / f"rank{comm.rank}.safetensors"), metadata=meta)
-        if comm.rank == 0:
+        save_chunks(chunks, str(tmp / "tensors"), process_group=io.group if io.distributed else None)
+        tensors, meta = rng
+        save_file(tensors, str(tmp / "rng" / f"rank{io.rank}.safetensors"), metadata=meta)
+        if io.rank == 0:
             _write_json(tmp / STATE_FILE, state)
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it
         error = exc
-    if comm.any_rank(error is not None, f"writing checkpoint {tmp}"):  # all written, or a rank failed
+    if io.any_rank(error is not None, f"writing checkpoint {tmp}"):  # all written, or a rank failed
         raise CheckpointError(f"save_checkpoint: writing {tmp} failed on "
                               f"{'this rank' if error else 'another rank'} ({error or 'see its log'}); the "
                               f"previous checkpoints and 'latest' are unchanged") from error
-    if comm.rank == 0:
+    if io.rank == 0:
         old = root / f".{tag}.old"
         if final.exists():
             final.rename(old)
         tmp.rename(final)
         shutil.rmtree(old, ignore_errors=True)
         if save_latest:
-            latest = root / "latest"
             with open(root / ".latest.tmp", "w") as fh:
                 fh.write(tag)
                 fh.flush()
                 os.fsync(fh.fileno())
-            os.replace(root / ".latest.tmp", latest)
-    comm.any_rank(False)  # the tag is in place before anyone goes on
-    return str(final)
+            os.replace(root / ".latest.tmp", root / "latest")
+    io.any_rank(False)  # the tag is in place before anyone goes on
 
 
 _OURS = {STATE_FILE}
