@@ -60,3 +60,25 @@ def test_the_command_line(tmp_path, dist_run):
     bad = subprocess.run([sys.executable, "-m", "zero.checkpoint", "to-fp32", str(tmp_path / "nowhere"),
                           str(tmp_path / "x")], capture_output=True, text=True)
     assert bad.returncode == 2 and "checkpoint directory" in bad.stderr and "does not exist" in bad.stderr
+
+
+def save_16bit(path: str):
+    torch.manual_seed(0)
+    engine, *_ = zero.initialize(model=GPT(CFG), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}, "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True,
+                              "stage3_param_persistence_threshold": 20}})
+    engine.save_16bit_model(path)
+    with zero.GatheredParameters(list(engine.module.parameters())):
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def test_save_16bit_model_writes_safetensors_by_default(dist_run, tmp_path):
+    from safetensors.torch import load_file
+
+    gathered = dist_run(2, save_16bit, str(tmp_path))[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    state = load_file(str(tmp_path / "model.safetensors"))
+    missing, unexpected = GPT(CFG).to(torch.bfloat16).load_state_dict(state, strict=False)
+    assert missing == ["head.weight"] and unexpected == []  # tied: saved once
+    assert all(torch.equal(state[n], gathered[n]) for n in state if n in gathered)

@@ -528,9 +528,11 @@ class Engine(nn.Module):
 
         return consolidated_state_dict(self.module, self.comm, exclude_frozen_parameters)
 
-    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
+    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Save the consolidated 16-bit state dict from rank 0 (atomically); all ranks call it.
+        `model.safetensors` by default (tied parameters once, as HuggingFace saves them); a
+        filename ending in `.bin` or `.pt` gets torch.save instead.
 
         Under stage 3 this needs `stage3_gather_16bit_weights_on_model_save: true` (as in
         DeepSpeed); otherwise it warns, saves nothing and returns False.

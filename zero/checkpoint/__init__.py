@@ -136,8 +136,25 @@ def _write_failed(path: Path, tmp: str, exc: BaseException) -> CheckpointWriteEr
     return err
 
 
+def _write_state(obj, fh, path: Path) -> None:
+    """safetensors for `*.safetensors` (tied tensors once, as HuggingFace saves them), else torch.save."""
+    if path.suffix != ".safetensors":
+        torch.save(obj, fh)
+        return
+    from safetensors.torch import save
+
+    seen: set[int] = set()
+    unique = {}
+    for name, t in obj.items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            unique[name] = t.contiguous()
+    fh.write(save(unique, metadata={"format": "pt"}))
+
+
 def atomic_save(obj, path: str | os.PathLike) -> None:
-    """torch.save to a temporary file beside `path`, then rename it into place.
+    """Write `obj` (a state dict) to a temporary file beside `path`, then rename it into place:
+    safetensors when `path` ends in `.safetensors`, torch.save otherwise.
 
     See [Note: atomic checkpoint writes].
 
@@ -151,7 +168,7 @@ def atomic_save(obj, path: str | os.PathLike) -> None:
     try:
         try:
             with os.fdopen(fd, "wb") as fh:
-                torch.save(obj, fh)
+                _write_state(obj, fh, path)
                 fh.flush()
                 os.fsync(fh.fileno())
         except (OSError, RuntimeError) as exc:
