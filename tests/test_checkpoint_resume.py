@@ -90,3 +90,34 @@ def test_resuming_from_a_checkpoint_equals_never_stopping(dist_run, tmp_path, va
     assert all(f.endswith((".json", ".safetensors")) or f == "latest" for f in files), files
     state = json.loads((tmp_path / "global_step5" / "zero_checkpoint.json").read_text())
     assert state["global_steps"] == 5 and state["world_size"] == 2
+
+
+def loader_resumes(path: str):
+    data = torch.utils.data.TensorDataset(torch.arange(40, dtype=torch.float32).view(40, 1))
+
+    def run():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(1, 1)
+        return zero.initialize(model=model, training_data=data, config={
+            "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}})
+
+    engine, _, loader, _ = run()
+    loader.sampler.set_epoch(1)
+    straight = [b[0].view(-1).tolist() for b in loader]
+    engine2, _, loader2, _ = run()
+    loader2.sampler.set_epoch(1)
+    seen = []
+    for i, (x,) in enumerate(loader2):
+        seen.append(x.view(-1).tolist())
+        if i == 2:
+            break
+    engine2.save_checkpoint(path, tag="mid")
+    engine3, _, loader3, _ = run()
+    engine3.load_checkpoint(path, tag="mid")
+    rest = [b[0].view(-1).tolist() for b in loader3]
+    return straight, seen + rest
+
+
+def test_the_data_loader_resumes_mid_epoch(dist_run, tmp_path):
+    for straight, resumed in dist_run(2, loader_resumes, str(tmp_path)):
+        assert resumed == straight and len(straight) == 10

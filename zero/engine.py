@@ -288,6 +288,7 @@ class Engine(nn.Module):
         self._backwards = 0  # backward passes since the last optimizer step (ranks must agree)
         self._warned_count = False
         self._pending_save = None  # an asynchronous checkpoint save being written
+        self.training_dataloader = None  # the loader initialize(training_data=...) made
         _place_the_rest(module, self.optimizer.params, self.device, config.dtype, self.comm)
         self.optimizer.at_boundary = config.gradient_accumulation_steps == 1
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
@@ -678,10 +679,10 @@ def initialize(
         optimizer = optimizer(model.parameters() if model_parameters is None else model_parameters)
     engine = Engine(model, cfg, model_parameters, optimizer, lr_scheduler)
     loader = None
-    if training_data is not None:
-        sampler = torch.utils.data.distributed.DistributedSampler(
-            training_data, num_replicas=world_size, rank=engine.comm.rank) if world_size > 1 else None
-        loader = torch.utils.data.DataLoader(
-            training_data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler,
-            shuffle=sampler is None, collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last)
+    if training_data is not None:  # its position in the epoch goes into checkpoints
+        from zero.data import ResumableLoader
+
+        loader = engine.training_dataloader = ResumableLoader(
+            training_data, batch_size=cfg.train_micro_batch_size_per_gpu, num_replicas=world_size,
+            rank=engine.comm.rank, collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last)
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -148,6 +148,7 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
                     for n, t, is_param in _named_tensors(engine.module)},
         "client_state": _json_or_error(dict(client_state or {}), "client_state"),
         "tied": _tied_aliases(engine.module),
+        "dataloader": engine.training_dataloader.state_dict() if engine.training_dataloader is not None else None,
     }
     comm.agree([6, 1, 0], f"save_checkpoint({str(root)!r}, tag={tag!r})")  # every rank, or none
     with torch.no_grad():  # the snapshot: host copies, so training may go on while they are written
@@ -334,6 +335,8 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
     for key in ("global_steps", "skipped_steps", "micro_steps", "global_samples"):
         setattr(engine, key, state[key])
+    if state.get("dataloader") is not None and engine.training_dataloader is not None:
+        engine.training_dataloader.load_state_dict(state["dataloader"])
     engine.optimizer.at_boundary = engine.is_gradient_accumulation_boundary()
     engine._backwards = 0
     rng = path / "rng" / f"rank{engine.comm.rank}.safetensors"
