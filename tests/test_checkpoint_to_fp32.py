@@ -82,3 +82,34 @@ def test_save_16bit_model_writes_safetensors_by_default(dist_run, tmp_path):
     missing, unexpected = GPT(CFG).to(torch.bfloat16).load_state_dict(state, strict=False)
     assert missing == ["head.weight"] and unexpected == []  # tied: saved once
     assert all(torch.equal(state[n], gathered[n]) for n in state if n in gathered)
+
+
+MAKE = """
+import sys, torch, torch.nn as nn, zero
+torch.manual_seed(0)
+frozen = [nn.Linear(2048, 2048, bias=False) for _ in range(20)]  # 16 MB each, 320 MB in all
+for m in frozen:
+    m.requires_grad_(False)
+model = nn.Sequential(*frozen, nn.Linear(2048, 2))
+engine, *_ = zero.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
+                                                  "optimizer": {"type": "AdamW"}})
+engine.save_checkpoint(sys.argv[1])
+"""
+
+CONVERT = """
+import resource, sys
+from zero.checkpoint.consolidate import to_fp32
+import safetensors.torch, torch.distributed.checkpoint  # imports before the baseline
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+files = to_fp32(sys.argv[1], sys.argv[2], max_shard_size="32MB")
+print(len(files), (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+def test_to_fp32_memory_stays_at_the_largest_tensor_plus_one_shard(tmp_path):
+    subprocess.run([sys.executable, "-c", MAKE, str(tmp_path / "ckpt")], check=True, capture_output=True)
+    run = subprocess.run([sys.executable, "-c", CONVERT, str(tmp_path / "ckpt"), str(tmp_path / "out")],
+                         check=True, capture_output=True, text=True)
+    files, grew = map(int, run.stdout.split())
+    assert files == 21  # 20 shards of one 16.8 MB tensor each (32 MB holds one), the head in the last, the index
+    assert grew < 160e6, grew  # 320 MB of tensors; bound: ~3 x 16 MB (read, assembled) + 2 x 32 MB (a shard)

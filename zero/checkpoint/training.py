@@ -314,12 +314,15 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
                                   f"load_optimizer_states=False to take the model only")
     kinds = ("model", *OPTIMIZER_KINDS) if with_optimizer else ("model",)
     chunks = [c for c in _chunks(engine, saving=False, kinds=kinds) if c.name in stored]
+    io = engine.comm.io()  # DCP's own collectives go over gloo, whatever the data group is
+    group = io.group if io.distributed else None
     try:
         with torch.no_grad():
-            load_chunks(chunks, str(path / "tensors"))
+            load_chunks(chunks, str(path / "tensors"), process_group=group)
             if not with_optimizer:  # the master follows the loaded model
                 load_chunks([Chunk(f"model/{c.name.split('/', 1)[1]}", c.offset, c.tensor, c.numel)
-                             for c in _chunks(engine, saving=False, kinds=("master",))], str(path / "tensors"))
+                             for c in _chunks(engine, saving=False, kinds=("master",))], str(path / "tensors"),
+                            process_group=group)
     except Exception as exc:  # noqa: BLE001
         raise CheckpointError(f"{path / 'tensors'}: reading failed ({exc})") from exc
     engine.optimizer.after_checkpoint_load()
