@@ -56,4 +56,7 @@ def test_an_async_save_returns_at_once_and_writes_what_a_sync_save_writes(dist_r
     for f in files:
         a, b = load_file(str(sync / f)), load_file(str(asyn / f))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f
-    assert json.loads((sync / "zero_checkpoint.json").read_text()) == json.loads((asyn / "zero_checkpoint.json").read_text())
+    states = [json.loads((d / "zero_checkpoint.json").read_text()) for d in (sync, asyn)]
+    for state in states:  # file checksums differ with the headers' key order; the tensors are compared above
+        assert sorted(state.pop("files")) == sorted(map(str, files))
+    assert states[0] == states[1]

@@ -64,13 +64,25 @@ def test_bad_checkpoints_are_refused_naming_the_file_and_nothing_changes(tmp_pat
     shard = next((tmp_path / "good" / "tensors").glob("*.safetensors"))
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
-    refused(r"tensors: a tensor file is truncated or corrupt", tag="good")
+    refused(r"good: tensors/shard-00001-model-00001-of-00001.safetensors: its contents changed \(truncated or "
+            r"corrupt\)", tag="good")
+    flipped = bytearray(data)  # same size, damaged data
+    flipped[-64:-32] = b"\xff" * 32
+    shard.write_bytes(bytes(flipped))
+    refused(r"its contents changed \(truncated or corrupt\)", tag="good")
     shard.write_bytes(data)
+    rng = tmp_path / "good" / "rng" / "rank0.safetensors"
+    kept = rng.read_bytes()
+    rng.unlink()  # a rank's file missing
+    refused(r"good: rng/rank0.safetensors: missing", tag="good")
+    rng.write_bytes(kept)
     # a model that does not match: every difference listed
     other = _engine(width=12)
+    other_before = _params(other)
     with pytest.raises(CheckpointError, match=r"does not match the model \(3 problem\(s\)\): 0.weight: shape "
                                               r"\[16, 8\] in the checkpoint, \[12, 8\] in the model; 0.bias"):
         other.load_checkpoint(tmp_path, tag="good")
+    assert all(torch.equal(a, b) for a, b in zip(other_before, _params(other)))
     # optimizer states asked for but not in the checkpoint (the layer was frozen when it was saved)
     torch.manual_seed(0)
     frozen = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
@@ -93,13 +105,10 @@ def torn_save(path: str):
     if dist.get_rank() == 1:
         import safetensors.torch
 
-        real = safetensors.torch.save_file
-
         def die(*args, **kwargs):
-            real(*args, **kwargs)
-            os._exit(17)  # killed after writing part of its files
+            os._exit(17)  # killed inside DCP's write of its tensor file
 
-        safetensors.torch.save_file = die
+        safetensors.torch.save = die
     start = time.monotonic()
     try:
         engine.save_checkpoint(path, tag="two")

@@ -15,9 +15,16 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 
 class ResumableSampler(DistributedSampler):
-    """DistributedSampler that can start its next pass `skip` samples in."""
+    """DistributedSampler that can start its next pass `skip` samples in, and that moves to the next
+    epoch by itself after a complete pass unless `set_epoch` is called (so a world of one reshuffles
+    every epoch, as a plain shuffling DataLoader does)."""
 
     skip = 0
+    _epoch_set = False
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self._epoch_set = True
 
     def __iter__(self) -> Iterator[int]:
         indices = list(super().__iter__())
@@ -33,14 +40,18 @@ class ResumableLoader(DataLoader):
         sampler = ResumableSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True)
         super().__init__(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last)
         self.batches = 0  # batches handed out in the current pass (including skipped ones)
+        self._resume_at = 0  # set by load_state_dict: where the next pass starts
 
     def __iter__(self):
-        start, self.batches = self.batches, self.batches
-        self.sampler.skip = start * self.batch_size
+        self.batches, self._resume_at = self._resume_at, 0
+        self.sampler.skip = self.batches * self.batch_size
+        chosen, self.sampler._epoch_set = self.sampler._epoch_set, False
         for batch in super().__iter__():
             self.batches += 1
             yield batch
-        self.batches = 0  # the pass is complete: the next one starts at the beginning
+        self.batches = 0
+        if not chosen and not self.sampler._epoch_set:  # a complete pass: the next one is the next epoch
+            self.sampler.epoch += 1
 
     def state_dict(self) -> dict:
         return {"epoch": self.sampler.epoch, "batches": self.batches, "seed": self.sampler.seed}
@@ -48,5 +59,4 @@ class ResumableLoader(DataLoader):
     def load_state_dict(self, state: dict) -> None:
         self.sampler.set_epoch(state["epoch"])
         self.sampler.seed = state["seed"]
-        self.batches = state["batches"]
-
+        self._resume_at = state["batches"]

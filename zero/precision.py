@@ -75,3 +75,11 @@ class LossScaler:
 
     def load_state_dict(self, state: dict) -> None:
         vars(self).update(state)
+
+    def load_progress(self, state: dict) -> None:
+        """Take a saved dynamic scaler's progress (scale and counters), keeping this scaler's own
+        settings; a static or disabled scaler (or a saved one that was) keeps its own state."""
+        if self.dynamic and state.get("dynamic"):
+            for key in ("scale", "_hysteresis_left", "_iteration", "_last_overflow", "exhausted"):
+                if key in state:
+                    setattr(self, key, state[key])

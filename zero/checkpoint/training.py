@@ -23,7 +23,10 @@ import json
 import os
 import random
 import shutil
+import sys
 import threading
+import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -144,19 +147,25 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
         if scheduler is not None and hasattr(scheduler, "state_dict") else None,
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
         "tensors": {n: {"shape": _shape(t), "dtype": str(t.dtype), "parameter": is_param,
-                        "trainable": bool(is_param and t.requires_grad)}
+                        "trainable": id(t) in _trainable(engine)}
                     for n, t, is_param in _named_tensors(engine.module)},
         "client_state": _json_or_error(dict(client_state or {}), "client_state"),
         "tied": _tied_aliases(engine.module),
         "dataloader": engine.training_dataloader.state_dict() if engine.training_dataloader is not None else None,
     }
-    comm.agree([6, 1, 0], f"save_checkpoint({str(root)!r}, tag={tag!r})")  # every rank, or none
+    # every rank, or none, with the same tag (see [Note: rank-agreement tags])
+    comm.agree([6, 1, zlib.crc32(tag.encode())], f"save_checkpoint({str(root)!r}, tag={tag!r})")
+    if engine.micro_steps % engine.config.gradient_accumulation_steps:
+        warnings.warn(f"save_checkpoint at micro-step {engine.micro_steps}, inside a gradient accumulation window: "
+                      f"the gradients of its micro-batches are not saved, and a resumed run starts the window "
+                      f"again. Save right after the step that ends a window.", stacklevel=3)
+    state_json = json.dumps(state)  # now: the caller may change client_state while an async save writes
     with torch.no_grad():  # the snapshot: host copies, so training may go on while they are written
         chunks = [Chunk(c.name, c.offset, c.tensor.detach().to("cpu", copy=True), c.numel)
                   for c in _chunks(engine, saving=True, exclude_frozen=exclude_frozen_parameters)]
     rng = _rng_state()
     io = comm.io()
-    write = functools.partial(_write, io, root, tag, state, chunks, rng, save_latest)
+    write = functools.partial(_write, io, root, tag, state_json, chunks, rng, save_latest)
     if not async_save:
         write()
         return str(final)
@@ -195,9 +204,11 @@ _PENDING: set[PendingSave] = set()
 def _finish_pending_saves() -> None:
     for pending in list(_PENDING):
         pending.join()
+        if pending.error is not None:  # nobody is left to raise it to
+            print(f"zero: the background checkpoint save of {pending.path} failed: {pending.error}", file=sys.stderr)
 
 
-def _write(io, root: Path, tag: str, state: dict, chunks: list[Chunk], rng, save_latest: bool) -> None:
+def _write(io, root: Path, tag: str, state_json: str, chunks: list[Chunk], rng, save_latest: bool) -> None:
     """Write a snapshot under a temporary name, then (rank 0) rename it into place and point
     `latest` at it; uses only the io group, so it may run in a background thread."""
     from safetensors.torch import save_file
@@ -216,27 +227,33 @@ def _write(io, root: Path, tag: str, state: dict, chunks: list[Chunk], rng, save
         save_chunks(chunks, str(tmp / "tensors"), process_group=io.group if io.distributed else None)
         tensors, meta = rng
         save_file(tensors, str(tmp / "rng" / f"rank{io.rank}.safetensors"), metadata=meta)
-        if io.rank == 0:
-            _write_json(tmp / STATE_FILE, state)
-    except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+    except BaseException as exc:  # noqa: BLE001 - every rank must learn of it (DCP raises BaseExceptions)
         error = exc
     if io.any_rank(error is not None, f"writing checkpoint {tmp}"):  # all written, or a rank failed
         raise CheckpointError(f"save_checkpoint: writing {tmp} failed on "
                               f"{'this rank' if error else 'another rank'} ({error or 'see its log'}); the "
-                              f"previous checkpoints and 'latest' are unchanged") from error
-    if io.rank == 0:
-        old = root / f".{tag}.old"
-        if final.exists():
-            final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-        if save_latest:
-            with open(root / ".latest.tmp", "w") as fh:
-                fh.write(tag)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(root / ".latest.tmp", root / "latest")
-    io.any_rank(False)  # the tag is in place before anyone goes on
+                              f"previous checkpoints and 'latest' are unchanged") from None
+    try:
+        if io.rank == 0:  # the state, with a checksum of every file, then the tag into place, then latest
+            state = json.loads(state_json)
+            state["files"] = _file_checksums(tmp)
+            _write_json(tmp / STATE_FILE, state)
+            old = root / f".{tag}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            if final.exists():
+                final.rename(old)  # a crash here leaves the previous tag as .<tag>.old, which load finds
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+            if save_latest:
+                with open(root / ".latest.tmp", "w") as fh:
+                    fh.write(tag)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                os.replace(root / ".latest.tmp", root / "latest")
+    except OSError as exc:
+        error = exc
+    if io.any_rank(error is not None, f"publishing checkpoint {final}"):
+        raise CheckpointError(f"save_checkpoint: putting {final} in place failed on rank 0 ({error or 'see rank 0'})")
 
 
 _OURS = {STATE_FILE}
@@ -256,6 +273,8 @@ def _check_tag_dir(path: Path) -> None:
 
 
 def resolve_tag(load_dir: str | os.PathLike, tag: str | None) -> Path:
+    """The tag's directory. A tag being replaced when a save died between its two renames is found
+    under its previous name (`.<tag>.old`), complete."""
     root = Path(load_dir)
     if not root.is_dir():
         raise CheckpointError(f"checkpoint directory {root} does not exist")
@@ -265,6 +284,8 @@ def resolve_tag(load_dir: str | os.PathLike, tag: str | None) -> Path:
             raise CheckpointError(f"{latest} does not exist: pass tag= or save with save_latest=True")
         tag = latest.read_text().strip()
     path = root / tag
+    if not (path / STATE_FILE).is_file() and (root / f".{tag}.old" / STATE_FILE).is_file():
+        return root / f".{tag}.old"
     if not (path / STATE_FILE).is_file():
         raise CheckpointError(f"checkpoint tag {tag!r} not found: {path / STATE_FILE} does not exist")
     return path
@@ -282,15 +303,52 @@ def read_state(path: Path) -> dict:
     return state
 
 
+def _file_checksums(path: Path) -> dict[str, int]:
+    """crc32 of every tensor file under the tag, by relative path."""
+    out = {}
+    for p in sorted(path.rglob("*.safetensors")):
+        crc = 0
+        with open(p, "rb") as fh:
+            while block := fh.read(1 << 24):
+                crc = zlib.crc32(block, crc)
+        out[str(p.relative_to(path))] = crc
+    return out
+
+
+def verify_files(path: Path, state: dict) -> None:
+    """Every tensor file the checkpoint lists is there, whole and unchanged (crc32)."""
+    listed = state.get("files", {})
+    found = _file_checksums(path)
+    problems = [f"{name}: missing" for name in listed if name not in found]
+    problems += [f"{name}: its contents changed (truncated or corrupt)" for name in listed
+                 if name in found and found[name] != listed[name]]
+    problems += [f"{name}: not written by this checkpoint" for name in found if name not in listed]
+    if problems:
+        raise CheckpointError(f"{path}: {'; '.join(problems)}")
+
+
+def _trainable(engine) -> set:
+    return {id(p) for p in engine.optimizer.params}
+
+
 def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False) -> tuple[str, dict]:
-    """See Engine.load_checkpoint."""
+    """See Engine.load_checkpoint. Everything is read and checked into staging copies first; the
+    engine changes only once all of it has arrived."""
     from safetensors import safe_open
 
+    comm = engine.comm
     path = resolve_tag(load_dir, tag)
     state = read_state(path)
-    # check everything before changing anything
+    error = None
+    if comm.rank == 0:  # one rank reads every file once and checks it against its checksum
+        try:
+            verify_files(path, state)
+        except CheckpointError as exc:
+            error = exc
+    if comm.any_rank(error is not None, f"checking checkpoint {path}"):
+        raise error or CheckpointError(f"{path}: rank 0 found damaged or missing files (see its error)")
     saved = state["tensors"]
     mine = {n: (_shape(t), is_param) for n, t, is_param in _named_tensors(engine.module)}
     problems = [f"{n}: shape {saved[n]['shape']} in the checkpoint, {s} in the model"
@@ -303,28 +361,41 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
                               + "; ".join(problems))
     try:
         stored = saved_tensors(str(path / "tensors"))
-    except Exception as exc:  # noqa: BLE001 - safetensors and DCP raise many kinds on a damaged file
+    except BaseException as exc:  # noqa: BLE001 - safetensors and DCP raise many kinds on a damaged file
         raise CheckpointError(f"{path / 'tensors'}: a tensor file is truncated or corrupt ({exc})") from None
+    short = [f"{k} ({stored[k]} of {n} elements)" for k, n in
+             ((k, _numel(saved[k.split("/", 1)[1]]["shape"])) for k in stored if k.split("/", 1)[1] in saved)
+             if stored[k] != n]
+    if short:
+        raise CheckpointError(f"{path / 'tensors'}: incomplete tensors {short[:4]}: a rank's file is missing")
     with_optimizer = load_optimizer_states and not load_module_only
-    trainable = [n for n, t, is_param in _named_tensors(engine.module) if is_param and t.requires_grad]
+    trainable = [n for n, t, is_param in _named_tensors(engine.module) if is_param and id(t) in _trainable(engine)]
     if with_optimizer:
         absent = [f"{k}/{n}" for n in trainable for k in OPTIMIZER_KINDS if f"{k}/{n}" not in stored]
         if absent:
             raise CheckpointError(f"{path}: the checkpoint lacks optimizer states ({absent[:4]}...); load with "
                                   f"load_optimizer_states=False to take the model only")
     kinds = ("model", *OPTIMIZER_KINDS) if with_optimizer else ("model",)
-    chunks = [c for c in _chunks(engine, saving=False, kinds=kinds) if c.name in stored]
-    io = engine.comm.io()  # DCP's own collectives go over gloo, whatever the data group is
-    group = io.group if io.distributed else None
+    targets = [c for c in _chunks(engine, saving=False, kinds=kinds) if c.name in stored]
+    if not with_optimizer:  # the master follows the loaded model
+        targets += [Chunk(f"model/{c.name.split('/', 1)[1]}", c.offset, c.tensor, c.numel)
+                    for c in _chunks(engine, saving=False, kinds=("master",))
+                    if f"model/{c.name.split('/', 1)[1]}" in stored]
+    staging = [Chunk(c.name, c.offset, torch.empty(c.tensor.shape, dtype=c.tensor.dtype), c.numel) for c in targets]
+    io = comm.io()  # DCP's own collectives go over gloo, whatever the data group is
+    error = None
     try:
-        with torch.no_grad():
-            load_chunks(chunks, str(path / "tensors"), process_group=group)
-            if not with_optimizer:  # the master follows the loaded model
-                load_chunks([Chunk(f"model/{c.name.split('/', 1)[1]}", c.offset, c.tensor, c.numel)
-                             for c in _chunks(engine, saving=False, kinds=("master",))], str(path / "tensors"),
-                            process_group=group)
-    except Exception as exc:  # noqa: BLE001
-        raise CheckpointError(f"{path / 'tensors'}: reading failed ({exc})") from exc
+        load_chunks(staging, str(path / "tensors"), process_group=io.group if io.distributed else None)
+    except BaseException as exc:  # noqa: BLE001 - DCP wraps errors in CheckpointException (a BaseException)
+        error = exc
+    if io.any_rank(error is not None, f"reading checkpoint {path}"):
+        raise CheckpointError(f"{path / 'tensors'}: reading failed ({error or 'on another rank'}); the engine is "
+                              f"unchanged") from None
+    # everything arrived: now change the engine
+    engine.zero_grad()  # gradients of the run before the load belong to no step of the loaded one
+    with torch.no_grad():
+        for target, staged in zip(targets, staging):
+            target.tensor.copy_(staged.tensor)
     engine.optimizer.after_checkpoint_load()
     engine.optimizer.edits_seen(engine.module.parameters())
     if load_module_only:
@@ -333,17 +404,26 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
         engine.optimizer.step_count = state["optimizer_step"]
         for group, saved_group in zip(engine.optimizer.param_groups, state["param_groups"]):
             group.update({k: tuple(v) if k == "betas" else v for k, v in saved_group.items()})
-        engine.optimizer.loss_scaler.load_state_dict(state["loss_scaler"])
+        engine.optimizer.loss_scaler.load_progress(state["loss_scaler"])
     if load_lr_scheduler_states and state["lr_scheduler"] is not None and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    for key in ("global_steps", "skipped_steps", "micro_steps", "global_samples"):
+    for key in ("global_steps", "skipped_steps", "global_samples"):
         setattr(engine, key, state[key])
+    # a window of accumulated micro-batches is not in a checkpoint: start at its beginning
+    engine.micro_steps = state["global_steps"] * engine.config.gradient_accumulation_steps
     if state.get("dataloader") is not None and engine.training_dataloader is not None:
         engine.training_dataloader.load_state_dict(state["dataloader"])
     engine.optimizer.at_boundary = engine.is_gradient_accumulation_boundary()
     engine._backwards = 0
-    rng = path / "rng" / f"rank{engine.comm.rank}.safetensors"
+    rng = path / "rng" / f"rank{comm.rank}.safetensors"
     if rng.is_file():
         with safe_open(str(rng), framework="pt") as f:
             _set_rng_state({k: f.get_tensor(k) for k in f.keys()}, f.metadata())
     return str(path), state["client_state"]
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
