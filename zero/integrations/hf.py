@@ -1,0 +1,278 @@
+"""HuggingFace Trainer on zero: `ZeroTrainer(model, args, ..., zero_config=...)`.
+
+    from zero.integrations.hf import ZeroTrainer
+    trainer = ZeroTrainer(model=model, args=TrainingArguments(...), train_dataset=ds,
+                          zero_config="ds_config_zero3.json")
+    trainer.train()
+
+[Note: Trainer on zero]
+Trainer's loop runs as it is; four of its methods hand the work to a zero engine:
+- `_prepare_for_training` builds the engine (once the number of steps is known, so "auto"
+  scheduler values resolve) instead of letting accelerate wrap the model in DDP: the engine's
+  hooks reduce gradients.
+- `training_step` runs the forward, `engine.backward` (loss scale, 1/accumulation) and
+  `engine.step()` for every micro-batch; the engine updates at the accumulation boundary, which
+  Trainer's own counting reaches at the same micro-batch.
+- Trainer's `optimizer.step()` and `lr_scheduler.step()` become views that do nothing: the engine
+  stepped already, and it steps the scheduler only on real (not skipped) updates. The norm
+  Trainer logs is the engine's global norm over all shards, measured before clipping.
+- Checkpoints: `checkpoint-N/zero/` is a zero training checkpoint (docs/checkpoint.md), so
+  `resume_from_checkpoint` also works on another world size; `save_model` gathers the model on
+  every rank and writes safetensors from rank 0.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+try:
+    import transformers
+    from transformers import Trainer
+except ImportError as exc:  # pragma: no cover - the message is what matters
+    raise ImportError("zero.integrations.hf needs transformers and accelerate: pip install 'zero[hf]' "
+                      "(or pip install transformers accelerate)") from exc
+
+import zero
+
+CHECKPOINT_TAG = "zero"
+
+
+class ConfigMismatch(ValueError):
+    """The zero config sets values that contradict TrainingArguments."""
+
+
+def _hidden_size(model) -> int | None:
+    config = getattr(model, "config", None)
+    for key in ("hidden_size", "n_embd", "d_model"):
+        value = getattr(config, key, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def resolve_auto(config: dict | str | os.PathLike, args, model, num_training_steps: int, world_size: int) -> dict:
+    """A zero config with HF's "auto" values filled from TrainingArguments and the model, as
+    HuggingFace resolves them for DeepSpeed. Raises ConfigMismatch listing every non-auto value that
+    contradicts the arguments."""
+    cfg = json.loads(Path(config).read_text()) if isinstance(config, (str, os.PathLike)) else json.loads(json.dumps(config))
+    mismatches: list[str] = []
+
+    def fill(section: dict, key: str, value: Any, path: str) -> None:
+        if section.get(key) == "auto" or key not in section:
+            section[key] = value
+        elif section[key] != value and value is not None:
+            mismatches.append(f"{path}={section[key]!r} but TrainingArguments give {value!r}")
+
+    micro, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    fill(cfg, "train_micro_batch_size_per_gpu", micro, "train_micro_batch_size_per_gpu")
+    fill(cfg, "gradient_accumulation_steps", ga, "gradient_accumulation_steps")
+    fill(cfg, "train_batch_size", micro * ga * world_size, "train_batch_size")
+    fill(cfg, "gradient_clipping", float(args.max_grad_norm), "gradient_clipping")
+    for name, flag in (("fp16", args.fp16), ("bf16", args.bf16)):
+        section = cfg.setdefault(name, {})
+        fill(section, "enabled", bool(flag), f"{name}.enabled")
+    opt = cfg.setdefault("optimizer", {"type": "AdamW"})
+    params = opt.setdefault("params", {})
+    fill(params, "lr", args.learning_rate, "optimizer.params.lr")
+    fill(params, "betas", [args.adam_beta1, args.adam_beta2], "optimizer.params.betas")
+    fill(params, "eps", args.adam_epsilon, "optimizer.params.eps")
+    fill(params, "weight_decay", args.weight_decay, "optimizer.params.weight_decay")
+    sched = cfg.get("scheduler")
+    if sched is not None:
+        sp = sched.setdefault("params", {})
+        if sched.get("type") in ("WarmupLR", "WarmupDecayLR"):
+            fill(sp, "warmup_min_lr", 0, "scheduler.params.warmup_min_lr")
+            fill(sp, "warmup_max_lr", args.learning_rate, "scheduler.params.warmup_max_lr")
+            fill(sp, "warmup_num_steps", args.get_warmup_steps(num_training_steps), "scheduler.params.warmup_num_steps")
+        if sched.get("type") == "WarmupDecayLR":
+            fill(sp, "total_num_steps", num_training_steps, "scheduler.params.total_num_steps")
+    zc = cfg.setdefault("zero_optimization", {})
+    hidden = _hidden_size(model)
+    for key, value in (("reduce_bucket_size", None if hidden is None else hidden * hidden),
+                       ("stage3_prefetch_bucket_size", None if hidden is None else int(0.9 * hidden * hidden)),
+                       ("stage3_param_persistence_threshold", None if hidden is None else 10 * hidden)):
+        if zc.get(key) == "auto":
+            if value is None:
+                del zc[key]  # zero's default
+            else:
+                zc[key] = value
+    if mismatches:
+        raise ConfigMismatch("the zero config contradicts TrainingArguments: " + "; ".join(mismatches)
+                             + ". Set these keys to \"auto\" or to the same values.")
+    return cfg
+
+
+class _OptimizerView:
+    """What Trainer calls `self.optimizer`: its step and zero_grad do nothing (the engine steps
+    in `training_step`); hyperparameters and state are the engine's optimizer's."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.optimizer = engine.optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def step_was_skipped(self) -> bool:  # read by accelerate's optimizer_step_was_skipped
+        return self.engine._last_step_skipped
+
+    def step(self, closure=None) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class _SchedulerView:
+    """What Trainer calls `self.lr_scheduler`: the engine steps the real one on real updates."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+    def step(self, *args, **kwargs) -> None:
+        pass
+
+    def get_last_lr(self):
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class ZeroTrainer(Trainer):
+    """`transformers.Trainer` whose model trains with a zero engine; see [Note: Trainer on zero].
+
+    Args:
+        zero_config: a DeepSpeed-style config dict or JSON path; HF's "auto" values are resolved
+            from the TrainingArguments and the model.
+        *args, **kwargs: as for `transformers.Trainer`.
+    """
+
+    def __init__(self, *args, zero_config: dict | str | os.PathLike, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.zero_config = zero_config
+        self.engine = None
+
+    # -- building the engine ---------------------------------------------------------------------
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        if self.engine is None:
+            cfg = resolve_auto(self.zero_config, self.args, self.model, max_steps, world)
+            self.engine, _, _, scheduler = zero.initialize(model=self.model, config=cfg)
+            if scheduler is None:  # Trainer's own schedule (lr_scheduler_type), over the engine's optimizer
+                self.lr_scheduler = None
+                scheduler = self.create_scheduler(max_steps, optimizer=self.engine.optimizer)
+                self.engine.lr_scheduler = scheduler
+            self.engine._last_step_skipped = False
+            _sync_generate(self.model, self.engine)
+        self.optimizer = _OptimizerView(self.engine)
+        self.lr_scheduler = _SchedulerView(self.engine.lr_scheduler)
+        self._created_lr_scheduler = False
+        self.accelerator._optimizers = [self.optimizer]  # optimizer_step_was_skipped reads it
+        self.model_wrapped = self.model
+        if resume_from_checkpoint is not None:
+            self.engine.load_checkpoint(resume_from_checkpoint, tag=CHECKPOINT_TAG)
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.train_dataloader = train_dataloader
+        return self.model, train_dataloader
+
+    def _wrap_model(self, model, training=True, dataloader=None):
+        return model  # no DDP: the engine reduces gradients
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        scaled_for_ga = self.loss_is_scaled_for_ga if self.loss_is_scaled_for_ga is not None else \
+            (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None
+        ga = self.engine.gradient_accumulation_steps()
+        skipped_before = self.engine.skipped_steps
+        self.engine.backward(loss * ga if scaled_for_ga else loss)  # the engine divides by the accumulation
+        if self.engine.is_gradient_accumulation_boundary():
+            self._lr_of_step = self.engine.get_lr()[0]  # Trainer logs the lr the update used
+        self.engine.step()
+        self.engine._last_step_skipped = self.engine.skipped_steps != skipped_before
+        return (loss if scaled_for_ga else loss / self.current_gradient_accumulation_steps).detach()
+
+    def _clip_grad_norm(self, model):
+        return self._get_grad_norm(model)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        norm = self.engine.get_global_grad_norm()
+        return float("nan") if norm is None else norm
+
+    def _get_learning_rate(self) -> float:
+        return getattr(self, "_lr_of_step", None) or self.engine.get_lr()[0]
+
+    # -- saving and resuming -------------------------------------------------------------------------
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Gather the model (every rank takes part) and write it with `save_pretrained` (safetensors)
+        from rank 0."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.engine is None:
+            return super().save_model(output_dir, _internal_call)
+        state = self.engine.consolidated_16bit_state_dict()
+        if self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+            self.model.save_pretrained(output_dir, state_dict=state, safe_serialization=True)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        self.engine.save_checkpoint(output_dir, tag=CHECKPOINT_TAG, save_latest=False)
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        pass  # loaded with the engine in _prepare_for_training
+
+    def _save_scaler(self, output_dir) -> None:
+        pass  # fp16 loss scaling is the engine's, in its checkpoint
+
+    def _load_scaler(self, checkpoint) -> None:
+        pass
+
+
+def _sync_generate(model, engine) -> None:
+    """Under stage 3 on several ranks every rank must run the same forward passes, also when its
+    sequences end early: `generate` gets `synced_gpus=True` unless the caller says otherwise."""
+    if engine.zero_optimization_stage() != 3 or engine.world_size == 1 or not hasattr(model, "generate"):
+        return
+    generate = model.generate
+
+    def synced(*args, **kwargs):
+        kwargs.setdefault("synced_gpus", True)
+        return generate(*args, **kwargs)
+
+    model.generate = synced
+
+
+__all__ = ["ZeroTrainer", "resolve_auto", "ConfigMismatch", "CHECKPOINT_TAG"]
