@@ -96,7 +96,7 @@ def resolve_auto(config: dict | str | os.PathLike, args, model, num_training_ste
                        ("stage3_prefetch_bucket_size", None if hidden is None else int(0.9 * hidden * hidden)),
                        ("stage3_param_persistence_threshold", None if hidden is None else 10 * hidden)):
         if zc.get(key) == "auto":
-            if value is None:
+            if value is None or (key == "reduce_bucket_size" and zc.get("stage") == 3):  # no effect at stage 3
                 del zc[key]  # zero's default
             else:
                 zc[key] = value
