@@ -158,3 +158,24 @@ def test_hf_auto_values_resolve_and_contradictions_are_listed():
                                              r"optimizer.params.lr=0.1 but TrainingArguments give 0.001"):
         resolve_auto({**hf_zero3, "train_micro_batch_size_per_gpu": 2,
                       "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, args, tiny("gpt2"), 10, 1)
+
+
+def load_sharded(path: str):
+    from zero.integrations.hf import from_pretrained
+
+    model = from_pretrained(transformers.AutoModelForCausalLM, path)
+    # every parameter sharded when loaded: each rank holds ceil(n / 2) elements of each
+    sharded = all(getattr(p, "_zero", None) is not None and p._zero.shard().numel() == -(-p._zero.numel // 2)
+                  and p.data.numel() == 0 for p in model.parameters())
+    engine, *_ = zero.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    return _gathered(model), sharded
+
+
+def test_from_pretrained_fills_each_ranks_shards(dist_run, tmp_path):
+    model = tiny("llama")
+    model.save_pretrained(tmp_path)
+    for gathered, sharded in dist_run(2, load_sharded, str(tmp_path)):
+        assert all(torch.equal(p, gathered[n]) for n, p in model.named_parameters())
+        assert sharded

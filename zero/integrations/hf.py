@@ -261,6 +261,58 @@ class ZeroTrainer(Trainer):
         pass
 
 
+def from_pretrained(cls, path: str | os.PathLike, zero_config: dict | str | os.PathLike | None = None, **kwargs):
+    """`cls.from_pretrained(path)` for ZeRO-3 without the whole model on any rank: the model is built
+    under `zero.Init` (each parameter sharded as its module is made) and each rank fills its shards
+    from the safetensors files one tensor at a time.
+
+    Args:
+        cls: a transformers model class (`AutoModelForCausalLM` works too).
+        path: a local directory with `config.json` and `model.safetensors` (or shards + index).
+        zero_config: the config the engine will use (accepted for DeepSpeed compatibility).
+        **kwargs: passed to the config (`AutoConfig.from_pretrained`).
+    """
+    from safetensors import safe_open
+
+    from zero.partition.shards import take_shard
+
+    path = Path(path)
+    config = transformers.AutoConfig.from_pretrained(path, **kwargs)
+    try:  # the weights come from the files: skip HF's initialisation (which would index empty shards)
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4.x
+        from transformers.modeling_utils import no_init_weights
+    with zero.Init(config=zero_config), no_init_weights():
+        model = cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    missing = set(params)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    with torch.no_grad():
+        for name in files:
+            with safe_open(str(path / name), framework="pt") as f:
+                for key in f.keys():
+                    if key in params:
+                        p = params[key]
+                        z = getattr(p, "_zero", None)
+                        value = f.get_tensor(key)  # one tensor at a time
+                        if z is None:
+                            p.copy_(value)
+                        else:
+                            z.shard().copy_(take_shard(value.to(z.shard().dtype), rank, world))
+                        missing.discard(key)
+                    elif key in buffers:
+                        buffers[key].copy_(f.get_tensor(key))
+    tied = {n for n in missing if any(params[n] is q for m, q in params.items() if m not in missing)}
+    if missing - tied:
+        raise ValueError(f"{path}: no weights for {sorted(missing - tied)[:8]}")
+    model.eval()
+    return model
+
+
 def _sync_generate(model, engine) -> None:
     """Under stage 3 on several ranks every rank must run the same forward passes, also when its
     sequences end early: `generate` gets `synced_gpus=True` unless the caller says otherwise."""
@@ -275,4 +327,4 @@ def _sync_generate(model, engine) -> None:
     model.generate = synced
 
 
-__all__ = ["ZeroTrainer", "resolve_auto", "ConfigMismatch", "CHECKPOINT_TAG"]
+__all__ = ["ZeroTrainer", "resolve_auto", "from_pretrained", "ConfigMismatch", "CHECKPOINT_TAG"]
