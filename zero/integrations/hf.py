@@ -246,7 +246,6 @@ class ZeroTrainer(Trainer):
             self.model.save_pretrained(output_dir, state_dict=state, safe_serialization=True)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
-            torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         self.engine.save_checkpoint(output_dir, tag=CHECKPOINT_TAG, save_latest=False)
