@@ -41,8 +41,8 @@ def tiny(kind: str):
 def arguments(out: str, world: int, steps: int, **extra):
     return transformers.TrainingArguments(
         output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // world, max_steps=steps, learning_rate=1e-3,
-        logging_steps=1, report_to=[], use_cpu=True, seed=0, dataloader_drop_last=True, lr_scheduler_type="constant",
-        train_sampling_strategy="sequential", **{"save_strategy": "no", **extra})
+        logging_steps=1, report_to=[], use_cpu=True, seed=0, dataloader_drop_last=True,
+        train_sampling_strategy="sequential", **{"save_strategy": "no", "lr_scheduler_type": "constant", **extra})
 
 
 ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": "auto",
@@ -179,3 +179,16 @@ def test_from_pretrained_fills_each_ranks_shards(dist_run, tmp_path):
     for gathered, sharded in dist_run(2, load_sharded, str(tmp_path)):
         assert all(torch.equal(p, gathered[n]) for n, p in model.named_parameters())
         assert sharded
+
+
+def test_fp16_skips_reach_trainer_and_the_scheduler_steps_only_on_updates():
+    from zero.integrations.hf import ZeroTrainer
+
+    args = arguments(tempfile.mkdtemp(), 1, 10, fp16=True, lr_scheduler_type="linear")
+    trainer = ZeroTrainer(model=tiny("gpt2"), args=args, train_dataset=Tokens(), zero_config={
+        "fp16": {"enabled": "auto", "initial_scale_power": 18, "hysteresis": 1}, "zero_optimization": {"stage": 2}})
+    trainer.train()
+    engine = trainer.engine
+    assert 0 < engine.skipped_steps < 10 and trainer.state.global_step == 10
+    assert engine.lr_scheduler.last_epoch == 10 - engine.skipped_steps  # Trainer did not step it on skips
+    assert next(trainer.model.parameters()).dtype == torch.float16
