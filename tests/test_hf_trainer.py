@@ -40,9 +40,10 @@ def tiny(kind: str):
 
 def arguments(out: str, world: int, steps: int, **extra):
     return transformers.TrainingArguments(
-        output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // world, max_steps=steps, learning_rate=1e-3,
-        logging_steps=1, report_to=[], use_cpu=True, seed=0, dataloader_drop_last=True,
-        train_sampling_strategy="sequential", **{"save_strategy": "no", "lr_scheduler_type": "constant", **extra})
+        output_dir=out, max_steps=steps, learning_rate=1e-3, logging_steps=1, report_to=[], use_cpu=True, seed=0,
+        dataloader_drop_last=True, train_sampling_strategy="sequential",
+        **{"save_strategy": "no", "lr_scheduler_type": "constant", "per_device_train_batch_size": GLOBAL_BATCH // world,
+           **extra})
 
 
 ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": "auto",
@@ -76,7 +77,8 @@ def train_on_ranks(kind: str, stage: int, offload: bool, out: str):
 
     world, rank = dist.get_world_size(), dist.get_rank()
     model = tiny(kind)
-    trainer = ZeroTrainer(model=model, args=arguments(out, world, 3, save_strategy="steps", save_steps=3),
+    ga = {"gradient_accumulation_steps": 2, "per_device_train_batch_size": GLOBAL_BATCH // world // 2} if offload else {}
+    trainer = ZeroTrainer(model=model, args=arguments(out, world, 3, save_strategy="steps", save_steps=3, **ga),
                           train_dataset=Tokens(), eval_dataset=Tokens(16), zero_config=_config(stage, offload))
     result = trainer.train()
     first3 = _gathered(model)
@@ -88,13 +90,14 @@ def train_on_ranks(kind: str, stage: int, offload: bool, out: str):
     generated = model.generate(prompt, max_new_tokens=3 + 3 * rank, do_sample=False, eos_token_id=None)
     # resume from the step-3 checkpoint, same world size, to step 6
     again = tiny(kind)
-    resumed = ZeroTrainer(model=again, args=arguments(out, world, 6), train_dataset=Tokens(),
+    resumed = ZeroTrainer(model=again, args=arguments(out, world, 6, **ga), train_dataset=Tokens(),
                           zero_config=_config(stage, offload))
     resumed.train(resume_from_checkpoint=f"{out}/checkpoint-3")
     return dict(first3=first3, norms=norms, loss=result.training_loss, eval_loss=metrics["eval_loss"],
                 generated=generated.shape[1] - prompt.shape[1], resumed=_gathered(again), steps=resumed.state.global_step)
 
 
+# the offload cases also accumulate 2 micro-batches per step (same global batch)
 @pytest.mark.parametrize("kind,stage,offload", [("gpt2", 2, False), ("gpt2", 3, False), ("llama", 3, True),
                                                 ("llama", 2, True)])
 def test_zero_trainer_matches_plain_trainer_saves_resumes_evaluates_generates(dist_run, tmp_path, kind, stage, offload):
