@@ -195,3 +195,19 @@ def test_fp16_skips_reach_trainer_and_the_scheduler_steps_only_on_updates():
     assert 0 < engine.skipped_steps < 10 and trainer.state.global_step == 10
     assert engine.lr_scheduler.last_epoch == 10 - engine.skipped_steps  # Trainer did not step it on skips
     assert next(trainer.model.parameters()).dtype == torch.float16
+
+
+def test_a_short_last_accumulation_window_matches_plain_trainer():
+    """20 samples, batches of 4, 2 per step: each epoch ends with a window of 1 (Trainer steps early)."""
+    from zero.integrations.hf import ZeroTrainer
+
+    def args():
+        return arguments(tempfile.mkdtemp(), 1, 6, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+
+    reference = tiny("llama")
+    transformers.Trainer(model=reference, args=args(), train_dataset=Tokens(20)).train()
+    model = tiny("llama")
+    trainer = ZeroTrainer(model=model, args=args(), train_dataset=Tokens(20), zero_config={"zero_optimization": {"stage": 2}})
+    trainer.train()
+    assert trainer.engine.global_steps == 6
+    assert max((a - b).abs().max().item() for a, b in zip(reference.parameters(), model.parameters())) < 1e-5

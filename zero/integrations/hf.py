@@ -207,15 +207,22 @@ class ZeroTrainer(Trainer):
     # -- the step ----------------------------------------------------------------------------------
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        engine = self.engine
+        ga = engine.gradient_accumulation_steps()
+        if self.accelerator.sync_gradients and not engine.is_gradient_accumulation_boundary():
+            # Trainer ends a window early (the last, shorter one of an epoch): so does the engine
+            engine.micro_steps += ga - 1 - engine.micro_steps % ga
+            engine.optimizer.at_boundary = True
         model.train()
         inputs = self._prepare_inputs(inputs)
         with self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         scaled_for_ga = self.loss_is_scaled_for_ga if self.loss_is_scaled_for_ga is not None else \
             (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None
-        ga = self.engine.gradient_accumulation_steps()
         skipped_before = self.engine.skipped_steps
-        self.engine.backward(loss * ga if scaled_for_ga else loss)  # the engine divides by the accumulation
+        # the engine divides by `ga`; Trainer by the micro-batches of this window (fewer in a short one),
+        # or not at all when the loss is normalised by the items of the whole window
+        self.engine.backward(loss * (ga if scaled_for_ga else ga / self.current_gradient_accumulation_steps))
         if self.engine.is_gradient_accumulation_boundary():
             self._lr_of_step = self.engine.get_lr()[0]  # Trainer logs the lr the update used
         self.engine.step()
