@@ -163,7 +163,7 @@ def test_hf_auto_values_resolve_and_contradictions_are_listed():
                       "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, args, tiny("gpt2"), 10, 1)
 
 
-def load_sharded(path: str):
+def load_sharded(path: str, kind: str = "llama"):
     from zero.integrations.hf import from_pretrained
 
     model = from_pretrained(transformers.AutoModelForCausalLM, path)
@@ -176,10 +176,12 @@ def load_sharded(path: str):
     return _gathered(model), sharded
 
 
-def test_from_pretrained_fills_each_ranks_shards(dist_run, tmp_path):
-    model = tiny("llama")
-    model.save_pretrained(tmp_path)
-    for gathered, sharded in dist_run(2, load_sharded, str(tmp_path)):
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])  # gpt2: tied embedding and head
+def test_from_pretrained_fills_each_ranks_shards(dist_run, tmp_path, kind):
+    model = tiny(kind)
+    model.save_pretrained(tmp_path, max_shard_size="20KB")  # several files and an index
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    for gathered, sharded in dist_run(2, load_sharded, str(tmp_path), kind):
         assert all(torch.equal(p, gathered[n]) for n, p in model.named_parameters())
         assert sharded
 
@@ -211,3 +213,40 @@ def test_a_short_last_accumulation_window_matches_plain_trainer():
     trainer.train()
     assert trainer.engine.global_steps == 6
     assert max((a - b).abs().max().item() for a, b in zip(reference.parameters(), model.parameters())) < 1e-5
+
+
+def test_trainer_defaults_and_second_runs_behave_as_plain_trainer(tmp_path):
+    from zero.integrations.hf import ConfigMismatch, ZeroTrainer
+
+    hf_config = {  # an HF example with its own warmup_min_lr, and the default warmup_steps (0)
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 1e-5, "warmup_max_lr": "auto",
+                                                          "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+        "zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"}
+    ZeroTrainer(model=tiny("gpt2"), args=arguments(str(tmp_path), 1, 2), train_dataset=Tokens(),
+                zero_config=hf_config).train()
+    # no optimizer section: Trainer's AdamW with its no-decay group (biases, norms), as plain Trainer
+    args = {"weight_decay": 0.1, "lr_scheduler_type": "linear", "warmup_steps": 2}
+    reference = tiny("gpt2")
+    plain = transformers.Trainer(model=reference, args=arguments(str(tmp_path), 1, 4, **args), train_dataset=Tokens())
+    plain.train()
+    model = tiny("gpt2")
+    trainer = ZeroTrainer(model=model, args=arguments(str(tmp_path), 1, 4, **args), train_dataset=Tokens(),
+                          zero_config={"zero_optimization": {"stage": 2}})
+    trainer.train()
+    assert max((a - b).abs().max().item() for a, b in zip(reference.parameters(), model.parameters())) < 1e-5
+    lrs = [h["learning_rate"] for h in plain.state.log_history if "learning_rate" in h]
+    assert [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h] == pytest.approx(lrs)
+    trainer.train()  # a second run gets a fresh schedule, as with Trainer
+    assert [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h][-4:] == pytest.approx(lrs)
+    with pytest.raises(ConfigMismatch, match=r"TrainingArguments.optim='sgd' but zero trains with Adam/AdamW only"):
+        ZeroTrainer(model=tiny("gpt2"), args=arguments(str(tmp_path), 1, 2, optim="sgd"), train_dataset=Tokens(),
+                    zero_config={"zero_optimization": {"stage": 2}}).train()
+    # a model loaded sharded evaluates before any training
+    from zero.integrations.hf import from_pretrained
+
+    tiny("llama").save_pretrained(tmp_path / "llama")
+    sharded = from_pretrained(transformers.AutoModelForCausalLM, tmp_path / "llama")
+    metrics = ZeroTrainer(model=sharded, args=arguments(str(tmp_path), 1, 2), eval_dataset=Tokens(8),
+                          zero_config={"zero_optimization": {"stage": 3}}).evaluate()
+    assert metrics["eval_loss"] > 0

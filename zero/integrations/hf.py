@@ -67,6 +67,13 @@ def resolve_auto(config: dict | str | os.PathLike, args, model, num_training_ste
         elif section[key] != value and value is not None:
             mismatches.append(f"{path}={section[key]!r} but TrainingArguments give {value!r}")
 
+    def fill_only(section: dict, key: str, value: Any) -> None:
+        if section.get(key, "auto") == "auto":
+            section[key] = value
+
+    optim = getattr(args.optim, "value", args.optim)
+    if "optimizer" not in cfg and "adam" not in str(optim).lower():
+        mismatches.append(f"TrainingArguments.optim={optim!r} but zero trains with Adam/AdamW only")
     micro, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
     fill(cfg, "train_micro_batch_size_per_gpu", micro, "train_micro_batch_size_per_gpu")
     fill(cfg, "gradient_accumulation_steps", ga, "gradient_accumulation_steps")
@@ -84,12 +91,12 @@ def resolve_auto(config: dict | str | os.PathLike, args, model, num_training_ste
     sched = cfg.get("scheduler")
     if sched is not None:
         sp = sched.setdefault("params", {})
-        if sched.get("type") in ("WarmupLR", "WarmupDecayLR"):
-            fill(sp, "warmup_min_lr", 0, "scheduler.params.warmup_min_lr")
+        if sched.get("type") in ("WarmupLR", "WarmupDecayLR"):  # as HF: these three are only filled
+            fill_only(sp, "warmup_min_lr", 0)
             fill(sp, "warmup_max_lr", args.learning_rate, "scheduler.params.warmup_max_lr")
-            fill(sp, "warmup_num_steps", args.get_warmup_steps(num_training_steps), "scheduler.params.warmup_num_steps")
+            fill_only(sp, "warmup_num_steps", max(1, args.get_warmup_steps(num_training_steps)))
         if sched.get("type") == "WarmupDecayLR":
-            fill(sp, "total_num_steps", num_training_steps, "scheduler.params.total_num_steps")
+            fill_only(sp, "total_num_steps", max(1, num_training_steps))
     zc = cfg.setdefault("zero_optimization", {})
     hidden = _hidden_size(model)
     for key, value in (("reduce_bucket_size", None if hidden is None else hidden * hidden),
@@ -178,17 +185,35 @@ class ZeroTrainer(Trainer):
 
     # -- building the engine ---------------------------------------------------------------------
 
-    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+    def _ensure_engine(self, max_steps: int) -> None:
+        """Build the engine (once), and a schedule for `max_steps` (for every `train()`, as Trainer does)."""
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        cfg = resolve_auto(self.zero_config, self.args, self.model, max(1, max_steps), world)
         if self.engine is None:
-            cfg = resolve_auto(self.zero_config, self.args, self.model, max_steps, world)
-            self.engine, _, _, scheduler = zero.initialize(model=self.model, config=cfg)
-            if scheduler is None:  # Trainer's own schedule (lr_scheduler_type), over the engine's optimizer
-                self.lr_scheduler = None
-                scheduler = self.create_scheduler(max_steps, optimizer=self.engine.optimizer)
-                self.engine.lr_scheduler = scheduler
+            # no optimizer section: Trainer's AdamW, with Trainer's no-decay group
+            groups = self._trainer_param_groups() if "optimizer" not in _raw(self.zero_config) else None
+            self.engine, *_ = zero.initialize(model=self.model, model_parameters=groups, config=cfg)
             self.engine._last_step_skipped = False
             _sync_generate(self.model, self.engine)
+        if cfg.get("scheduler") is not None:
+            from zero.lr_schedules import build_scheduler
+
+            self.engine.lr_scheduler = build_scheduler(cfg["scheduler"]["type"], dict(cfg["scheduler"].get("params", {})),
+                                                       self.engine.optimizer)
+        else:  # Trainer's own schedule (lr_scheduler_type, warmup), over the engine's optimizer
+            self.lr_scheduler = None
+            self.engine.lr_scheduler = self.create_scheduler(max(1, max_steps), optimizer=self.engine.optimizer)
+        self._lr_of_step = None
+
+    def _trainer_param_groups(self) -> list[dict]:
+        """Trainer's two groups: weight decay except for biases and norm weights."""
+        decay = set(self.get_decay_parameter_names(self.model))
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        return [g for g in ({"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+                            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}) if g["params"]]
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        self._ensure_engine(max_steps)
         self.optimizer = _OptimizerView(self.engine)
         self.lr_scheduler = _SchedulerView(self.engine.lr_scheduler)
         self._created_lr_scheduler = False
@@ -200,6 +225,22 @@ class ZeroTrainer(Trainer):
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader
         return self.model, train_dataloader
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
+        pass  # the engine loads the model with everything else, from checkpoint-N/zero
+
+    def evaluate(self, *args, **kwargs):
+        self._ensure_model_usable()
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        self._ensure_model_usable()
+        return super().predict(*args, **kwargs)
+
+    def _ensure_model_usable(self) -> None:
+        """A model built sharded (zero.Init, our from_pretrained) needs the engine before any forward."""
+        if self.engine is None and any(getattr(p, "_zero", None) is not None for p in self.model.parameters()):
+            self._ensure_engine(self.args.max_steps if self.args.max_steps > 0 else 1)
 
     def _wrap_model(self, model, training=True, dataloader=None):
         return model  # no DDP: the engine reduces gradients
@@ -237,7 +278,8 @@ class ZeroTrainer(Trainer):
         return float("nan") if norm is None else norm
 
     def _get_learning_rate(self) -> float:
-        return getattr(self, "_lr_of_step", None) or self.engine.get_lr()[0]
+        lr = getattr(self, "_lr_of_step", None)
+        return lr if lr is not None else self.engine.get_lr()[0]
 
     # -- saving and resuming -------------------------------------------------------------------------
 
@@ -245,6 +287,7 @@ class ZeroTrainer(Trainer):
         """Gather the model (every rank takes part) and write it with `save_pretrained` (safetensors)
         from rank 0."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        self._ensure_model_usable()
         if self.engine is None:
             return super().save_model(output_dir, _internal_call)
         state = self.engine.consolidated_16bit_state_dict()
@@ -275,7 +318,7 @@ def from_pretrained(cls, path: str | os.PathLike, zero_config: dict | str | os.P
     Args:
         cls: a transformers model class (`AutoModelForCausalLM` works too).
         path: a local directory with `config.json` and `model.safetensors` (or shards + index).
-        zero_config: the config the engine will use (accepted for DeepSpeed compatibility).
+        zero_config: the config the engine will use (given to `zero.Init`).
         **kwargs: passed to the config (`AutoConfig.from_pretrained`).
     """
     from safetensors import safe_open
@@ -290,6 +333,7 @@ def from_pretrained(cls, path: str | os.PathLike, zero_config: dict | str | os.P
         from transformers.modeling_utils import no_init_weights
     with zero.Init(config=zero_config), no_init_weights():
         model = cls.from_config(config) if hasattr(cls, "from_config") else cls._from_config(config)
+        model.tie_weights()  # no_init_weights skips the tying too
     index = path / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
     params = dict(model.named_parameters())
@@ -317,6 +361,10 @@ def from_pretrained(cls, path: str | os.PathLike, zero_config: dict | str | os.P
         raise ValueError(f"{path}: no weights for {sorted(missing - tied)[:8]}")
     model.eval()
     return model
+
+
+def _raw(config) -> dict:
+    return json.loads(Path(config).read_text()) if isinstance(config, (str, os.PathLike)) else config
 
 
 def _sync_generate(model, engine) -> None:
