@@ -329,9 +329,12 @@ def test_missing_file_and_bad_json_name_the_file(tmp_path):
     missing = tmp_path / "nope.json"
     with pytest.raises(ConfigError, match="nope.json"):
         load_config(missing)
+    hjson = tmp_path / "ds_hjson.json"  # DeepSpeed reads hjson: comments and trailing commas
+    hjson.write_text("{\n  // micro batch\n  \"train_micro_batch_size_per_gpu\": 2,\n  \"zero_optimization\": {\"stage\": 2,},\n}")
+    assert load_config(hjson).zero_optimization.stage == 2
     bad = tmp_path / "bad.json"
-    bad.write_text("{\"train_batch_size\": 8,}")
-    with pytest.raises(ConfigError, match="bad.json.*not valid JSON"):
+    bad.write_text("{\"train_batch_size\": [8,}")
+    with pytest.raises(ConfigError, match="bad.json.*neither valid JSON .* nor hjson"):
         load_config(bad)
     dup = tmp_path / "dup.json"
     dup.write_text("{\"train_batch_size\": 8, \"train_batch_size\": 16}")

@@ -129,6 +129,22 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
     return seen
 
 
+def _hjson(text: str, path: pathlib.Path, json_error: ValueError) -> Any:
+    """DeepSpeed reads config files as hjson (comments, trailing commas); so do we, with the hjson
+    library, when strict JSON fails."""
+    if "duplicate key" in str(json_error):
+        raise ConfigError(f"config file {str(path)!r} is not valid JSON: {json_error}") from None
+    try:
+        import hjson
+    except ImportError:
+        raise ConfigError(f"config file {str(path)!r} is not valid JSON: {json_error} (comments and trailing commas "
+                          f"need the hjson package: pip install hjson)") from None
+    try:
+        return hjson.loads(text, object_pairs_hook=_no_duplicates)
+    except Exception as err:  # noqa: BLE001 - hjson's errors are plain ValueErrors with positions
+        raise ConfigError(f"config file {str(path)!r} is neither valid JSON ({json_error}) nor hjson ({err})") from None
+
+
 def _read(config: Union[Mapping[str, Any], str, pathlib.Path]) -> tuple[dict, str]:
     if isinstance(config, Mapping):
         return dict(config), ""
@@ -141,7 +157,7 @@ def _read(config: Union[Mapping[str, Any], str, pathlib.Path]) -> tuple[dict, st
         try:
             data = json.loads(text, object_pairs_hook=_no_duplicates)
         except ValueError as err:
-            raise ConfigError(f"config file {str(path)!r} is not valid JSON: {err}") from None
+            data = _hjson(text, path, err)
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a JSON object, got {type(data).__name__}")
         return data, str(path)
