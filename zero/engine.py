@@ -289,6 +289,7 @@ class Engine(nn.Module):
         self._warned_count = False
         self._pending_save = None  # an asynchronous checkpoint save being written
         self.training_dataloader = None  # the loader initialize(training_data=...) made
+        self._step_applied = False
         _place_the_rest(module, self.optimizer.params, self.device, config.dtype, self.comm)
         self.optimizer.at_boundary = config.gradient_accumulation_steps == 1
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
@@ -392,6 +393,7 @@ class Engine(nn.Module):
                     f"loss.backward()) before engine.step() (warned once)", stacklevel=2)
             self._backwards = 0
         self.micro_steps += 1
+        self._step_applied = False
         self.optimizer.at_boundary = self.is_gradient_accumulation_boundary()  # for the next backward
         self.global_samples += self.config.train_micro_batch_size_per_gpu * self.comm.world_size
         if not boundary:
@@ -406,6 +408,7 @@ class Engine(nn.Module):
         else:
             self.skipped_steps += 1
         self.global_steps += 1
+        self._step_applied = bool(updated)
         if not updated:
             self._report_skip()
         self._last_comm = self.comm.report()
@@ -502,6 +505,36 @@ class Engine(nn.Module):
     @property
     def local_rank(self) -> int:
         return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def global_rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without fp16)."""
+        return self.optimizer.loss_scaler.scale
+
+    def was_step_applied(self) -> bool:
+        """Whether the last `step()` updated the weights (False inside an accumulation window and on
+        a skipped (overflowed) step)."""
+        return self._step_applied
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Make the coming `step()` an accumulation boundary (True) or not (False), whatever the
+        micro-step count says (DeepSpeed's manual override)."""
+        ga = self.config.gradient_accumulation_steps
+        at = self.micro_steps % ga == ga - 1
+        if is_boundary and not at:
+            self.micro_steps += ga - 1 - self.micro_steps % ga
+        elif not is_boundary and at:
+            raise ValueError("set_gradient_accumulation_boundary(False) at the last micro-step of a window: "
+                             "raise gradient_accumulation_steps instead")
+        self.optimizer.at_boundary = self.is_gradient_accumulation_boundary()
+
+    def get_mom(self) -> list:
+        """Adam's betas per param group (DeepSpeed's momentum accessor)."""
+        return [tuple(g["betas"]) for g in self.optimizer.param_groups]
 
     # -- reports ----------------------------------------------------------------------------
 

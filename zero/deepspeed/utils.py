@@ -1,0 +1,86 @@
+"""`deepspeed.utils`: logging and the safe_get_* accessors of a partitioned parameter's full values.
+
+The accessors are collective under ZeRO (every rank of the engine calls them): each rank puts in the
+part it holds and one all-reduce gives every rank the whole, as the checkpoint does (see
+ShardedAdam.param_chunks).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from zero.deepspeed._missing import missing
+from zero.init import set_z3_leaf_modules  # noqa: F401
+
+logger = logging.getLogger("zero")
+
+def log_dist(message: str, ranks=None, level: int = logging.INFO) -> None:
+    """Log `message` on the given ranks (None or [-1]: every rank)."""
+    from zero.deepspeed.comm import get_rank
+
+    if ranks is None or -1 in ranks or get_rank() in ranks:
+        logger.log(level, f"[Rank {get_rank()}] {message}")
+
+
+def see_memory_usage(message: str, force: bool = False) -> None:
+    if force:
+        peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+        log_dist(f"{message} | max allocated {peak:.2f} GB", ranks=[0])
+
+
+def _owner(param):
+    from zero.engine import _OWNERS
+
+    owner, _ = _OWNERS.get(param, (None, False))
+    optimizer = owner() if owner is not None else None
+    if optimizer is None:
+        raise ValueError("this parameter is not trained by a zero engine (or is frozen): its value is the "
+                         "parameter itself")
+    return optimizer
+
+
+def _full(param, kind: str) -> torch.Tensor:
+    optimizer = _owner(param)
+    z = getattr(param, "_zero", None)
+    shape = z.shape if z is not None else param.shape
+    numel = z.numel if z is not None else param.numel()
+    full = torch.zeros(numel, dtype=torch.float32)
+    for k, offset, view in optimizer.param_chunks(param, saving=True):  # each element from one rank
+        if k == kind:
+            full[offset : offset + view.numel()] = view.detach().float().cpu()
+    optimizer.comm.all_reduce(full, "sum")  # host tensor: staged through the GPU under NCCL by Comm
+    return full.view(shape)
+
+
+def _local(param, kind: str) -> torch.Tensor:
+    pieces = [v for k, _, v in _owner(param).param_chunks(param, saving=False) if k == kind]
+    return torch.cat([p.detach().reshape(-1) for p in pieces]) if pieces else torch.empty(0)
+
+
+def safe_get_full_fp32_param(param) -> torch.Tensor:
+    """The full fp32 master value of `param` (collective: every rank calls it)."""
+    return _full(param, "master")
+
+
+def safe_get_full_optimizer_state(param, optim_state_key: str) -> torch.Tensor:
+    """The full Adam state `optim_state_key` ("exp_avg" or "exp_avg_sq") of `param` (collective)."""
+    if optim_state_key not in ("exp_avg", "exp_avg_sq"):
+        raise ValueError(f"optimizer state {optim_state_key!r}: zero's Adam keeps 'exp_avg' and 'exp_avg_sq'")
+    return _full(param, optim_state_key)
+
+
+def safe_get_local_fp32_param(param) -> torch.Tensor:
+    """This rank's part of the fp32 master of `param`, flat (not collective)."""
+    return _local(param, "master")
+
+
+def safe_get_local_optimizer_state(param, optim_state_key: str) -> torch.Tensor:
+    """This rank's part of `param`'s Adam state `optim_state_key`, flat (not collective)."""
+    if optim_state_key not in ("exp_avg", "exp_avg_sq"):
+        raise ValueError(f"optimizer state {optim_state_key!r}: zero's Adam keeps 'exp_avg' and 'exp_avg_sq'")
+    return _local(param, optim_state_key)
+
+
+def __getattr__(name: str):
+    return missing("deepspeed.utils", name)
