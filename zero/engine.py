@@ -105,14 +105,40 @@ def _param_groups(module: nn.Module, model_parameters, defaults: dict) -> list[d
     return out
 
 
+# [Note: other optimizers on shards]
+# A client optimizer other than Adam/AdamW runs on each rank's shards: zero hands it the fp32 master
+# pieces as parameters and their reduced, unscaled (and clipped) gradients. For an element-wise
+# optimizer (each element's update depends only on that element's gradient and state) this gives
+# exactly the unpartitioned result, with the state partitioned. Optimizers that look at whole
+# tensors (factored moments, orthogonalisation, line searches, trust ratios) would see pieces, so
+# they are refused; an optimizer class zero does not know is run with a warning.
+_ELEMENTWISE = (torch.optim.SGD, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.Adamax, torch.optim.NAdam,
+                torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD)
+_WHOLE_TENSOR = {"LBFGS": "its line search needs the whole model in one closure",
+                 "Adafactor": "its factored second moments need whole matrices",
+                 "Muon": "it orthogonalises whole matrices", "SparseAdam": "it takes sparse gradients",
+                 "Lamb": "its trust ratio needs each parameter's whole norm", "LARS": "its trust ratio needs each "
+                 "parameter's whole norm", "Shampoo": "its preconditioners need whole matrices"}
+
+
+def _check_elementwise(optimizer: torch.optim.Optimizer) -> None:
+    name = type(optimizer).__name__
+    if name in _WHOLE_TENSOR:
+        raise ValueError(f"initialize(optimizer=...) got a {name}, which zero cannot run on partitioned shards: "
+                         f"{_WHOLE_TENSOR[name]}. Use an element-wise optimizer (Adam, AdamW, SGD, Adagrad, "
+                         f"RMSprop, ...); see [Note: other optimizers on shards] in zero/engine.py")
+    if not isinstance(optimizer, _ELEMENTWISE):
+        warnings.warn(f"zero: {name} is run on each rank's shards as if it were element-wise (each element's update "
+                      f"depends only on its own gradient and state); if it looks at whole tensors, the result differs "
+                      f"from unpartitioned training", stacklevel=4)
+
+
 def _optimizer_defaults(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None) -> dict:
     """Adam hyperparameters from a client optimizer or from the config's `optimizer` section."""
     if optimizer is not None:
         if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            raise ValueError(
-                f"initialize(optimizer=...) got a {type(optimizer).__name__}; zero's partitioned optimizer "
-                f"implements Adam and AdamW (pass torch.optim.Adam/AdamW, or use the config's 'optimizer')"
-            )
+            _check_elementwise(optimizer)
+            return dict(optimizer.defaults)
         d = optimizer.defaults
         if d.get("amsgrad"):
             raise ValueError("amsgrad is not supported by zero's partitioned Adam")
@@ -274,7 +300,7 @@ class Engine(nn.Module):
         defaults = _optimizer_defaults(config, optimizer)
         groups = _param_groups(module, model_parameters if optimizer is None else optimizer.param_groups, defaults)
         check_param_groups(groups, "Check model_parameters / the optimizer's param groups.")
-        if any(g["eps"] == 0 for g in groups):
+        if any(g.get("eps") == 0 for g in groups):
             warnings.warn("zero: Adam eps is 0: an element whose gradient is 0 (an unused parameter, a padding row) "
                           "gets 0/0 = NaN in the update, as with torch.optim.Adam; use a small eps such as 1e-8",
                           stacklevel=3)
@@ -283,6 +309,12 @@ class Engine(nn.Module):
         check_ranks_agree(module, config, self.comm)  # before the first broadcast
         self.module = module
         self.optimizer = build_optimizer(module, groups, config, self.comm, self.device)
+        if optimizer is not None and not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            if self.optimizer.offload is not None:
+                raise ValueError(f"optimizer offload runs zero's CPU Adam; a {type(optimizer).__name__} client "
+                                 f"optimizer cannot be offloaded (remove offload_optimizer or use Adam/AdamW)")
+            self.optimizer.client_class = type(optimizer)  # see [Note: other optimizers on shards]
+            self.optimizer.client_defaults = dict(optimizer.defaults)
         _claim(module, self.optimizer, config.zero_optimization.stage)  # whose hooks take the gradients now
         self._trainable = [(n, p, p.requires_grad) for n, p in module.named_parameters()]
         self._backwards = 0  # backward passes since the last optimizer step (ranks must agree)

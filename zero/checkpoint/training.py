@@ -130,6 +130,10 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
                     save_latest: bool = True, exclude_frozen_parameters: bool = False, async_save: bool = False):
     """See Engine.save_checkpoint. Returns the tag's path, or with `async_save` a PendingSave."""
     comm = engine.comm
+    if engine.optimizer.client_class is not None:
+        raise CheckpointError(f"save_checkpoint with a {engine.optimizer.client_class.__name__} client optimizer is not "
+                              f"implemented yet (zero checkpoints hold Adam's state); save the model with "
+                              f"save_16bit_model, or train with Adam/AdamW")
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
     if not tag or "/" in tag or tag in (".", "..") or tag.startswith("."):
         raise CheckpointError(f"checkpoint tag {tag!r} must be a plain directory name")

@@ -28,6 +28,7 @@ from zero.precision import LossScaler
 from zero.stages.policies import Precision, StepOptions
 
 _FP32_MAX = float(torch.finfo(torch.float32).max)
+ADAM_ONLY = ("bias_correction", "adamw_mode")  # our Adam's keys, unknown to torch optimizers
 ADAM_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bias_correction=True, adamw_mode=True)
 
 Slot = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
@@ -67,6 +68,9 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
         self.gauges = Gauges()  # communication and gathered buffers, measured as they come and go
         self._host: HostAdam | None = None
         self._warned_fallback = False
+        self.client_class: type | None = None  # a non-Adam client optimizer (see [Note: other optimizers on shards])
+        self.client_defaults: dict = {}
+        self._client = None
 
     # -- where optimizer state lives -------------------------------------------------------------
 
@@ -340,7 +344,9 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
                 grad.div_(grad_scale / 1e30)
             grad_scale = 1e30
         with record_function("zero::adam"):
-            if self.offload is not None:
+            if self.client_class is not None:
+                self._client_step(slots, grad_scale)
+            elif self.offload is not None:
                 threads = self.offload.num_threads
                 self._host_adam().step(
                     slots, lambda g, *t: self._adam(self.param_groups[g], *t[:4], grad_scale, t[4], threads),
@@ -353,6 +359,35 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
         self.loss_scaler.update(overflow=False)
         self.zero_grad()
         return True
+
+    @torch.no_grad()
+    def _client_step(self, slots: list[Slot], grad_scale: float) -> None:
+        """See [Note: other optimizers on shards] in zero/engine.py: the client optimizer's class
+        steps on the fp32 master pieces (as parameters sharing their storage), with its state
+        sized like the shards."""
+        if self._client is None:
+            by_group: dict[int, list] = {}
+            self._client_params = []
+            for gi, master, *_ in slots:
+                p = torch.nn.Parameter(master, requires_grad=False)  # shares the master's storage
+                by_group.setdefault(gi, []).append(p)
+                self._client_params.append(p)
+            self._client_groups = list(by_group)
+            groups = [{**self._hyper(gi), "params": ps} for gi, ps in by_group.items()]
+            self._client = self.client_class(groups, **self.client_defaults)  # torch optimizers' defaults are their
+            # constructor's keyword arguments
+        for group, gi in zip(self._client.param_groups, self._client_groups):  # the scheduler's lr, etc.
+            group.update(self._hyper(gi))
+        for p, (_, _, grad, _, _, _) in zip(self._client_params, slots):
+            p.grad = grad.float() / grad_scale
+        self._client.step()
+        for p, (_, master, _, _, _, out16) in zip(self._client_params, slots):
+            p.grad = None
+            if out16 is not None:
+                out16.copy_(master)
+
+    def _hyper(self, gi: int) -> dict:
+        return {k: v for k, v in self.param_groups[gi].items() if k != "params" and k not in ADAM_ONLY}
 
     def _skip(self, norm: float) -> None:
         """Skip this step: its gradient is inf or NaN on some rank (the engine logs it)."""
@@ -401,13 +436,13 @@ def check_param_groups(groups: list[dict], source: str) -> None:
     """Raise ValueError naming the group whose lr is not a finite number in [0, fp32 max] or whose
     betas are not two numbers in [0, 1); `source` says where the value came from."""
     for i, g in enumerate(groups):
-        lr, betas = g["lr"], tuple(g["betas"])
+        lr, betas = g["lr"], tuple(g.get("betas", (0.9, 0.999)))
         if not (isinstance(lr, (int, float)) and math.isfinite(lr) and 0 <= lr <= _FP32_MAX):
             raise ValueError(f"param group {i} has lr={lr!r}: the learning rate must be a finite number >= 0 "
                              f"(and at most {_FP32_MAX:.3g}, the kernels compute in fp32). {source}")
         if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
             raise ValueError(f"param group {i} has betas={betas!r}: expected two numbers in [0, 1). {source}")
-        if not (isinstance(g["eps"], (int, float)) and math.isfinite(g["eps"]) and g["eps"] >= 0):
+        if "eps" in g and not (isinstance(g["eps"], (int, float)) and math.isfinite(g["eps"]) and g["eps"] >= 0):
             raise ValueError(f"param group {i} has eps={g['eps']!r}: expected a finite number >= 0. {source}")
 
 
