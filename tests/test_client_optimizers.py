@@ -76,3 +76,40 @@ def test_whole_tensor_optimizers_are_refused_and_unknown_ones_warn():
     assert torch.allclose(model.weight, before - 0.1)  # sign of a positive gradient: each weight moves by lr
     with pytest.raises(CheckpointError, match="client optimizer is not implemented yet"):
         engine.save_checkpoint("/tmp/never")
+
+
+CONFIG_TYPES = {
+    "SGD": ({"lr": 0.05, "momentum": 0.9}, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)),
+    "Adagrad": ({"lr": 0.05}, lambda ps: torch.optim.Adagrad(ps, lr=0.05)),
+    "Lion": ({"lr": 0.001, "weight_decay": 0.1}, lambda ps: __import__("zero.optimizers").optimizers.Lion(
+        ps, lr=0.001, weight_decay=0.1)),
+}
+
+
+def config_type(kind: str, stage: int):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = build_model("mlp")
+    reference = copy.deepcopy(model)
+    params, make = CONFIG_TYPES[kind]
+    engine, *_ = zero.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": kind.lower(), "params": params},
+        "zero_optimization": {"stage": stage}})
+    ref_opt = make(reference.parameters())
+    for step in range(5):
+        x, y = make_batch("mlp", 4 * world, torch.Generator().manual_seed(step))
+        engine.backward(engine(x[4 * rank : 4 * rank + 4], y[4 * rank : 4 * rank + 4]))
+        engine.step()
+        ref_opt.zero_grad()
+        reference(x, y).backward()
+        ref_opt.step()
+    return relative_error(model, reference)
+
+
+@pytest.mark.parametrize("kind", list(CONFIG_TYPES))
+def test_config_optimizer_types_sgd_adagrad_lion(dist_run, kind):
+    for stage in (1, 3):
+        for error in dist_run(2, config_type, kind, stage):
+            assert error < 1e-6, (kind, stage, error)
+    with pytest.raises(zero.ConfigError, match="'Lamb' cannot run on ZeRO's partitioned shards: LAMB's trust ratio"):
+        zero.load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Lamb"}})

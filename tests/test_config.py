@@ -220,7 +220,7 @@ def test_negative_gradient_clipping_and_bad_offload_device():
 
 def test_unsupported_optimizer_lists_supported_ones():
     msg = error({"optimizer": {"type": "OneBitAdam", "params": {}}})
-    assert "optimizer.type" in msg and "Adam, AdamW" in msg
+    assert "optimizer.type" in msg and "Adam, AdamW, SGD, Adagrad, Lion" in msg
 
 
 def test_max_grad_norm_in_optimizer_params_points_to_gradient_clipping():
@@ -403,7 +403,7 @@ READ = {
     "fp16.enabled", "fp16.auto_cast", "fp16.loss_scale", "fp16.initial_scale_power", "fp16.loss_scale_window",
     "fp16.hysteresis", "fp16.consecutive_hysteresis", "fp16.min_loss_scale", "bf16.enabled",
     # optimizer (a type other than Adam/AdamW is refused by its validator)
-    "optimizer.type", "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
+    "optimizer.type", "optimizer.other_params", "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
     "optimizer.params.weight_decay", "optimizer.params.bias_correction", "optimizer.params.adam_w_mode",
     # scheduler: DeepSpeed's schedules, or a torch scheduler's arguments passed through as `params`
     "scheduler.type", "scheduler.params", "scheduler.params.last_batch_iteration",

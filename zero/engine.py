@@ -121,13 +121,30 @@ _WHOLE_TENSOR = {"LBFGS": "its line search needs the whole model in one closure"
                  "parameter's whole norm", "Shampoo": "its preconditioners need whole matrices"}
 
 
+def _client_optimizer(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None) -> tuple[type | None, dict]:
+    """The optimizer class to run on the shards instead of zero's Adam, and its defaults; (None, {})
+    for Adam/AdamW. See [Note: other optimizers on shards]."""
+    if optimizer is not None:
+        if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            return None, {}
+        return type(optimizer), dict(optimizer.defaults)
+    from zero.config.sections import CLIENT_OPTIMIZERS, optimizer_class
+
+    if cfg.optimizer is not None and cfg.optimizer.type in CLIENT_OPTIMIZERS:
+        cls = optimizer_class(cfg.optimizer.type)
+        return cls, dict(cls([torch.nn.Parameter(torch.zeros(1))], **cfg.optimizer.other_params).defaults)
+    return None, {}
+
+
 def _check_elementwise(optimizer: torch.optim.Optimizer) -> None:
+    from zero.optimizers import Lion
+
     name = type(optimizer).__name__
     if name in _WHOLE_TENSOR:
         raise ValueError(f"initialize(optimizer=...) got a {name}, which zero cannot run on partitioned shards: "
                          f"{_WHOLE_TENSOR[name]}. Use an element-wise optimizer (Adam, AdamW, SGD, Adagrad, "
                          f"RMSprop, ...); see [Note: other optimizers on shards] in zero/engine.py")
-    if not isinstance(optimizer, _ELEMENTWISE):
+    if not isinstance(optimizer, (*_ELEMENTWISE, Lion)):
         warnings.warn(f"zero: {name} is run on each rank's shards as if it were element-wise (each element's update "
                       f"depends only on its own gradient and state); if it looks at whole tensors, the result differs "
                       f"from unpartitioned training", stacklevel=4)
@@ -147,6 +164,9 @@ def _optimizer_defaults(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None
                     bias_correction=True, adamw_mode=adamw)
     if cfg.optimizer is None:
         raise ValueError("no optimizer: add an 'optimizer' section to the config or pass initialize(optimizer=...)")
+    client, defaults = _client_optimizer(cfg, None)
+    if client is not None:
+        return defaults
     p = cfg.optimizer.params
     return dict(lr=p.lr, betas=tuple(p.betas), eps=p.eps, weight_decay=p.weight_decay,
                 bias_correction=p.bias_correction, adamw_mode=cfg.optimizer.adamw)
@@ -309,12 +329,13 @@ class Engine(nn.Module):
         check_ranks_agree(module, config, self.comm)  # before the first broadcast
         self.module = module
         self.optimizer = build_optimizer(module, groups, config, self.comm, self.device)
-        if optimizer is not None and not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        client, client_defaults = _client_optimizer(config, optimizer)
+        if client is not None:
             if self.optimizer.offload is not None:
-                raise ValueError(f"optimizer offload runs zero's CPU Adam; a {type(optimizer).__name__} client "
-                                 f"optimizer cannot be offloaded (remove offload_optimizer or use Adam/AdamW)")
-            self.optimizer.client_class = type(optimizer)  # see [Note: other optimizers on shards]
-            self.optimizer.client_defaults = dict(optimizer.defaults)
+                raise ValueError(f"optimizer offload runs zero's CPU Adam; a {client.__name__} optimizer cannot be "
+                                 f"offloaded (remove offload_optimizer or use Adam/AdamW)")
+            self.optimizer.client_class = client  # see [Note: other optimizers on shards]
+            self.optimizer.client_defaults = client_defaults
         _claim(module, self.optimizer, config.zero_optimization.stage)  # whose hooks take the gradients now
         self._trainable = [(n, p, p.requires_grad) for n, p in module.named_parameters()]
         self._backwards = 0  # backward passes since the last optimizer step (ranks must agree)

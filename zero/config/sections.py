@@ -168,7 +168,10 @@ def _lr(v: Optional[float]) -> Optional[float]:
     return v
 
 
-SUPPORTED_OPTIMIZERS = ("Adam", "AdamW")
+SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "Lion")
+CLIENT_OPTIMIZERS = ("SGD", "Adagrad", "Lion")  # run as element-wise optimizers on the shards; params as their own
+NOT_ON_SHARDS = {"Lamb": "LAMB's trust ratio needs each parameter's whole norm, which a shard does not have",
+                 "OneBitLamb": "LAMB's trust ratio needs each parameter's whole norm, which a shard does not have"}
 _DEEPSPEED_ONLY_OPTIMIZERS = ("adagrad", "lamb", "onebitadam", "zerooneadam", "onebitlamb", "muadam",
                               "muadamw", "musgd", "lion", "muon")
 
@@ -215,17 +218,52 @@ class AdamParams(_Section):
         return v
 
 
+def _client_params(kind: str, params: Any) -> dict:
+    """Check `params` against the optimizer's constructor: names, and finite non-negative lr."""
+    import inspect
+
+    if not isinstance(params, dict):
+        raise ValueError(f"optimizer.params must be an object for {kind}, got {type(params).__name__}")
+    cls = optimizer_class(kind)
+    accepted = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "params")]
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise ValueError(f"unknown {kind} parameter(s) {unknown}; {kind} takes {accepted}")
+    lr = params.get("lr", 1e-3)
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+        raise ValueError(f"optimizer.params.lr must be a finite number >= 0, got {lr!r}")
+    return dict(params)
+
+
+def optimizer_class(kind: str) -> type:
+    """The torch optimizer class of a config optimizer type other than Adam/AdamW."""
+    import torch
+
+    if kind == "Lion":
+        from zero.optimizers import Lion
+
+        return Lion
+    return {"SGD": torch.optim.SGD, "Adagrad": torch.optim.Adagrad}[kind]
+
+
 class OptimizerConfig(_Section):
     """`optimizer`: which optimizer the engine builds when the caller passes none."""
 
-    type: str = Field(..., description="Adam or AdamW (case-insensitive).")
+    type: str = Field(..., description="Adam, AdamW, SGD, Adagrad or Lion (case-insensitive).")
     params: AdamParams = Field(default_factory=AdamParams, description="Constructor arguments.")
+    other_params: dict[str, Any] = Field(default_factory=dict, description="For SGD, Adagrad and Lion: their "
+                                         "constructor arguments (written as `params`).")
     legacy_fusion: bool = Field(False, description="DeepSpeed legacy fp16 optimizer switch; no effect in zero "
                                 "(true warns).")
 
     @model_validator(mode="before")
     @classmethod
     def _misplaced(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("type"), str):
+            kind = next((n for n in CLIENT_OPTIMIZERS if n.lower() == data["type"].lower()), None)
+            if kind is not None:  # its own constructor's arguments, checked against it
+                data = {**data, "type": kind, "other_params": _client_params(kind, data.get("params") or {})}
+                data.pop("params", None)
         if isinstance(data, dict):
             for key in ("adam_w_mode", "torch_adam", "lr", "betas", "eps", "weight_decay"):
                 if key in data:
@@ -237,6 +275,9 @@ class OptimizerConfig(_Section):
     def _type(cls, v: Any) -> Any:
         if not isinstance(v, str):
             return v
+        for name, why in NOT_ON_SHARDS.items():
+            if v.lower() == name.lower():
+                raise ValueError(f"optimizer type {v!r} cannot run on ZeRO's partitioned shards: {why}")
         for name in SUPPORTED_OPTIMIZERS:
             if v.lower() == name.lower():
                 return name
