@@ -138,7 +138,9 @@ UNIMPLEMENTED_FEATURES: tuple[UnimplementedFeature, ...] = (
     _warned("comms_logger.enabled", "the engine counts communicated bytes itself", bool),
     _warned("autotuning.enabled", "zero has no autotuner", bool),
     _warned("timers", "wall_clock_breakdown times forward, backward and step", _any_enabled),
-    _warned("activation_checkpointing", "zero.deepspeed.checkpointing.checkpoint (torch's checkpoint) recomputes activations; partitioned, CPU and contiguous activation memory are not implemented", _any_true),
+    _warned("activation_checkpointing", "zero.deepspeed.checkpointing.checkpoint (torch's checkpoint) recomputes "
+                                        "activations; partitioned, CPU and contiguous activation memory are not "
+                                        "implemented", _any_true),
     _warned("aio", _NVME_ONLY, _present),
     _warned("graph_harvesting", "zero does not capture CUDA graphs"),
     _warned("vocabulary_size", "DeepSpeed only checks it for tensor-core alignment; zero does not"),
