@@ -113,3 +113,22 @@ def test_config_optimizer_types_sgd_adagrad_lion(dist_run, kind):
             assert error < 1e-6, (kind, stage, error)
     with pytest.raises(zero.ConfigError, match="'Lamb' cannot run on ZeRO's partitioned shards: LAMB's trust ratio"):
         zero.load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Lamb"}})
+
+
+def test_accessors_answer_for_client_optimizers():
+    import zero.deepspeed as deepspeed
+
+    model = nn.Linear(4, 4)
+    engine, *_ = zero.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
+                                 config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}})
+    assert engine.get_mom() == [0.5]
+    assert engine.optimizer._hyper(0).keys() == torch.optim.SGD(model.parameters(), lr=0.1).defaults.keys()
+    assert torch.equal(deepspeed.utils.safe_get_full_fp32_param(model.weight), model.weight.detach())
+    with pytest.raises(ValueError, match="the state of a SGD client optimizer is kept per shard"):
+        deepspeed.utils.safe_get_full_optimizer_state(model.weight, "exp_avg")
+    import zero as not_deepspeed
+
+    with pytest.raises(AttributeError, match=r"zero.add_config_arguments does not exist: .* use `import zero.deepspeed"):
+        not_deepspeed.add_config_arguments  # noqa: B018
+    with pytest.raises(AttributeError, match=r"zero.comm.get_rank does not exist: .* use `import zero.deepspeed"):
+        not_deepspeed.comm.get_rank  # noqa: B018

@@ -29,7 +29,15 @@ def __getattr__(name):  # keep `import zero` light: torch-heavy modules load on 
         from zero import config
 
         return getattr(config, name)
+    if name in _DEEPSPEED_ONLY:
+        raise AttributeError(f"zero.{name} does not exist: zero's top level has DeepSpeed's initialize and "
+                             f"init_distributed only; for the rest of DeepSpeed's names use "
+                             f"`import zero.deepspeed as deepspeed` (see docs/migrating-from-deepspeed.md)")
     raise AttributeError(f"module 'zero' has no attribute {name!r}")
+
+
+_DEEPSPEED_ONLY = {"add_config_arguments", "zero", "utils", "checkpointing", "ops", "DeepSpeedEngine", "init_inference",
+                   "pipe", "moe", "runtime", "accelerator"}
 
 
 __all__ = ["initialize", "init_distributed", "Engine", "ConfigError", "load_config", "Init", "GatheredParameters",

@@ -435,3 +435,9 @@ class Comm:
             raise CollectiveTimeout(f"waiting for every rank to finish {what} failed because another rank stopped "
                                     f"or crashed (see its log for the first error) ({exc}).") from exc
         return bool(t.item())
+
+
+def __getattr__(name: str):
+    raise AttributeError(f"zero.comm.{name} does not exist: zero.comm is zero's own collectives layer; for "
+                         f"DeepSpeed's deepspeed.comm (get_rank, all_reduce, ...) use `import zero.deepspeed as "
+                         f"deepspeed`")

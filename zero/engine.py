@@ -586,8 +586,13 @@ class Engine(nn.Module):
         self.optimizer.at_boundary = self.is_gradient_accumulation_boundary()
 
     def get_mom(self) -> list:
-        """Adam's betas per param group (DeepSpeed's momentum accessor)."""
-        return [tuple(g["betas"]) for g in self.optimizer.param_groups]
+        """Per param group, Adam's betas, or the momentum of an optimizer that has one (SGD,
+        RMSprop), or None (DeepSpeed's momentum accessor)."""
+        client = self.optimizer.client_defaults if self.optimizer.client_class is not None else None
+        if client is None:
+            return [tuple(g["betas"]) for g in self.optimizer.param_groups]
+        key = "momentum" if "momentum" in client else "betas" if "betas" in client else None
+        return [(tuple(g[key]) if key == "betas" else g[key]) if key else None for g in self.optimizer.param_groups]
 
     # -- reports ----------------------------------------------------------------------------
 

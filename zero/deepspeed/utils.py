@@ -42,6 +42,7 @@ def _owner(param):
 
 def _full(param, kind: str) -> torch.Tensor:
     optimizer = _owner(param)
+    _no_client_state(optimizer, kind)
     z = getattr(param, "_zero", None)
     shape = z.shape if z is not None else param.shape
     numel = z.numel if z is not None else param.numel()
@@ -53,7 +54,14 @@ def _full(param, kind: str) -> torch.Tensor:
     return full.view(shape)
 
 
+def _no_client_state(optimizer, kind: str) -> None:
+    if kind != "master" and optimizer.client_class is not None:
+        raise ValueError(f"the state of a {optimizer.client_class.__name__} client optimizer is kept per shard by "
+                         f"that optimizer; safe_get_*_optimizer_state reads zero's Adam state only")
+
+
 def _local(param, kind: str) -> torch.Tensor:
+    _no_client_state(_owner(param), kind)
     pieces = [v for k, _, v in _owner(param).param_chunks(param, saving=False) if k == kind]
     return torch.cat([p.detach().reshape(-1) for p in pieces]) if pieces else torch.empty(0)
 

@@ -28,7 +28,6 @@ from zero.precision import LossScaler
 from zero.stages.policies import Precision, StepOptions
 
 _FP32_MAX = float(torch.finfo(torch.float32).max)
-ADAM_ONLY = ("bias_correction", "adamw_mode")  # our Adam's keys, unknown to torch optimizers
 ADAM_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bias_correction=True, adamw_mode=True)
 
 Slot = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
@@ -387,7 +386,10 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
                 out16.copy_(master)
 
     def _hyper(self, gi: int) -> dict:
-        return {k: v for k, v in self.param_groups[gi].items() if k != "params" and k not in ADAM_ONLY}
+        """Group `gi`'s hyperparameters for the client optimizer: without the Adam keys every group
+        carries (unless the client optimizer has them too)."""
+        return {k: v for k, v in self.param_groups[gi].items()
+                if k != "params" and (k not in ADAM_DEFAULTS or k in self.client_defaults)}
 
     def _skip(self, norm: float) -> None:
         """Skip this step: its gradient is inf or NaN on some rank (the engine logs it)."""
