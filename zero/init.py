@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from zero.comm import Comm
-from zero.partition.shards import ShardedParam, gather_param, shard_numel, take_shard
+from zero.partition.shards import ShardedParam, ZeroParamStatus, gather_param, mark_ds, shard_numel, take_shard
 
 
 def _all_subclasses(cls: type) -> set[type]:
@@ -135,6 +135,7 @@ class Init:
                 shard = shard.to(self.dtype)
             p._zero = ShardedParam(p.shape, p.numel(), shard_numel(p.numel(), self.comm.world_size), local=shard)
             p.data = shard[:0]
+            mark_ds(p, p._zero, shard)
             self._full.pop(id(p), None)
 
 
@@ -173,6 +174,7 @@ class GatheredParameters:
                 if p.data.numel() == info.numel and info.numel > 0:
                     continue  # its unit is gathered right now (or it is persistent)
                 p.data = gather_param(info.shard(), info.numel, self.comm).view(info.shape)
+                p.ds_status = ZeroParamStatus.AVAILABLE
                 self._gathered.append(p)
         return self
 
@@ -185,6 +187,7 @@ class GatheredParameters:
                     self._write_back(p)
             for p in self._gathered:
                 p.data = p._zero.shard()[:0]
+                p.ds_status = ZeroParamStatus.NOT_AVAILABLE
             for p in self.params:  # what was changed inside has been written back (or was read-only)
                 p._zero_version = p._version
         self._gathered.clear()

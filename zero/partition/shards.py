@@ -10,6 +10,9 @@ zero and stay zero.
 """
 from __future__ import annotations
 
+import enum
+import functools
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -70,3 +73,50 @@ def gather_param(shard: torch.Tensor, numel: int, comm: Comm) -> torch.Tensor:
     out = torch.empty(comm.world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
     comm.all_gather(out, shard.contiguous())
     return out[:numel]
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's `ds_status` of a stage-3 parameter."""
+
+    AVAILABLE = 1  # gathered: `.data` holds the full value
+    NOT_AVAILABLE = 2  # released: `.data` is empty, `ds_tensor` holds this rank's shard
+    INFLIGHT = 3  # being gathered
+
+
+_IDS = itertools.count()
+
+
+def mark_ds(p, info: ShardedParam, shard: torch.Tensor, persistent: bool = False) -> None:
+    """[Note: ds attributes]
+    DeepSpeed's stage-3 parameter attributes, which transformers, PEFT and TRL read: `ds_numel` and
+    `ds_shape` (the full size: parameter counts use them when `.numel()` is 0), `ds_id`, `ds_tensor`
+    (this rank's shard), `ds_persist`, `ds_status` (kept current by the unit as it gathers and
+    releases), and `all_gather()` / `partition()`."""
+    p.ds_numel, p.ds_shape, p.ds_tensor, p.ds_persist = info.numel, info.shape, shard, persistent
+    if not hasattr(p, "ds_id"):
+        p.ds_id = next(_IDS)
+    p.ds_status = ZeroParamStatus.AVAILABLE if p.data.numel() == info.numel and info.numel else \
+        ZeroParamStatus.NOT_AVAILABLE
+    p.all_gather = functools.partial(_all_gather, p)
+    p.partition = functools.partial(_partition, p)
+
+
+def _all_gather(p, param_list=None) -> None:
+    """DeepSpeed's `param.all_gather()`: the full value in `p.data` until `partition()`."""
+    for q in param_list or [p]:
+        if q.ds_status is not ZeroParamStatus.AVAILABLE:
+            from zero.comm import Comm
+
+            q.data = gather_param(q._zero.shard(), q._zero.numel, Comm()).view(q._zero.shape)
+            q.ds_status = ZeroParamStatus.AVAILABLE
+            q._zero_gathered_by_user = True
+
+
+def _partition(p, param_list=None) -> None:
+    """DeepSpeed's `param.partition()`: release what `all_gather()` gathered (read-only: use
+    GatheredParameters(modifier_rank=...) to change values)."""
+    for q in param_list or [p]:
+        if getattr(q, "_zero_gathered_by_user", False):
+            q.data = q._zero.shard()[:0]
+            q.ds_status = ZeroParamStatus.NOT_AVAILABLE
+            q._zero_gathered_by_user = False

@@ -37,6 +37,7 @@ from torch.autograd.profiler import record_function
 
 from zero.comm import Comm
 from zero.memory_report import Gauges
+from zero.partition.shards import ZeroParamStatus, mark_ds
 from zero.stages.policies import Precision
 
 
@@ -134,6 +135,8 @@ class ParamUnit:
                 z.unit, z.offset = self, off
                 del local
 
+        for p, z, off in zip(self.params, info, self.offsets):  # see [Note: ds attributes]
+            mark_ds(p, z, self.shard[off : off + z.shard_numel], persistent)
         # the full buffer and the parameters' views into it, made once (see [Note: freeing gathered parameters])
         self.aliased = world == 1 and not offload_param
         self.full = self.shard if self.aliased else torch.empty(self.full_numel, dtype=self.dtype, device=device)
@@ -175,10 +178,12 @@ class ParamUnit:
     def _show(self) -> None:
         for p, view in zip(self.params, self._views):
             p.data = view
+            p.ds_status = ZeroParamStatus.AVAILABLE
 
     def _hide(self) -> None:
         for p in self.params:
             p.data = self._empty
+            p.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
     def _allocate(self) -> None:
         storage = self.full.untyped_storage()

@@ -11,6 +11,7 @@ import logging
 import torch
 
 from zero.deepspeed._missing import missing
+from zero.deepspeed.utils import zero_to_fp32  # noqa: F401
 from zero.init import set_z3_leaf_modules  # noqa: F401
 
 logger = logging.getLogger("zero")

@@ -1,0 +1,55 @@
+"""DeepSpeed's deeper module paths and stage-3 parameter attributes (part of issue 20)."""
+import torch
+import torch.nn as nn
+
+import zero
+import zero.deepspeed as deepspeed
+from zero.deepspeed.runtime.engine import DeepSpeedEngine
+from zero.deepspeed.runtime.zero import unwrap_model_for_generation
+from zero.deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+from zero.deepspeed.runtime.zero.partition_parameters import GatheredParameters, ZeroParamStatus
+from zero.deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+from zero.deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 33), nn.Tanh(), nn.Linear(33, 5))
+
+
+def stage3_attributes(path: str):
+    model = _net()
+    full_count = sum(p.numel() for p in model.parameters())
+    engine, optimizer, *_ = zero.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    engine.backward(engine(torch.randn(2, 8)).square().mean())
+    engine.step()
+    weight = model[0].weight
+    released = weight.ds_status is ZeroParamStatus.NOT_AVAILABLE and weight.numel() == 0
+    counted = sum(p.ds_numel for p in model.parameters())  # how PEFT and transformers count under ZeRO-3
+    shard = weight.ds_tensor.numel() == -(-weight.ds_numel // 2) and tuple(weight.ds_shape) == (33, 8)
+    weight.all_gather()
+    gathered = weight.shape == (33, 8) and weight.ds_status is ZeroParamStatus.AVAILABLE
+    weight.partition()
+    with GatheredParameters(list(model.parameters())):
+        masters = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with unwrap_model_for_generation(engine) as unwrapped:
+        whole = unwrapped[0].weight.shape == (33, 8)
+    engine.save_checkpoint(path)
+    return dict(released=released, counted=counted == full_count, shard=shard, gathered=gathered,
+                back=weight.numel() == 0, whole=whole, masters=masters,
+                types=isinstance(engine, DeepSpeedEngine) and isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3))
+
+
+def test_stage3_parameter_attributes_and_module_paths(dist_run, tmp_path):
+    results = dist_run(2, stage3_attributes, str(tmp_path))
+    for r in results:
+        assert r["released"] and r["counted"] and r["shard"] and r["gathered"] and r["back"] and r["whole"]
+        assert r["types"]
+    state = get_fp32_state_dict_from_zero_checkpoint(tmp_path)  # saved at world 2, read in one process
+    assert state.keys() == results[0]["masters"].keys()
+    assert all(torch.equal(state[n], results[0]["masters"][n]) for n in state)  # bitwise (fp32)
+    assert DeepSpeedZeroConfig(stage=3, stage3_param_persistence_threshold=0).stage == 3
+    accelerator = deepspeed.accelerator.get_accelerator()
+    assert accelerator.device_name() == "cpu" and accelerator.communication_backend_name() == "gloo"

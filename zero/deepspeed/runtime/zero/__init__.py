@@ -1,0 +1,16 @@
+"""`deepspeed.runtime.zero`."""
+from __future__ import annotations
+
+import contextlib
+
+from zero.init import GatheredParameters
+from zero.partition.shards import ZeroParamStatus  # noqa: F401
+
+
+@contextlib.contextmanager
+def unwrap_model_for_generation(model):
+    """The model with every parameter gathered for the block (as DeepSpeed's, for generation loops
+    that would otherwise gather each layer at every token)."""
+    module = getattr(model, "module", model)
+    with GatheredParameters(list(module.parameters())):
+        yield module

@@ -1,0 +1,4 @@
+"""`deepspeed.runtime.zero.config`: the `zero_optimization` section's model, built from a dict."""
+from zero.config.sections import OffloadOptimizerConfig as DeepSpeedZeroOffloadOptimizerConfig  # noqa: F401
+from zero.config.sections import OffloadParamConfig as DeepSpeedZeroOffloadParamConfig  # noqa: F401
+from zero.config.sections import ZeroOptimizationConfig as DeepSpeedZeroConfig  # noqa: F401
