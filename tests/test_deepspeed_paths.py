@@ -53,3 +53,29 @@ def test_stage3_parameter_attributes_and_module_paths(dist_run, tmp_path):
     assert DeepSpeedZeroConfig(stage=3, stage3_param_persistence_threshold=0).stage == 3
     accelerator = deepspeed.accelerator.get_accelerator()
     assert accelerator.device_name() == "cpu" and accelerator.communication_backend_name() == "gloo"
+
+
+def set_and_get(stage: int):
+    model = _net()
+    engine, *_ = zero.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
+    weight = model[2].weight
+    value = torch.arange(weight.ds_numel if stage == 3 else weight.numel(), dtype=torch.float32).view(5, 33)
+    deepspeed.utils.safe_set_full_fp32_param(weight, value)
+    deepspeed.utils.safe_set_full_optimizer_state(weight, value * 2, "exp_avg")
+    got = deepspeed.utils.safe_get_full_fp32_param(weight)
+    state = deepspeed.utils.safe_get_full_optimizer_state(weight, "exp_avg")
+    with GatheredParameters([weight]):
+        seen = weight.detach().clone()
+    return torch.equal(got, value) and torch.equal(state, value * 2) and torch.equal(seen, value)
+
+
+def test_safe_set_full_fp32_param_and_optimizer_state(dist_run):
+    for stage in (1, 2, 3):
+        assert dist_run(2, set_and_get, stage) == [True, True], stage
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
+    zero.set_z3_leaf_modules(model, [nn.Sequential])
+    assert deepspeed.utils.z3_leaf_module(model[1]) and len(deepspeed.utils.get_z3_leaf_modules(model)) == 2
+    deepspeed.utils.unset_z3_leaf_modules(model, [nn.Sequential])
+    assert deepspeed.utils.get_z3_leaf_modules(model) == []

@@ -91,5 +91,52 @@ def safe_get_local_optimizer_state(param, optim_state_key: str) -> torch.Tensor:
     return _local(param, optim_state_key)
 
 
+def unset_z3_leaf_modules(model, leaf_module_classes) -> list:
+    """Undo `set_z3_leaf_modules` for these classes (before `zero.initialize`)."""
+    classes = tuple(leaf_module_classes)
+    marked = [m for m in model.modules() if isinstance(m, classes) and getattr(m, "_zero_unit", False)]
+    for m in marked:
+        m._zero_unit = False
+    return marked
+
+
+def get_z3_leaf_modules(model) -> list:
+    """The modules marked as stage-3 leaves."""
+    return [m for m in model.modules() if getattr(m, "_zero_unit", False)]
+
+
+def z3_leaf_module(model) -> bool:
+    """Whether `model` is marked as a stage-3 leaf."""
+    return bool(getattr(model, "_zero_unit", False))
+
+
+def _set_full(param, kind: str, value: torch.Tensor) -> None:
+    optimizer = _owner(param)
+    _no_client_state(optimizer, kind)
+    flat = value.detach().reshape(-1).float()
+    with torch.no_grad():
+        for k, offset, view in optimizer.param_chunks(param, saving=False):
+            if k == kind:
+                view.copy_(flat[offset : offset + view.numel()])
+        if kind == "master":  # the training copy follows the master
+            for k, offset, view in optimizer.param_chunks(param, saving=False):
+                if k == "model":
+                    view.copy_(flat[offset : offset + view.numel()])
+    if kind == "master":
+        optimizer.edits_seen([param])
+
+
+def safe_set_full_fp32_param(param, value: torch.Tensor) -> None:
+    """Set `param`'s fp32 master (and its training copy) to the full `value`, given on every rank."""
+    _set_full(param, "master", value)
+
+
+def safe_set_full_optimizer_state(param, value: torch.Tensor, optim_state_key: str) -> None:
+    """Set `param`'s Adam state `optim_state_key` to the full `value`, given on every rank."""
+    if optim_state_key not in ("exp_avg", "exp_avg_sq"):
+        raise ValueError(f"optimizer state {optim_state_key!r}: zero's Adam keeps 'exp_avg' and 'exp_avg_sq'")
+    _set_full(param, optim_state_key, value)
+
+
 def __getattr__(name: str):
     return missing("deepspeed.utils", name)
