@@ -79,3 +79,13 @@ def test_safe_set_full_fp32_param_and_optimizer_state(dist_run):
     assert deepspeed.utils.z3_leaf_module(model[1]) and len(deepspeed.utils.get_z3_leaf_modules(model)) == 2
     deepspeed.utils.unset_z3_leaf_modules(model, [nn.Sequential])
     assert deepspeed.utils.get_z3_leaf_modules(model) == []
+
+
+def test_op_builders_answer_for_zeros_ops():
+    from zero.deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
+    from zero.ops import builder
+
+    assert CPUAdamBuilder().is_compatible() == (builder.missing("cpu_adam") is None)
+    assert FusedAdamBuilder().is_compatible() == (builder.missing("fused_adam") is None)
+    if CPUAdamBuilder().is_compatible():
+        assert CPUAdamBuilder().load() is builder.load("cpu_adam")

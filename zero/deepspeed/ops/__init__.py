@@ -1,2 +1,2 @@
 """`deepspeed.ops`: the optimizers scripts import by name."""
-from zero.deepspeed.ops import adam  # noqa: F401
+from zero.deepspeed.ops import adam, op_builder  # noqa: F401
