@@ -84,6 +84,7 @@ class GradReadiness:
         self.groups = [list(g) for g in groups]
         self._take, self._launch_fn, self._finish_fn, self._on_end = take, launch, finish, on_end
         self.ordered = ordered
+        self.on_signal: set[int] = set()  # groups launched by `launch_now`, not by their gradients
         self.max_in_flight = 1 if overlap else 0
         self.names = names
         self.ignore_unused = ignore_unused
@@ -139,8 +140,14 @@ class GradReadiness:
         self._take(gi, param)
         waiting = self._waiting[gi]
         waiting.discard(param)
-        if not waiting:
+        if not waiting and gi not in self.on_signal:
             self._ready(gi)
+
+    def launch_now(self, gi: int) -> None:
+        """Launch group `gi` now, with whatever gradients it has (missing ones count as zero; any
+        that arrive later are re-sent at the end of backward). For groups in `on_signal`."""
+        if self.active and not self._launched[gi]:
+            self._launch(gi)
 
     def _ready(self, gi: int) -> None:
         if not self.ordered:

@@ -125,6 +125,15 @@ class Stage3Runtime:
             [u.trainable for u in self._reducible], take=lambda gi, p: None, launch=self._launch_reduce,
             finish=self._finish_reduce, comm=comm, ordered=False, overlap=reduce.overlap_comm, names=names,
             ignore_unused=reduce.ignore_unused_parameters, on_end=self._end_backward)
+        # [Note: leaf units]
+        # A unit marked with set_z3_leaf_modules (a mixture-of-experts block, say) may run only some
+        # of its parameters, different ones on different ranks, so its gradients are complete at a
+        # different point of the backward on each rank. Its reduction is launched instead when its
+        # module's backward is done (the identity on the module's inputs, as for frozen weights):
+        # the same point on every rank. A gradient that lands after it is re-sent at the end.
+        for unit, mod in zip(units, unit_modules):
+            unit.leaf = bool(getattr(mod, "_zero_unit", False)) and unit.trainable != []
+        self.readiness.on_signal = {gi for gi, u in enumerate(self._reducible) if u.leaf}
         self._install_hooks(unit_modules)
 
     # -- hooks --------------------------------------------------------------------------------------
@@ -315,7 +324,7 @@ class Stage3Runtime:
         for unit in units:
             self._acquire(unit, BACKWARD if recompute else FORWARD)
             unit.forward_uses += 1
-        frozen = [u for u in units if u.has_frozen]
+        frozen = [u for u in units if u.has_frozen or u.leaf]
         if frozen and torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             # a unit with frozen weights is released when the module's backward is done, not when
             # its (trainable) gradients are: see [Note: stage 3 hooks]
@@ -381,6 +390,8 @@ class Stage3Runtime:
         any more once its trainable parameters' gradients are done too."""
         for unit in units:
             unit.inputs_done = True
+            if unit.leaf and unit.trainable and not unit.grads_done:  # see [Note: leaf units]
+                self.readiness.launch_now(self._reducible.index(unit))
             if not unit.trainable or unit.grads_done:
                 self._done_in_backward(unit)
 

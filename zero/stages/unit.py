@@ -160,6 +160,7 @@ class ParamUnit:
         self.grads_done = False  # its gradients were reduced in this backward
         self.inputs_done = False  # a backward of its module produced the gradients of its inputs
         self.trace_pos = -1  # where the runtime last recorded its use in the current pass
+        self.leaf = False  # marked with set_z3_leaf_modules (see [Note: leaf units] in stage3.py)
 
     def __repr__(self) -> str:
         return f"ParamUnit({self.index}, '{self.name or '<root>'}', {len(self.params)} params, {self.full_numel} elements)"
