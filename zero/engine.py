@@ -14,28 +14,32 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
 import logging
 import os
 import time
 import warnings
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils.weak import WeakIdKeyDictionary
 
-from zero.comm import Comm, RankDivergenceError
+from zero.comm import Comm
 from zero.config import ZeroConfig, load_config
+from zero.guards import (
+    _claim,
+    _refuse_claimed,
+    _refuse_foreign_parameters,
+    check_ranks_agree,
+    next_engine_number,
+)
 from zero.precision import NonFiniteGradientError
 from zero.stages import build_optimizer
 from zero.stages.adam import check_param_groups
+from zero.stages.choice import _client_optimizer, _optimizer_defaults, _param_groups
 
 log = logging.getLogger("zero")
-_ENGINE_NUMBERS = itertools.count(1)  # engines of this process, in the order built (see [Note: rank-agreement tags])
 
 
 def init_distributed(dist_backend: str | None = None, timeout_s: float | None = None) -> None:
@@ -82,96 +86,6 @@ def _destroy_process_group() -> None:
         gc.collect()
 
 
-def _param_groups(module: nn.Module, model_parameters, defaults: dict) -> list[dict]:
-    """Torch-style groups of trainable parameters, each with complete Adam hyperparameters."""
-    if model_parameters is None:
-        model_parameters = module.parameters()
-    items = list(model_parameters)
-    groups = items if items and isinstance(items[0], dict) else [{"params": items}]
-    out, seen = [], set()
-    for gi, g in enumerate(groups):
-        params = []
-        for p in g["params"]:
-            if not isinstance(p, nn.Parameter):
-                raise ValueError(f"model_parameters group {gi} holds a {type(p).__name__}, expected nn.Parameter")
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-        group = {**defaults, **{k: v for k, v in g.items() if k != "params"}, "params": params}
-        if params:
-            out.append(group)
-    if not out:
-        raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
-    return out
-
-
-# [Note: other optimizers on shards]
-# A client optimizer other than Adam/AdamW runs on each rank's shards: zero hands it the fp32 master
-# pieces as parameters and their reduced, unscaled (and clipped) gradients. For an element-wise
-# optimizer (each element's update depends only on that element's gradient and state) this gives
-# exactly the unpartitioned result, with the state partitioned. Optimizers that look at whole
-# tensors (factored moments, orthogonalisation, line searches, trust ratios) would see pieces, so
-# they are refused; an optimizer class zero does not know is run with a warning.
-_ELEMENTWISE = (torch.optim.SGD, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.Adamax, torch.optim.NAdam,
-                torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD)
-_WHOLE_TENSOR = {"LBFGS": "its line search needs the whole model in one closure",
-                 "Adafactor": "its factored second moments need whole matrices",
-                 "Muon": "it orthogonalises whole matrices", "SparseAdam": "it takes sparse gradients",
-                 "Lamb": "its trust ratio needs each parameter's whole norm", "LARS": "its trust ratio needs each "
-                 "parameter's whole norm", "Shampoo": "its preconditioners need whole matrices"}
-
-
-def _client_optimizer(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None) -> tuple[type | None, dict]:
-    """The optimizer class to run on the shards instead of zero's Adam, and its defaults; (None, {})
-    for Adam/AdamW. See [Note: other optimizers on shards]."""
-    if optimizer is not None:
-        if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            return None, {}
-        return type(optimizer), dict(optimizer.defaults)
-    from zero.config.sections import CLIENT_OPTIMIZERS, optimizer_class
-
-    if cfg.optimizer is not None and cfg.optimizer.type in CLIENT_OPTIMIZERS:
-        cls = optimizer_class(cfg.optimizer.type)
-        return cls, dict(cls([torch.nn.Parameter(torch.zeros(1))], **cfg.optimizer.other_params).defaults)
-    return None, {}
-
-
-def _check_elementwise(optimizer: torch.optim.Optimizer) -> None:
-    from zero.optimizers import Lion
-
-    name = type(optimizer).__name__
-    if name in _WHOLE_TENSOR:
-        raise ValueError(f"initialize(optimizer=...) got a {name}, which zero cannot run on partitioned shards: "
-                         f"{_WHOLE_TENSOR[name]}. Use an element-wise optimizer (Adam, AdamW, SGD, Adagrad, "
-                         f"RMSprop, ...); see [Note: other optimizers on shards] in zero/engine.py")
-    if not isinstance(optimizer, (*_ELEMENTWISE, Lion)):
-        warnings.warn(f"zero: {name} is run on each rank's shards as if it were element-wise (each element's update "
-                      f"depends only on its own gradient and state); if it looks at whole tensors, the result differs "
-                      f"from unpartitioned training", stacklevel=4)
-
-
-def _optimizer_defaults(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None) -> dict:
-    """Adam hyperparameters from a client optimizer or from the config's `optimizer` section."""
-    if optimizer is not None:
-        if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            _check_elementwise(optimizer)
-            return dict(optimizer.defaults)
-        d = optimizer.defaults
-        if d.get("amsgrad"):
-            raise ValueError("amsgrad is not supported by zero's partitioned Adam")
-        adamw = isinstance(optimizer, torch.optim.AdamW) or bool(d.get("decoupled_weight_decay"))
-        return dict(lr=d["lr"], betas=tuple(d["betas"]), eps=d["eps"], weight_decay=d["weight_decay"],
-                    bias_correction=True, adamw_mode=adamw)
-    if cfg.optimizer is None:
-        raise ValueError("no optimizer: add an 'optimizer' section to the config or pass initialize(optimizer=...)")
-    client, defaults = _client_optimizer(cfg, None)
-    if client is not None:
-        return defaults
-    p = cfg.optimizer.params
-    return dict(lr=p.lr, betas=tuple(p.betas), eps=p.eps, weight_decay=p.weight_decay,
-                bias_correction=p.bias_correction, adamw_mode=cfg.optimizer.adamw)
-
-
 def _compute_device(comm: Comm) -> torch.device:
     """The current CUDA device, unless there is none or the process group is gloo-only (CPU ranks)."""
     if not torch.cuda.is_available() or (comm.distributed and not comm.uses_nccl):
@@ -197,110 +111,6 @@ def _place_the_rest(module: nn.Module, placed: list[nn.Parameter], device: torch
             comm.broadcast(t.data, src=0)
 
 
-def _what_ranks_must_share(module: nn.Module, config: ZeroConfig, world_size: int) -> list[str]:
-    """What every rank must agree on before the first collective: the world size, the config
-    (which fixes the stage, dtypes, bucket sizes and batch sizes) and every parameter's name,
-    shape, dtype and trainability (which fix the bucket and unit layouts)."""
-    def flat(prefix: str, value) -> list[str]:
-        if isinstance(value, dict):
-            return [line for k, v in value.items() for line in flat(f"{prefix}{k}.", v)]
-        return [f"config {prefix[:-1]} = {value!r}"]
-
-    shared = {k: v for k, v in config.model_dump().items() if k not in _PER_RANK_KEYS}
-    lines = [f"world size {world_size}", *flat("", shared)]
-    lines += [f"parameter {n!r}: shape {tuple(p.shape)}, {p.dtype}, requires_grad={p.requires_grad}"
-              for n, p in module.named_parameters()]
-    return lines
-
-
-# config keys that only report or log, which a rank may set differently (rank 0 alone timing, a
-# per-rank log directory) without changing any collective
-_PER_RANK_KEYS = {"steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state", "tensorboard", "wandb",
-                  "csv_monitor", "comet", "flops_profiler", "comms_logger", "timers", "autotuning"}
-
-
-def check_ranks_agree(module: nn.Module, config: ZeroConfig, comm: Comm) -> None:
-    """Raise RankDivergenceError, on every rank, if the ranks built different models or configs.
-
-    One tag exchange carries a digest of `_what_ranks_must_share`; only when digests differ do
-    the ranks exchange the full descriptions, to name the first difference."""
-    if comm.world_size == 1:
-        return
-    import hashlib
-
-    lines = _what_ranks_must_share(module, config, comm.world_size)
-    digest = hashlib.sha256("\n".join(lines).encode()).digest()
-    words = [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in (0, 8)]
-    work, tags = comm.start_tag([8, *words])
-    rows = comm.check_tags(work, tags, "zero.initialize", key=lambda row: row[0])
-    # the engine number of these collectives: the same on every rank from here on, even if a rank
-    # built an engine the others did not (one that failed, say)
-    global _ENGINE_NUMBERS
-    comm.engine = max(row[3] for row in rows)
-    _ENGINE_NUMBERS = itertools.count(comm.engine + 1)
-    if all(row[:3] == rows[0][:3] for row in rows):
-        return
-    # every rank knows the digests differ and raises below, with nothing left in flight: no abort
-    everyone: list = [None] * comm.world_size
-    dist.all_gather_object(everyone, lines, group=comm.control().group)
-    first = next(i for i in range(max(map(len, everyone)) + 1)
-                 if len({tuple(d[i : i + 1]) for d in everyone}) > 1)
-    seen = "; ".join(f"rank {r}: {d[i] if (i := first) < len(d) else 'nothing (fewer parameters)'}"
-                     for r, d in enumerate(everyone))
-    raise RankDivergenceError(
-        f"zero.initialize: the ranks built different models or configs. First difference: {seen}. Every rank must "
-        f"build the same model (same parameters in the same order) from the same config.")
-
-
-# parameter -> (the optimizer whose hooks take its gradient, whether it is stage 3, which shards
-# every parameter); weak both ways, and kept off the parameter so the model stays picklable
-_OWNERS = WeakIdKeyDictionary()
-
-
-def _refuse_claimed(module: nn.Module, trained: set, stage: int) -> None:
-    """Refuse parameters another live zero engine trains (its hooks would take their gradients)
-    or shards (stage 3)."""
-    for name, p in module.named_parameters():
-        owner, sharded = _OWNERS.get(p, (None, False))
-        if owner is not None and owner() is not None and (sharded or stage == 3 or p in trained):
-            raise ValueError(
-                f"parameter {name!r} is already {'sharded' if sharded else 'trained'} by another zero engine: "
-                f"zero.initialize was called twice on this model, or two models share this parameter. The first "
-                f"engine {'keeps only a shard of it' if sharded else 'takes its gradients with its hooks'}, so the "
-                f"second would never train it. Build one engine per model (re-create the model to start over), and "
-                f"put modules that share weights in one model.")
-
-
-def _claim(module: nn.Module, optimizer, stage: int) -> None:
-    owner = (weakref.ref(optimizer), stage == 3)
-    for p in (module.parameters() if stage == 3 else optimizer.params):
-        _OWNERS[p] = owner
-
-
-def _refuse_foreign_parameters(module: nn.Module, groups: list[dict], config: ZeroConfig) -> None:
-    """Parameters to train must belong to the model; zero.Init models need stage 3."""
-    names = {p: n for n, p in module.named_parameters()}
-    for gi, g in enumerate(groups):
-        for p in g["params"]:
-            if p not in names:
-                raise ValueError(
-                    f"param group {gi} holds a parameter of shape {tuple(p.shape)} that is not in the model: "
-                    f"model_parameters (or the optimizer's param groups) must be parameters of the model passed "
-                    f"to zero.initialize (was the optimizer built over another model?)")
-    trained = {p for g in groups for p in g["params"]}
-    odd = [(n, p.dtype) for p, n in names.items() if p in trained and p.dtype not in (torch.float32, config.dtype)]
-    if odd:
-        warnings.warn(f"zero: {len(odd)} trainable parameter(s) are {odd[0][1]} (first: {odd[0][0]!r}) but the config "
-                      f"trains in {config.dtype}: they are trained in {config.dtype} (enable fp16/bf16 in the config to "
-                      f"train in 16 bits)", stacklevel=4)
-    stage = config.zero_optimization.stage
-    sharded = next((n for p, n in names.items() if getattr(p, "_zero", None) is not None), None)
-    if sharded is not None and stage < 3:
-        raise ValueError(f"the model was built under zero.Init (parameter {sharded!r} is partitioned), which only "
-                         f"ZeRO stage 3 can train; set zero_optimization.stage to 3, or build the model without "
-                         f"zero.Init for stage {stage}")
-
-
 class Engine(nn.Module):
     """A model wrapped for ZeRO data-parallel training. Build it with `zero.initialize`."""
 
@@ -315,7 +125,7 @@ class Engine(nn.Module):
         super().__init__()
         self.config = config
         self.comm = Comm()
-        self.comm.engine = next(_ENGINE_NUMBERS)
+        self.comm.engine = next_engine_number()
         self.device = _compute_device(self.comm)
         defaults = _optimizer_defaults(config, optimizer)
         groups = _param_groups(module, model_parameters if optimizer is None else optimizer.param_groups, defaults)

@@ -10,6 +10,7 @@ model's copy. Memory stays at the largest tensor plus one output shard.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Iterator
@@ -55,9 +56,7 @@ def iter_full_tensors(checkpoint_dir: str | os.PathLike, tag: str | None = None,
         if key not in chunks:
             continue  # excluded when saved (exclude_frozen_parameters)
         shape = info["shape"]
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         parts = sorted(chunks[key])
         full = None
         covered = 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import functools
 import json
+import math
 import os
 import random
 import shutil
@@ -71,7 +72,7 @@ def _chunks(engine, saving: bool, kinds: tuple[str, ...] = ("model", *OPTIMIZER_
     opt = engine.optimizer
     out: list[Chunk] = []
     for name, t, is_param in _named_tensors(engine.module):
-        numel = int(np.prod(_shape(t)))
+        numel = math.prod(_shape(t))
         if is_param:
             if exclude_frozen and not t.requires_grad:
                 continue
@@ -368,7 +369,7 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
     except BaseException as exc:  # noqa: BLE001 - safetensors and DCP raise many kinds on a damaged file
         raise CheckpointError(f"{path / 'tensors'}: a tensor file is truncated or corrupt ({exc})") from None
     short = [f"{k} ({stored[k]} of {n} elements)" for k, n in
-             ((k, _numel(saved[k.split("/", 1)[1]]["shape"])) for k in stored if k.split("/", 1)[1] in saved)
+             ((k, math.prod(saved[k.split("/", 1)[1]]["shape"])) for k in stored if k.split("/", 1)[1] in saved)
              if stored[k] != n]
     if short:
         raise CheckpointError(f"{path / 'tensors'}: incomplete tensors {short[:4]}: a rank's file is missing")
@@ -425,9 +426,3 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
             _set_rng_state({k: f.get_tensor(k) for k in f.keys()}, f.metadata())
     return str(path), state["client_state"]
 
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

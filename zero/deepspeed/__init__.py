@@ -19,8 +19,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     """`deepspeed.initialize`: also takes the config from `args.deepspeed_config` (as set by
     `add_config_arguments` and `--deepspeed_config ds.json`)."""
     if mpu is not None:
-        raise NotImplementedError("deepspeed.initialize(mpu=...): zero is data-parallel only (model parallelism "
-                                  "is not implemented); leave mpu unset")
+        raise ValueError("deepspeed.initialize(mpu=...): zero is data-parallel only (no model parallelism); "
+                         "leave mpu unset")
     if config is None and config_params is None and args is not None:
         config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     from zero.engine import initialize as _initialize

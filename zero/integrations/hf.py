@@ -252,8 +252,7 @@ class ZeroTrainer(Trainer):
         ga = engine.gradient_accumulation_steps()
         if self.accelerator.sync_gradients and not engine.is_gradient_accumulation_boundary():
             # Trainer ends a window early (the last, shorter one of an epoch): so does the engine
-            engine.micro_steps += ga - 1 - engine.micro_steps % ga
-            engine.optimizer.at_boundary = True
+            engine.set_gradient_accumulation_boundary(True)
         model.train()
         inputs = self._prepare_inputs(inputs)
         with self.compute_loss_context_manager():

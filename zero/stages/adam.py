@@ -289,20 +289,32 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
         non-finite."""
         device = slots[0][2].device if slots else torch.device("cpu")  # where the gradients are
         norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for _, _, g, _, _, _ in slots]
-        total = torch.zeros(1, dtype=torch.float64, device=device)
-        if norms:
-            total += torch.stack(norms).double().square().sum()
-        if not math.isfinite(total.item()):
-            total.zero_()
-            for (_, _, g, _, _, _), n in zip(slots, norms):
-                if not torch.isfinite(n):
-                    top = g.abs().amax().float()
-                    n = top.double() * torch.linalg.vector_norm(g / top, dtype=torch.float32).double() \
-                        if torch.isfinite(top) else top.double()
-                total += n.double().square()
+        total = self._sum_squares(norms, device)
+        if self.norm_is_partitioned():
+            self.comm.all_reduce(total, "sum")
+        norm_sq = total.item()  # the step's one host synchronisation for the norm
+        if math.isfinite(norm_sq):
+            return math.sqrt(norm_sq)
+        # rare: some slot's fp32 norm overflowed (or a gradient is inf/NaN); every rank sees the
+        # reduced total non-finite, so every rank measures again, scaled by each slot's largest element
+        rescaled = []
+        for (_, _, g, _, _, _), n in zip(slots, norms):
+            if not torch.isfinite(n):
+                top = g.abs().amax().float()
+                n = top.double() * torch.linalg.vector_norm(g / top, dtype=torch.float32).double() \
+                    if torch.isfinite(top) else top.double()
+            rescaled.append(n)
+        total = self._sum_squares(rescaled, device)
         if self.norm_is_partitioned():
             self.comm.all_reduce(total, "sum")
         return math.sqrt(total.item())
+
+    @staticmethod
+    def _sum_squares(norms: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        total = torch.zeros(1, dtype=torch.float64, device=device)
+        if norms:
+            total += torch.stack([n.double() for n in norms]).square().sum()
+        return total
 
     @torch.no_grad()
     def step(self, closure=None) -> bool:
@@ -361,7 +373,7 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
 
     @torch.no_grad()
     def _client_step(self, slots: list[Slot], grad_scale: float) -> None:
-        """See [Note: other optimizers on shards] in zero/engine.py: the client optimizer's class
+        """See [Note: other optimizers on shards] in zero/stages/choice.py: the client optimizer's class
         steps on the fp32 master pieces (as parameters sharing their storage), with its state
         sized like the shards."""
         if self._client is None:

@@ -31,7 +31,7 @@ def see_memory_usage(message: str, force: bool = False) -> None:
 
 
 def _owner(param):
-    from zero.engine import _OWNERS
+    from zero.guards import _OWNERS
 
     owner, _ = _OWNERS.get(param, (None, False))
     optimizer = owner() if owner is not None else None
