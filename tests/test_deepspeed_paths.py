@@ -89,3 +89,66 @@ def test_op_builders_answer_for_zeros_ops():
     assert FusedAdamBuilder().is_compatible() == (builder.missing("fused_adam") is None)
     if CPUAdamBuilder().is_compatible():
         assert CPUAdamBuilder().load() is builder.load("cpu_adam")
+
+
+def edit_gradients(stage: int, offload: bool):
+    """safe_get_full_grad / safe_get_local_grad against the reference gradient, then
+    safe_set_local_grad changes what the step applies (Adam is sign-sensitive)."""
+    import copy
+
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _net()
+    reference = copy.deepcopy(model)
+    zero_cfg = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    if offload:
+        zero_cfg["offload_optimizer"] = {"device": "cpu"}
+    engine, optimizer, *_ = zero.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 3, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+        "fp16": {"enabled": False}, "zero_optimization": zero_cfg})
+    x = torch.randn(3 * world, 8, generator=torch.Generator().manual_seed(1))
+    engine.backward(engine(x[3 * rank : 3 * rank + 3]).square().mean())
+    reference(x).square().mean().backward()
+    names = dict(model.named_parameters())
+    full = {n: deepspeed.utils.safe_get_full_grad(p) for n, p in names.items()}
+    errors = {n: (full[n] - q.grad).abs().max().item() for n, q in reference.named_parameters()}
+    if stage < 2:
+        try:
+            deepspeed.utils.safe_get_local_grad(names["0.weight"])
+            local_refused = False
+        except ValueError as e:
+            local_refused = "reduced inside step()" in str(e)
+        engine.step()
+        return dict(errors=errors, local_refused=local_refused)
+    local_ok = True
+    for n, p in names.items():
+        offset, _, _ = optimizer.grad_piece(p)
+        local = deepspeed.utils.safe_get_local_grad(p)
+        local_ok &= torch.allclose(local, full[n].reshape(-1)[offset : offset + local.numel()], rtol=0, atol=1e-7)
+        edited = -local if n == "0.weight" else (torch.zeros_like(local) if n == "2.bias" else local)
+        deepspeed.utils.safe_set_local_grad(p, edited)
+    try:
+        deepspeed.utils.safe_set_local_grad(names["0.bias"], torch.zeros(1000))
+        size_refused = False
+    except ValueError as e:
+        size_refused = "got (1000,)" in str(e)
+    engine.step()
+    reference[0].weight.grad.neg_()
+    reference[2].bias.grad.zero_()
+    torch.optim.Adam(reference.parameters(), lr=1e-2).step()
+    with GatheredParameters(list(model.parameters())):
+        after = {n: (p.detach() - dict(reference.named_parameters())[n].detach()).abs().max().item()
+                 for n, p in names.items()}
+    return dict(errors=errors, local_ok=local_ok, size_refused=size_refused, after=after)
+
+
+def test_safe_get_and_set_gradients_against_the_reference(dist_run):
+    for stage, offload in ((1, False), (2, False), (3, False), (2, True), (3, True)):
+        for r in dist_run(2, edit_gradients, stage, offload):
+            assert max(r["errors"].values()) < 1e-6, (stage, offload, r["errors"])
+            if stage < 2:
+                assert r["local_refused"]
+                continue
+            assert r["local_ok"] and r["size_refused"], (stage, offload)
+            assert max(r["after"].values()) < 1e-6, (stage, offload, r["after"])  # the edited gradients were applied

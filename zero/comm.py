@@ -44,6 +44,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from zero.errors import ZeroRuntimeError
+
 # torch 2.13 renamed the single-tensor collectives; 2.11 only has the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -52,11 +54,11 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _CONTROL: dict[tuple[int, int, str], tuple[object, Comm]] = {}  # see Comm.control and Comm.io
 
 
-class CollectiveTimeout(RuntimeError):
+class CollectiveTimeout(ZeroRuntimeError):
     """A collective did not complete in time; the message says which and what to check."""
 
 
-class RankDivergenceError(RuntimeError):
+class RankDivergenceError(ZeroRuntimeError):
     """Ranks reached different collectives (different modules, a skipped backward, an extra step)."""
 
 

@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 
 from zero.checkpoint.chunks import Chunk, load_chunks, save_chunks, saved_tensors
+from zero.errors import ZeroRuntimeError
 
 FORMAT = "zero-checkpoint"
 VERSION = 1
@@ -43,7 +44,7 @@ STATE_FILE = "zero_checkpoint.json"
 OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(ZeroRuntimeError):
     """A checkpoint cannot be saved or loaded; the message names the file and the problem."""
 
 

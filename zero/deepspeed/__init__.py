@@ -9,7 +9,7 @@ import argparse
 
 from zero import __version__  # noqa: F401
 from zero.deepspeed import accelerator, checkpointing, comm, ops, runtime, utils, zero  # noqa: F401
-from zero.deepspeed._missing import missing
+from zero.deepspeed._missing import NotAvailableError, missing  # noqa: F401
 from zero.engine import Engine as DeepSpeedEngine  # noqa: F401 - isinstance checks
 from zero.engine import init_distributed  # noqa: F401
 

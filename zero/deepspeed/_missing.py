@@ -1,12 +1,26 @@
-"""What to say about a DeepSpeed name zero does not have."""
+"""What to say about a DeepSpeed name zero does not have.
+
+[Note: absent names]
+A DeepSpeed script often imports more than it uses (`from deepspeed.pipe import PipelineModule` at
+the top of a file that trains without a pipeline). So a DeepSpeed name that zero knows and lacks
+imports fine and fails when used: it resolves to a stand-in class whose call, attribute access or
+instantiation of a subclass raises `NotAvailableError` with the reason and what to use instead.
+`isinstance(x, StandIn)` is simply False. A missing DeepSpeed package (`deepspeed.pipe`,
+`deepspeed.moe.layer`, ...) is a module made on import by `_AbsentPackages`, whose every name is such
+a stand-in. A name zero does not know at all (a typo, or a part of DeepSpeed nobody asked for) is an
+AttributeError at once, as for any module.
+"""
 from __future__ import annotations
 
-# DeepSpeed names with no counterpart here, and what to use instead
-NOT_HERE = {
-    "deepspeed.init_inference": "inference engines are not implemented; use the model directly (under stage 3, "
-                                "with zero.integrations.hf.from_pretrained and model.generate)",
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+
+# DeepSpeed packages with no counterpart here (everything under them), and what to use instead
+ABSENT_PACKAGES = {
     "deepspeed.pipe": "pipeline parallelism is not implemented yet",
-    "deepspeed.PipelineModule": "pipeline parallelism is not implemented yet",
+    "deepspeed.runtime.pipe": "pipeline parallelism is not implemented yet",
     "deepspeed.moe": "expert parallelism is not implemented; MoE layers train as ordinary modules "
                      "(zero.set_z3_leaf_modules keeps an MoE block one unit under stage 3)",
     "deepspeed.profiling": "use torch.profiler; engine.wall_clock_report() and engine.comm_report() give zero's "
@@ -15,20 +29,97 @@ NOT_HERE = {
     "deepspeed.compression": "compression training is not implemented",
     "deepspeed.inference": "inference engines are not implemented",
     "deepspeed.sequence": "sequence parallelism is not implemented",
-    "deepspeed.utils.safe_get_full_grad": "read the gradient norm with engine.get_global_grad_norm(); full "
-                                          "gradients are not gathered by zero",
-    "deepspeed.utils.safe_get_local_grad": "gradients live in zero's reduce buffers; use engine.get_global_grad_norm()",
+    "deepspeed.ops.transformer": "DeepSpeed's fused transformer layers are not implemented; use torch's layers "
+                                 "(F.scaled_dot_product_attention)",
+    "deepspeed.ops.sparse_attention": "block-sparse attention is not implemented yet",
+    "deepspeed.ops.lamb": "LAMB is refused: its trust ratio needs whole parameters, which ZeRO partitions",
+    "deepspeed.runtime.zero.tiling": "TiledLinear is not implemented; stage 3 gathers one module at a time "
+                                     "(split a huge Linear into several modules)",
+    "deepspeed.utils.groups": "zero is data-parallel only: its group is torch.distributed's default group "
+                              "(no model, expert or sequence parallel groups)",
+}
+
+# single DeepSpeed names with no counterpart here
+ABSENT_NAMES = {
+    "deepspeed.init_inference": "inference engines are not implemented; use the model directly (under stage 3, "
+                                "with zero.integrations.hf.from_pretrained and model.generate)",
+    "deepspeed.PipelineModule": "pipeline parallelism is not implemented yet",
+    "deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_live":
+        "the memory estimator is not implemented yet",
+    "deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs_all_live":
+        "the memory estimator is not implemented yet",
     "deepspeed.checkpointing.model_parallel_cuda_manual_seed": "zero has no model parallelism; use torch.manual_seed",
 }
 
 
+class NotAvailableError(NotImplementedError):
+    """A DeepSpeed name zero lacks was used (see [Note: absent names])."""
+
+
+class _StandIn(type):
+    """The metaclass of stand-ins: calling one or reading its attributes raises."""
+
+    def __call__(cls, *args, **kwargs):
+        raise NotAvailableError(cls._message)
+
+    def __getattr__(cls, attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        raise NotAvailableError(cls._message)
+
+    def __repr__(cls) -> str:
+        return f"<{cls._full}: not available in zero>"
+
+
+def _reason(full: str) -> str | None:
+    """Why `full` is absent: its own entry, or that of the absent package that holds it."""
+    if full in ABSENT_NAMES:
+        return ABSENT_NAMES[full]
+    return next((r for p, r in ABSENT_PACKAGES.items() if full == p or full.startswith(p + ".")), None)
+
+
+def stand_in(full: str, reason: str) -> type:
+    """A class standing for the DeepSpeed name `full` (see [Note: absent names])."""
+    message = f"{full} is not available in zero: {reason}"
+    return _StandIn(full.rsplit(".", 1)[-1], (), {"_full": full, "_message": message, "__module__": "zero.deepspeed"})
+
+
 def missing(module: str, name: str):
-    """Raise the explanatory error for `module.name` (an AttributeError, so hasattr() still works)."""
+    """Module `__getattr__` of the compatibility layer: `module.name` that does not exist here.
+
+    `module` is the DeepSpeed name of the module or its zero name (`zero.deepspeed.utils`).
+    Returns a stand-in (or the absent package) for a name DeepSpeed has and zero lacks; raises
+    AttributeError for any other name.
+    """
     if name.startswith("__"):
         raise AttributeError(name)
-    full = f"{module}.{name}"
-    reason = NOT_HERE.get(full)
+    full = f"{module.removeprefix('zero.')}.{name}"
+    if full in ABSENT_PACKAGES:
+        return importlib.import_module(f"zero.{full}")
+    reason = _reason(full)
     if reason is None:
         raise AttributeError(f"{full} is not part of zero's DeepSpeed compatibility layer (see "
                              f"docs/migrating-from-deepspeed.md for what is)")
-    raise AttributeError(f"{full} is not available in zero: {reason}")
+    return stand_in(full, reason)
+
+
+class _AbsentPackages(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Makes `zero.deepspeed.<missing package>` importable: a module of stand-ins."""
+
+    def find_spec(self, fullname, path, target=None):
+        full = fullname.removeprefix("zero.")
+        if fullname.startswith("zero.deepspeed.") and full not in ABSENT_NAMES and _reason(full) is not None:
+            return importlib.util.spec_from_loader(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module) -> None:
+        full = module.__name__.removeprefix("zero.")
+        module.__doc__ = f"{full}: not available in zero ({_reason(full)})"
+        module.__getattr__ = lambda name: missing(full, name)
+
+
+if not any(isinstance(f, _AbsentPackages) for f in sys.meta_path):  # once, behind the real modules
+    sys.meta_path.append(_AbsentPackages())

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from zero.deepspeed._missing import missing
+
 
 class _Accelerator:
     def __init__(self):
@@ -64,3 +66,7 @@ _ACCELERATOR = _Accelerator()
 
 def get_accelerator() -> _Accelerator:
     return _ACCELERATOR
+
+
+def __getattr__(name: str):
+    return missing(__name__, name)

@@ -227,6 +227,19 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
         or reads: kind "model" (the parameter in the training dtype), and for a trainable
         parameter "master", "exp_avg" and "exp_avg_sq" (fp32)."""
 
+    def grad_piece(self, param: torch.nn.Parameter) -> tuple[int, torch.Tensor, bool]:
+        """Where `param`'s gradient is on this rank: (offset into the flattened parameter, 1-D
+        view, reduced). A reduced piece (stages 2 and 3, once its reduction finished) is this
+        rank's part of the sum over ranks; an unreduced one (stages 0 and 1 until the step reduces
+        the flat gradient) is this rank's own gradient, whole."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose its gradients")
+
+    def grad_divisor(self, reduced: bool) -> float:
+        """What a gradient piece is divided by to give the mean gradient the step applies (before
+        clipping); see [Note: one divisor]."""
+        divisor = self.comm.world_size / self.options.predivide * self.loss_scaler.scale
+        return divisor if reduced else divisor * self.options.predivide
+
     def after_checkpoint_load(self) -> None:
         """Make the loaded values visible to the model (16-bit copies, gathered units)."""
         self.publish()
@@ -335,7 +348,7 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
         with record_function("zero::reduce_gradients"):
             self.reduce_gradients()
         slots = self.slots()
-        divisor = self.comm.world_size / self.options.predivide * self.loss_scaler.scale
+        divisor = self.grad_divisor(reduced=True)
 
         with record_function("zero::grad_norm"):
             norm = self._grad_norm(slots)

@@ -141,6 +141,17 @@ class ZeroOptimizer(ShardedAdam):
             out.append((kind, a - off, t[a - lo : b - lo]))
         return out
 
+    def grad_piece(self, param: nn.Parameter) -> tuple[int, torch.Tensor, bool]:
+        i = self._index[param]
+        off, n = self.layout.offsets[i], self.layout.numels[i]
+        if self.stage < 2:
+            return 0, self.flat_grad[off : off + n], False
+        bucket = self.layout.buckets[self.layout.bucket_of[i]]
+        lo, hi = self._own(bucket)
+        a = max(lo, off)
+        b = max(a, min(hi, off + n))
+        return a - off, self.shards[bucket.index][a - lo : b - lo], True
+
     def load_param(self, param: nn.Parameter, value: torch.Tensor) -> None:
         """The master's part of `param` takes `value` exactly (torch then writes the 16-bit param)."""
         i = self._index.get(param)

@@ -44,9 +44,10 @@ import torch.nn as nn
 from torch.autograd.profiler import record_function
 
 from zero.comm import Comm
+from zero.errors import ZeroRuntimeError
 
 
-class UnusedParameterError(RuntimeError):
+class UnusedParameterError(ZeroRuntimeError):
     """A trainable parameter got no gradient while `ignore_unused_parameters` is false."""
 
 

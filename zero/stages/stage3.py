@@ -493,6 +493,9 @@ class Stage3Optimizer(ShardedAdam):
     def param_chunks(self, param: nn.Parameter, saving: bool) -> list[tuple[str, int, torch.Tensor]]:
         return param._zero.unit.param_chunks(param)
 
+    def grad_piece(self, param: nn.Parameter) -> tuple[int, torch.Tensor, bool]:
+        return param._zero.unit.grad_piece(param)
+
     def load_param(self, param: nn.Parameter, value: torch.Tensor) -> torch.Tensor | None:
         z = getattr(param, "_zero", None)
         return None if z is None or z.unit is None else z.unit.load_param(param, value)

@@ -263,6 +263,17 @@ class ParamUnit:
                 out.append((kind, start, t[off - r.lo : off - r.lo + n]))
         return out
 
+    def grad_piece(self, p: nn.Parameter) -> tuple[int, torch.Tensor, bool]:
+        """This rank's part of the reduced gradient of trainable `p` (see ShardedAdam.grad_piece)."""
+        i = next(i for i, q in enumerate(self.params) if q is p)
+        z, off, s = p._zero, self.offsets[i], self.split_sizes[i]
+        start = self.comm.rank * s
+        n = max(0, min(z.numel, start + s) - start)
+        r = next((r for r in self.ranges if r.lo <= off < r.hi), None)
+        if r is None:  # none of `p` on this rank
+            return start, torch.empty(0, dtype=self.ranges[0].grad.dtype, device=self.device), True
+        return start, r.grad[off - r.lo : off - r.lo + n], True
+
     @torch.no_grad()
     def load_param(self, p: nn.Parameter, value: torch.Tensor) -> torch.Tensor | None:
         """Set `p` to `value` (its full value): this rank's shard, its fp32 master and, while the

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from zero.deepspeed._missing import missing
+
 
 def _adam(params, lr, bias_correction, betas, eps, weight_decay, adamw_mode, amsgrad):
     if amsgrad:
@@ -35,3 +37,7 @@ class FusedAdam:
     def __new__(cls, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
                 weight_decay=0.0, amsgrad=False, set_grad_none=True):
         return _adam(params, lr, bias_correction, betas, eps, weight_decay, adam_w_mode, amsgrad)
+
+
+def __getattr__(name: str):
+    return missing(__name__, name)

@@ -1,7 +1,9 @@
 """`deepspeed.ops.op_builder`: builders that answer for zero's own native ops (zero/ops/builder.py)."""
 from __future__ import annotations
 
-from zero.deepspeed._missing import missing
+import re
+
+from zero.deepspeed._missing import NotAvailableError, missing
 from zero.ops import builder
 
 
@@ -15,12 +17,15 @@ class _Builder:
         self.name = self.NAME
 
     def is_compatible(self, verbose: bool = False) -> bool:
-        reason = builder.missing(self.OP)
+        reason = builder.missing(self.OP) if self.OP else f"zero has no {self.NAME} op"
         if reason is not None and verbose:
             print(f"{self.NAME}: {reason}")
         return reason is None
 
     def load(self, verbose: bool = True):
+        if not self.OP:
+            raise NotAvailableError(f"deepspeed.ops.op_builder.{type(self).__name__}: zero has no {self.NAME} op "
+                                    f"(zero builds cpu_adam and fused_adam)")
         return builder.load(self.OP)
 
     def absolute_name(self) -> str:
@@ -36,4 +41,8 @@ class FusedAdamBuilder(_Builder):
 
 
 def __getattr__(name: str):
-    return missing("deepspeed.ops.op_builder", name)
+    if name.endswith("Builder") and name[0].isupper():  # any other DeepSpeed op: not compatible here
+        op = name.removesuffix("Builder")
+        snake = re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", op).lower()  # AsyncIO: async_io
+        return type(name, (_Builder,), {"NAME": snake})
+    return missing(__name__, name)

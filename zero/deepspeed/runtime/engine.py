@@ -1,2 +1,7 @@
 """`deepspeed.runtime.engine`."""
+from zero.deepspeed._missing import missing
 from zero.engine import Engine as DeepSpeedEngine  # noqa: F401 - for isinstance checks
+
+
+def __getattr__(name: str):
+    return missing(__name__, name)

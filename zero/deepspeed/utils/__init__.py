@@ -7,6 +7,7 @@ ShardedAdam.param_chunks).
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -89,6 +90,49 @@ def safe_get_local_optimizer_state(param, optim_state_key: str) -> torch.Tensor:
     if optim_state_key not in ("exp_avg", "exp_avg_sq"):
         raise ValueError(f"optimizer state {optim_state_key!r}: zero's Adam keeps 'exp_avg' and 'exp_avg_sq'")
     return _local(param, optim_state_key)
+
+
+def safe_get_full_grad(param) -> torch.Tensor:
+    """The full mean gradient of `param` that the coming step applies (before clipping), fp32
+    (collective). Call it after the backward of an accumulation boundary, before `step()`."""
+    optimizer = _owner(param)
+    offset, piece, reduced = optimizer.grad_piece(param)
+    z = getattr(param, "_zero", None)
+    shape = z.shape if z is not None else param.shape
+    full = torch.zeros(math.prod(shape), dtype=torch.float32)
+    full[offset : offset + piece.numel()] = piece.detach().float().cpu()
+    optimizer.comm.all_reduce(full, "sum")  # reduced pieces are disjoint; unreduced ones sum as the step would
+    return full.div_(optimizer.grad_divisor(reduced)).view(shape)
+
+
+def _reduced_piece(param) -> tuple:
+    optimizer = _owner(param)
+    _, piece, reduced = optimizer.grad_piece(param)
+    if not reduced:
+        raise ValueError(f"safe_get_local_grad/safe_set_local_grad: at stage {optimizer.stage} gradients are "
+                         "reduced inside step(), so before it no rank holds a part of the reduced gradient; use "
+                         "stage 2 or 3, or safe_get_full_grad (collective)")
+    return optimizer, piece
+
+
+def safe_get_local_grad(param) -> torch.Tensor:
+    """This rank's part of `param`'s mean gradient (as safe_get_full_grad, flat, fp32; stages 2, 3)."""
+    optimizer, piece = _reduced_piece(param)
+    return piece.detach().float() / optimizer.grad_divisor(True)
+
+
+def safe_set_local_grad(param, value: torch.Tensor) -> None:
+    """Replace this rank's part of `param`'s gradient by `value` (shaped as safe_get_local_grad's
+    answer); the coming step applies it."""
+    optimizer, piece = _reduced_piece(param)
+    if not isinstance(value, torch.Tensor) or value.numel() != piece.numel():
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"safe_set_local_grad: this rank holds {piece.numel()} elements of the gradient of a "
+                         f"parameter of shape {tuple(getattr(param, 'ds_shape', param.shape))}; got {got}")
+    if optimizer.host_adam is not None:  # offload: copies of the old values may be on their way to the host
+        optimizer.host_adam.discard()  # the step copies again
+    with torch.no_grad():
+        piece.copy_(value.detach().reshape(-1).to(piece.device, torch.float32) * optimizer.grad_divisor(True))
 
 
 def unset_z3_leaf_modules(model, leaf_module_classes) -> list:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 
+from zero.deepspeed._missing import missing
 from zero.init import GatheredParameters
 from zero.partition.shards import ZeroParamStatus  # noqa: F401
 
@@ -14,3 +15,7 @@ def unwrap_model_for_generation(model):
     module = getattr(model, "module", model)
     with GatheredParameters(list(module.parameters())):
         yield module
+
+
+def __getattr__(name: str):
+    return missing(__name__, name)

@@ -2,3 +2,8 @@
 from zero.config.sections import OffloadOptimizerConfig as DeepSpeedZeroOffloadOptimizerConfig  # noqa: F401
 from zero.config.sections import OffloadParamConfig as DeepSpeedZeroOffloadParamConfig  # noqa: F401
 from zero.config.sections import ZeroOptimizationConfig as DeepSpeedZeroConfig  # noqa: F401
+from zero.deepspeed._missing import missing
+
+
+def __getattr__(name: str):
+    return missing(__name__, name)

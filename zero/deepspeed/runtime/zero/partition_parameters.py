@@ -1,3 +1,8 @@
 """`deepspeed.runtime.zero.partition_parameters`."""
+from zero.deepspeed._missing import missing
 from zero.init import GatheredParameters, Init  # noqa: F401
 from zero.partition.shards import ZeroParamStatus  # noqa: F401
+
+
+def __getattr__(name: str):
+    return missing(__name__, name)

@@ -1,0 +1,7 @@
+"""`deepspeed.runtime.lr_schedules`: zero's schedules, which give DeepSpeed's numbers step for step."""
+from zero.deepspeed._missing import missing
+from zero.lr_schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR  # noqa: F401
+
+
+def __getattr__(name: str):
+    return missing(__name__, name)
