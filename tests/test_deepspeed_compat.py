@@ -115,9 +115,9 @@ def test_deepspeed_names_zero_lacks_import_and_say_what_to_use_when_used(name, s
     with pytest.raises(deepspeed.NotAvailableError, match=says):
         Sub(layers=[])
     with pytest.raises(deepspeed.NotAvailableError, match=says):
-        stand_in.some_attribute
+        _ = stand_in.some_attribute
     with pytest.raises(AttributeError, match=r"deepspeed.no_such_thing is not part of zero's DeepSpeed compat"):
-        deepspeed.no_such_thing
+        _ = deepspeed.no_such_thing
     with pytest.raises(ImportError):
         from zero.deepspeed.runtime import no_such_module  # noqa: F401
     assert deepspeed.ops.adam.DeepSpeedCPUAdam(nn.Linear(2, 2).parameters(), lr=0.1).defaults["lr"] == 0.1

@@ -152,3 +152,29 @@ def test_safe_get_and_set_gradients_against_the_reference(dist_run):
                 continue
             assert r["local_ok"] and r["size_refused"], (stage, offload)
             assert max(r["after"].values()) < 1e-6, (stage, offload, r["after"])  # the edited gradients were applied
+
+
+def run_script(stage: int) -> dict:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "examples" / "deepspeed_paths.py"
+    spec = importlib.util.spec_from_file_location("deepspeed_paths", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script.main(stage)
+
+
+def test_a_deepspeed_script_using_every_deeper_path_matches_torch(dist_run):
+    """examples/deepspeed_paths.py: every path of issue 20 imported from zero.deepspeed and used
+    once, at stages 1-3 on 2 ranks, against plain torch on the whole batch."""
+    for stage in (1, 2, 3):
+        reports = dist_run(2, run_script, stage, timeout=120)
+        for r in reports:
+            assert r["device"] == "cpu" and r["backend"] == "gloo" and not r["fused_adam"], r
+            assert r["param_error"] < 1e-6 and r["generate_error"] < 1e-5, (stage, r)
+            assert r["runtime_exception"] and r["fp32_bitwise"] and r["loaded_bitwise"], (stage, r)
+            if stage == 3:
+                assert r["ds_numel_total"] == r["full_count"], r
+                assert all(r[k] for k in ("released", "ds_tensor", "ds_ids", "ds_persist", "all_gather", "partition"))
+        assert reports[0]["converted_bitwise"]

@@ -78,6 +78,14 @@ def _reason(full: str) -> str | None:
     return next((r for p, r in ABSENT_PACKAGES.items() if full == p or full.startswith(p + ".")), None)
 
 
+def _is_submodule(name: str) -> bool:
+    try:
+        spec = importlib.util.find_spec(name)
+    except ModuleNotFoundError:
+        return False
+    return spec is not None and spec.origin is not None  # a real file (not one of _AbsentPackages')
+
+
 def stand_in(full: str, reason: str) -> type:
     """A class standing for the DeepSpeed name `full` (see [Note: absent names])."""
     message = f"{full} is not available in zero: {reason}"
@@ -94,7 +102,7 @@ def missing(module: str, name: str):
     if name.startswith("__"):
         raise AttributeError(name)
     full = f"{module.removeprefix('zero.')}.{name}"
-    if full in ABSENT_PACKAGES:
+    if full in ABSENT_PACKAGES or _is_submodule(f"zero.{full}"):  # `deepspeed.runtime.zero.stage3` without an import
         return importlib.import_module(f"zero.{full}")
     reason = _reason(full)
     if reason is None:
