@@ -12,6 +12,7 @@ tests/test_deepspeed_paths.py runs `main` on 2 gloo ranks at stages 1, 2 and 3.
 from __future__ import annotations
 
 import argparse
+import shutil
 import tempfile
 
 import torch
@@ -23,6 +24,7 @@ from zero.deepspeed.accelerator import get_accelerator
 from zero.deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
 from zero.deepspeed.pipe import PipelineModule  # noqa: F401 - imported and never used: must not break the script
 from zero.deepspeed.runtime.engine import DeepSpeedEngine
+from zero.deepspeed.runtime.zero import ZeroParamStatus as Status
 from zero.deepspeed.runtime.zero import unwrap_model_for_generation
 from zero.deepspeed.runtime.zero.config import (
     DeepSpeedZeroConfig,
@@ -114,12 +116,19 @@ def main(stage: int, steps: int = 3) -> dict:
     assert isinstance(engine, DeepSpeedEngine)
     assert isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3 if stage == 3 else DeepSpeedZeroOptimizer)
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    box = [tempfile.mkdtemp() if rank == 0 else None]
+    deepspeed.comm.broadcast_object_list(box, src=0)  # one checkpoint directory for all ranks
+    path = box[0]
+    engine.save_checkpoint(path, tag="init")  # saved at world 2: the single-process model's state, bitwise
+    initial = get_fp32_state_dict_from_zero_checkpoint(path, tag="init")
+    report["init_bitwise"] = all(torch.equal(initial[n], p) for n, p in reference.state_dict().items())
 
     if stage == 3:  # the attributes transformers, PEFT and TRL read
         params = list(model.parameters())
         report["ds_numel_total"] = sum(p.ds_numel for p in params)  # PEFT's print_trainable_parameters
         weight = model.inp.weight
         report["released"] = weight.ds_status == ZeroParamStatus.NOT_AVAILABLE and weight.numel() == 0
+        report["status_paths"] = Status is ZeroParamStatus  # runtime.zero's and partition_parameters' are one
         report["ds_tensor"] = weight.ds_tensor.numel() == -(-weight.ds_numel // world)
         report["ds_ids"] = len({p.ds_id for p in params}) == len(params)
         report["ds_persist"] = not any(p.ds_persist for p in params)
@@ -159,27 +168,25 @@ def main(stage: int, steps: int = 3) -> dict:
         trained = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
     report["param_error"] = max((trained[n] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
 
-    with tempfile.TemporaryDirectory() as tmp:
-        box = [tmp]
-        deepspeed.comm.broadcast_object_list(box, src=0)  # one directory for all ranks
-        path = box[0]
-        engine.save_checkpoint(path, tag="final")
-        try:
-            engine.load_checkpoint(path, tag="no_such_tag")
-            report["runtime_exception"] = False
-        except ZeRORuntimeException as e:  # zero's runtime errors are DeepSpeed's ZeRO exception
-            report["runtime_exception"] = "no_such_tag" in str(e)
-        state = get_fp32_state_dict_from_zero_checkpoint(path, tag="final")
-        report["fp32_bitwise"] = state.keys() == trained.keys() and all(torch.equal(state[n], trained[n]) for n in state)
-        plain = load_state_dict_from_zero_checkpoint(Net(), path, tag="final")
-        report["loaded_bitwise"] = all(torch.equal(p, trained[n]) for n, p in plain.named_parameters())
-        if rank == 0:
-            convert_zero_checkpoint_to_fp32_state_dict(path, f"{path}/hf", tag="final")
-            from safetensors.torch import load_file
+    engine.save_checkpoint(path, tag="final")
+    try:
+        engine.load_checkpoint(path, tag="no_such_tag")
+        report["runtime_exception"] = False
+    except ZeRORuntimeException as e:  # zero's runtime errors are DeepSpeed's ZeRO exception
+        report["runtime_exception"] = "no_such_tag" in str(e)
+    state = get_fp32_state_dict_from_zero_checkpoint(path, tag="final")
+    report["fp32_bitwise"] = state.keys() == trained.keys() and all(torch.equal(state[n], trained[n]) for n in state)
+    plain = load_state_dict_from_zero_checkpoint(Net(), path, tag="final")
+    report["loaded_bitwise"] = all(torch.equal(p, trained[n]) for n, p in plain.named_parameters())
+    if rank == 0:
+        convert_zero_checkpoint_to_fp32_state_dict(path, f"{path}/hf", tag="final")
+        from safetensors.torch import load_file
 
-            report["converted_bitwise"] = torch.equal(load_file(f"{path}/hf/model.safetensors")["out.bias"],
-                                                      trained["out.bias"])
-        deepspeed.comm.barrier()  # rank 0 removes the directory only after every rank read it
+        report["converted_bitwise"] = torch.equal(load_file(f"{path}/hf/model.safetensors")["out.bias"],
+                                                  trained["out.bias"])
+    deepspeed.comm.barrier()  # rank 0 removes the directory only after every rank read it
+    if rank == 0:
+        shutil.rmtree(path)
     accelerator.synchronize()
     report["memory_allocated"] = accelerator.memory_allocated()
     return report

@@ -116,8 +116,59 @@ def test_deepspeed_names_zero_lacks_import_and_say_what_to_use_when_used(name, s
         Sub(layers=[])
     with pytest.raises(deepspeed.NotAvailableError, match=says):
         _ = stand_in.some_attribute
+    assert not hasattr(stand_in, "forward") and getattr(owner, last) is stand_in  # probing works; one object
     with pytest.raises(AttributeError, match=r"deepspeed.no_such_thing is not part of zero's DeepSpeed compat"):
         _ = deepspeed.no_such_thing
     with pytest.raises(ImportError):
         from zero.deepspeed.runtime import no_such_module  # noqa: F401
     assert deepspeed.ops.adam.DeepSpeedCPUAdam(nn.Linear(2, 2).parameters(), lr=0.1).defaults["lr"] == 0.1
+
+
+def test_absent_packages_are_modules_and_their_functions_raise_on_call():
+    import types
+
+    from zero.deepspeed.moe import layer  # a submodule of an absent package is a module
+    from zero.deepspeed.moe.utils import is_moe_param
+
+    assert isinstance(layer, types.ModuleType) and deepspeed.moe.layer is layer
+    assert not isinstance(nn.Linear(1, 1), layer.MoE)
+    with pytest.raises(deepspeed.NotAvailableError, match="deepspeed.moe.utils.is_moe_param is not available"):
+        is_moe_param(nn.Parameter(torch.zeros(1)))
+
+
+def test_more_deepspeed_names_libraries_use():
+    """What accelerate and transformers import beyond the issue's list."""
+    from datetime import timedelta
+
+    from zero.deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+    from zero.deepspeed.ops.lion import DeepSpeedCPULion
+    from zero.deepspeed.ops.op_builder import AsyncIOBuilder
+    from zero.deepspeed.runtime.activation_checkpointing.checkpointing import checkpoint
+    from zero.deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
+    from zero.deepspeed.runtime.zero.config import ZeroStageEnum
+    from zero.optimizers import Lion
+
+    assert "WarmupLR" in VALID_LR_SCHEDULES and checkpoint is deepspeed.checkpointing.checkpoint
+    base = torch.arange(10.0)
+    cloned = clone_tensors_for_torch_save({"a": [base[:2]], "b": 3})
+    assert cloned["a"][0].untyped_storage().nbytes() == 8 and cloned["b"] == 3 and torch.equal(cloned["a"][0], base[:2])
+    assert isinstance(DeepSpeedCPULion(nn.Linear(2, 2).parameters(), lr=0.1), Lion) and ZeroStageEnum.weights == 3
+    builder = AsyncIOBuilder()
+    assert builder.name == "async_io" and not builder.is_compatible()
+    with pytest.raises(deepspeed.NotAvailableError, match="zero has no async_io op"):
+        builder.load()
+    with pytest.raises(ValueError, match="drop these arguments"):
+        deepspeed.comm.init_distributed(dist_backend="gloo", rank=0, world_size=1)
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, timeout=timedelta(seconds=5))  # no launcher
+
+
+def test_leaf_marks_after_initialize_are_refused():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
+    engine, *_ = deepspeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
+                                                           "optimizer": {"type": "Adam"}})
+    with pytest.raises(RuntimeError, match="mark leaf modules before zero.initialize"):
+        deepspeed.utils.set_z3_leaf_modules(model, [nn.Sequential])
+    with pytest.raises(RuntimeError, match="mark leaf modules before zero.initialize"):
+        deepspeed.utils.unset_z3_leaf_modules(model, [nn.Sequential])
+    assert engine.zero_gather_16bit_weights_on_model_save() is False
+    assert engine._zero3_consolidated_16bit_state_dict().keys() == model.state_dict().keys()

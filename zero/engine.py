@@ -430,6 +430,12 @@ class Engine(nn.Module):
 
         return consolidated_state_dict(self.module, self.comm, exclude_frozen_parameters)
 
+    _zero3_consolidated_16bit_state_dict = consolidated_16bit_state_dict  # DeepSpeed's name (accelerate calls it)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """The config's `stage3_gather_16bit_weights_on_model_save` (DeepSpeed's accessor)."""
+        return self.config.zero_optimization.gather_16bit_weights_on_model_save
+
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Save the consolidated 16-bit state dict from rank 0 (atomically); all ranks call it.

@@ -232,8 +232,18 @@ def set_z3_leaf_modules(model: nn.Module, leaf_module_classes: Sequence[type]) -
     Returns:
         The modules that were marked.
     """
+    refuse_after_initialize(model, "set_z3_leaf_modules")
     classes = tuple(leaf_module_classes)
     marked = [m for m in model.modules() if isinstance(m, classes)]
     for m in marked:
         m._zero_unit = True
     return marked
+
+
+def refuse_after_initialize(model: nn.Module, what: str) -> None:
+    """Leaf marks decide the units when zero.initialize builds them: later they would change nothing."""
+    from zero.guards import _OWNERS
+
+    if any(p in _OWNERS for p in model.parameters()):
+        raise RuntimeError(f"{what}: this model is already wrapped by zero.initialize, which formed its stage-3 units; "
+                           f"mark leaf modules before zero.initialize")

@@ -10,8 +10,8 @@ import argparse
 from zero import __version__  # noqa: F401
 from zero.deepspeed import accelerator, checkpointing, comm, ops, runtime, utils, zero  # noqa: F401
 from zero.deepspeed._missing import NotAvailableError, missing  # noqa: F401
+from zero.deepspeed.comm import init_distributed  # noqa: F401
 from zero.engine import Engine as DeepSpeedEngine  # noqa: F401 - isinstance checks
-from zero.engine import init_distributed  # noqa: F401
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,

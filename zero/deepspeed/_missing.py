@@ -12,10 +12,12 @@ AttributeError at once, as for any module.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.util
 import sys
+import types
 
 # DeepSpeed packages with no counterpart here (everything under them), and what to use instead
 ABSENT_PACKAGES = {
@@ -37,6 +39,13 @@ ABSENT_PACKAGES = {
                                      "(split a huge Linear into several modules)",
     "deepspeed.utils.groups": "zero is data-parallel only: its group is torch.distributed's default group "
                               "(no model, expert or sequence parallel groups)",
+    "deepspeed.utils.timer": "use engine.wall_clock_report() for zero's timings, or torch.profiler",
+    "deepspeed.runtime.sequence_parallel": "sequence parallelism is not implemented",
+    "deepspeed.runtime.zero.mics": "MiCS (hierarchical partitioning) is not implemented; use stage 3",
+    "deepspeed.runtime.config": "zero's config is read by zero.config (ZeroConfig, a pydantic model of the same JSON)",
+    "deepspeed.runtime.fp16": "mixed precision is the engine's (the config's fp16 and bf16 sections; "
+                              "engine.loss_scale)",
+    "deepspeed.runtime.bf16_optimizer": "mixed precision is the engine's (the config's bf16 section)",
 }
 
 # single DeepSpeed names with no counterpart here
@@ -48,12 +57,28 @@ ABSENT_NAMES = {
         "the memory estimator is not implemented yet",
     "deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs_all_live":
         "the memory estimator is not implemented yet",
+    "deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_cold":
+        "the memory estimator is not implemented yet",
+    "deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs_all_cold":
+        "the memory estimator is not implemented yet",
+    "deepspeed.runtime.zero.partition_parameters.ZeroParamType": "zero's stage-3 parameters tell their state by "
+                                                                 "ds_status; there are no remote parameters",
+    **{f"deepspeed.{m}.{name}": reason for m in ("zero", "runtime.zero") for name, reason in (
+        ("TiledLinear", "TiledLinear is not implemented; stage 3 gathers one module at a time (split a huge "
+                        "Linear into several modules)"),
+        ("TiledLinearReturnBias", "TiledLinear is not implemented"),
+        ("MiCS_Init", "MiCS is not implemented; use zero.Init with stage 3"))},
     "deepspeed.checkpointing.model_parallel_cuda_manual_seed": "zero has no model parallelism; use torch.manual_seed",
 }
 
 
 class NotAvailableError(NotImplementedError):
     """A DeepSpeed name zero lacks was used (see [Note: absent names])."""
+
+
+class _AbsentAttribute(NotAvailableError, AttributeError):
+    """An attribute of a stand-in was read: also an AttributeError, so hasattr(), inspect and
+    mock.create_autospec see a missing attribute."""
 
 
 class _StandIn(type):
@@ -65,10 +90,18 @@ class _StandIn(type):
     def __getattr__(cls, attr: str):
         if attr.startswith("__"):
             raise AttributeError(attr)
-        raise NotAvailableError(cls._message)
+        raise _AbsentAttribute(cls._message)
 
     def __repr__(cls) -> str:
         return f"<{cls._full}: not available in zero>"
+
+
+class _AbsentModule(types.ModuleType):
+    """A module of an absent package; calling it (a lowercase name that was a function) raises."""
+
+    def __call__(self, *args, **kwargs):
+        raise NotAvailableError(f"{self.__name__.removeprefix('zero.')} is not available in zero: "
+                                f"{_reason(self.__name__.removeprefix('zero.'))}")
 
 
 def _reason(full: str) -> str | None:
@@ -86,6 +119,7 @@ def _is_submodule(name: str) -> bool:
     return spec is not None and spec.origin is not None  # a real file (not one of _AbsentPackages')
 
 
+@functools.cache
 def stand_in(full: str, reason: str) -> type:
     """A class standing for the DeepSpeed name `full` (see [Note: absent names])."""
     message = f"{full} is not available in zero: {reason}"
@@ -104,6 +138,8 @@ def missing(module: str, name: str):
     full = f"{module.removeprefix('zero.')}.{name}"
     if full in ABSENT_PACKAGES or _is_submodule(f"zero.{full}"):  # `deepspeed.runtime.zero.stage3` without an import
         return importlib.import_module(f"zero.{full}")
+    if name.islower() and full not in ABSENT_NAMES and _reason(module.removeprefix("zero.")) is not None:
+        return importlib.import_module(f"zero.{full}")  # in an absent package: `deepspeed.moe.layer` is a module
     reason = _reason(full)
     if reason is None:
         raise AttributeError(f"{full} is not part of zero's DeepSpeed compatibility layer (see "
@@ -121,7 +157,7 @@ class _AbsentPackages(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def create_module(self, spec):
-        return None
+        return _AbsentModule(spec.name)
 
     def exec_module(self, module) -> None:
         full = module.__name__.removeprefix("zero.")

@@ -2,7 +2,8 @@
 
 The accessors are collective under ZeRO (every rank of the engine calls them): each rank puts in the
 part it holds and one all-reduce gives every rank the whole, as the checkpoint does (see
-ShardedAdam.param_chunks).
+ShardedAdam.param_chunks). The safe_get_* accessors answer None for a frozen parameter, as
+DeepSpeed's do; the safe_set_* ones refuse it.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from zero.deepspeed._missing import missing
 from zero.deepspeed.utils import zero_to_fp32  # noqa: F401
-from zero.init import set_z3_leaf_modules  # noqa: F401
+from zero.init import refuse_after_initialize, set_z3_leaf_modules  # noqa: F401
 
 logger = logging.getLogger("zero")
 
@@ -31,19 +32,27 @@ def see_memory_usage(message: str, force: bool = False) -> None:
         log_dist(f"{message} | max allocated {peak:.2f} GB", ranks=[0])
 
 
-def _owner(param):
+def _owner(param, frozen_ok: bool = True):
+    """The engine's optimizer that trains `param`; None for a frozen parameter (the safe_get_*
+    accessors then answer None, as DeepSpeed's do)."""
     from zero.guards import _OWNERS
 
+    if not param.requires_grad:
+        if frozen_ok:
+            return None
+        raise ValueError("this parameter is frozen (requires_grad=False): zero keeps no master, optimizer state or "
+                         "gradient for it; change it with zero.GatheredParameters(param, modifier_rank=0)")
     owner, _ = _OWNERS.get(param, (None, False))
     optimizer = owner() if owner is not None else None
     if optimizer is None:
-        raise ValueError("this parameter is not trained by a zero engine (or is frozen): its value is the "
-                         "parameter itself")
+        raise ValueError("this parameter is not trained by a zero engine: its value is the parameter itself")
     return optimizer
 
 
-def _full(param, kind: str) -> torch.Tensor:
+def _full(param, kind: str) -> torch.Tensor | None:
     optimizer = _owner(param)
+    if optimizer is None:
+        return None
     _no_client_state(optimizer, kind)
     z = getattr(param, "_zero", None)
     shape = z.shape if z is not None else param.shape
@@ -62,40 +71,45 @@ def _no_client_state(optimizer, kind: str) -> None:
                          f"that optimizer; safe_get_*_optimizer_state reads zero's Adam state only")
 
 
-def _local(param, kind: str) -> torch.Tensor:
-    _no_client_state(_owner(param), kind)
-    pieces = [v for k, _, v in _owner(param).param_chunks(param, saving=False) if k == kind]
+def _local(param, kind: str) -> torch.Tensor | None:
+    optimizer = _owner(param)
+    if optimizer is None:
+        return None
+    _no_client_state(optimizer, kind)
+    pieces = [v for k, _, v in optimizer.param_chunks(param, saving=False) if k == kind]
     return torch.cat([p.detach().reshape(-1) for p in pieces]) if pieces else torch.empty(0)
 
 
-def safe_get_full_fp32_param(param) -> torch.Tensor:
+def safe_get_full_fp32_param(param) -> torch.Tensor | None:
     """The full fp32 master value of `param` (collective: every rank calls it)."""
     return _full(param, "master")
 
 
-def safe_get_full_optimizer_state(param, optim_state_key: str) -> torch.Tensor:
+def safe_get_full_optimizer_state(param, optim_state_key: str) -> torch.Tensor | None:
     """The full Adam state `optim_state_key` ("exp_avg" or "exp_avg_sq") of `param` (collective)."""
     if optim_state_key not in ("exp_avg", "exp_avg_sq"):
         raise ValueError(f"optimizer state {optim_state_key!r}: zero's Adam keeps 'exp_avg' and 'exp_avg_sq'")
     return _full(param, optim_state_key)
 
 
-def safe_get_local_fp32_param(param) -> torch.Tensor:
+def safe_get_local_fp32_param(param) -> torch.Tensor | None:
     """This rank's part of the fp32 master of `param`, flat (not collective)."""
     return _local(param, "master")
 
 
-def safe_get_local_optimizer_state(param, optim_state_key: str) -> torch.Tensor:
+def safe_get_local_optimizer_state(param, optim_state_key: str) -> torch.Tensor | None:
     """This rank's part of `param`'s Adam state `optim_state_key`, flat (not collective)."""
     if optim_state_key not in ("exp_avg", "exp_avg_sq"):
         raise ValueError(f"optimizer state {optim_state_key!r}: zero's Adam keeps 'exp_avg' and 'exp_avg_sq'")
     return _local(param, optim_state_key)
 
 
-def safe_get_full_grad(param) -> torch.Tensor:
+def safe_get_full_grad(param) -> torch.Tensor | None:
     """The full mean gradient of `param` that the coming step applies (before clipping), fp32
     (collective). Call it after the backward of an accumulation boundary, before `step()`."""
     optimizer = _owner(param)
+    if optimizer is None:
+        return None
     offset, piece, reduced = optimizer.grad_piece(param)
     z = getattr(param, "_zero", None)
     shape = z.shape if z is not None else param.shape
@@ -105,8 +119,10 @@ def safe_get_full_grad(param) -> torch.Tensor:
     return full.div_(optimizer.grad_divisor(reduced)).view(shape)
 
 
-def _reduced_piece(param) -> tuple:
-    optimizer = _owner(param)
+def _reduced_piece(param, frozen_ok: bool) -> tuple:
+    optimizer = _owner(param, frozen_ok)
+    if optimizer is None:
+        return None, None
     _, piece, reduced = optimizer.grad_piece(param)
     if not reduced:
         raise ValueError(f"safe_get_local_grad/safe_set_local_grad: at stage {optimizer.stage} gradients are "
@@ -115,16 +131,16 @@ def _reduced_piece(param) -> tuple:
     return optimizer, piece
 
 
-def safe_get_local_grad(param) -> torch.Tensor:
+def safe_get_local_grad(param) -> torch.Tensor | None:
     """This rank's part of `param`'s mean gradient (as safe_get_full_grad, flat, fp32; stages 2, 3)."""
-    optimizer, piece = _reduced_piece(param)
-    return piece.detach().float() / optimizer.grad_divisor(True)
+    optimizer, piece = _reduced_piece(param, frozen_ok=True)
+    return None if optimizer is None else piece.detach().float() / optimizer.grad_divisor(True)
 
 
 def safe_set_local_grad(param, value: torch.Tensor) -> None:
     """Replace this rank's part of `param`'s gradient by `value` (shaped as safe_get_local_grad's
     answer); the coming step applies it."""
-    optimizer, piece = _reduced_piece(param)
+    optimizer, piece = _reduced_piece(param, frozen_ok=False)
     if not isinstance(value, torch.Tensor) or value.numel() != piece.numel():
         got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise ValueError(f"safe_set_local_grad: this rank holds {piece.numel()} elements of the gradient of a "
@@ -137,6 +153,7 @@ def safe_set_local_grad(param, value: torch.Tensor) -> None:
 
 def unset_z3_leaf_modules(model, leaf_module_classes) -> list:
     """Undo `set_z3_leaf_modules` for these classes (before `zero.initialize`)."""
+    refuse_after_initialize(model, "unset_z3_leaf_modules")
     classes = tuple(leaf_module_classes)
     marked = [m for m in model.modules() if isinstance(m, classes) and getattr(m, "_zero_unit", False)]
     for m in marked:
@@ -155,7 +172,7 @@ def z3_leaf_module(model) -> bool:
 
 
 def _set_full(param, kind: str, value: torch.Tensor) -> None:
-    optimizer = _owner(param)
+    optimizer = _owner(param, frozen_ok=False)
     _no_client_state(optimizer, kind)
     flat = value.detach().reshape(-1).float()
     with torch.no_grad():

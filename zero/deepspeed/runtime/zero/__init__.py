@@ -4,7 +4,12 @@ from __future__ import annotations
 import contextlib
 
 from zero.deepspeed._missing import missing
-from zero.init import GatheredParameters
+from zero.init import (  # noqa: F401 - `deepspeed.zero` is this module in DeepSpeed
+    GatheredParameters,
+    Init,
+    register_external_parameter,
+    unregister_external_parameter,
+)
 from zero.partition.shards import ZeroParamStatus  # noqa: F401
 
 
