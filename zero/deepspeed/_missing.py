@@ -53,14 +53,6 @@ ABSENT_NAMES = {
     "deepspeed.init_inference": "inference engines are not implemented; use the model directly (under stage 3, "
                                 "with zero.integrations.hf.from_pretrained and model.generate)",
     "deepspeed.PipelineModule": "pipeline parallelism is not implemented yet",
-    "deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_live":
-        "the memory estimator is not implemented yet",
-    "deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs_all_live":
-        "the memory estimator is not implemented yet",
-    "deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_cold":
-        "the memory estimator is not implemented yet",
-    "deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs_all_cold":
-        "the memory estimator is not implemented yet",
     "deepspeed.runtime.zero.partition_parameters.ZeroParamType": "zero's stage-3 parameters tell their state by "
                                                                  "ds_status; there are no remote parameters",
     **{f"deepspeed.{m}.{name}": reason for m in ("zero", "runtime.zero") for name, reason in (

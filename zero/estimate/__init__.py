@@ -1,0 +1,237 @@
+"""How much memory each ZeRO stage and offload option needs per rank, before a run starts.
+
+    zero.estimate_memory(model_or_param_count, world_size=8)          # every stage and offload option
+    python -m zero.estimate --params 7e9 --gpus 8 --nodes 2            # the same, as a table
+    python -m zero.estimate --model path/to/hf/config.json --gpus 8
+
+[Note: the estimator's numbers]
+The estimator reads the same policies the engine builds from a config (zero/stages/policies.py:
+dtypes, bucket sizes, stage-3 thresholds, offload tiles), so a setting means the same thing in both.
+With Psi trainable elements on N ranks, p bytes per training-dtype element, g per gradient-shard
+element (fp32 when micro-batches are accumulated or training is fp32, else the communication
+dtype) and an fp32 master wherever it is not the parameter itself (16-bit training, or offload):
+
+    stage  params           grads      fp32 master  Adam m, v
+    0      p Psi            g Psi      4 Psi        8 Psi          (plain data parallelism)
+    1      p Psi            g Psi      4 Psi/N      8 Psi/N
+    2      p Psi            g Psi/N    4 Psi/N      8 Psi/N
+    3      p Psi/N + p P    g Psi/N    4 Psi/N      8 Psi/N        (P: persistent elements, kept whole)
+
+Optimizer offload moves the master and Adam's states to the host and adds the host staging of the
+gradient shard and two copy-back tiles; stage 3's `offload_param` moves the parameter shards there
+too. These are the kinds `Engine.memory_report()` measures, and on a real run the two agree up to
+padding (each bucket or unit is padded to split evenly over N SIMD-aligned slices).
+
+`buffers` bounds the communication and gathering memory the config allows beyond the model
+states: stages 0-1 one bucket cast to the communication dtype (when it differs), stage 2 the
+buckets being filled or reduced (three at most: one filling, two in flight), stage 3 the gathered
+parameters (`stage3_max_live_parameters`, at least one unit) and two units' gradient send buffers.
+The measured peaks (`reduce_buffers_peak`, `gathered_peak`) stay below it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+OFFLOADS = ("none", "optimizer", "optimizer+param")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank for one stage and offload option (see [Note: the estimator's numbers])."""
+
+    stage: int
+    offload: str  # "none", "optimizer" or "optimizer+param"
+    world_size: int
+    params: int
+    grads: int
+    fp32_master: int
+    optimizer_states: int
+    host_staging: int  # offload's host gradient copy and copy-back tiles
+    buffers: int  # device communication and gathered-parameter buffers, at most
+    device_bytes: int  # model states on the device plus `buffers`
+    host_bytes: int  # model states and staging in host memory
+
+    @property
+    def model_states_total(self) -> int:
+        return self.params + self.grads + self.fp32_master + self.optimizer_states
+
+    @property
+    def label(self) -> str:
+        name = "stage 0 (= DDP)" if self.stage == 0 else f"stage {self.stage}"
+        return name if self.offload == "none" else f"{name} + offload {self.offload}"
+
+
+class MemoryTable(list):
+    """A list of MemoryEstimate rows that prints as a table."""
+
+    def __init__(self, rows, psi: int, persistent: int, dtype: str, gpus_per_node: int):
+        super().__init__(rows)
+        self.psi, self.persistent, self.dtype, self.gpus_per_node = psi, persistent, dtype, gpus_per_node
+
+    def row(self, stage: int, offload: str = "none") -> MemoryEstimate:
+        for r in self:
+            if r.stage == stage and r.offload == offload:
+                return r
+        raise KeyError(f"no row for stage {stage} with offload {offload!r} in this table")
+
+    def __str__(self) -> str:
+        n = self[0].world_size if self else 1
+        head = (f"{self.psi:,} trainable parameters ({_human(self.psi)}), {self.dtype}, {n} rank(s)"
+                + (f", {self.persistent:,} kept whole under stage 3" if self.persistent else ""))
+        cols = ["option", "model states/rank", "device/rank", "host/rank", f"host/node ({self.gpus_per_node} ranks)"]
+        lines = [[r.label, _gib(r.model_states_total), _gib(r.device_bytes), _gib(r.host_bytes),
+                  _gib(r.host_bytes * self.gpus_per_node)] for r in self]
+        widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(cols)]
+        out = [head, "  ".join(c.ljust(w) for c, w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
+        out += ["  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(line, widths)))
+                for line in lines]
+        out.append("device/rank includes the communication and gathering buffers the config allows")
+        return "\n".join(out)
+
+
+def estimate_memory(model_or_param_count: nn.Module | int | float, world_size: int = 1, *,
+                    stage: int | None = None, offload: str | None = None, dtype: str | torch.dtype = "bf16",
+                    config: dict | str | None = None, gpus_per_node: int | None = None,
+                    persistent_params: int | None = None) -> MemoryTable:
+    """Per-rank memory of every stage and offload option (or the ones asked for).
+
+    Args:
+        model_or_param_count: a model (its trainable parameters are counted, and under stage 3
+            its units and persistent parameters are planned as the engine would) or a number of
+            trainable parameters.
+        world_size: data-parallel ranks.
+        stage: only this stage (0-3); None: all.
+        offload: only this option ("none", "optimizer", or for stage 3 "optimizer+param"); None: all.
+        dtype: training dtype, "bf16", "fp16" or "fp32" (or the torch dtype).
+        config: a DeepSpeed-style config (dict or JSON path) for bucket sizes, thresholds,
+            gradient accumulation and the communication dtype; its stage, offload and precision
+            are replaced by each row's.
+        gpus_per_node: ranks sharing one host, for the host-per-node column (default world_size).
+        persistent_params: with a parameter count, the elements stage 3 keeps whole (default 0;
+            a model's are planned).
+
+    Returns:
+        A MemoryTable (a list of MemoryEstimate) that prints as a table.
+    """
+    psi, model = _count(model_or_param_count)
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer (ranks, i.e. GPUs), got {world_size!r}")
+    if stage is not None and stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if offload is not None and offload not in OFFLOADS:
+        raise ValueError(f"offload must be one of {OFFLOADS}, got {offload!r}")
+    if offload == "optimizer+param" and stage not in (None, 3):
+        raise ValueError(f"offload 'optimizer+param' (offload_param) needs stage 3, not stage {stage}")
+    dtype_name = _dtype_name(dtype)
+    if gpus_per_node is None:
+        gpus_per_node = world_size
+    if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node must be a positive integer, got {gpus_per_node!r}")
+    if persistent_params is not None and (model is not None or persistent_params < 0):
+        raise ValueError("persistent_params is for a parameter count (a model's are planned), and must be >= 0")
+    rows, persistent_seen = [], 0
+    for s in (0, 1, 2, 3) if stage is None else (stage,):
+        for o in OFFLOADS if offload is None else (offload,):
+            if o == "optimizer+param" and s != 3:
+                continue
+            row, persistent = _estimate(psi, model, world_size, s, o, dtype_name, config, persistent_params)
+            rows.append(row)
+            persistent_seen = max(persistent_seen, persistent)
+    return MemoryTable(rows, psi, persistent_seen, dtype_name, gpus_per_node)
+
+
+def _count(model_or_param_count) -> tuple[int, nn.Module | None]:
+    if isinstance(model_or_param_count, nn.Module):
+        return sum(p.numel() for p in model_or_param_count.parameters() if p.requires_grad), model_or_param_count
+    if isinstance(model_or_param_count, bool) or not isinstance(model_or_param_count, (int, float)):
+        raise TypeError(f"estimate_memory takes a model or a parameter count, got {type(model_or_param_count).__name__}")
+    if not math.isfinite(model_or_param_count) or model_or_param_count < 1 or model_or_param_count != int(model_or_param_count):
+        raise ValueError(f"the parameter count must be a positive whole number, got {model_or_param_count!r}")
+    return int(model_or_param_count), None
+
+
+def _dtype_name(dtype) -> str:
+    for name, d in DTYPES.items():
+        if dtype == name or dtype == d:
+            return name
+    raise ValueError(f"dtype must be one of {list(DTYPES)} (or the torch dtype), got {dtype!r}")
+
+
+def _policies(config, stage: int, offload: str, dtype: str, world_size: int):
+    from zero.config import load_config
+    from zero.config.loading import _read
+    from zero.stages.policies import options_from_config
+
+    data = dict(_read(config)[0]) if config is not None else {}
+    zo = dict(data.get("zero_optimization", {}))
+    zo["stage"] = stage
+    zo["offload_optimizer"] = {"device": "cpu" if offload != "none" else "none"}
+    zo["offload_param"] = {"device": "cpu" if offload == "optimizer+param" else "none"}
+    data["zero_optimization"] = zo
+    data.pop("fp16", None), data.pop("bf16", None)
+    if dtype != "fp32":
+        data[dtype] = {"enabled": True}
+    if not any(k in data for k in ("train_batch_size", "train_micro_batch_size_per_gpu")):
+        data["train_micro_batch_size_per_gpu"] = 1
+    cfg = load_config(data, world_size)
+    return options_from_config(cfg, world_size, num_threads=1)
+
+
+def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, config, persistent_given):
+    precision, step, reduce, s3 = _policies(config, stage, offload, dtype, n)
+    p, g = precision.param.itemsize, precision.grad.itemsize
+    r = precision.reduce.itemsize
+    offload_opt = step.offload is not None
+    master = 4 if (precision.param != torch.float32 or offload_opt) else 0
+    shard = psi / n if stage >= 1 else psi  # the optimizer's part
+    persistent, largest_unit = 0, min(psi, s3.unit_elements)
+    if stage == 3:
+        if model is not None:
+            from zero.stages.planning import plan_units
+
+            units, kept = plan_units(model, s3.persistence_threshold, s3.unit_elements, s3.persistence_budget)
+            persistent = sum(q.numel() for q in kept if q.requires_grad)
+            sizes = [sum(q.numel() for q in ps) for _, ps in units]
+            largest_unit = max(sizes, default=0)
+        else:
+            persistent = persistent_given or 0
+    params = p * (psi / n + persistent) if stage == 3 else p * psi
+    grads = g * (psi / n if stage >= 2 else psi)
+    fp32_master, states = master * shard, 8 * shard
+    host_staging = g * shard + (2 * min(step.offload.tile_elements, shard) * p if p < 4 else 0) if offload_opt else 0
+    if stage < 2:
+        buffers = reduce.bucket_elements * r if precision.reduce != precision.grad else 0
+    elif stage == 2:
+        buffers = 3 * min(psi, reduce.bucket_elements) * r
+    else:
+        gathered = min(psi - persistent, max(s3.max_live_elements, largest_unit))
+        buffers = p * gathered + 2 * r * largest_unit
+    host = (fp32_master + states if offload_opt else 0) + host_staging + (p * psi / n if offload == "optimizer+param" else 0)
+    device = params + grads + fp32_master + states + buffers - (host - host_staging)
+    values = dict(params=params, grads=grads, fp32_master=fp32_master, optimizer_states=states,
+                  host_staging=host_staging, buffers=buffers, device_bytes=device, host_bytes=host)
+    row = MemoryEstimate(stage=stage, offload=offload, world_size=n, **{k: int(round(v)) for k, v in values.items()})
+    return row, persistent
+
+
+def _gib(nbytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the number at least 0.25."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size / 4:
+            return f"{nbytes / size:,.2f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def _human(count: int) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if count >= size:
+            return f"{count / size:.3g}{unit}"
+    return str(count)
+
+
+__all__ = ["MemoryEstimate", "MemoryTable", "estimate_memory"]

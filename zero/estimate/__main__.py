@@ -1,0 +1,59 @@
+"""`python -m zero.estimate`: per-rank memory of every ZeRO stage and offload option.
+
+    python -m zero.estimate --params 7e9 --gpus 8 --nodes 2
+    python -m zero.estimate --model path/to/config.json --gpus 8 --dtype bf16
+    python -m zero.estimate --params 1.3e9 --gpus 4 --config ds_config.json
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from zero.estimate import DTYPES, OFFLOADS, estimate_memory
+
+
+def _model_from(path: str):
+    """A HuggingFace model built from its config on the meta device: parameters counted and units
+    planned without allocating them."""
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    except ImportError as err:
+        raise SystemExit(f"--model needs transformers (pip install 'zero[hf]'): {err}") from None
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        try:
+            return AutoModelForCausalLM.from_config(config)
+        except ValueError:
+            return AutoModel.from_config(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m zero.estimate", description=__doc__.splitlines()[0])
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", type=float, help="trainable parameters (7e9, 1.3e9, ...)")
+    what.add_argument("--model", help="a HuggingFace config.json, model directory or hub name (built on the meta device)")
+    parser.add_argument("--gpus", type=int, default=1, help="ranks (GPUs) per node (default 1)")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="training dtype (default bf16)")
+    parser.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="only this stage")
+    parser.add_argument("--offload", choices=OFFLOADS, help="only this offload option")
+    parser.add_argument("--config", help="a DeepSpeed-style config for bucket sizes and stage-3 thresholds")
+    parser.add_argument("--persistent", type=int, default=None, help="with --params: elements stage 3 keeps whole")
+    args = parser.parse_args(argv)
+    for name in ("gpus", "nodes"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    subject = _model_from(args.model) if args.model else args.params
+    try:
+        table = estimate_memory(subject, args.gpus * args.nodes, stage=args.stage, offload=args.offload,
+                                dtype=args.dtype, config=args.config, gpus_per_node=args.gpus,
+                                persistent_params=args.persistent)
+    except (TypeError, ValueError) as err:
+        parser.error(str(err))
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
