@@ -4,7 +4,6 @@ from zero.estimate import estimate_memory
 from zero.stages.stage3 import Stage3Optimizer as DeepSpeedZeroOptimizer_Stage3  # noqa: F401
 
 
-
 def estimate_zero3_model_states_mem_needs_all_live(model, num_gpus_per_node: int = 1, num_nodes: int = 1, **unused):
     """Print the per-rank memory of stage 3 with and without offload for `model` (zero.estimate_memory)."""
     print(estimate_memory(model, num_gpus_per_node * num_nodes, stage=3, gpus_per_node=num_gpus_per_node))
