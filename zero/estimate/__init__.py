@@ -31,6 +31,7 @@ The measured peaks (`reduce_buffers_peak`, `gathered_peak`) stay below it.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -163,7 +164,7 @@ def _dtype_name(dtype) -> str:
 
 
 def _policies(config, stage: int, offload: str, dtype: str, world_size: int):
-    from zero.config import load_config
+    from zero.config import ConfigWarning, load_config
     from zero.config.loading import _read
     from zero.stages.policies import options_from_config
 
@@ -178,7 +179,9 @@ def _policies(config, stage: int, offload: str, dtype: str, world_size: int):
         data[dtype] = {"enabled": True}
     if not any(k in data for k in ("train_batch_size", "train_micro_batch_size_per_gpu")):
         data["train_micro_batch_size_per_gpu"] = 1
-    cfg = load_config(data, world_size)
+    with warnings.catch_warnings():  # a key that has no effect at some row's stage is not news here
+        warnings.simplefilter("ignore", ConfigWarning)
+        cfg = load_config(data, world_size)
     return options_from_config(cfg, world_size, num_threads=1)
 
 
@@ -203,7 +206,20 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
     params = p * (psi / n + persistent) if stage == 3 else p * psi
     grads = g * (psi / n if stage >= 2 else psi)
     fp32_master, states = master * shard, 8 * shard
-    host_staging = g * shard + (2 * min(step.offload.tile_elements, shard) * p if p < 4 else 0) if offload_opt else 0
+    parts = n if stage >= 1 else 1
+    if stage == 3:
+        largest_slot = largest_unit / n  # the optimizer steps each unit's shard as one slot
+    elif model is not None:  # one slot per bucket slice, laid out as the engine does
+        from zero.partition.layout import ShardLayout
+
+        numels = [q.numel() for q in model.parameters() if q.requires_grad]
+        layout = ShardLayout(numels, [0] * len(numels), parts, reduce.bucket_elements)
+        largest_slot = max(b.slice_numel for b in layout.buckets)
+    else:
+        largest_slot = min(psi, reduce.bucket_elements) / parts
+    staged = offload_opt and p < 4 and offload != "optimizer+param"  # offload_param: written in place on the host
+    tiles = 2 * min(step.offload.tile_elements, largest_slot) * p if staged else 0  # the copy-back tiles
+    host_staging = g * shard + tiles if offload_opt else 0
     if stage < 2:
         buffers = reduce.bucket_elements * r if precision.reduce != precision.grad else 0
     elif stage == 2:
