@@ -127,3 +127,20 @@ def test_without_the_gather_flag_nothing_is_saved(dist_run, tmp_path):
     results = dist_run(2, save_after_training, str(tmp_path / "none"), "fp32", False)
     assert [saved for saved, _, _ in results] == [False, False]
     assert not (tmp_path / "none" / "model.bin").exists()
+
+
+def test_in_place_init_after_zero_init_sharded_is_refused_not_lost():
+    """A model whose __init__ re-initialises its submodules' parameters after zero.Init sharded
+    them would silently keep the default init; zero.initialize names the parameter instead."""
+    class ReInit(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 3)
+            for p in self.parameters():
+                nn.init.zeros_(p)  # runs on the empty shard view: nothing happens
+
+    with zero.Init():
+        model = ReInit()
+    with pytest.raises(ValueError, match=r"changed in place after zero.Init had sharded them \(first: 'a.weight'\)"):
+        zero.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam"},
+                                              "zero_optimization": {"stage": 3}})

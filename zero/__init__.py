@@ -25,6 +25,10 @@ def __getattr__(name):  # keep `import zero` light: torch-heavy modules load on 
         from zero import precision
 
         return precision.NonFiniteGradientError
+    if name == "TrainingMonitor":
+        from zero.monitor import TrainingMonitor
+
+        return TrainingMonitor
     if name == "estimate_memory":
         from zero.estimate import estimate_memory
 
@@ -50,4 +54,4 @@ _DEEPSPEED_ONLY = {"add_config_arguments", "zero", "utils", "checkpointing", "op
 
 __all__ = ["initialize", "init_distributed", "Engine", "ConfigError", "load_config", "Init", "GatheredParameters",
            "register_external_parameter", "unregister_external_parameter", "set_z3_leaf_modules", "RankDivergenceError",
-           "CollectiveTimeout", "NonFiniteGradientError", "ZeroRuntimeError", "estimate_memory", "__version__"]
+           "CollectiveTimeout", "NonFiniteGradientError", "ZeroRuntimeError", "estimate_memory", "TrainingMonitor", "__version__"]

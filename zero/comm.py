@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -185,6 +186,7 @@ class Comm:
         self.timeout_s = collective_timeout_s()
         self.data: Comm | None = None  # for a control group (see `control`), the group it serves
         self.engine = 0  # the engine these collectives belong to (see [Note: rank-agreement tags])
+        self.wait_s = 0.0  # seconds the host waited for this group's gloo collectives (NCCL: not measured)
 
     def control(self) -> Comm:
         """A gloo group over the same ranks, for small host messages (stage 3's rank-divergence
@@ -355,8 +357,10 @@ class Comm:
         if self.uses_nccl:
             work.wait()
             return
+        start = time.perf_counter()
         try:
             work.wait(timeout=timedelta(seconds=self.timeout_s))
+            self.wait_s += time.perf_counter() - start
         except RuntimeError as exc:
             self.abort()
             if "timed out" in str(exc).lower():

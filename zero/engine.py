@@ -515,18 +515,22 @@ class Engine(nn.Module):
 
     def wall_clock_report(self, reset: bool = False) -> dict[str, float]:
         """Seconds spent in forward, backward and step since the last reset (with
-        `wall_clock_breakdown: true`), and, with optimizer offload, inside the step: waiting for
-        gradient copies, in CPU Adam, waiting for parameter copies.
+        `wall_clock_breakdown: true`); `communication_wait`, the part of them the host spent
+        waiting for collectives (measured on gloo; under NCCL the waits are on the GPU's streams
+        and this stays 0); and, with optimizer offload, inside the step: waiting for gradient
+        copies, in CPU Adam, waiting for parameter copies.
 
         Args:
             reset: start counting again from zero after reading.
         """
         report = dict(self._times)
+        report["communication_wait"] = self.comm.wait_s  # inside forward, backward and step; gloo only
         host = self.optimizer.host_adam
         if host is not None:
             report.update(host.times)
         if reset:
             self._times = dict.fromkeys(self._times, 0.0)
+            self.comm.wait_s = 0.0
             if host is not None:
                 host.times = dict.fromkeys(host.times, 0.0)
         return report

@@ -123,3 +123,11 @@ def _refuse_foreign_parameters(module: nn.Module, groups: list[dict], config: Ze
         raise ValueError(f"the model was built under zero.Init (parameter {sharded!r} is partitioned), which only "
                          f"ZeRO stage 3 can train; set zero_optimization.stage to 3, or build the model without "
                          f"zero.Init for stage {stage}")
+    lost = [n for p, n in names.items() if getattr(p, "_zero", None) is not None and p._zero.local is not None
+            and p._version != getattr(p, "_zero_version", p._version)]
+    if lost:  # see zero.Init: an in-place change of a sharded parameter's empty .data changes nothing
+        raise ValueError(f"{len(lost)} parameter(s) were changed in place after zero.Init had sharded them (first: "
+                         f"{lost[0]!r}), for example by an initialisation loop in the model's __init__ that runs after "
+                         f"its submodules were built; the changes were lost. Make them inside "
+                         f"`with zero.GatheredParameters(params, modifier_rank=0):`, or build the model without "
+                         f"zero.Init")

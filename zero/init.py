@@ -136,6 +136,7 @@ class Init:
             p._zero = ShardedParam(p.shape, p.numel(), shard_numel(p.numel(), self.comm.world_size), local=shard)
             p.data = shard[:0]
             mark_ds(p, p._zero, shard)
+            p._zero_version = p._version  # a later in-place change (lost on the empty .data) is refused at initialize
             self._full.pop(id(p), None)
 
 

@@ -85,8 +85,8 @@ class MemoryTable(list):
         head = (f"{self.psi:,} trainable parameters ({_human(self.psi)}), {self.dtype}, {n} rank(s)"
                 + (f", {self.persistent:,} kept whole under stage 3" if self.persistent else ""))
         cols = ["option", "model states/rank", "device/rank", "host/rank", f"host/node ({self.gpus_per_node} ranks)"]
-        lines = [[r.label, _gib(r.model_states_total), _gib(r.device_bytes), _gib(r.host_bytes),
-                  _gib(r.host_bytes * self.gpus_per_node)] for r in self]
+        lines = [[r.label, format_bytes(r.model_states_total), format_bytes(r.device_bytes), format_bytes(r.host_bytes),
+                  format_bytes(r.host_bytes * self.gpus_per_node)] for r in self]
         widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(cols)]
         out = [head, "  ".join(c.ljust(w) for c, w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
         out += ["  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(line, widths)))
@@ -109,7 +109,7 @@ def estimate_memory(model_or_param_count: nn.Module | int | float, world_size: i
         stage: only this stage (0-3); None: all.
         offload: only this option ("none", "optimizer", or for stage 3 "optimizer+param"); None: all.
         dtype: training dtype, "bf16", "fp16" or "fp32" (or the torch dtype).
-        config: a DeepSpeed-style config (dict or JSON path) for bucket sizes, thresholds,
+        config: a DeepSpeed-style config (dict, JSON path, or an engine's ZeroConfig) for bucket sizes, thresholds,
             gradient accumulation and the communication dtype; its stage, offload and precision
             are replaced by each row's.
         gpus_per_node: ranks sharing one host, for the host-per-node column (default world_size).
@@ -148,12 +148,18 @@ def estimate_memory(model_or_param_count: nn.Module | int | float, world_size: i
 
 def _count(model_or_param_count) -> tuple[int, nn.Module | None]:
     if isinstance(model_or_param_count, nn.Module):
-        return sum(p.numel() for p in model_or_param_count.parameters() if p.requires_grad), model_or_param_count
+        return sum(_numel(p) for p in model_or_param_count.parameters() if p.requires_grad), model_or_param_count
     if isinstance(model_or_param_count, bool) or not isinstance(model_or_param_count, (int, float)):
         raise TypeError(f"estimate_memory takes a model or a parameter count, got {type(model_or_param_count).__name__}")
     if not math.isfinite(model_or_param_count) or model_or_param_count < 1 or model_or_param_count != int(model_or_param_count):
         raise ValueError(f"the parameter count must be a positive whole number, got {model_or_param_count!r}")
     return int(model_or_param_count), None
+
+
+def _numel(p: nn.Parameter) -> int:
+    """Elements of `p`, also when stage 3 (or zero.Init) holds only its shard."""
+    z = getattr(p, "_zero", None)
+    return z.numel if z is not None else p.numel()
 
 
 def _dtype_name(dtype) -> str:
@@ -164,11 +170,14 @@ def _dtype_name(dtype) -> str:
 
 
 def _policies(config, stage: int, offload: str, dtype: str, world_size: int):
-    from zero.config import ConfigWarning, load_config
+    from zero.config import ConfigWarning, ZeroConfig, load_config
     from zero.config.loading import _read
     from zero.stages.policies import options_from_config
 
-    data = dict(_read(config)[0]) if config is not None else {}
+    if isinstance(config, ZeroConfig):  # an engine's config: what was set, in DeepSpeed's spelling
+        data = config.model_dump(by_alias=True, exclude_unset=True)
+    else:
+        data = dict(_read(config)[0]) if config is not None else {}
     zo = dict(data.get("zero_optimization", {}))
     zo["stage"] = stage
     zo["offload_optimizer"] = {"device": "cpu" if offload != "none" else "none"}
@@ -177,8 +186,9 @@ def _policies(config, stage: int, offload: str, dtype: str, world_size: int):
     data.pop("fp16", None), data.pop("bf16", None)
     if dtype != "fp32":
         data[dtype] = {"enabled": True}
-    if not any(k in data for k in ("train_batch_size", "train_micro_batch_size_per_gpu")):
-        data["train_micro_batch_size_per_gpu"] = 1
+    # batch sizes do not change model-state memory; keep only what the world size cannot contradict
+    data.pop("train_batch_size", None)
+    data.setdefault("train_micro_batch_size_per_gpu", 1)
     with warnings.catch_warnings():  # a key that has no effect at some row's stage is not news here
         warnings.simplefilter("ignore", ConfigWarning)
         cfg = load_config(data, world_size)
@@ -198,8 +208,8 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
             from zero.stages.planning import plan_units
 
             units, kept = plan_units(model, s3.persistence_threshold, s3.unit_elements, s3.persistence_budget)
-            persistent = sum(q.numel() for q in kept if q.requires_grad)
-            sizes = [sum(q.numel() for q in ps) for _, ps in units]
+            persistent = sum(_numel(q) for q in kept if q.requires_grad)
+            sizes = [sum(_numel(q) for q in ps) for _, ps in units]
             largest_unit = max(sizes, default=0)
         else:
             persistent = persistent_given or 0
@@ -207,13 +217,14 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
     grads = g * (psi / n if stage >= 2 else psi)
     fp32_master, states = master * shard, 8 * shard
     parts = n if stage >= 1 else 1
+    if stage < 3 and model is not None:
+        from zero.partition.layout import ShardLayout
+
+        numels = [_numel(q) for q in model.parameters() if q.requires_grad]
+        layout = ShardLayout(numels, [0] * len(numels), parts, reduce.bucket_elements)
     if stage == 3:
         largest_slot = largest_unit / n  # the optimizer steps each unit's shard as one slot
     elif model is not None:  # one slot per bucket slice, laid out as the engine does
-        from zero.partition.layout import ShardLayout
-
-        numels = [q.numel() for q in model.parameters() if q.requires_grad]
-        layout = ShardLayout(numels, [0] * len(numels), parts, reduce.bucket_elements)
         largest_slot = max(b.slice_numel for b in layout.buckets)
     else:
         largest_slot = min(psi, reduce.bucket_elements) / parts
@@ -221,9 +232,11 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
     tiles = 2 * min(step.offload.tile_elements, largest_slot) * p if staged else 0  # the copy-back tiles
     host_staging = g * shard + tiles if offload_opt else 0
     if stage < 2:
-        buffers = reduce.bucket_elements * r if precision.reduce != precision.grad else 0
-    elif stage == 2:
-        buffers = 3 * min(psi, reduce.bucket_elements) * r
+        buffers = min(psi, reduce.bucket_elements) * r if precision.reduce != precision.grad else 0
+    elif stage == 2:  # staging buffers of whole buckets: one filling, two in flight
+        sizes = sorted((b.numel for b in layout.buckets), reverse=True) if model is not None else (
+            [min(psi, reduce.bucket_elements)] * min(3, math.ceil(psi / reduce.bucket_elements)))
+        buffers = sum(sizes[:3]) * r
     else:
         gathered = min(psi - persistent, max(s3.max_live_elements, largest_unit))
         buffers = p * gathered + 2 * r * largest_unit
@@ -235,7 +248,7 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
     return row, persistent
 
 
-def _gib(nbytes: float) -> str:
+def format_bytes(nbytes: float) -> str:
     """Bytes in the largest binary unit that keeps the number at least 0.25."""
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= size / 4:
@@ -250,4 +263,4 @@ def _human(count: int) -> str:
     return str(count)
 
 
-__all__ = ["MemoryEstimate", "MemoryTable", "estimate_memory"]
+__all__ = ["MemoryEstimate", "MemoryTable", "estimate_memory", "format_bytes"]

@@ -1,0 +1,70 @@
+"""The demo (examples/train_gpt.py) with every config in examples/configs/, and the 3D U-Net
+example, a few steps each on 2 ranks: their end tables give memory_report()'s numbers and the
+estimator's (within padding)."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from zero.estimate import format_bytes
+from zero.partition.layout import ALIGN
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+CONFIGS = sorted(p.name for p in (EXAMPLES / "configs").glob("*.json"))
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_example(name: str, argv: list[str]) -> dict:
+    out = _load(name).main(argv)
+    summary = out["summary"]
+    if summary:  # rank 0: the table's numbers, made picklable
+        estimate = summary["estimate"]
+        summary = {k: v for k, v in summary.items() if k not in ("estimate", "table")}
+        summary["estimated_states"] = estimate.model_states_total
+        summary["label"] = estimate.label
+    out["summary"] = summary
+    return out
+
+
+def _check(results, steps_argv):
+    rank0 = next(r for r in results if r["rank"] == 0)
+    s, table = rank0["summary"], rank0["table"]
+    for r in results:  # the table shows what every rank measured
+        assert s["model_states"][r["rank"]] == r["memory"]["model_states_total"]
+        assert format_bytes(r["memory"]["model_states_total"]) in table
+    measured = s["model_states"][0]
+    assert abs(s["estimated_states"] - measured) <= 2 * ALIGN * 4 * 40, (s["estimated_states"], measured)
+    assert f"* {s['label']}" in table and "stage 0 (= DDP)" in table
+    assert "communication per step" in table and "time per step" in table and "forward" in table
+    assert all(r["first_loss"] == r["first_loss"] for r in results)  # not NaN
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_the_demo_runs_every_example_config(dist_run, config):
+    argv = ["--config", str(EXAMPLES / "configs" / config), "--steps", "3", "--layers", "1", "--width", "32",
+            "--block", "16", "--no-sample"]
+    _check(dist_run(2, run_example, "train_gpt", argv), argv)
+
+
+def test_the_demo_learns(dist_run):
+    results = dist_run(2, run_example, "train_gpt", ["--steps", "60", "--layers", "1", "--width", "32",
+                                                      "--block", "16"])
+    for r in results:
+        assert r["final_loss"] < r["first_loss"] - 0.5, (r["first_loss"], r["final_loss"])
+    samples = [r["sample"] for r in results]
+    assert samples[0].startswith("ZeRO ") and len(samples[0]) == 5 + 240 and samples[0] == samples[1]
+
+
+def test_the_3d_unet_example(dist_run):
+    argv = ["--steps", "25", "--size", "16", "--width", "8"]
+    results = dist_run(2, run_example, "train_unet3d", argv)
+    _check(results, argv)
+    rank0 = next(r for r in results if r["rank"] == 0)
+    assert "stage 3 + offload optimizer on 2 rank(s)" in rank0["table"]
+    assert all(r["final_loss"] < r["first_loss"] for r in results), [(r["first_loss"], r["final_loss"]) for r in results]

@@ -1,0 +1,192 @@
+"""What a user watches while zero trains: a progress bar, and one table at the end.
+
+    monitor = zero.TrainingMonitor(engine, steps=200, tokens_per_step=batch * seq_len * world)
+    for x, y in loader:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        monitor.step(loss)              # every rank, after every engine.step()
+    print(monitor.report(), end="")     # every rank calls it; rank 0 gets the table
+
+[Note: what the monitor measures]
+- Time per step is the mean of a moving window of optimizer steps that never includes the first
+  one (which builds the native ops and records stage 3's unit order).
+- Memory per rank: on CUDA the allocator's `memory_allocated`; on the CPU, which has no allocator
+  statistics, the bytes `Engine.memory_report()` measures from the storages the engine holds
+  (model states, offload staging, buffers alive now). All ranks' numbers are gathered every
+  `memory_every` steps on the control group, so the counts of the data group stay those of
+  training.
+- The end table sets this run's measured model-state bytes beside the estimator's number for the
+  same run (zero.estimate_memory, which must agree up to padding) and beside what plain data
+  parallelism and every other stage and offload option would need; then peak memory,
+  communication per step (`Engine.comm_report()`) and the time split (with
+  `wall_clock_breakdown: true`): forward, backward, optimizer step, and the part of them spent
+  waiting for collectives.
+"""
+from __future__ import annotations
+
+import collections
+import time
+
+import torch
+
+from zero.estimate import format_bytes as _bytes
+
+
+class TrainingMonitor:
+    """A tqdm progress bar on rank 0 and the end-of-run table (see [Note: what the monitor measures]).
+
+    Args:
+        engine: the zero engine being trained.
+        steps: optimizer steps the run will take (the bar's length).
+        tokens_per_step: tokens (or samples) one optimizer step consumes over all ranks, for the
+            throughput; None leaves it out.
+        unit: what `tokens_per_step` counts ("tok", "vox", "sample", ...).
+        window: optimizer steps in the moving window of the time per step.
+        memory_every: gather every rank's memory every this many steps.
+        description: the bar's label.
+    """
+
+    def __init__(self, engine, steps: int, tokens_per_step: int | None = None, unit: str = "tok",
+                 window: int = 20, memory_every: int = 10, description: str = "train"):
+        from tqdm.auto import tqdm
+
+        self.engine = engine
+        self.rank, self.world = engine.comm.rank, engine.world_size
+        self.tokens_per_step, self.unit = tokens_per_step, unit
+        self.memory_every = max(1, memory_every)
+        self.durations: collections.deque[float] = collections.deque(maxlen=max(1, window))
+        self.timed_steps = 0  # optimizer steps inside the wall-clock totals (all but the first)
+        self.seen_steps = engine.global_steps
+        self.last_time: float | None = None
+        self.loss: float | None = None
+        self.rank_memory: list[float] = []
+        self.summary: dict = {}  # the end table's numbers (rank 0, after `report`)
+        self.bar = tqdm(total=steps, desc=description, unit="step", disable=self.rank != 0, dynamic_ncols=True)
+
+    # -- during training ------------------------------------------------------------------------
+
+    def step(self, loss: torch.Tensor | float | None = None) -> None:
+        """Call after every `engine.step()` on every rank (acts at accumulation boundaries)."""
+        if self.engine.global_steps == self.seen_steps:
+            return  # a micro-step inside an accumulation window
+        self.seen_steps = self.engine.global_steps
+        now = time.perf_counter()
+        if self.last_time is None:  # the first step: ops built, orders recorded; start the clocks here
+            self.engine.wall_clock_report(reset=True)
+        else:
+            self.durations.append(now - self.last_time)
+            self.timed_steps += 1
+        self.last_time = now
+        if loss is not None and self.rank == 0:
+            self.loss = float(loss.detach().float().item() if torch.is_tensor(loss) else loss)
+        if self.seen_steps % self.memory_every == 0 or self.seen_steps == 1:
+            self.rank_memory = self._gather([self._memory_now()])
+        if self.rank == 0:
+            self.bar.update(1)
+            self.bar.set_postfix_str(self._postfix(), refresh=False)
+
+    def _postfix(self) -> str:
+        parts = []
+        if self.loss is not None:
+            parts.append(f"loss {self.loss:.3f}")
+        if self.durations:
+            per_step = sum(self.durations) / len(self.durations)
+            parts.append(f"{per_step * 1e3:.0f} ms/step")
+            if self.tokens_per_step:
+                parts.append(f"{self.tokens_per_step / per_step:,.0f} {self.unit}/s")
+        if self.rank_memory:
+            parts.append("mem " + " ".join(f"r{r}:{_bytes(b)}" for r, b in enumerate(self.rank_memory)))
+        return ", ".join(parts)
+
+    def _memory_now(self) -> float:
+        if self.engine.device.type == "cuda":
+            return float(torch.cuda.memory_allocated(self.engine.device))
+        report = self.engine.memory_report()
+        return float(report["device_bytes"] + report["host_bytes"])
+
+    def _gather(self, values: list[float]) -> list[float]:
+        """Every rank's `values`, concatenated in rank order (on the control group)."""
+        mine = torch.tensor(values, dtype=torch.float64)
+        if self.world == 1:
+            return mine.tolist()
+        out = torch.zeros(self.world * len(values), dtype=torch.float64)
+        self.engine.comm.control().all_gather(out, mine)
+        return out.tolist()
+
+    # -- at the end -----------------------------------------------------------------------------
+
+    def report(self) -> str:
+        """The end table on rank 0 ("" elsewhere). Collective: every rank calls it."""
+        from zero.estimate import estimate_memory
+
+        self.bar.close()
+        engine = self.engine
+        measured = engine.memory_report()
+        if engine.device.type == "cuda":
+            peak = float(torch.cuda.max_memory_allocated(engine.device))
+        else:
+            peak = float(measured["model_states_total"] + measured["host_staging"] + measured["reduce_buffers_peak"]
+                         + measured.get("gathered_peak", 0) + measured.get("gather_buffers_peak", 0))
+        comm = engine.comm_report()
+        times = engine.wall_clock_report()
+        mine = [measured["model_states_total"], measured["device_bytes"], measured["host_bytes"], peak,
+                sum(c["bytes"] for c in comm.values())]
+        k = len(mine)
+        everyone = self._gather([float(v) for v in mine])
+        if self.rank != 0:
+            return ""
+        per_rank = [everyone[r * k : (r + 1) * k] for r in range(self.world)]
+        self.summary = {"model_states": [v[0] for v in per_rank], "device": [v[1] for v in per_rank],
+                        "host": [v[2] for v in per_rank], "peak": [v[3] for v in per_rank],
+                        "comm_bytes": [v[4] for v in per_rank]}
+        zc = engine.config.zero_optimization
+        offload = "none"
+        if zc.offload_optimizer is not None and zc.offload_optimizer.device == "cpu":
+            offload = "optimizer+param" if zc.offload_param is not None and zc.offload_param.device == "cpu" else "optimizer"
+        table = estimate_memory(engine.module, self.world, dtype=engine.config.precision, config=engine.config,
+                                gpus_per_node=self.world)
+        this = table.row(zc.stage, offload)
+        self.summary.update(estimate=this, table=table)
+
+        ranks = [f"rank {r}" for r in range(self.world)]
+        rows = [("model states, measured", [_bytes(v[0]) for v in per_rank]),
+                ("model states, estimated", [_bytes(this.model_states_total)] * self.world),
+                ("on the device / on the host", [f"{_bytes(v[1])} / {_bytes(v[2])}" for v in per_rank]),
+                ("peak" + (" (CUDA allocator)" if engine.device.type == "cuda" else " (states + buffers)"),
+                 [_bytes(v[3]) for v in per_rank])]
+        lines = [f"{this.label} on {self.world} rank(s), {engine.config.precision}, {engine.device.type}; "
+                 f"{table.psi:,} trainable parameters", ""]
+        lines += _columns(["memory per rank", *ranks], [[name, *vals] for name, vals in rows])
+        lines += ["", "what each option needs per rank (zero.estimate_memory; * = this run):"]
+        lines += _columns(["option", "model states", "device", "host"],
+                          [[("* " if r is this else "  ") + r.label, _bytes(r.model_states_total), _bytes(r.device_bytes),
+                            _bytes(r.host_bytes)] for r in table])
+        ddp = table.row(0)
+        lines.append(f"this run keeps {ddp.model_states_total / max(1, per_rank[0][0]):.1f}x less model state per "
+                     f"rank than plain data parallelism ({_bytes(ddp.model_states_total)})")
+        sent = max(v[4] for v in per_rank)
+        detail = ", ".join(f"{name} {_bytes(c['bytes'])} in {c['calls']}" for name, c in comm.items() if c["calls"])
+        lines += ["", f"communication per step (rank 0, last step): {_bytes(sent)}" + (f" ({detail})" if detail else "")]
+        if self.timed_steps and engine.config.wall_clock_breakdown:
+            n = self.timed_steps
+            ms = {key: times.get(key, 0.0) / n * 1e3 for key in ("forward", "backward", "step", "communication_wait")}
+            wait = (f"; of which waiting for collectives {ms['communication_wait']:.1f} ms"
+                    if engine.comm.backend == "gloo" else "")
+            lines.append(f"time per step (mean of steps 2-{self.seen_steps}, rank 0): forward {ms['forward']:.1f} ms, "
+                         f"backward {ms['backward']:.1f} ms, optimizer step {ms['step']:.1f} ms{wait}")
+        elif not engine.config.wall_clock_breakdown:
+            lines.append("time split: set \"wall_clock_breakdown\": true in the config")
+        if self.durations and self.tokens_per_step:
+            per_step = sum(self.durations) / len(self.durations)
+            lines.append(f"throughput (last {len(self.durations)} steps): {self.tokens_per_step / per_step:,.0f} "
+                         f"{self.unit}/s, {per_step * 1e3:.0f} ms/step")
+        return "\n".join(lines) + "\n"
+
+
+def _columns(head: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return [fmt(head), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)]
+
+
