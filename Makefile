@@ -1,5 +1,5 @@
 # Two commands for a fresh machine:
-#   make demo   set up, then train a small GPT with ZeRO stage 2 on 2 ranks (the main job)
+#   make demo   set up, then train a small GPT with ZeRO stage 3 + CPU optimizer offload on 2 ranks (the main job)
 #   make test   set up, then run the test suite (what CI runs)
 PYTHON ?= python3
 # Installed only when no torch is present (pip's default torch is a large CUDA build; pass
@@ -12,7 +12,7 @@ setup:
 	$(PYTHON) -m pip install --no-build-isolation -e ".[test]"
 
 demo: setup
-	$(PYTHON) -m torch.distributed.run --nproc_per_node 2 examples/train_zero2.py
+	$(PYTHON) -m torch.distributed.run --nproc_per_node 2 examples/train_gpt.py
 
 test: setup
 	$(PYTHON) -m ruff check .
