@@ -22,6 +22,8 @@ bench: setup
 	$(PYTHON) benchmarks/bench_adam.py
 	$(PYTHON) benchmarks/bench_zero.py
 	$(PYTHON) benchmarks/bench_offload.py
+	$(PYTHON) -m pip install -q matplotlib
+	$(PYTHON) benchmarks/report.py
 
 ops: setup
 	$(PYTHON) -m zero.ops build

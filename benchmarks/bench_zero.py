@@ -137,6 +137,31 @@ def run_one(kind: str, layers: int, embd: int, vocab: int, seq: int, batch: int,
     return statistics.median(times), states(), peak_rss, psi
 
 
+def measure(kinds, world: int, layers: int, embd: int, vocab: int, seq: int, batch: int, warmup: int, steps: int,
+            progress=None) -> tuple[dict, int | None]:
+    """Run each of `kinds` ("ddp", "zero0".."zero3", "zero3_noprefetch", "fsdp2") on `world` fresh
+    gloo ranks. Returns ({kind: (step seconds, model-state bytes, allocator peak, peak RSS) or the
+    reason it could not run}, Psi)."""
+    rows, psi = {}, None
+    for kind in kinds:
+        pool = DistPool(world)
+        try:
+            results = pool.run(run_one, kind, layers, embd, vocab, seq, batch, warmup, steps, timeout=1800)
+            pool.close()
+            pool = DistPool(world)  # a fresh process for the measured run
+            peaks = pool.run(run_one, kind, layers, embd, vocab, seq, batch, warmup, steps, measure=True, timeout=1800)
+            pool.close()
+            t = statistics.median(r[0] for r in results)
+            rows[kind] = (t, max(r[1] for r in results), max(peaks), max(r[2] for r in results))
+            psi = results[0][3]
+        except Exception as exc:  # report, keep going: a peer may not run on this torch/backend
+            rows[kind] = f"n/a ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:100]})"
+            pool.close(kill=True)
+        if progress is not None:
+            progress(kind)
+    return rows, psi
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2)
@@ -149,26 +174,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--only", nargs="*", default=["ddp", "zero0", "zero1", "zero2", "zero3", "zero3_noprefetch", "fsdp2"])
     args = parser.parse_args()
-
-    rows = {}
-    psi = None
-    for kind in args.only:
-        pool = DistPool(args.world)
-        try:
-            results = pool.run(run_one, kind, args.layers, args.embd, args.vocab, args.seq, args.batch,
-                               args.warmup, args.steps, timeout=1800)
-            pool.close()
-            pool = DistPool(args.world)  # a fresh process for the measured run
-            peaks = pool.run(run_one, kind, args.layers, args.embd, args.vocab, args.seq, args.batch,
-                             args.warmup, args.steps, measure=True, timeout=1800)
-            pool.close()
-            t = statistics.median(r[0] for r in results)
-            rows[kind] = (t, max(r[1] for r in results), max(peaks), max(r[2] for r in results))
-            psi = results[0][3]
-        except Exception as exc:  # report, keep going: a peer may not run on this torch/backend
-            rows[kind] = f"n/a ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:100]})"
-            pool.close(kill=True)
-        print(f"  done: {kind}", file=sys.stderr, flush=True)
+    rows, psi = measure(args.only, args.world, args.layers, args.embd, args.vocab, args.seq, args.batch, args.warmup,
+                        args.steps, progress=lambda kind: print(f"  done: {kind}", file=sys.stderr, flush=True))
 
     n = args.world
     formula = {"zero0": 16 * psi, "zero1": 4 * psi + 12 * psi / n, "zero2": 2 * psi + 14 * psi / n} if psi else {}
