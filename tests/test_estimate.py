@@ -108,3 +108,14 @@ def test_estimates_equal_memory_report_of_real_runs_within_padding(dist_run):
             assert abs(estimate.host_bytes - measured["host_bytes"]) <= 4 * slack, (where, estimate, measured)
             peak = measured["reduce_buffers_peak"] + measured.get("gathered_peak", 0)
             assert peak <= estimate.buffers + slack, (where, peak, estimate.buffers)
+
+
+def test_the_command_line_reads_a_huggingface_config(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers", reason="--model needs transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=500, n_positions=64)
+    config.save_pretrained(tmp_path)
+    expected = sum(p.numel() for p in transformers.GPT2LMHeadModel(config).parameters())
+    assert cli(["--model", str(tmp_path), "--gpus", "2", "--stage", "3"]) == 0
+    out = capsys.readouterr().out
+    assert f"{expected:,} trainable parameters" in out and "stage 3 + offload optimizer+param" in out
+    assert "kept whole under stage 3" in out  # the model's small parameters were planned as persistent
