@@ -31,8 +31,13 @@ sys.path.insert(0, str(HERE))
 RESULTS = HERE / "results"
 
 
+_STAMP: list[str] = []
+
+
 def stamp() -> str:
-    """Where the numbers come from: commit, date, machine, torch."""
+    """Where the numbers come from: commit, date, machine, torch (taken once, before anything is written)."""
+    if _STAMP:
+        return _STAMP[0]
     import torch
 
     try:
@@ -46,8 +51,14 @@ def stamp() -> str:
         commit = "unknown"
     cpu = platform.processor() or platform.machine()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"{os.cpu_count()} CPU cores ({cpu})"
-    return (f"commit {commit}, {datetime.date.today().isoformat()}, {device}, torch {torch.__version__}, "
-            f"Python {platform.python_version()}")
+    _STAMP.append(f"commit {commit}, {datetime.date.today().isoformat()}, {device}, torch {torch.__version__}, "
+                  f"Python {platform.python_version()}")
+    return _STAMP[0]
+
+
+def _save(fig, name: str) -> None:
+    fig.text(0.995, 0.005, stamp(), fontsize=6, color="#666666", ha="right", va="bottom")
+    fig.savefig(RESULTS / name, dpi=110)
 
 
 def _write(name: str, title: str, body: str, image: str | None) -> None:
@@ -133,8 +144,8 @@ def write_memory(data: dict) -> None:
     ax.title.set_fontsize(10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, title="dots: measured (memory_report)", title_fontsize=8, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(RESULTS / "memory_vs_world.png", dpi=110)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    _save(fig, "memory_vs_world.png")
     plt.close(fig)
     rows = [[f"stage {s}"] + [f"{data['measured'][s][n] / 2**20:.2f} / {data['formula'][s][n] / 2**20:.2f}"
                               for n in data["worlds"]] for s in range(4)]
@@ -153,7 +164,7 @@ def speed_report(world: int = 2, layers: int = 4, embd: int = 256) -> dict:
     import bench_zero
 
     kinds = ["ddp", "zero0", "zero1", "zero2", "zero3", "fsdp2"]
-    rows, psi = bench_zero.measure(kinds, world, layers, embd, vocab=4096, seq=64, batch=4, warmup=2, steps=6,
+    rows, psi = bench_zero.measure(kinds, world, layers, embd, vocab=4096, seq=64, batch=4, warmup=3, steps=12,
                                    progress=lambda kind: print(f"  done: {kind}", flush=True))
     return {"rows": rows, "psi": psi, "world": world, "layers": layers, "embd": embd}
 
@@ -174,8 +185,8 @@ def write_speed(data: dict) -> None:
         ax.set_ylabel(ylabel)
         ax.set_title(f"{title}\n{what}", fontsize=9)
         ax.grid(axis="y", alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(RESULTS / f"{name}.png", dpi=110)
+        fig.tight_layout(rect=(0, 0.03, 1, 1))
+        _save(fig, f"{name}.png")
         plt.close(fig)
     ddp, fsdp = ok.get("ddp"), ok.get("fsdp2")
     rows = []
@@ -187,7 +198,7 @@ def write_speed(data: dict) -> None:
         rows.append([kind, f"{t * 1e3:.1f}", f"{t / ddp[0]:.2f}x" if ddp else "-", f"{states / 2**20:.2f}",
                      f"{peak / 2**20:.2f}", f"{peak / fsdp[2]:.2f}x" if fsdp else "-"])
     table = _table(["config", "step ms", "vs DDP", "model states MiB", "peak MiB (allocator)", "peak vs FSDP2"], rows)
-    note = (f"\n\n{what}; batch 4x64 tokens per rank; median step of 6 after 2 warm-up steps; DDP and FSDP2 use "
+    note = (f"\n\n{what}; batch 4x64 tokens per rank; median step of 12 after 3 warm-up steps; DDP and FSDP2 use "
             "torch.optim.AdamW (fused where torch has it). The peak is torch's allocator high-water mark over building "
             "the job and two steps (everything: parameters, gradients, optimizer states, gathered parameters, "
             "buffers, activations). On gloo, communication is emulated: the time ratio measures overheads, not a "
@@ -227,8 +238,8 @@ def write_adam(data: dict) -> None:
         ax.legend(fontsize=7, loc="lower right")
     fig.suptitle(f"Adam step, {data['n'] / 1e6:g}M parameters, {data['threads']} threads (labels: share of the ceiling)",
                  fontsize=9)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "cpu_adam.png", dpi=110)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    _save(fig, "cpu_adam.png")
     plt.close(fig)
     baseline = {r.copy_out: r.seconds for r in rows if r.name.startswith("torch AdamW (default)")}
     table = _table(["optimizer", "copy-out", "ms/step", "GB/s", "of ceiling", "vs torch default"],

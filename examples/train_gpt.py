@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"zero: {args.config.name} on {world} rank(s), {engine.device}; GPT with {n_params:,} parameters "
               f"on {len(data.data):,} characters; uniform-guess loss {math.log(data.vocab_size):.2f}", flush=True)
 
-    tokens_per_step = config["train_micro_batch_size_per_gpu"] * config.get("gradient_accumulation_steps", 1) * world
-    monitor = zero.TrainingMonitor(engine, steps=args.steps, tokens_per_step=tokens_per_step * args.block, unit="char")
+    monitor = zero.TrainingMonitor(engine, steps=args.steps, tokens_per_step=engine.train_batch_size() * args.block,
+                                   unit="char")
     epoch, losses = 0, []
     batches = iter(loader)
     while engine.global_steps < args.steps:

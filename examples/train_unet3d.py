@@ -97,12 +97,13 @@ def main(argv: list[str] | None = None) -> dict:
     model = UNet3D(width=args.width)
     engine, *_ = zero.initialize(model=model, config=config)
     rank, world = engine.comm.rank, engine.world_size
-    micro = config["train_micro_batch_size_per_gpu"]
+    micro = engine.train_micro_batch_size_per_gpu()
     if rank == 0:
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         print(f"zero: 3D U-Net with {n_params:,} parameters, {args.size}^3 volumes, {world} rank(s), {engine.device}",
               flush=True)
-    monitor = zero.TrainingMonitor(engine, steps=args.steps, tokens_per_step=micro * world * args.size**3, unit="vox")
+    monitor = zero.TrainingMonitor(engine, steps=args.steps, tokens_per_step=engine.train_batch_size() * args.size**3,
+                                   unit="vox")
     generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own volumes
     losses, scores = [], []
     while engine.global_steps < args.steps:
@@ -119,8 +120,9 @@ def main(argv: list[str] | None = None) -> dict:
     table = monitor.report()
     if rank == 0:
         print(table, end="")
-        print(f"Dice on the training volumes: {sum(scores[:5]) / 5:.3f} over the first 5 steps, "
-              f"{sum(scores[-10:]) / len(scores[-10:]):.3f} over the last 10")
+        first, last = scores[:5], scores[-10:]
+        print(f"Dice on the training volumes: {sum(first) / len(first):.3f} over the first {len(first)} micro-steps, "
+              f"{sum(last) / len(last):.3f} over the last {len(last)}")
     return {"first_loss": losses[0], "final_loss": sum(losses[-10:]) / len(losses[-10:]),
             "dice": sum(scores[-10:]) / len(scores[-10:]), "table": table, "summary": monitor.summary,
             "memory": engine.memory_report(), "rank": rank}

@@ -27,6 +27,8 @@ def run_example(name: str, argv: list[str]) -> dict:
         estimate = summary["estimate"]
         summary = {k: v for k, v in summary.items() if k not in ("estimate", "table")}
         summary["estimated_states"] = estimate.model_states_total
+        summary["estimated"] = {k: getattr(estimate, k) for k in ("params", "grads", "fp32_master",
+                                                                  "optimizer_states", "host_bytes", "device_bytes")}
         summary["label"] = estimate.label
     out["summary"] = summary
     return out
@@ -39,7 +41,13 @@ def _check(results, steps_argv):
         assert s["model_states"][r["rank"]] == r["memory"]["model_states_total"]
         assert format_bytes(r["memory"]["model_states_total"]) in table
     measured = s["model_states"][0]
-    assert abs(s["estimated_states"] - measured) <= 2 * ALIGN * 4 * 40, (s["estimated_states"], measured)
+    slack = 2 * ALIGN * 4 * 40  # padding: at most 2 x ALIGN elements per bucket or unit
+    assert abs(s["estimated_states"] - measured) <= slack, (s["estimated_states"], measured)
+    mem = rank0["memory"]
+    for kind in ("params", "grads", "fp32_master", "optimizer_states", "host_bytes"):  # kind by kind
+        assert abs(s["estimated"][kind] - mem[kind]) <= slack, (kind, s["estimated"][kind], mem[kind])
+    assert mem["device_bytes"] <= s["estimated"]["device_bytes"] + slack  # the estimate includes the buffers
+    assert s["peak"][0] >= measured and s["comm_bytes"][0] > 0
     assert f"* {s['label']}" in table and "stage 0 (= DDP)" in table
     assert "communication per step" in table and "time per step" in table and "forward" in table
     assert all(r["first_loss"] == r["first_loss"] for r in results)  # not NaN

@@ -524,13 +524,13 @@ class Engine(nn.Module):
             reset: start counting again from zero after reading.
         """
         report = dict(self._times)
-        report["communication_wait"] = self.comm.wait_s  # inside forward, backward and step; gloo only
+        report["communication_wait"] = self.comm.waited_s()  # inside forward, backward and step; gloo only
         host = self.optimizer.host_adam
         if host is not None:
             report.update(host.times)
         if reset:
             self._times = dict.fromkeys(self._times, 0.0)
-            self.comm.wait_s = 0.0
+            self.comm.reset_waited()
             if host is not None:
                 host.times = dict.fromkeys(host.times, 0.0)
         return report

@@ -141,9 +141,10 @@ class TrainingMonitor:
                         "host": [v[2] for v in per_rank], "peak": [v[3] for v in per_rank],
                         "comm_bytes": [v[4] for v in per_rank]}
         zc = engine.config.zero_optimization
-        offload = "none"
-        if zc.offload_optimizer is not None and zc.offload_optimizer.device == "cpu":
-            offload = "optimizer+param" if zc.offload_param is not None and zc.offload_param.device == "cpu" else "optimizer"
+        opt = zc.offload_optimizer is not None and zc.offload_optimizer.device == "cpu"
+        param = zc.stage == 3 and zc.offload_param is not None and zc.offload_param.device == "cpu"
+        offload = {(False, False): "none", (True, False): "optimizer", (False, True): "param",
+                   (True, True): "optimizer+param"}[(opt, param)]
         table = estimate_memory(engine.module, self.world, dtype=engine.config.precision, config=engine.config,
                                 gpus_per_node=self.world)
         this = table.row(zc.stage, offload)
@@ -163,15 +164,18 @@ class TrainingMonitor:
                           [[("* " if r is this else "  ") + r.label, _bytes(r.model_states_total), _bytes(r.device_bytes),
                             _bytes(r.host_bytes)] for r in table])
         ddp = table.row(0)
-        lines.append(f"this run keeps {ddp.model_states_total / max(1, per_rank[0][0]):.1f}x less model state per "
-                     f"rank than plain data parallelism ({_bytes(ddp.model_states_total)})")
+        device = max(v[1] for v in per_rank)
+        lines.append(f"plain data parallelism keeps {_bytes(ddp.model_states_total)} of model states per rank on the "
+                     f"device; this run {_bytes(device)} on the device ({ddp.model_states_total / max(1.0, device):.1f}x "
+                     f"less), {_bytes(max(v[2] for v in per_rank))} on the host")
         sent = max(v[4] for v in per_rank)
         detail = ", ".join(f"{name} {_bytes(c['bytes'])} in {c['calls']}" for name, c in comm.items() if c["calls"])
-        lines += ["", f"communication per step (rank 0, last step): {_bytes(sent)}" + (f" ({detail})" if detail else "")]
+        lines += ["", f"communication per step (last step, the most any rank sent): {_bytes(sent)}"
+                  + (f"; rank 0: {detail}" if detail else "")]
         if self.timed_steps and engine.config.wall_clock_breakdown:
             n = self.timed_steps
             ms = {key: times.get(key, 0.0) / n * 1e3 for key in ("forward", "backward", "step", "communication_wait")}
-            wait = (f"; of which waiting for collectives {ms['communication_wait']:.1f} ms"
+            wait = (f"; of which the host waited for collectives {ms['communication_wait']:.1f} ms"
                     if engine.comm.backend == "gloo" else "")
             lines.append(f"time per step (mean of steps 2-{self.seen_steps}, rank 0): forward {ms['forward']:.1f} ms, "
                          f"backward {ms['backward']:.1f} ms, optimizer step {ms['step']:.1f} ms{wait}")

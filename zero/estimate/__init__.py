@@ -22,11 +22,14 @@ gradient shard and two copy-back tiles; stage 3's `offload_param` moves the para
 too. These are the kinds `Engine.memory_report()` measures, and on a real run the two agree up to
 padding (each bucket or unit is padded to split evenly over N SIMD-aligned slices).
 
-`buffers` bounds the communication and gathering memory the config allows beyond the model
-states: stages 0-1 one bucket cast to the communication dtype (when it differs), stage 2 the
-buckets being filled or reduced (three at most: one filling, two in flight), stage 3 the gathered
-parameters (`stage3_max_live_parameters`, at least one unit) and two units' gradient send buffers.
-The measured peaks (`reduce_buffers_peak`, `gathered_peak`) stay below it.
+`buffers` is the communication and gathering memory of a step beyond the model states: stages 0-1
+one bucket cast to the communication dtype (when it differs); stage 2 the staging buffers of the
+buckets being filled or reduced, three when backward produces gradients in about the reverse of the
+order the parameters were registered (the usual case; a model that runs its layers in another order
+can hold a staging buffer for every bucket at once, up to a full gradient); stage 3 the gathered
+parameters (`stage3_max_live_parameters`, at least one unit), one all-gather output and two units'
+gradient sends (plus, with `offload_param`, a shard staged onto the device), sized by the largest
+unit: planned for a model, `largest_layer` (DeepSpeed's `largest_layer_params`) for a count.
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ import torch
 import torch.nn as nn
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-OFFLOADS = ("none", "optimizer", "optimizer+param")
+OFFLOADS = ("none", "optimizer", "param", "optimizer+param")
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ class MemoryEstimate:
     """Bytes per rank for one stage and offload option (see [Note: the estimator's numbers])."""
 
     stage: int
-    offload: str  # "none", "optimizer" or "optimizer+param"
+    offload: str  # "none", "optimizer", "param" or "optimizer+param"
     world_size: int
     params: int
     grads: int
@@ -70,9 +73,10 @@ class MemoryEstimate:
 class MemoryTable(list):
     """A list of MemoryEstimate rows that prints as a table."""
 
-    def __init__(self, rows, psi: int, persistent: int, dtype: str, gpus_per_node: int):
+    def __init__(self, rows, psi: int, persistent: int, dtype: str, gpus_per_node: int, largest_unit: int = 0):
         super().__init__(rows)
         self.psi, self.persistent, self.dtype, self.gpus_per_node = psi, persistent, dtype, gpus_per_node
+        self.largest_unit = largest_unit
 
     def row(self, stage: int, offload: str = "none") -> MemoryEstimate:
         for r in self:
@@ -91,14 +95,15 @@ class MemoryTable(list):
         out = [head, "  ".join(c.ljust(w) for c, w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
         out += ["  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(line, widths)))
                 for line in lines]
-        out.append("device/rank includes the communication and gathering buffers the config allows")
+        out.append("device/rank includes the communication and gathering buffers of a step"
+                   + (f" (stage 3: largest unit {self.largest_unit:,} elements)" if self.largest_unit else ""))
         return "\n".join(out)
 
 
 def estimate_memory(model_or_param_count: nn.Module | int | float, world_size: int = 1, *,
                     stage: int | None = None, offload: str | None = None, dtype: str | torch.dtype = "bf16",
                     config: dict | str | None = None, gpus_per_node: int | None = None,
-                    persistent_params: int | None = None) -> MemoryTable:
+                    persistent_params: int | None = None, largest_layer: int | None = None) -> MemoryTable:
     """Per-rank memory of every stage and offload option (or the ones asked for).
 
     Args:
@@ -107,7 +112,8 @@ def estimate_memory(model_or_param_count: nn.Module | int | float, world_size: i
             trainable parameters.
         world_size: data-parallel ranks.
         stage: only this stage (0-3); None: all.
-        offload: only this option ("none", "optimizer", or for stage 3 "optimizer+param"); None: all.
+        offload: only this option ("none", "optimizer", or for stage 3 "param" and "optimizer+param");
+            None: all.
         dtype: training dtype, "bf16", "fp16" or "fp32" (or the torch dtype).
         config: a DeepSpeed-style config (dict, JSON path, or an engine's ZeroConfig) for bucket sizes, thresholds,
             gradient accumulation and the communication dtype; its stage, offload and precision
@@ -115,6 +121,9 @@ def estimate_memory(model_or_param_count: nn.Module | int | float, world_size: i
         gpus_per_node: ranks sharing one host, for the host-per-node column (default world_size).
         persistent_params: with a parameter count, the elements stage 3 keeps whole (default 0;
             a model's are planned).
+        largest_layer: with a parameter count, the elements of the largest stage-3 unit (the
+            largest layer, DeepSpeed's `largest_layer_params`; default the unit size of the
+            config, `stage3_module_granularity_threshold`); it sizes stage 3's buffers.
 
     Returns:
         A MemoryTable (a list of MemoryEstimate) that prints as a table.
@@ -126,8 +135,8 @@ def estimate_memory(model_or_param_count: nn.Module | int | float, world_size: i
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     if offload is not None and offload not in OFFLOADS:
         raise ValueError(f"offload must be one of {OFFLOADS}, got {offload!r}")
-    if offload == "optimizer+param" and stage not in (None, 3):
-        raise ValueError(f"offload 'optimizer+param' (offload_param) needs stage 3, not stage {stage}")
+    if offload in ("param", "optimizer+param") and stage not in (None, 3):
+        raise ValueError(f"offload {offload!r} (offload_param) needs stage 3, not stage {stage}")
     dtype_name = _dtype_name(dtype)
     if gpus_per_node is None:
         gpus_per_node = world_size
@@ -135,15 +144,20 @@ def estimate_memory(model_or_param_count: nn.Module | int | float, world_size: i
         raise ValueError(f"gpus_per_node must be a positive integer, got {gpus_per_node!r}")
     if persistent_params is not None and (model is not None or persistent_params < 0):
         raise ValueError("persistent_params is for a parameter count (a model's are planned), and must be >= 0")
-    rows, persistent_seen = [], 0
+    if largest_layer is not None and (model is not None or not isinstance(largest_layer, int) or largest_layer < 1):
+        raise ValueError("largest_layer is for a parameter count (a model's units are planned), and must be a "
+                         f"positive integer, got {largest_layer!r}")
+    rows, persistent_seen, largest_seen = [], 0, 0
     for s in (0, 1, 2, 3) if stage is None else (stage,):
         for o in OFFLOADS if offload is None else (offload,):
-            if o == "optimizer+param" and s != 3:
+            if o in ("param", "optimizer+param") and s != 3:
                 continue
-            row, persistent = _estimate(psi, model, world_size, s, o, dtype_name, config, persistent_params)
+            row, persistent, unit = _estimate(psi, model, world_size, s, o, dtype_name, config, persistent_params,
+                                              largest_layer)
             rows.append(row)
             persistent_seen = max(persistent_seen, persistent)
-    return MemoryTable(rows, psi, persistent_seen, dtype_name, gpus_per_node)
+            largest_seen = max(largest_seen, unit if s == 3 else 0)
+    return MemoryTable(rows, psi, persistent_seen, dtype_name, gpus_per_node, largest_seen)
 
 
 def _count(model_or_param_count) -> tuple[int, nn.Module | None]:
@@ -180,14 +194,17 @@ def _policies(config, stage: int, offload: str, dtype: str, world_size: int):
         data = dict(_read(config)[0]) if config is not None else {}
     zo = dict(data.get("zero_optimization", {}))
     zo["stage"] = stage
-    zo["offload_optimizer"] = {"device": "cpu" if offload != "none" else "none"}
-    zo["offload_param"] = {"device": "cpu" if offload == "optimizer+param" else "none"}
+    zo["offload_optimizer"] = {"device": "cpu" if offload in ("optimizer", "optimizer+param") else "none"}
+    zo["offload_param"] = {"device": "cpu" if offload in ("param", "optimizer+param") else "none"}
     data["zero_optimization"] = zo
     data.pop("fp16", None), data.pop("bf16", None)
     if dtype != "fp32":
         data[dtype] = {"enabled": True}
-    # batch sizes do not change model-state memory; keep only what the world size cannot contradict
-    data.pop("train_batch_size", None)
+    # batch sizes matter only through the accumulation count (fp32 gradient shards when > 1): keep it,
+    # and drop the batch sizes the estimate's world size could contradict
+    total, micro = data.pop("train_batch_size", None), data.get("train_micro_batch_size_per_gpu")
+    if "gradient_accumulation_steps" not in data and isinstance(total, int) and isinstance(micro, int) and micro > 0:
+        data["gradient_accumulation_steps"] = max(1, total // (micro * world_size))
     data.setdefault("train_micro_batch_size_per_gpu", 1)
     with warnings.catch_warnings():  # a key that has no effect at some row's stage is not news here
         warnings.simplefilter("ignore", ConfigWarning)
@@ -195,25 +212,27 @@ def _policies(config, stage: int, offload: str, dtype: str, world_size: int):
     return options_from_config(cfg, world_size, num_threads=1)
 
 
-def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, config, persistent_given):
+def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, config, persistent_given,
+              largest_layer: int | None):
     precision, step, reduce, s3 = _policies(config, stage, offload, dtype, n)
     p, g = precision.param.itemsize, precision.grad.itemsize
     r = precision.reduce.itemsize
-    offload_opt = step.offload is not None
-    master = 4 if (precision.param != torch.float32 or offload_opt) else 0
+    offload_opt, offload_param = step.offload is not None, s3.offload_param
+    master = 4 if (precision.param != torch.float32 or offload_opt or offload_param) else 0  # else: the params
     shard = psi / n if stage >= 1 else psi  # the optimizer's part
-    persistent, largest_unit = 0, min(psi, s3.unit_elements)
+    persistent, largest_unit = 0, min(psi, largest_layer or s3.unit_elements)
     if stage == 3:
         if model is not None:
             from zero.stages.planning import plan_units
 
             units, kept = plan_units(model, s3.persistence_threshold, s3.unit_elements, s3.persistence_budget)
             persistent = sum(_numel(q) for q in kept if q.requires_grad)
-            sizes = [sum(_numel(q) for q in ps) for _, ps in units]
-            largest_unit = max(sizes, default=0)
+            sizes = [sum(_numel(q) for q in ps if q.requires_grad) for _, ps in units] + [persistent]
+            largest_unit = max(sizes[:-1], default=0)
+            slots = [math.ceil(u / n) for u in sizes if u]  # the optimizer's slots: each unit's shard, in order
         else:
             persistent = persistent_given or 0
-    params = p * (psi / n + persistent) if stage == 3 else p * psi
+    params = p * (psi / n + (persistent if n > 1 else 0)) if stage == 3 else p * psi  # one rank: no second copy
     grads = g * (psi / n if stage >= 2 else psi)
     fp32_master, states = master * shard, 8 * shard
     parts = n if stage >= 1 else 1
@@ -222,30 +241,43 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
 
         numels = [_numel(q) for q in model.parameters() if q.requires_grad]
         layout = ShardLayout(numels, [0] * len(numels), parts, reduce.bucket_elements)
-    if stage == 3:
-        largest_slot = largest_unit / n  # the optimizer steps each unit's shard as one slot
-    elif model is not None:  # one slot per bucket slice, laid out as the engine does
-        largest_slot = max(b.slice_numel for b in layout.buckets)
-    else:
-        largest_slot = min(psi, reduce.bucket_elements) / parts
-    staged = offload_opt and p < 4 and offload != "optimizer+param"  # offload_param: written in place on the host
-    tiles = 2 * min(step.offload.tile_elements, largest_slot) * p if staged else 0  # the copy-back tiles
+    if model is None:  # slots of about the largest unit or bucket
+        slot = largest_unit / n if stage == 3 else min(psi, reduce.bucket_elements) / parts
+        slots = [slot, slot]
+    elif stage < 3:  # one slot per bucket slice, laid out as the engine does
+        slots = [b.slice_numel for b in layout.buckets]
+    staged = offload_opt and p < 4 and not offload_param  # offload_param: written in place on the host
+    tiles = _copy_back_tiles(slots, step.offload.tile_elements) * p if staged else 0
     host_staging = g * shard + tiles if offload_opt else 0
     if stage < 2:
         buffers = min(psi, reduce.bucket_elements) * r if precision.reduce != precision.grad else 0
-    elif stage == 2:  # staging buffers of whole buckets: one filling, two in flight
+    elif stage == 2:  # staging buffers of whole buckets: one filling, two in flight (see the note)
         sizes = sorted((b.numel for b in layout.buckets), reverse=True) if model is not None else (
             [min(psi, reduce.bucket_elements)] * min(3, math.ceil(psi / reduce.bucket_elements)))
         buffers = sum(sizes[:3]) * r
-    else:
+    else:  # gathered units, one all-gather output, (offload_param) one staged shard, two gradient sends
         gathered = min(psi - persistent, max(s3.max_live_elements, largest_unit))
-        buffers = p * gathered + 2 * r * largest_unit
-    host = (fp32_master + states if offload_opt else 0) + host_staging + (p * psi / n if offload == "optimizer+param" else 0)
-    device = params + grads + fp32_master + states + buffers - (host - host_staging)
+        buffers = p * gathered + p * largest_unit + (p * largest_unit / n if offload_param else 0) + 2 * r * largest_unit
+    on_host = (fp32_master + states if offload_opt else 0) + (p * psi / n if offload_param else 0)
+    host = on_host + host_staging
+    device = params + grads + fp32_master + states + buffers - on_host
     values = dict(params=params, grads=grads, fp32_master=fp32_master, optimizer_states=states,
                   host_staging=host_staging, buffers=buffers, device_bytes=device, host_bytes=host)
     row = MemoryEstimate(stage=stage, offload=offload, world_size=n, **{k: int(round(v)) for k, v in values.items()})
-    return row, persistent
+    return row, persistent, largest_unit
+
+
+def _copy_back_tiles(slots: list[float], tile: int) -> float:
+    """Elements of offload's two alternating copy-back tiles (zero/offload.py: each slot is updated
+    tile by tile, the tiles taking turns, each grown to the largest piece it ever holds)."""
+    ring, k = [0.0, 0.0], 0
+    for n in slots:
+        lo = 0
+        while lo < n:
+            ring[k % 2] = max(ring[k % 2], min(tile, n - lo))
+            lo += tile
+            k += 1
+    return sum(ring)
 
 
 def format_bytes(nbytes: float) -> str:

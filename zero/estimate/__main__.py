@@ -20,7 +20,10 @@ def _model_from(path: str):
         from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
     except ImportError as err:
         raise SystemExit(f"--model needs transformers (pip install 'zero[hf]'): {err}") from None
-    config = AutoConfig.from_pretrained(path)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"--model {path}: not a HuggingFace config, model directory or hub name here ({err})") from None
     with torch.device("meta"):
         try:
             return AutoModelForCausalLM.from_config(config)
@@ -40,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--offload", choices=OFFLOADS, help="only this offload option")
     parser.add_argument("--config", help="a DeepSpeed-style config for bucket sizes and stage-3 thresholds")
     parser.add_argument("--persistent", type=int, default=None, help="with --params: elements stage 3 keeps whole")
+    parser.add_argument("--largest-layer", type=int, default=None,
+                        help="with --params: elements of the largest layer (sizes stage 3's buffers)")
     args = parser.parse_args(argv)
     for name in ("gpus", "nodes"):
         if getattr(args, name) < 1:
@@ -48,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         table = estimate_memory(subject, args.gpus * args.nodes, stage=args.stage, offload=args.offload,
                                 dtype=args.dtype, config=args.config, gpus_per_node=args.gpus,
-                                persistent_params=args.persistent)
+                                persistent_params=args.persistent, largest_layer=args.largest_layer)
     except (TypeError, ValueError) as err:
         parser.error(str(err))
     print(table)

@@ -4,15 +4,16 @@ from zero.estimate import estimate_memory
 from zero.stages.buckets import ZeroOptimizer as DeepSpeedZeroOptimizer  # noqa: F401
 
 
-def estimate_zero2_model_states_mem_needs_all_live(model, num_gpus_per_node: int = 1, num_nodes: int = 1, **unused):
+def estimate_zero2_model_states_mem_needs_all_live(model, num_gpus_per_node: int = 1, num_nodes: int = 1,
+                                                   additional_buffer_factor: float = 1.5):
     """Print the per-rank memory of stage 2 with and without offload for `model` (zero.estimate_memory)."""
     print(estimate_memory(model, num_gpus_per_node * num_nodes, stage=2, gpus_per_node=num_gpus_per_node))
 
 
 def estimate_zero2_model_states_mem_needs_all_cold(total_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1,
-                                                      **unused):
+                                                   additional_buffer_factor: float = 1.5):
     """The same from a parameter count."""
-    print(estimate_memory(total_params, num_gpus_per_node * num_nodes, stage=2, gpus_per_node=num_gpus_per_node))
+    print(estimate_memory(int(total_params), num_gpus_per_node * num_nodes, stage=2, gpus_per_node=num_gpus_per_node))
 
 
 def __getattr__(name: str):
