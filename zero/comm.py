@@ -335,6 +335,24 @@ class Comm:
                 return self._bounded(work, async_op, f"an all-reduce of {tensor.numel():,} elements")
             return dist.all_reduce(tensor, op=red, group=self.group, async_op=async_op)
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, label: str = "all_to_all") -> None:
+        """Block r of `output` = block `rank` of rank r's `input` (world_size equal blocks along dim 0)."""
+        self._count(label, input)
+        with record_function(f"zero::{label}"):
+            if self.world_size == 1:
+                output.copy_(input)
+                return
+            staged = self._staged([output], [input])
+            if staged is not None:
+                (out,), (inp,) = staged
+                dist.all_to_all_single(out, inp, group=self.group)
+                output.copy_(out)
+            elif self.backend == "gloo":
+                work = dist.all_to_all_single(output, input, group=self.group, async_op=True)
+                self._bounded(work, False, f"an all-to-all of {input.numel():,} elements ({label})")
+            else:
+                dist.all_to_all_single(output, input, group=self.group)
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """In-place broadcast from global rank `src`."""
         self._count("broadcast", tensor)

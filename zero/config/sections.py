@@ -15,7 +15,7 @@ import typing
 from typing import Any, Literal, Optional, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from zero.config.errors import _fmt, _keys_of, _NestedIssues, _suggest, _validate_nested, _warn
 from zero.lr_schedules.build import mistyped_params
@@ -168,7 +168,8 @@ def _lr(v: Optional[float]) -> Optional[float]:
     return v
 
 
-SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "Lion")
+SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "Lion", "OneBitAdam")
+NOT_YET = {"ZeroOneAdam": "0/1 Adam is not implemented yet (OneBitAdam is)"}
 CLIENT_OPTIMIZERS = ("SGD", "Adagrad", "Lion")  # run as element-wise optimizers on the shards; params as their own
 NOT_ON_SHARDS = {"Lamb": "LAMB's trust ratio needs each parameter's whole norm, which a shard does not have",
                  "OneBitLamb": "LAMB's trust ratio needs each parameter's whole norm, which a shard does not have"}
@@ -246,15 +247,30 @@ def optimizer_class(kind: str) -> type:
     return {"SGD": torch.optim.SGD, "Adagrad": torch.optim.Adagrad}[kind]
 
 
+class OneBitParams(_Section):
+    """The OneBitAdam-only keys of `optimizer.params` (the rest are Adam's)."""
+
+    freeze_step: int = Field(100_000, ge=0, description="Steps of exact Adam before the variance freezes and "
+                             "gradients are exchanged 1-bit compressed (DeepSpeed's default, 100000).")
+    comm_backend_name: Literal["nccl", "mpi", "gloo", "compressed", "hccl"] = Field(
+        "nccl", description="DeepSpeed's transport choice; zero exchanges through torch.distributed's group "
+        "(NCCL or gloo) whatever this says.")
+    cuda_aware: bool = Field(False, description="DeepSpeed's MPI switch; no effect in zero.")
+
+
+ONEBIT_KEYS = tuple(OneBitParams.model_fields)
+
+
 class OptimizerConfig(_Section):
     """`optimizer`: which optimizer the engine builds when the caller passes none."""
 
-    type: str = Field(..., description="Adam, AdamW, SGD, Adagrad or Lion (case-insensitive).")
+    type: str = Field(..., description="Adam, AdamW, SGD, Adagrad, Lion or OneBitAdam (case-insensitive).")
     params: AdamParams = Field(default_factory=AdamParams, description="Constructor arguments.")
     other_params: dict[str, Any] = Field(default_factory=dict, description="For SGD, Adagrad and Lion: their "
                                          "constructor arguments (written as `params`).")
     legacy_fusion: bool = Field(False, description="DeepSpeed legacy fp16 optimizer switch; no effect in zero "
                                 "(true warns).")
+    onebit: Optional[OneBitParams] = Field(None, description="OneBitAdam: its own keys, written in `params`.")
 
     @model_validator(mode="before")
     @classmethod
@@ -264,6 +280,18 @@ class OptimizerConfig(_Section):
             if kind is not None:  # its own constructor's arguments, checked against it
                 data = {**data, "type": kind, "other_params": _client_params(kind, data.get("params") or {})}
                 data.pop("params", None)
+        if isinstance(data, dict) and isinstance(data.get("type"), str) and data["type"].lower() == "onebitadam":
+            params = dict(data.get("params") or {}) if isinstance(data.get("params") or {}, dict) else data["params"]
+            if isinstance(params, dict):  # its own keys apart; the rest are Adam's, checked as Adam's
+                own = {k: params.pop(k) for k in ONEBIT_KEYS if k in params}
+                for key, value in own.items():  # one at a time, so the error names the key
+                    try:
+                        OneBitParams.model_validate({key: value})
+                    except ValidationError as err:
+                        msg = err.errors()[0]["msg"].removeprefix("Value error, ")
+                        raise ValueError(f"params.{key}: {msg}") from None
+                own = OneBitParams.model_validate(own)
+                data = {**data, "type": "OneBitAdam", "params": params, "onebit": own}
         if isinstance(data, dict):
             for key in ("adam_w_mode", "torch_adam", "lr", "betas", "eps", "weight_decay"):
                 if key in data:
@@ -278,6 +306,9 @@ class OptimizerConfig(_Section):
         for name, why in NOT_ON_SHARDS.items():
             if v.lower() == name.lower():
                 raise ValueError(f"optimizer type {v!r} cannot run on ZeRO's partitioned shards: {why}")
+        for name, why in NOT_YET.items():
+            if v.lower() == name.lower():
+                raise ValueError(f"optimizer type {v!r}: {why}")
         for name in SUPPORTED_OPTIMIZERS:
             if v.lower() == name.lower():
                 return name
@@ -289,6 +320,14 @@ class OptimizerConfig(_Section):
     def adamw(self) -> bool:
         """True when weight decay is decoupled: type AdamW, or Adam with adam_w_mode (DeepSpeed rule)."""
         return self.type == "AdamW" or self.params.adam_w_mode
+
+    @model_validator(mode="after")
+    def _onebit_only(self) -> OptimizerConfig:
+        if self.type == "OneBitAdam" and self.onebit is None:
+            object.__setattr__(self, "onebit", OneBitParams())
+        if self.type != "OneBitAdam" and self.onebit is not None:
+            raise ValueError("'onebit' is set from OneBitAdam's params; it is not a key of its own")
+        return self
 
 
 # ---------------------------------------------------------------------------------------------

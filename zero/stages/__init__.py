@@ -44,6 +44,16 @@ def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], confi
     scaler = LossScaler(f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis,
                         f.consecutive_hysteresis, f.min_loss_scale) if f.enabled else LossScaler.disabled()
     stage = config.zero_optimization.stage
+    onebit = config.optimizer.onebit if config.optimizer is not None else None
+    if onebit is not None:
+        if stage == 3:
+            raise ValueError("optimizer type OneBitAdam needs ZeRO stage 0, 1 or 2: under stage 3 the gradient "
+                             "reduction is per unit of gathered parameters and its compressed exchange is not "
+                             "implemented (see docs/onebit.md)")
+        from zero.onebit.optimizer import OneBitAdam
+
+        return OneBitAdam(module, param_groups, stage=stage, comm=comm, precision=precision, step=step, reduce=reduce,
+                          device=device, loss_scaler=scaler, freeze_step=onebit.freeze_step)
     if stage == 3:
         return Stage3Optimizer(module, param_groups, comm=comm, precision=precision, step=step, reduce=reduce,
                                options=stage3, device=device, loss_scaler=scaler)

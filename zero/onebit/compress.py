@@ -1,0 +1,73 @@
+"""1-bit compression with error feedback: a tensor becomes its signs (one bit each) and a few scales.
+
+[Note: 1-bit compression]
+To send x, a rank adds its error buffer e (what earlier compressions lost) and sends the signs of
+y = x + e, packed 8 to a byte (bit i of byte j is element 8j + i; 1 means y >= 0), with one fp32
+scale per block of BLOCK elements, s = ||y_block||_2 / sqrt(len(block)), so that s * sign(y) has
+the block's root-mean-square. (A bucket mixes layers whose gradients differ by orders of
+magnitude: one scale for all would drown the small ones; measured on the demo GPT, blocks of 1024
+bring 1-bit Adam's final loss within 2% of Adam's.) It keeps e = y - s * sign(y) for the next
+time, so nothing is lost, only delayed: the sum of what was sent over k steps differs from the sum
+of the inputs by the current e alone. A receiver of k such messages for the same part takes the
+mean of s_r * sign_r. Per element that is 1 + 32/1024 bits. These are the reference
+implementations, in torch.
+"""
+from __future__ import annotations
+
+import torch
+
+_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def packed_bytes(n: int) -> int:
+    """Bytes holding the signs of `n` elements."""
+    return (n + 7) // 8
+
+
+BLOCK = 1024  # elements per scale: gradients of different layers differ by orders of magnitude
+
+
+def scale_count(n: int, block: int = BLOCK) -> int:
+    """Scales sent with `n` elements."""
+    return max(1, -(-n // block))
+
+
+@torch.no_grad()
+def pack(x: torch.Tensor, error: torch.Tensor, out: torch.Tensor | None = None,
+         block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compress `x` (1-D) with error feedback: returns (bits, scales) and updates `error` in place.
+
+    Args:
+        x: the values to send (any float dtype; computed in fp32).
+        error: fp32 buffer of x's size, the error carried from earlier calls.
+        out: optional uint8 buffer of `packed_bytes(x.numel())` bytes for the bits.
+        block: elements per scale (the last block may be shorter).
+    """
+    n = x.numel()
+    y = error.add_(x.float())  # the error buffer becomes y, then the new error
+    k = scale_count(n, block)
+    padded = torch.zeros(k * block, dtype=torch.float32, device=x.device)
+    padded[:n] = y
+    counts = torch.full((k,), float(block), device=x.device)
+    counts[-1] = n - (k - 1) * block if n else 1.0
+    scales = (padded.view(k, block).square().sum(1) / counts).sqrt()
+    positive = y >= 0
+    per_element = scales.repeat_interleave(block)[:n]
+    y.sub_(torch.where(positive, per_element, -per_element))
+    bits = torch.zeros(packed_bytes(n) * 8, dtype=torch.uint8, device=x.device)
+    bits[:n] = positive
+    packed = (bits.view(-1, 8) * _WEIGHTS.to(x.device)).sum(1, dtype=torch.uint8)
+    if out is not None:
+        out.copy_(packed)
+        packed = out
+    return packed, scales
+
+
+@torch.no_grad()
+def unpack_mean(bits: torch.Tensor, scales: torch.Tensor, n: int, block: int = BLOCK) -> torch.Tensor:
+    """The mean over k messages of scale * sign: `bits` is (k, packed_bytes(n)) uint8, `scales`
+    (k, scale_count(n)) fp32. Returns n fp32 values."""
+    k = bits.shape[0]
+    signs = ((bits.unsqueeze(-1) & _WEIGHTS.to(bits.device)) != 0).reshape(k, -1)[:, :n]
+    per_element = scales.view(k, -1).repeat_interleave(block, dim=1)[:, :n]
+    return torch.where(signs, per_element, -per_element).mean(0)

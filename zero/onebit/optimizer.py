@@ -1,0 +1,73 @@
+"""1-bit Adam on ZeRO stages 0, 1 and 2.
+
+[Note: 1-bit Adam on shards]
+For its first `freeze_step` steps the optimizer is the stage's own Adam, exactly: gradients are
+reduced uncompressed and both moments are updated. From then on Adam's variance is frozen (its
+bias correction too, at its value of step `freeze_step`) and each bucket's gradient exchange is the
+compressed one of [Note: compressed exchange]. With the variance frozen Adam's update is linear in
+the gradient, so compressing the gradient with error feedback and updating the owner's momentum
+shard from the mean gives, in expectation, what compressing each rank's momentum would (the
+published algorithm), while every rank keeps only its shard of the optimizer state, as ZeRO
+requires. The price of compression is the worker error buffer: one fp32 copy of the trainable
+parameters per rank (the server's is 1/N of that, and only at stage 0).
+
+A step skipped for a non-finite gradient also resets the error buffers (they would carry the inf).
+"""
+from __future__ import annotations
+
+import torch
+
+from zero.onebit.exchange import CompressedExchange
+from zero.stages.buckets import ZeroOptimizer
+
+
+class OneBitAdam(ZeroOptimizer):
+    """ZeRO stages 0-2 with 1-bit compressed gradient exchange after `freeze_step` (see
+    [Note: 1-bit Adam on shards]). Arguments as ZeroOptimizer, plus:
+
+    Args:
+        freeze_step: steps of exact Adam before the variance freezes and compression starts.
+    """
+
+    def __init__(self, *args, freeze_step: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.freeze_step = freeze_step
+        self.exchange = CompressedExchange(self.comm, [b.numel for b in self.layout.buckets],
+                                           full_result=self.stage == 0, device=self.flat.device)
+
+    @property
+    def compressing(self) -> bool:
+        """The gradients being reduced now are for a step after `freeze_step`."""
+        return self.step_count >= self.freeze_step and self.comm.world_size > 1
+
+    def _reduce_bucket(self, bucket, buf: torch.Tensor, async_op: bool):
+        if not self.compressing:
+            return super()._reduce_bucket(bucket, buf, async_op)
+        if self.options.predivide != 1.0:
+            buf.div_(self.options.predivide)
+        lo, hi = self._own(bucket)
+        self.exchange.reduce(bucket.index, buf, (lo - bucket.start, hi - bucket.start))
+        return None
+
+    def _skip(self, norm: float) -> None:
+        super()._skip(norm)
+        self.exchange.reset()
+
+    @torch.no_grad()
+    def _adam(self, group, master, grad, exp_avg, exp_avg_sq, grad_scale: float, out16, num_threads=None) -> None:
+        if self.step_count <= self.freeze_step:
+            return super()._adam(group, master, grad, exp_avg, exp_avg_sq, grad_scale, out16, num_threads)
+        # frozen variance: m moves, v and its bias correction stay where step freeze_step left them
+        lr, (beta1, beta2), eps, wd = float(group["lr"]), tuple(group["betas"]), group["eps"], group["weight_decay"]
+        g = grad.float() / grad_scale
+        if group["adamw_mode"]:
+            master.mul_(1 - lr * wd)
+        elif wd:
+            g = g.add(master, alpha=wd)
+        exp_avg.lerp_(g, 1 - beta1)
+        bc1 = 1 - beta1**self.step_count if group["bias_correction"] else 1.0
+        bc2 = 1 - beta2**self.freeze_step if group["bias_correction"] else 1.0
+        denom = (exp_avg_sq.sqrt() / bc2**0.5).add_(eps)
+        master.addcdiv_(exp_avg, denom, value=-lr / bc1)
+        if out16 is not None:
+            out16.copy_(master)
