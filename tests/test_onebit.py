@@ -145,3 +145,54 @@ def test_misuse_is_a_clear_error():
     with pytest.raises(ValueError, match="OneBitAdam needs ZeRO stage 0, 1 or 2"):
         zero.initialize(model=torch.nn.Linear(2, 2), config={**base, "optimizer": {"type": "OneBitAdam"},
                                                              "zero_optimization": {"stage": 3}})
+
+
+def resume_run(stage: int, path: str, steps: int, save_at: int | None, load: bool):
+    """Train the small GPT with OneBitAdam (freeze_step 3) on batches fixed by the step number;
+    optionally save after `save_at` steps, or start by loading."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=40, block_size=16, n_layer=1, n_head=2, n_embd=32))
+    engine, *_ = zero.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-2, "freeze_step": 3}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000}})
+    start = 0
+    if load:
+        engine.load_checkpoint(path)
+        start = engine.global_steps
+    for step in range(start, steps):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randint(0, 40, (4, 17), generator=g)
+        engine.backward(engine(x[:, :-1], x[:, 1:]))
+        engine.step()
+        if save_at is not None and step + 1 == save_at:
+            engine.save_checkpoint(path)
+    errors = {k: v.clone() for k, v in engine.optimizer.rank_state().items()}
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, errors
+
+
+def test_resume_after_the_freeze_continues_bitwise(tmp_path):
+    """Stop after the freeze, save, load in new processes, continue: the parameters and the error
+    buffers equal the unbroken run's bitwise. At another world size the buffers start from zero."""
+    from zero.testing.dist import DistPool
+
+    for stage in (0, 2):
+        path = str(tmp_path / f"stage{stage}")
+        pool = DistPool(2)
+        try:
+            unbroken = pool.run(resume_run, stage, path + "_unused", 8, None, False)
+            pool.run(resume_run, stage, path, 5, 5, False)  # saves after step 5 (compressing since step 4)
+        finally:
+            pool.close()
+        pool = DistPool(2)  # new processes
+        try:
+            resumed = pool.run(resume_run, stage, path, 8, None, True)
+        finally:
+            pool.close()
+        for r in range(2):
+            assert all(torch.equal(unbroken[r][0][n], resumed[r][0][n]) for n in unbroken[r][0]), (stage, r)
+            assert unbroken[r][1].keys() == resumed[r][1].keys() and unbroken[r][1]
+            assert all(torch.equal(unbroken[r][1][k], resumed[r][1][k]) for k in unbroken[r][1]), (stage, r)
+    with pytest.warns(UserWarning, match="per-rank state .* starts from zero"):
+        params, errors = resume_run(2, str(tmp_path / "stage2"), 6, None, True)  # world 1: other chunks
+    assert all(torch.isfinite(p).all() for p in params.values())

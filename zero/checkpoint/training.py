@@ -9,6 +9,7 @@
         tensors/*.safetensors     model/master/exp_avg/exp_avg_sq as chunked global 1-D tensors,
                                   one file per saving rank (see [Note: checkpoint chunks])
         rng/rank<r>.safetensors   each rank's torch (CPU and CUDA), numpy and python RNG states
+        optimizer/rank<r>.safetensors   each rank's own optimizer state, if any (1-bit Adam's error buffers)
 Nothing is a pickle: tensors are safetensors, everything else JSON. A tag is written under a
 temporary name (`.global_step100.tmp`) and renamed once every rank has finished; `latest` is
 replaced after that. A crash at any moment leaves the previous tag and `latest` as they were.
@@ -170,8 +171,9 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
         chunks = [Chunk(c.name, c.offset, c.tensor.detach().to("cpu", copy=True), c.numel)
                   for c in _chunks(engine, saving=True, exclude_frozen=exclude_frozen_parameters)]
     rng = _rng_state()
+    own = {k: v.detach().to("cpu", copy=True) for k, v in engine.optimizer.rank_state().items()}
     io = comm.io()
-    write = functools.partial(_write, io, root, tag, state_json, chunks, rng, save_latest)
+    write = functools.partial(_write, io, root, tag, state_json, chunks, rng, save_latest, own)
     if not async_save:
         write()
         return str(final)
@@ -214,7 +216,8 @@ def _finish_pending_saves() -> None:
             print(f"zero: the background checkpoint save of {pending.path} failed: {pending.error}", file=sys.stderr)
 
 
-def _write(io, root: Path, tag: str, state_json: str, chunks: list[Chunk], rng, save_latest: bool) -> None:
+def _write(io, root: Path, tag: str, state_json: str, chunks: list[Chunk], rng, save_latest: bool,
+           own: dict[str, torch.Tensor]) -> None:
     """Write a snapshot under a temporary name, then (rank 0) rename it into place and point
     `latest` at it; uses only the io group, so it may run in a background thread."""
     from safetensors.torch import save_file
@@ -225,6 +228,7 @@ def _write(io, root: Path, tag: str, state_json: str, chunks: list[Chunk], rng, 
         if io.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a save that died before
             (tmp / "rng").mkdir(parents=True)
+            (tmp / "optimizer").mkdir()
     except OSError as exc:
         error = exc
     if io.any_rank(error is not None):  # the directory exists before anyone writes into it
@@ -233,6 +237,9 @@ def _write(io, root: Path, tag: str, state_json: str, chunks: list[Chunk], rng, 
         save_chunks(chunks, str(tmp / "tensors"), process_group=io.group if io.distributed else None)
         tensors, meta = rng
         save_file(tensors, str(tmp / "rng" / f"rank{io.rank}.safetensors"), metadata=meta)
+        if own:  # this rank's own optimizer state (see ShardedAdam.rank_state)
+            save_file(own, str(tmp / "optimizer" / f"rank{io.rank}.safetensors"),
+                      metadata={"world_size": str(io.world_size)})
     except BaseException as exc:  # noqa: BLE001 - every rank must learn of it (DCP raises BaseExceptions)
         error = exc
     if io.any_rank(error is not None, f"writing checkpoint {tmp}"):  # all written, or a rank failed
@@ -271,11 +278,34 @@ def _check_tag_dir(path: Path) -> None:
         if p.is_dir():
             continue
         rel = p.relative_to(path)
-        ok = rel.name in _OURS or (rel.parts[0] in ("tensors", "rng") and rel.suffix == ".safetensors")
+        ok = rel.name in _OURS or (rel.parts[0] in ("tensors", "rng", "optimizer") and rel.suffix == ".safetensors")
         if not ok:
             raise CheckpointError(f"{p}: not a file of a zero checkpoint (zero checkpoints hold only JSON and "
                                   f"safetensors files; a pickle is never loaded). Remove it, or check that "
                                   f"{path} is a zero checkpoint.")
+
+
+def _read_rank_state(engine, path: Path, state: dict) -> dict[str, torch.Tensor] | None:
+    """This rank's saved own optimizer state, if it fits this engine (same world size and shapes);
+    else None, with a warning when there was some (see [Note: 1-bit Adam in checkpoints])."""
+    from safetensors import safe_open
+
+    mine = engine.optimizer.rank_state()
+    if not mine:
+        return None
+    file = path / "optimizer" / f"rank{engine.comm.rank}.safetensors"
+    own = None
+    if state["world_size"] == engine.comm.world_size and file.is_file():
+        with safe_open(str(file), framework="pt") as f:
+            own = {k: f.get_tensor(k) for k in f.keys()}
+        if own.keys() != mine.keys() or any(own[k].shape != t.shape for k, t in mine.items()):
+            own = None
+    if own is None and engine.comm.rank == 0:
+        warnings.warn(f"load_checkpoint: {path} was saved at world size {state['world_size']} (now "
+                      f"{engine.comm.world_size}) or with other buckets, so the optimizer's per-rank state (1-bit "
+                      f"Adam's error buffers) starts from zero; training continues, not bitwise as the saved run "
+                      f"would have", stacklevel=3)
+    return own
 
 
 def resolve_tag(load_dir: str | os.PathLike, tag: str | None) -> Path:
@@ -397,6 +427,7 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
     if io.any_rank(error is not None, f"reading checkpoint {path}"):
         raise CheckpointError(f"{path / 'tensors'}: reading failed ({error or 'on another rank'}); the engine is "
                               f"unchanged") from None
+    own = _read_rank_state(engine, path, state) if with_optimizer else None
     # everything arrived: now change the engine
     engine.zero_grad()  # gradients of the run before the load belong to no step of the loaded one
     with torch.no_grad():
@@ -411,6 +442,10 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
         for group, saved_group in zip(engine.optimizer.param_groups, state["param_groups"]):
             group.update({k: tuple(v) if k == "betas" else v for k, v in saved_group.items()})
         engine.optimizer.loss_scaler.load_progress(state["loss_scaler"])
+        mine = engine.optimizer.rank_state()
+        with torch.no_grad():
+            for key, t in mine.items():
+                t.copy_(own[key]) if own is not None else t.zero_()
     if load_lr_scheduler_states and state["lr_scheduler"] is not None and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
     for key in ("global_steps", "skipped_steps", "global_samples"):

@@ -12,6 +12,15 @@ requires. The price of compression is the worker error buffer: one fp32 copy of 
 parameters per rank (the server's is 1/N of that, and only at stage 0).
 
 A step skipped for a non-finite gradient also resets the error buffers (they would carry the inf).
+
+[Note: 1-bit Adam in checkpoints]
+The phase follows from the step count, which checkpoints hold. The error buffers are each rank's
+own (a worker's error is what its own messages lost), so save_checkpoint writes them per rank
+(`optimizer/rank<r>.safetensors`), and a run resumed on the same ranks with the same buckets
+continues bitwise as if it had not stopped. On another world size, or another bucket layout, the
+chunks the errors belong to no longer exist: the buffers start from zero (load_checkpoint warns).
+What is dropped is the part of the last messages not yet delivered, at most one step's
+compression error per element, so training goes on as after any step, only not bitwise the same.
 """
 from __future__ import annotations
 
@@ -48,6 +57,10 @@ class OneBitAdam(ZeroOptimizer):
         lo, hi = self._own(bucket)
         self.exchange.reduce(bucket.index, buf, (lo - bucket.start, hi - bucket.start))
         return None
+
+    def rank_state(self) -> dict[str, torch.Tensor]:
+        """The error buffers (see [Note: 1-bit Adam in checkpoints])."""
+        return self.exchange.tensors()
 
     def _skip(self, norm: float) -> None:
         super()._skip(norm)

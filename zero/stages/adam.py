@@ -227,6 +227,11 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
         or reads: kind "model" (the parameter in the training dtype), and for a trainable
         parameter "master", "exp_avg" and "exp_avg_sq" (fp32)."""
 
+    def rank_state(self) -> dict[str, torch.Tensor]:
+        """Optimizer state that belongs to this rank alone, not to any parameter's shard (1-bit
+        Adam's error buffers); saved per rank by save_checkpoint. None here."""
+        return {}
+
     def grad_piece(self, param: torch.nn.Parameter) -> tuple[int, torch.Tensor, bool]:
         """Where `param`'s gradient is on this rank: (offset into the flattened parameter, 1-D
         view, reduced). A reduced piece (stages 2 and 3, once its reduction finished) is this
