@@ -219,8 +219,8 @@ def test_negative_gradient_clipping_and_bad_offload_device():
 
 
 def test_unsupported_optimizer_lists_supported_ones():
-    msg = error({"optimizer": {"type": "OneBitAdam", "params": {}}})
-    assert "optimizer.type" in msg and "Adam, AdamW, SGD, Adagrad, Lion" in msg
+    msg = error({"optimizer": {"type": "MuAdam", "params": {}}})
+    assert "optimizer.type" in msg and "Adam, AdamW, SGD, Adagrad, Lion, OneBitAdam" in msg
 
 
 def test_max_grad_norm_in_optimizer_params_points_to_gradient_clipping():
@@ -405,6 +405,7 @@ READ = {
     # optimizer (a type other than Adam/AdamW is refused by its validator)
     "optimizer.type", "optimizer.other_params", "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
     "optimizer.params.weight_decay", "optimizer.params.bias_correction", "optimizer.params.adam_w_mode",
+    "optimizer.params.freeze_step", "optimizer.params.comm_backend_name",
     # scheduler: DeepSpeed's schedules, or a torch scheduler's arguments passed through as `params`
     "scheduler.type", "scheduler.params", "scheduler.params.last_batch_iteration",
     "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr", "scheduler.params.warmup_num_steps",
@@ -547,7 +548,7 @@ def _setting(row) -> dict:
         value = not _keys()[row.path].default
     config = _nested(row.path, value)
     if row.path.startswith("optimizer."):
-        config["optimizer"]["type"] = "AdamW"
+        config["optimizer"]["type"] = "OneBitAdam" if row.path == "optimizer.params.cuda_aware" else "AdamW"
     return config
 
 

@@ -151,6 +151,8 @@ UNIMPLEMENTED_FEATURES: tuple[UnimplementedFeature, ...] = (
     _warned("zero_force_ds_cpu_optimizer", "with optimizer offload, zero always steps with its own CPU Adam"),
     _warned("optimizer.legacy_fusion", "a switch of DeepSpeed's fp16 optimizer; zero has one fp16 path"),
     _warned("optimizer.params.torch_adam", "the engine always steps with its own Adam kernels"),
+    _warned("optimizer.params.cuda_aware", "zero's 1-bit exchange goes through torch.distributed (NCCL or gloo), "
+                                           "not MPI", _any_true),
     _warned("bf16.check_grad_overflow", "zero always skips a step whose gradients hold inf or NaN, in every "
                                         "precision (see docs/engine.md)"),
     _warned("bf16.immediate_grad_update", "a scheduling knob of DeepSpeed's bf16 optimizer; zero's "

@@ -6,6 +6,7 @@ given" (see [Note: "auto" values] in zero/config/loading.py). The root model is 
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
 import math
@@ -15,7 +16,7 @@ import typing
 from typing import Any, Literal, Optional, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from zero.config.errors import _fmt, _keys_of, _NestedIssues, _suggest, _validate_nested, _warn
 from zero.lr_schedules.build import mistyped_params
@@ -191,6 +192,13 @@ class AdamParams(_Section):
     torch_adam: bool = Field(False, description="DeepSpeed: use torch.optim.Adam/AdamW instead of its fused "
                              "kernel. zero always uses its own Adam kernels (true warns).")
     amsgrad: bool = Field(False, description="Not supported (DeepSpeed's fused Adam rejects it too).")
+    freeze_step: Optional[int] = Field(None, ge=0, description="OneBitAdam: steps of exact Adam before the variance "
+                                       "freezes and gradients are exchanged 1-bit compressed (default 100000).")
+    comm_backend_name: Optional[Literal["nccl", "mpi", "gloo", "compressed", "hccl"]] = Field(
+        None, description="OneBitAdam: DeepSpeed's transport choice; zero exchanges through torch.distributed's "
+        "group (NCCL or gloo) whatever this says.")
+    cuda_aware: Optional[bool] = Field(None, description="OneBitAdam: DeepSpeed's MPI switch; no effect in zero "
+                                       "(true warns).")
 
     @model_validator(mode="before")
     @classmethod
@@ -247,18 +255,14 @@ def optimizer_class(kind: str) -> type:
     return {"SGD": torch.optim.SGD, "Adagrad": torch.optim.Adagrad}[kind]
 
 
-class OneBitParams(_Section):
-    """The OneBitAdam-only keys of `optimizer.params` (the rest are Adam's)."""
-
-    freeze_step: int = Field(100_000, ge=0, description="Steps of exact Adam before the variance freezes and "
-                             "gradients are exchanged 1-bit compressed (DeepSpeed's default, 100000).")
-    comm_backend_name: Literal["nccl", "mpi", "gloo", "compressed", "hccl"] = Field(
-        "nccl", description="DeepSpeed's transport choice; zero exchanges through torch.distributed's group "
-        "(NCCL or gloo) whatever this says.")
-    cuda_aware: bool = Field(False, description="DeepSpeed's MPI switch; no effect in zero.")
+ONEBIT_KEYS = ("freeze_step", "comm_backend_name", "cuda_aware")
 
 
-ONEBIT_KEYS = tuple(OneBitParams.model_fields)
+@dataclasses.dataclass(frozen=True)
+class OneBit:
+    """OneBitAdam's settings, from `optimizer.params`."""
+
+    freeze_step: int
 
 
 class OptimizerConfig(_Section):
@@ -270,7 +274,6 @@ class OptimizerConfig(_Section):
                                          "constructor arguments (written as `params`).")
     legacy_fusion: bool = Field(False, description="DeepSpeed legacy fp16 optimizer switch; no effect in zero "
                                 "(true warns).")
-    onebit: Optional[OneBitParams] = Field(None, description="OneBitAdam: its own keys, written in `params`.")
 
     @model_validator(mode="before")
     @classmethod
@@ -280,18 +283,6 @@ class OptimizerConfig(_Section):
             if kind is not None:  # its own constructor's arguments, checked against it
                 data = {**data, "type": kind, "other_params": _client_params(kind, data.get("params") or {})}
                 data.pop("params", None)
-        if isinstance(data, dict) and isinstance(data.get("type"), str) and data["type"].lower() == "onebitadam":
-            params = dict(data.get("params") or {}) if isinstance(data.get("params") or {}, dict) else data["params"]
-            if isinstance(params, dict):  # its own keys apart; the rest are Adam's, checked as Adam's
-                own = {k: params.pop(k) for k in ONEBIT_KEYS if k in params}
-                for key, value in own.items():  # one at a time, so the error names the key
-                    try:
-                        OneBitParams.model_validate({key: value})
-                    except ValidationError as err:
-                        msg = err.errors()[0]["msg"].removeprefix("Value error, ")
-                        raise ValueError(f"params.{key}: {msg}") from None
-                own = OneBitParams.model_validate(own)
-                data = {**data, "type": "OneBitAdam", "params": params, "onebit": own}
         if isinstance(data, dict):
             for key in ("adam_w_mode", "torch_adam", "lr", "betas", "eps", "weight_decay"):
                 if key in data:
@@ -323,11 +314,19 @@ class OptimizerConfig(_Section):
 
     @model_validator(mode="after")
     def _onebit_only(self) -> OptimizerConfig:
-        if self.type == "OneBitAdam" and self.onebit is None:
-            object.__setattr__(self, "onebit", OneBitParams())
-        if self.type != "OneBitAdam" and self.onebit is not None:
-            raise ValueError("'onebit' is set from OneBitAdam's params; it is not a key of its own")
+        if self.type != "OneBitAdam":
+            for key in ONEBIT_KEYS:
+                if getattr(self.params, key) is not None:
+                    raise ValueError(f"params.{key} is a OneBitAdam parameter, not one of {self.type}'s")
         return self
+
+    @property
+    def onebit(self) -> OneBit | None:
+        """OneBitAdam's settings (None for any other type)."""
+        if self.type != "OneBitAdam":
+            return None
+        freeze = self.params.freeze_step
+        return OneBit(freeze_step=100_000 if freeze is None else freeze)
 
 
 # ---------------------------------------------------------------------------------------------
