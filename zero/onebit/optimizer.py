@@ -43,6 +43,7 @@ class OneBitAdam(ZeroOptimizer):
         self.freeze_step = freeze_step
         self.exchange = CompressedExchange(self.comm, [b.numel for b in self.layout.buckets],
                                            full_result=self.stage == 0, device=self.flat.device)
+        self._error_scale = self.loss_scaler.scale  # the loss scale the error buffers are in
 
     @property
     def compressing(self) -> bool:
@@ -54,6 +55,10 @@ class OneBitAdam(ZeroOptimizer):
             return super()._reduce_bucket(bucket, buf, async_op)
         if self.options.predivide != 1.0:
             buf.div_(self.options.predivide)
+        if self.loss_scaler.scale != self._error_scale:  # fp16: the errors follow the gradients' scale
+            for t in self.exchange.tensors().values():
+                t.mul_(self.loss_scaler.scale / self._error_scale)
+            self._error_scale = self.loss_scaler.scale
         lo, hi = self._own(bucket)
         self.exchange.reduce(bucket.index, buf, (lo - bucket.start, hi - bucket.start))
         return None
