@@ -37,6 +37,34 @@ def test_pack_and_unpack_against_their_definition():
     assert torch.allclose(mean, one_by_one, atol=1e-6)
 
 
+def test_native_kernels_equal_the_torch_reference_at_every_simd_level():
+    from zero.onebit.compress import pack_reference, unpack_mean_reference
+    from zero.ops.builder import missing
+    from zero.ops.cpu_adam import simd_levels
+    from zero.ops.onebit import pack_into, unpack_mean_into
+
+    if missing("onebit") is not None:
+        pytest.skip(f"the native onebit op does not build here: {missing('onebit')}")
+    g = torch.Generator().manual_seed(1)
+    for simd in simd_levels():
+        for n in SIZES + [100_003]:
+            x = torch.randn(n, generator=g) * torch.logspace(-3, 1, n)
+            old = torch.randn(n, generator=g) * 0.1
+            e_ref, e_nat = old.clone(), old.clone()
+            bits_ref, scales_ref = pack_reference(x, e_ref)
+            bits = torch.empty(packed_bytes(n), dtype=torch.uint8)
+            scales = torch.empty(scale_count(n), dtype=torch.float32)
+            pack_into(x, e_nat, bits, scales, BLOCK, simd=simd, num_threads=2)
+            assert torch.equal(bits, bits_ref), (simd, n)  # bitwise
+            assert torch.allclose(scales, scales_ref, rtol=1e-6), (simd, n)
+            assert torch.allclose(e_nat, e_ref, rtol=1e-6, atol=1e-6), (simd, n)
+            many = torch.stack([bits, bits_ref.roll(1), bits])
+            sc = torch.stack([scales, scales * 0.5, scales * 2])
+            out = torch.empty(n, dtype=torch.float32)
+            unpack_mean_into(many, sc, out, BLOCK, simd=simd, num_threads=2)
+            assert torch.allclose(out, unpack_mean_reference(many, sc, n), rtol=1e-6, atol=1e-7), (simd, n)
+
+
 def _reference_exchange(inputs, full):
     """The algorithm of [Note: compressed exchange] in one process, for all ranks at once."""
     n = len(inputs)

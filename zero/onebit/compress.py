@@ -9,8 +9,10 @@ magnitude: one scale for all would drown the small ones; measured on the demo GP
 bring 1-bit Adam's final loss within 2% of Adam's.) It keeps e = y - s * sign(y) for the next
 time, so nothing is lost, only delayed: the sum of what was sent over k steps differs from the sum
 of the inputs by the current e alone. A receiver of k such messages for the same part takes the
-mean of s_r * sign_r. Per element that is 1 + 32/1024 bits. These are the reference
-implementations, in torch.
+mean of s_r * sign_r. Per element that is 1 + 32/1024 bits. `pack_reference` and
+`unpack_mean_reference` define it in torch; `pack` and `unpack_mean` use the native CPU kernels
+(csrc/onebit/onebit.c, AVX-512 / AVX2 / portable) for CPU tensors, which the tests hold to the
+references (bitwise for the bits, 1e-6 for the scales, errors and means).
 """
 from __future__ import annotations
 
@@ -32,9 +34,48 @@ def scale_count(n: int, block: int = BLOCK) -> int:
     return max(1, -(-n // block))
 
 
+_NATIVE: list[bool] = []  # [usable] once tried
+
+
+def _native() -> bool:
+    """Whether the native CPU kernels build here (tried once; the torch reference otherwise)."""
+    if not _NATIVE:
+        from zero.ops.builder import missing
+
+        _NATIVE.append(missing("onebit") is None)
+    return _NATIVE[0]
+
+
 @torch.no_grad()
 def pack(x: torch.Tensor, error: torch.Tensor, out: torch.Tensor | None = None,
          block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """As `pack_reference`, by the native kernel for CPU tensors when it builds."""
+    if x.device.type == "cpu" and error.is_contiguous() and _native():
+        from zero.ops.onebit import pack_into
+
+        n = x.numel()
+        bits = out if out is not None else torch.empty(packed_bytes(n), dtype=torch.uint8)
+        scales = torch.empty(scale_count(n, block), dtype=torch.float32)
+        pack_into(x.float().contiguous(), error, bits, scales, block)
+        return bits, scales
+    return pack_reference(x, error, out, block)
+
+
+@torch.no_grad()
+def unpack_mean(bits: torch.Tensor, scales: torch.Tensor, n: int, block: int = BLOCK) -> torch.Tensor:
+    """As `unpack_mean_reference`, by the native kernel for CPU tensors when it builds."""
+    if bits.device.type == "cpu" and _native():
+        from zero.ops.onebit import unpack_mean_into
+
+        out = torch.empty(n, dtype=torch.float32)
+        unpack_mean_into(bits.contiguous(), scales.reshape(bits.shape[0], -1).contiguous(), out, block)
+        return out
+    return unpack_mean_reference(bits, scales, n, block)
+
+
+@torch.no_grad()
+def pack_reference(x: torch.Tensor, error: torch.Tensor, out: torch.Tensor | None = None,
+                   block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """Compress `x` (1-D) with error feedback: returns (bits, scales) and updates `error` in place.
 
     Args:
@@ -64,7 +105,7 @@ def pack(x: torch.Tensor, error: torch.Tensor, out: torch.Tensor | None = None,
 
 
 @torch.no_grad()
-def unpack_mean(bits: torch.Tensor, scales: torch.Tensor, n: int, block: int = BLOCK) -> torch.Tensor:
+def unpack_mean_reference(bits: torch.Tensor, scales: torch.Tensor, n: int, block: int = BLOCK) -> torch.Tensor:
     """The mean over k messages of scale * sign: `bits` is (k, packed_bytes(n)) uint8, `scales`
     (k, scale_count(n)) fp32. Returns n fp32 values."""
     k = bits.shape[0]

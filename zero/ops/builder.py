@@ -86,6 +86,12 @@ OPS: dict[str, OpSpec] = {
             cpp_sources=("bindings/cpu_adam.cpp",),
         ),
         OpSpec(
+            "onebit",
+            "1-bit pack with error feedback and unpack-mean (AVX-512 / AVX2 / portable C, OpenMP)",
+            c_sources=("onebit/onebit.c", "adam/cpu_adam.c"),
+            cpp_sources=("bindings/onebit.cpp",),
+        ),
+        OpSpec(
             "fused_adam",
             "fused multi-tensor GPU Adam/AdamW",
             cpp_sources=("bindings/fused_adam.cpp",),
