@@ -256,3 +256,28 @@ def test_with_offload_accumulation_and_16_bit_training(dist_run):
                       {"fp16": {"enabled": True, "initial_scale_power": 8}}):
             params, steps = dist_run(2, variants, stage, extra)[0]
             assert steps == 8 and all(torch.isfinite(p).all() for p in params.values()), (stage, extra)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_kernels_equal_the_torch_reference():
+    from zero.onebit.compress import pack_reference, unpack_mean_reference
+    from zero.ops.onebit import pack_into_cuda, unpack_mean_into_cuda
+
+    g = torch.Generator().manual_seed(2)
+    for n in SIZES + [100_003, 3_000_001]:
+        x = torch.randn(n, generator=g) * torch.logspace(-3, 1, n)
+        old = torch.randn(n, generator=g) * 0.1
+        e_ref = old.clone()
+        bits_ref, scales_ref = pack_reference(x, e_ref)
+        e = old.cuda()
+        bits = torch.empty(packed_bytes(n), dtype=torch.uint8, device="cuda")
+        scales = torch.empty(scale_count(n), dtype=torch.float32, device="cuda")
+        pack_into_cuda(x.cuda(), e, bits, scales, BLOCK)
+        assert torch.equal(bits.cpu(), bits_ref), n  # bitwise
+        assert torch.allclose(scales.cpu(), scales_ref, rtol=1e-6), n
+        assert torch.allclose(e.cpu(), e_ref, rtol=1e-6, atol=1e-6), n
+        many = torch.stack([bits_ref, bits_ref.roll(1), bits_ref])
+        sc = torch.stack([scales_ref, scales_ref * 0.5, scales_ref * 2])
+        out = torch.empty(n, dtype=torch.float32, device="cuda")
+        unpack_mean_into_cuda(many.cuda(), sc.cuda(), out, BLOCK)
+        assert torch.allclose(out.cpu(), unpack_mean_reference(many, sc, n), rtol=1e-6, atol=1e-7), n

@@ -10,9 +10,9 @@ bring 1-bit Adam's final loss within 2% of Adam's.) It keeps e = y - s * sign(y)
 time, so nothing is lost, only delayed: the sum of what was sent over k steps differs from the sum
 of the inputs by the current e alone. A receiver of k such messages for the same part takes the
 mean of s_r * sign_r. Per element that is 1 + 32/1024 bits. `pack_reference` and
-`unpack_mean_reference` define it in torch; `pack` and `unpack_mean` use the native CPU kernels
-(csrc/onebit/onebit.c, AVX-512 / AVX2 / portable) for CPU tensors, which the tests hold to the
-references (bitwise for the bits, 1e-6 for the scales, errors and means).
+`unpack_mean_reference` define it in torch; `pack` and `unpack_mean` use the native kernels
+(csrc/onebit/onebit.c, AVX-512 / AVX2 / portable, and csrc/onebit/onebit.cu), which the tests hold
+to the references (bitwise for the bits, 1e-6 for the scales, errors and means).
 """
 from __future__ import annotations
 
@@ -34,29 +34,32 @@ def scale_count(n: int, block: int = BLOCK) -> int:
     return max(1, -(-n // block))
 
 
-_NATIVE: list[bool] = []  # [usable] once tried
+_NATIVE: dict[str, bool] = {}  # op -> usable, once tried
 
 
-def _native() -> bool:
-    """Whether the native CPU kernels build here (tried once; the torch reference otherwise)."""
-    if not _NATIVE:
+def _native(device: torch.device) -> bool:
+    """Whether the native kernels for `device` build here (tried once; the torch reference otherwise)."""
+    op = "onebit_cuda" if device.type == "cuda" else "onebit" if device.type == "cpu" else None
+    if op is None:
+        return False
+    if op not in _NATIVE:
         from zero.ops.builder import missing
 
-        _NATIVE.append(missing("onebit") is None)
-    return _NATIVE[0]
+        _NATIVE[op] = missing(op) is None
+    return _NATIVE[op]
 
 
 @torch.no_grad()
 def pack(x: torch.Tensor, error: torch.Tensor, out: torch.Tensor | None = None,
          block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """As `pack_reference`, by the native kernel for CPU tensors when it builds."""
-    if x.device.type == "cpu" and error.is_contiguous() and _native():
-        from zero.ops.onebit import pack_into
+    if error.is_contiguous() and (out is None or out.is_contiguous()) and _native(x.device):
+        from zero.ops.onebit import pack_into, pack_into_cuda
 
         n = x.numel()
-        bits = out if out is not None else torch.empty(packed_bytes(n), dtype=torch.uint8)
-        scales = torch.empty(scale_count(n, block), dtype=torch.float32)
-        pack_into(x.float().contiguous(), error, bits, scales, block)
+        bits = out if out is not None else torch.empty(packed_bytes(n), dtype=torch.uint8, device=x.device)
+        scales = torch.empty(scale_count(n, block), dtype=torch.float32, device=x.device)
+        (pack_into_cuda if x.is_cuda else pack_into)(x.float().contiguous(), error, bits, scales, block)
         return bits, scales
     return pack_reference(x, error, out, block)
 
@@ -64,11 +67,12 @@ def pack(x: torch.Tensor, error: torch.Tensor, out: torch.Tensor | None = None,
 @torch.no_grad()
 def unpack_mean(bits: torch.Tensor, scales: torch.Tensor, n: int, block: int = BLOCK) -> torch.Tensor:
     """As `unpack_mean_reference`, by the native kernel for CPU tensors when it builds."""
-    if bits.device.type == "cpu" and _native():
-        from zero.ops.onebit import unpack_mean_into
+    if _native(bits.device):
+        from zero.ops.onebit import unpack_mean_into, unpack_mean_into_cuda
 
-        out = torch.empty(n, dtype=torch.float32)
-        unpack_mean_into(bits.contiguous(), scales.reshape(bits.shape[0], -1).contiguous(), out, block)
+        out = torch.empty(n, dtype=torch.float32, device=bits.device)
+        (unpack_mean_into_cuda if bits.is_cuda else unpack_mean_into)(
+            bits.contiguous(), scales.reshape(bits.shape[0], -1).contiguous(), out, block)
         return out
     return unpack_mean_reference(bits, scales, n, block)
 

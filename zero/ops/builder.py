@@ -92,6 +92,12 @@ OPS: dict[str, OpSpec] = {
             cpp_sources=("bindings/onebit.cpp",),
         ),
         OpSpec(
+            "onebit_cuda",
+            "1-bit pack with error feedback and unpack-mean on the GPU",
+            cpp_sources=("bindings/onebit_cuda.cpp",),
+            cuda_sources=("onebit/onebit.cu",),
+        ),
+        OpSpec(
             "fused_adam",
             "fused multi-tensor GPU Adam/AdamW",
             cpp_sources=("bindings/fused_adam.cpp",),

@@ -22,3 +22,13 @@ def unpack_mean_into(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
                      simd: str | None = None, num_threads: int | None = None) -> None:
     """bits: (k, ceil(n/8)) uint8; scales: (k, ceil(n/block)) fp32; out: n fp32 (all contiguous, CPU)."""
     load("onebit").unpack_mean(bits, scales, out, block, _simd_code(simd), _num_threads(num_threads))
+
+
+def pack_into_cuda(x: torch.Tensor, error: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor, block: int) -> None:
+    """As `pack_into`, for contiguous tensors on one CUDA device (on its current stream)."""
+    load("onebit_cuda").pack(x, error, bits, scales, block)
+
+
+def unpack_mean_into_cuda(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block: int) -> None:
+    """As `unpack_mean_into`, for contiguous tensors on one CUDA device."""
+    load("onebit_cuda").unpack_mean(bits, scales, out, block)
