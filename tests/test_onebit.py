@@ -102,7 +102,7 @@ def exchange_on_ranks(numel: int, full: bool, steps: int):
         buf = torch.randn(numel, generator=g) * torch.logspace(-2, 1, numel)
         ex.reduce(0, buf, (rank * s, min(numel, rank * s + s)))
         out.append(buf if full else buf[rank * s : min(numel, rank * s + s)])
-    return out
+    return out + [ex.worker_error[0][:numel].clone()]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -116,6 +116,11 @@ def test_the_exchange_equals_the_reference_algorithm(dist_run, world):
         for step in range(steps):
             for r in range(world):
                 assert torch.allclose(got[r][step], want[step][r], rtol=1e-6, atol=1e-6), (world, numel, full, step, r)
+        if not full:  # nothing lost: what arrived over the steps is what was sent, less what is still owed
+            arrived = torch.cat([sum(got[r][step] for step in range(steps)) for r in range(world)])
+            sent = sum(sum(inputs[r][step] for step in range(steps)) for r in range(world))
+            owed = sum(got[r][steps] for r in range(world))
+            assert torch.allclose(arrived, sent - owed, rtol=1e-5, atol=1e-4), (world, numel)
 
 
 def train_gpt(stage: int, optimizer: str, steps: int, freeze: int, seed: int = 0):
@@ -150,7 +155,7 @@ def test_exact_adam_before_freeze_step_then_within_two_percent(dist_run):
         adam = dist_run(2, train_gpt, stage, "Adam", 300, 45)[0]
         onebit = dist_run(2, train_gpt, stage, "OneBitAdam", 300, 45)[0]
         assert onebit[0] < adam[0] * 1.02, (stage, adam[0], onebit[0])
-        exact = dist_run(2, train_gpt, stage, "OneBitAdam", 10, 100)[0]  # never freezes
+        exact = dist_run(2, train_gpt, stage, "OneBitAdam", 10, 10)[0]  # up to the freeze: Adam, bitwise
         reference = dist_run(2, train_gpt, stage, "Adam", 10, 100)[0]
         assert all(torch.equal(exact[2][n], reference[2][n]) for n in reference[2]), stage
         before, after = onebit[1][44], onebit[1][299]
@@ -162,14 +167,57 @@ def test_exact_adam_before_freeze_step_then_within_two_percent(dist_run):
         assert sent * 25 <= exact_bytes * (2 if stage == 0 else 1), (stage, sent, exact_bytes)
 
 
+def test_the_frozen_step_against_hand_written_torch():
+    """World 1 (nothing to compress): Adam for freeze_step steps, then the variance and its bias
+    correction frozen, AdamW's decoupled weight decay; against the update written out in torch."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    w0 = [p.detach().clone() for p in model.parameters()]
+    engine, optimizer, *_ = zero.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1},
+        "optimizer": {"type": "OneBitAdam", "params": {"lr": 0.01, "weight_decay": 0.1, "freeze_step": 2}}})
+    assert optimizer.exchange.tensors() == {}  # one rank: no error buffers
+    params = [p.clone() for p in w0]
+    m, v = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    b1, b2, lr, wd, eps = 0.9, 0.999, 0.01, 0.1, 1e-8
+    for step in range(1, 6):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        ref = [p.detach().clone().requires_grad_() for p in params]
+        torch.nn.functional.linear(x, *ref).square().mean().backward()
+        for i, p in enumerate(ref):
+            g = p.grad
+            params[i] = params[i] * (1 - lr * wd)
+            m[i] = b1 * m[i] + (1 - b1) * g
+            if step <= 2:
+                v[i] = b2 * v[i] + (1 - b2) * g * g
+            bc2 = 1 - b2 ** min(step, 2)
+            params[i] = params[i] - lr / (1 - b1**step) * m[i] / (v[i].sqrt() / bc2**0.5 + eps)
+        for p, q in zip(model.parameters(), params):
+            assert torch.allclose(p.detach(), q, rtol=1e-5, atol=1e-7), step
+
+
 def test_misuse_is_a_clear_error():
     base = {"train_micro_batch_size_per_gpu": 1}
     for optimizer, says in (({"type": "ZeroOneAdam"}, "0/1 Adam is not implemented yet"),
-                            ({"type": "OneBitAdam", "params": {"freeze_step": -1}}, r"params.freeze_step: .*>= 0"),
+                            ({"type": "OneBitAdam", "params": {"freeze_step": 0}}, r"params.freeze_step: .*>= 1"),
+                            ({"type": "ZeroOneAdam", "params": {"var_freeze_step": 9}}, "OneBitAdam .* is, see"),
+                            ({"type": "Adam", "params": {"freeze_step": 9}}, "freeze_step is a OneBitAdam parameter"),
                             ({"type": "OneBitAdam", "params": {"freezestep": 3}}, "freezestep"),
                             ({"type": "OneBitAdam", "params": {"comm_backend_name": "tcp"}}, "comm_backend_name")):
         with pytest.raises(ConfigError, match=says):
             zero.load_config({**base, "optimizer": optimizer})
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="OneBitAdam but initialize.. was given a SGD too"):
+        zero.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                        config={**base, "optimizer": {"type": "OneBitAdam"}})
+    from zero.ops.builder import missing
+    from zero.ops.onebit import pack_into
+
+    if missing("onebit") is None:
+        with pytest.raises(ValueError, match="bits"):  # a short output buffer, refused before any write
+            pack_into(torch.zeros(100), torch.zeros(100), torch.empty(3, dtype=torch.uint8), torch.empty(1), BLOCK)
     with pytest.raises(ValueError, match="OneBitAdam needs ZeRO stage 0, 1 or 2"):
         zero.initialize(model=torch.nn.Linear(2, 2), config={**base, "optimizer": {"type": "OneBitAdam"},
                                                              "zero_optimization": {"stage": 3}})
@@ -196,6 +244,8 @@ def resume_run(stage: int, path: str, steps: int, save_at: int | None, load: boo
         if save_at is not None and step + 1 == save_at:
             engine.save_checkpoint(path)
     errors = {k: v.clone() for k, v in engine.optimizer.rank_state().items()}
+    held = sum(t.untyped_storage().nbytes() for t in engine.optimizer.exchange.tensors().values())
+    assert engine.memory_report()["compression_errors"] == held and (held > 0) == (dist.is_initialized())
     return {n: p.detach().clone() for n, p in model.named_parameters()}, errors
 
 

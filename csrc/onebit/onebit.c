@@ -2,9 +2,10 @@
  * time (the levels of adam/cpu_adam.h), OpenMP over blocks. See onebit.h for the contract.
  *
  * Every path computes y = err + x element by element (the same fp32 additions as the torch
- * reference, so the bits are the same), a block's sum of squares in fp32 lanes (its rounding
- * differs from torch's, within 1e-6 relative), then the bits and the new error in a second pass
- * over the block, which is still in L1 (a block of 1024 floats is 4 KB). */
+ * reference, so the bits are the same), a block's sum of squares (8 or 16 fp32 lanes in the SIMD
+ * paths, one double in the scalar path; the rounding differs from torch's within 1e-6 relative),
+ * then the bits and the new error in a second pass over the block, which is still in L1 (a block
+ * of 1024 floats is 4 KB). */
 #include "onebit/onebit.h"
 
 #include <math.h>

@@ -72,8 +72,9 @@ __global__ void unpack_kernel(int64_t k, int64_t n, const uint8_t *__restrict__ 
 extern "C" int zero_onebit_pack_cuda(int64_t n, const float *x, float *err, int64_t block, uint8_t *bits,
                                      float *scales, cudaStream_t stream) {
     if (n < 0 || block <= 0 || block % 32 || !x || !err || !bits || !scales) return -1;
-    if (n == 0) return 0;
+    if (n == 0) return (int)cudaMemsetAsync(scales, 0, sizeof(float), stream);
     const int64_t blocks = (n + block - 1) / block;
+    if (blocks > 0x7fffffff) return -1; /* beyond one grid */
     pack_kernel<<<(unsigned)blocks, THREADS, 0, stream>>>(n, x, err, block, bits, scales);
     return (int)cudaGetLastError();
 }
@@ -82,6 +83,7 @@ extern "C" int zero_onebit_unpack_mean_cuda(int64_t k, int64_t n, const uint8_t 
                                             int64_t block, float *out, cudaStream_t stream) {
     if (k <= 0 || n < 0 || block <= 0 || !bits || !scales || !out) return -1;
     if (n == 0) return 0;
+    if ((n + THREADS - 1) / THREADS > 0x7fffffff) return -1; /* beyond one grid */
     unpack_kernel<<<(unsigned)((n + THREADS - 1) / THREADS), THREADS, 0, stream>>>(k, n, bits, scales, block, out);
     return (int)cudaGetLastError();
 }

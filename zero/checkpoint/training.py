@@ -442,10 +442,12 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
         for group, saved_group in zip(engine.optimizer.param_groups, state["param_groups"]):
             group.update({k: tuple(v) if k == "betas" else v for k, v in saved_group.items()})
         engine.optimizer.loss_scaler.load_progress(state["loss_scaler"])
-        mine = engine.optimizer.rank_state()
         with torch.no_grad():
-            for key, t in mine.items():
-                t.copy_(own[key]) if own is not None else t.zero_()
+            if own is None:
+                engine.optimizer.reset_rank_state()
+            else:
+                for key, t in engine.optimizer.rank_state().items():
+                    t.copy_(own[key])
     if load_lr_scheduler_states and state["lr_scheduler"] is not None and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
     for key in ("global_steps", "skipped_steps", "global_samples"):

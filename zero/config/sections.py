@@ -170,7 +170,8 @@ def _lr(v: Optional[float]) -> Optional[float]:
 
 
 SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "Lion", "OneBitAdam")
-NOT_YET = {"ZeroOneAdam": "0/1 Adam is not implemented yet (OneBitAdam is)"}
+NOT_YET = {"ZeroOneAdam": "0/1 Adam is not implemented yet; OneBitAdam (1-bit Adam, with freeze_step) is, see "
+                          "docs/onebit.md"}
 CLIENT_OPTIMIZERS = ("SGD", "Adagrad", "Lion")  # run as element-wise optimizers on the shards; params as their own
 NOT_ON_SHARDS = {"Lamb": "LAMB's trust ratio needs each parameter's whole norm, which a shard does not have",
                  "OneBitLamb": "LAMB's trust ratio needs each parameter's whole norm, which a shard does not have"}
@@ -192,8 +193,9 @@ class AdamParams(_Section):
     torch_adam: bool = Field(False, description="DeepSpeed: use torch.optim.Adam/AdamW instead of its fused "
                              "kernel. zero always uses its own Adam kernels (true warns).")
     amsgrad: bool = Field(False, description="Not supported (DeepSpeed's fused Adam rejects it too).")
-    freeze_step: Optional[int] = Field(None, ge=0, description="OneBitAdam: steps of exact Adam before the variance "
-                                       "freezes and gradients are exchanged 1-bit compressed (default 100000).")
+    freeze_step: Optional[int] = Field(None, ge=1, description="OneBitAdam: steps of exact Adam before the variance "
+                                       "freezes and gradients are exchanged 1-bit compressed (default 100000; at "
+                                       "least 1: the variance must have a value to freeze).")
     comm_backend_name: Optional[Literal["nccl", "mpi", "gloo", "compressed", "hccl"]] = Field(
         None, description="OneBitAdam: DeepSpeed's transport choice; zero exchanges through torch.distributed's "
         "group (NCCL or gloo) whatever this says.")
@@ -283,6 +285,10 @@ class OptimizerConfig(_Section):
             if kind is not None:  # its own constructor's arguments, checked against it
                 data = {**data, "type": kind, "other_params": _client_params(kind, data.get("params") or {})}
                 data.pop("params", None)
+        if isinstance(data, dict) and isinstance(data.get("type"), str):
+            why = next((w for name, w in NOT_YET.items() if name.lower() == data["type"].lower()), None)
+            if why is not None:  # before its params are checked as Adam's
+                raise ValueError(f"optimizer type {data['type']!r}: {why}")
         if isinstance(data, dict):
             for key in ("adam_w_mode", "torch_adam", "lr", "betas", "eps", "weight_decay"):
                 if key in data:

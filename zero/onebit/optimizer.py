@@ -41,9 +41,10 @@ class OneBitAdam(ZeroOptimizer):
     def __init__(self, *args, freeze_step: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.freeze_step = freeze_step
-        self.exchange = CompressedExchange(self.comm, [b.numel for b in self.layout.buckets],
-                                           full_result=self.stage == 0, device=self.flat.device)
-        self._error_scale = self.loss_scaler.scale  # the loss scale the error buffers are in
+        numels = [b.numel for b in self.layout.buckets] if self.comm.world_size > 1 else []  # one rank: no exchange
+        self.exchange = CompressedExchange(self.comm, numels, full_result=self.stage == 0, device=self.flat.device)
+        # the loss scale the error buffers are in (fp16), kept with them in checkpoints
+        self._error_scale = torch.tensor([self.loss_scaler.scale], dtype=torch.float64)
 
     @property
     def compressing(self) -> bool:
@@ -55,17 +56,30 @@ class OneBitAdam(ZeroOptimizer):
             return super()._reduce_bucket(bucket, buf, async_op)
         if self.options.predivide != 1.0:
             buf.div_(self.options.predivide)
-        if self.loss_scaler.scale != self._error_scale:  # fp16: the errors follow the gradients' scale
+        if self.loss_scaler.scale != self._error_scale.item():  # fp16: the errors follow the gradients' scale
             for t in self.exchange.tensors().values():
-                t.mul_(self.loss_scaler.scale / self._error_scale)
-            self._error_scale = self.loss_scaler.scale
+                t.mul_(self.loss_scaler.scale / self._error_scale.item())
+            self._error_scale.fill_(self.loss_scaler.scale)
         lo, hi = self._own(bucket)
         self.exchange.reduce(bucket.index, buf, (lo - bucket.start, hi - bucket.start))
         return None
 
     def rank_state(self) -> dict[str, torch.Tensor]:
-        """The error buffers (see [Note: 1-bit Adam in checkpoints])."""
-        return self.exchange.tensors()
+        """The error buffers and the loss scale they are in (see [Note: 1-bit Adam in checkpoints])."""
+        return {**self.exchange.tensors(), "error_loss_scale": self._error_scale}
+
+    def reset_rank_state(self) -> None:
+        self.exchange.reset()
+        self._error_scale.fill_(self.loss_scaler.scale)
+
+    def memory_report(self) -> dict:
+        """As ZeroOptimizer's, plus `compression_errors`: the error buffers (on the device, beside the
+        model states: a full fp32 copy of the trainable parameters per rank, 1/N more at stage 0)."""
+        report = super().memory_report()
+        errors = sum(t.untyped_storage().nbytes() for t in self.exchange.tensors().values())
+        report["compression_errors"] = errors
+        report["device_bytes"] += errors
+        return report
 
     def _skip(self, norm: float) -> None:
         super()._skip(norm)

@@ -232,6 +232,11 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
         Adam's error buffers); saved per rank by save_checkpoint. None here."""
         return {}
 
+    def reset_rank_state(self) -> None:
+        """Start `rank_state` afresh (a checkpoint's does not fit this run)."""
+        for t in self.rank_state().values():
+            t.zero_()
+
     def grad_piece(self, param: torch.nn.Parameter) -> tuple[int, torch.Tensor, bool]:
         """Where `param`'s gradient is on this rank: (offset into the flattened parameter, 1-D
         view, reduced). A reduced piece (stages 2 and 3, once its reduction finished) is this
