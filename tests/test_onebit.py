@@ -331,3 +331,19 @@ def test_cuda_kernels_equal_the_torch_reference():
         out = torch.empty(n, dtype=torch.float32, device="cuda")
         unpack_mean_into_cuda(many.cuda(), sc.cuda(), out, BLOCK)
         assert torch.allclose(out.cpu(), unpack_mean_reference(many, sc, n), rtol=1e-6, atol=1e-7), n
+
+
+def onebit_memory(stage: int):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=40, block_size=16, n_layer=1, n_head=2, n_embd=32))
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000},
+              "optimizer": {"type": "OneBitAdam", "params": {"freeze_step": 3}}}
+    estimate = zero.estimate_memory(model, 2, stage=stage, offload="none", dtype="fp32", config=config)[0]
+    engine, *_ = zero.initialize(model=model, config=config)
+    return estimate.compression_errors, engine.memory_report()["compression_errors"], len(engine.optimizer.layout.buckets)
+
+
+def test_the_estimator_counts_the_error_buffers(dist_run):
+    for stage in (0, 2):
+        estimated, measured, buckets = dist_run(2, onebit_memory, stage)[0]
+        assert measured > 0 and abs(estimated - measured) <= 4 * 2 * 16 * (buckets + 1) * 2, (stage, estimated, measured)

@@ -22,6 +22,9 @@ gradient shard and two copy-back tiles; stage 3's `offload_param` moves the para
 too. These are the kinds `Engine.memory_report()` measures, and on a real run the two agree up to
 padding (each bucket or unit is padded to split evenly over N SIMD-aligned slices).
 
+With a OneBitAdam config, `compression_errors` (included in `buffers`) is its error buffers: an
+fp32 copy of the trainable parameters per rank, plus 1/N of it at stage 0.
+
 `buffers` is the communication and gathering memory of a step beyond the model states: stages 0-1
 one bucket cast to the communication dtype (when it differs); stage 2 the staging buffers of the
 buckets being filled or reduced, three when backward produces gradients in about the reverse of the
@@ -57,6 +60,7 @@ class MemoryEstimate:
     optimizer_states: int
     host_staging: int  # offload's host gradient copy and copy-back tiles
     buffers: int  # device communication and gathered-parameter buffers, at most
+    compression_errors: int  # OneBitAdam's error buffers (device), see zero/onebit/optimizer.py
     device_bytes: int  # model states on the device plus `buffers`
     host_bytes: int  # model states and staging in host memory
 
@@ -209,12 +213,13 @@ def _policies(config, stage: int, offload: str, dtype: str, world_size: int):
     with warnings.catch_warnings():  # a key that has no effect at some row's stage is not news here
         warnings.simplefilter("ignore", ConfigWarning)
         cfg = load_config(data, world_size)
-    return options_from_config(cfg, world_size, num_threads=1)
+    onebit = cfg.optimizer is not None and cfg.optimizer.onebit is not None
+    return (*options_from_config(cfg, world_size, num_threads=1), onebit)
 
 
 def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, config, persistent_given,
               largest_layer: int | None):
-    precision, step, reduce, s3 = _policies(config, stage, offload, dtype, n)
+    precision, step, reduce, s3, onebit = _policies(config, stage, offload, dtype, n)
     p, g = precision.param.itemsize, precision.grad.itemsize
     r = precision.reduce.itemsize
     offload_opt, offload_param = step.offload is not None, s3.offload_param
@@ -258,11 +263,15 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
     else:  # gathered units, one all-gather output, (offload_param) one staged shard, two gradient sends
         gathered = min(psi - persistent, max(s3.max_live_elements, largest_unit))
         buffers = p * gathered + p * largest_unit + (p * largest_unit / n if offload_param else 0) + 2 * r * largest_unit
+    # OneBitAdam (stages 0-2, several ranks): a worker error per element, a server error per owned element at stage 0
+    errors = 4 * (psi + (psi / n if stage == 0 else 0)) if onebit and n > 1 and stage < 3 else 0
+    buffers += errors
     on_host = (fp32_master + states if offload_opt else 0) + (p * psi / n if offload_param else 0)
     host = on_host + host_staging
     device = params + grads + fp32_master + states + buffers - on_host
     values = dict(params=params, grads=grads, fp32_master=fp32_master, optimizer_states=states,
-                  host_staging=host_staging, buffers=buffers, device_bytes=device, host_bytes=host)
+                  host_staging=host_staging, buffers=buffers, device_bytes=device, host_bytes=host,
+                  compression_errors=errors)
     row = MemoryEstimate(stage=stage, offload=offload, world_size=n, **{k: int(round(v)) for k, v in values.items()})
     return row, persistent, largest_unit
 
