@@ -68,12 +68,15 @@ typedef struct {
 } zero_adam_coeffs;
 
 /* 1 when the config is one torch.optim.Adam accepts: finite lr, eps, weight_decay >= 0, betas in
- * [0, 1), a finite grad_scale > 0, and step >= 1 when bias correction is on. */
+ * [0, 1), a finite grad_scale > 0, and step >= 1 when bias correction is on. Also beta2 == 1
+ * without bias correction: the second moment stays as it is (v * 1 + 0 * g^2), which is how 1-bit
+ * Adam steps with its variance frozen (zero/onebit/optimizer.py). */
 static inline int zero_adam_config_ok(const zero_adam_config *cfg) {
     if (cfg == NULL) return 0;
     const int finite = isfinite(cfg->lr) && isfinite(cfg->eps) && isfinite(cfg->weight_decay) &&
                        isfinite(cfg->grad_scale);
-    return finite && cfg->lr >= 0 && cfg->beta1 >= 0 && cfg->beta1 < 1 && cfg->beta2 >= 0 && cfg->beta2 < 1 &&
+    return finite && cfg->lr >= 0 && cfg->beta1 >= 0 && cfg->beta1 < 1 && cfg->beta2 >= 0 &&
+           (cfg->beta2 < 1 || (cfg->beta2 == 1 && !cfg->bias_correction)) &&
            cfg->eps >= 0 && cfg->weight_decay >= 0 && cfg->grad_scale > 0 && (!cfg->bias_correction || cfg->step >= 1);
 }
 

@@ -89,17 +89,16 @@ class OneBitAdam(ZeroOptimizer):
     def _adam(self, group, master, grad, exp_avg, exp_avg_sq, grad_scale: float, out16, num_threads=None) -> None:
         if self.step_count <= self.freeze_step:
             return super()._adam(group, master, grad, exp_avg, exp_avg_sq, grad_scale, out16, num_threads)
-        # frozen variance: m moves, v and its bias correction stay where step freeze_step left them
-        lr, (beta1, beta2), eps, wd = float(group["lr"]), tuple(group["betas"]), group["eps"], group["weight_decay"]
-        g = grad.float() / grad_scale
-        if group["adamw_mode"]:
-            master.mul_(1 - lr * wd)
-        elif wd:
-            g = g.add(master, alpha=wd)
-        exp_avg.lerp_(g, 1 - beta1)
+        # Frozen variance on the stage's own (native) Adam step: beta2 = 1 leaves v as it is
+        # (v * 1 + 0 * g^2), and the frozen bias corrections move into lr and eps:
+        #   lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps) = lr' * m / (sqrt(v) + eps'),
+        #   lr' = lr * sqrt(bc2) / bc1,  eps' = eps * sqrt(bc2),
+        # with AdamW's decay rescaled so that lr' * wd' = lr * wd.
+        lr, (beta1, _), eps, wd = float(group["lr"]), tuple(group["betas"]), group["eps"], group["weight_decay"]
         bc1 = 1 - beta1**self.step_count if group["bias_correction"] else 1.0
-        bc2 = 1 - beta2**self.freeze_step if group["bias_correction"] else 1.0
-        denom = (exp_avg_sq.sqrt() / bc2**0.5).add_(eps)
-        master.addcdiv_(exp_avg, denom, value=-lr / bc1)
-        if out16 is not None:
-            out16.copy_(master)
+        bc2 = 1 - group["betas"][1] ** self.freeze_step if group["bias_correction"] else 1.0
+        lr_frozen = lr * bc2**0.5 / bc1
+        decay = wd * lr / lr_frozen if group["adamw_mode"] and lr_frozen > 0 else (wd if not group["adamw_mode"] else 0.0)
+        frozen = {**group, "lr": lr_frozen, "betas": (beta1, 1.0), "eps": eps * bc2**0.5, "weight_decay": decay,
+                  "bias_correction": False}
+        super()._adam(frozen, master, grad, exp_avg, exp_avg_sq, grad_scale, out16, num_threads)
