@@ -405,7 +405,8 @@ READ = {
     # optimizer (a type other than Adam/AdamW is refused by its validator)
     "optimizer.type", "optimizer.other_params", "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
     "optimizer.params.weight_decay", "optimizer.params.bias_correction", "optimizer.params.adam_w_mode",
-    "optimizer.params.freeze_step", "optimizer.params.comm_backend_name",
+    "optimizer.params.freeze_step", "optimizer.params.comm_backend_name", "optimizer.params.var_freeze_step",
+    "optimizer.params.var_update_scaler", "optimizer.params.local_step_scaler", "optimizer.params.local_step_clipper",
     # scheduler: DeepSpeed's schedules, or a torch scheduler's arguments passed through as `params`
     "scheduler.type", "scheduler.params", "scheduler.params.last_batch_iteration",
     "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr", "scheduler.params.warmup_num_steps",

@@ -169,9 +169,8 @@ def _lr(v: Optional[float]) -> Optional[float]:
     return v
 
 
-SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "Lion", "OneBitAdam")
-NOT_YET = {"ZeroOneAdam": "0/1 Adam is not implemented yet; OneBitAdam (1-bit Adam, with freeze_step) is, see "
-                          "docs/onebit.md"}
+SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "Lion", "OneBitAdam", "ZeroOneAdam")
+NOT_YET: dict[str, str] = {}
 CLIENT_OPTIMIZERS = ("SGD", "Adagrad", "Lion")  # run as element-wise optimizers on the shards; params as their own
 NOT_ON_SHARDS = {"Lamb": "LAMB's trust ratio needs each parameter's whole norm, which a shard does not have",
                  "OneBitLamb": "LAMB's trust ratio needs each parameter's whole norm, which a shard does not have"}
@@ -201,6 +200,14 @@ class AdamParams(_Section):
         "group (NCCL or gloo) whatever this says.")
     cuda_aware: Optional[bool] = Field(None, description="OneBitAdam: DeepSpeed's MPI switch; no effect in zero "
                                        "(true warns).")
+    var_freeze_step: Optional[int] = Field(None, ge=1, description="ZeroOneAdam: the last step at which the "
+                                           "variance may be updated (default 100000).")
+    var_update_scaler: Optional[int] = Field(None, ge=1, description="ZeroOneAdam: variance updates between "
+                                             "doublings of their interval (default 16).")
+    local_step_scaler: Optional[int] = Field(None, ge=1, description="ZeroOneAdam: steps after var_freeze_step "
+                                             "between doublings of the interval between syncs (default 32678).")
+    local_step_clipper: Optional[int] = Field(None, ge=1, description="ZeroOneAdam: the longest interval between "
+                                              "syncs, in steps (default 16).")
 
     @model_validator(mode="before")
     @classmethod
@@ -258,6 +265,17 @@ def optimizer_class(kind: str) -> type:
 
 
 ONEBIT_KEYS = ("freeze_step", "comm_backend_name", "cuda_aware")
+ZEROONE_KEYS = ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper")
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroOne:
+    """ZeroOneAdam's settings, from `optimizer.params`."""
+
+    var_freeze_step: int
+    var_update_scaler: int
+    local_step_scaler: int
+    local_step_clipper: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +288,8 @@ class OneBit:
 class OptimizerConfig(_Section):
     """`optimizer`: which optimizer the engine builds when the caller passes none."""
 
-    type: str = Field(..., description="Adam, AdamW, SGD, Adagrad, Lion or OneBitAdam (case-insensitive).")
+    type: str = Field(..., description="Adam, AdamW, SGD, Adagrad, Lion, OneBitAdam or ZeroOneAdam "
+                      "(case-insensitive).")
     params: AdamParams = Field(default_factory=AdamParams, description="Constructor arguments.")
     other_params: dict[str, Any] = Field(default_factory=dict, description="For SGD, Adagrad and Lion: their "
                                          "constructor arguments (written as `params`).")
@@ -320,11 +339,24 @@ class OptimizerConfig(_Section):
 
     @model_validator(mode="after")
     def _onebit_only(self) -> OptimizerConfig:
-        if self.type != "OneBitAdam":
-            for key in ONEBIT_KEYS:
-                if getattr(self.params, key) is not None:
-                    raise ValueError(f"params.{key} is a OneBitAdam parameter, not one of {self.type}'s")
+        own = {"OneBitAdam": ("freeze_step", "comm_backend_name", "cuda_aware"),
+               "ZeroOneAdam": ZEROONE_KEYS + ("comm_backend_name", "cuda_aware")}.get(self.type, ())
+        for key in ONEBIT_KEYS + ZEROONE_KEYS:
+            if key not in own and getattr(self.params, key) is not None:
+                whose = "a ZeroOneAdam" if key in ZEROONE_KEYS else "a OneBitAdam"
+                raise ValueError(f"params.{key} is {whose} parameter, not one of {self.type}'s")
         return self
+
+    @property
+    def zeroone(self) -> ZeroOne | None:
+        """ZeroOneAdam's settings (None for any other type)."""
+        if self.type != "ZeroOneAdam":
+            return None
+        p = self.params
+        pick = lambda v, default: default if v is None else v
+        return ZeroOne(var_freeze_step=pick(p.var_freeze_step, 100_000), var_update_scaler=pick(p.var_update_scaler, 16),
+                       local_step_scaler=pick(p.local_step_scaler, 32678),
+                       local_step_clipper=pick(p.local_step_clipper, 16))
 
     @property
     def onebit(self) -> OneBit | None:

@@ -44,6 +44,21 @@ def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], confi
     scaler = LossScaler(f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis,
                         f.consecutive_hysteresis, f.min_loss_scale) if f.enabled else LossScaler.disabled()
     stage = config.zero_optimization.stage
+    zeroone = config.optimizer.zeroone if config.optimizer is not None else None
+    if zeroone is not None:
+        if stage != 0:
+            raise ValueError(f"optimizer type ZeroOneAdam needs ZeRO stage 0, not {stage}: its local steps update "
+                             f"every parameter on every rank, while stages 1-3 give each rank its shard of the "
+                             f"optimizer state alone (use OneBitAdam at stages 1 and 2; see docs/onebit.md)")
+        if step.offload is not None:
+            raise ValueError("optimizer type ZeroOneAdam with offload_optimizer is not supported; its local steps "
+                             "run on the device (remove zero_optimization.offload_optimizer)")
+        from zero.onebit.zero_one import ZeroOneAdam
+
+        return ZeroOneAdam(module, param_groups, stage=stage, comm=comm, precision=precision, step=step,
+                           reduce=reduce, device=device, loss_scaler=scaler, var_freeze_step=zeroone.var_freeze_step,
+                           var_update_scaler=zeroone.var_update_scaler, local_step_scaler=zeroone.local_step_scaler,
+                           local_step_clipper=zeroone.local_step_clipper)
     onebit = config.optimizer.onebit if config.optimizer is not None else None
     if onebit is not None:
         if stage == 3:

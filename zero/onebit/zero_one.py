@@ -1,0 +1,187 @@
+"""0/1 Adam on ZeRO stage 0.
+
+[Note: 0/1 Adam]
+0/1 Adam (Lu et al., 2022) replaces most of Adam's gradient all-reduces by local steps and 1-bit
+syncs. With t the step:
+- **Variance updates.** Until `var_freeze_step`, at steps t that are multiples of an interval
+  which starts at 1 and doubles after every `var_update_scaler` updates, the gradient is
+  all-reduced exactly and both moments are updated, as in Adam; every rank then takes the same
+  step. After `var_freeze_step` the variance never changes again.
+- **Local steps.** At every other step each rank updates its own momentum from its own gradient
+  and moves its own parameters with it, and adds the lr-weighted momentum c_t m_t (c_t = lr_t /
+  bc1_t) to an accumulator u. Nothing is sent.
+- **Syncs.** Before `var_freeze_step` every local step is also a sync; afterwards a sync comes
+  when a local interval has passed, the interval doubling every `local_step_scaler` steps up to
+  `local_step_clipper`. At a sync the ranks average u with the compressed exchange of
+  [Note: compressed exchange] (stage 0 form: every rank receives the same mean), and every rank
+  sets its parameters to anchor * D - mean(u) / (sqrt(v / bc2) + eps) and its momentum to
+  mean(u) / sum(c_t), where the anchor is the parameters at the last sync and D the product of
+  AdamW's decay factors since then. All ranks compute that from the same numbers, so after every
+  sync they hold the same bits again.
+Local steps need every rank to update every parameter, so 0/1 Adam runs at stage 0 only: under
+ZeRO-1/2 a rank holds the optimizer state of its own shard alone.
+
+Per rank it keeps, beside Adam's state, u and the anchor (two fp32 copies of the trainable
+parameters) and the compression error buffers. Checkpoints hold them per rank, with the rank's own
+parameters and momentum (between syncs they differ from rank 0's), so a resume is bitwise.
+"""
+from __future__ import annotations
+
+import torch
+
+from zero.onebit.exchange import CompressedExchange
+from zero.stages.buckets import ZeroOptimizer
+
+
+class ZeroOneAdam(ZeroOptimizer):
+    """ZeRO stage 0 with 0/1 Adam's variance freezing, local steps and 1-bit syncs (see
+    [Note: 0/1 Adam]). Arguments as ZeroOptimizer, plus the schedule's four numbers."""
+
+    def __init__(self, *args, var_freeze_step: int, var_update_scaler: int, local_step_scaler: int,
+                 local_step_clipper: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.stage != 0:
+            raise ValueError("ZeroOneAdam runs at ZeRO stage 0 only (its local steps update every parameter on "
+                             "every rank); use OneBitAdam at stages 1 and 2")
+        self.var_freeze_step, self.var_update_scaler = var_freeze_step, var_update_scaler
+        self.local_step_scaler, self.local_step_clipper = local_step_scaler, local_step_clipper
+        n = self.comm.world_size
+        numels = [b.numel for b in self.layout.buckets] if n > 1 else []
+        self.exchange = CompressedExchange(self.comm, numels, full_result=True, device=self.flat.device)
+        self.u = [torch.zeros_like(m) for m in self.master]
+        self.anchor = [m.detach().clone() for m in self.master]
+        # per slot: [sum of c_t since the sync, product of decay factors since the sync]
+        self.since_sync = [torch.tensor([0.0, 1.0], dtype=torch.float64) for _ in self.master]
+        # the schedule: var_interval, var_counter, var_updates, local_interval, local_counter, steps since sync
+        self.schedule = torch.tensor([1, 0, 0, 1, 0, 0], dtype=torch.int64)
+        self._slot = {m.data_ptr(): b for b, m in enumerate(self.master)}
+        self._plan: tuple[bool, bool] = (True, True)
+
+    # -- the schedule --------------------------------------------------------------------------
+
+    def _next(self) -> tuple[bool, bool]:
+        """(variance update, sync) for the coming step."""
+        t = self.step_count + 1
+        var_interval, _, _, local_interval, _, since = self.schedule.tolist()
+        var_update = t <= self.var_freeze_step and t % var_interval == 0
+        sync = var_update or t <= self.var_freeze_step or since + 1 >= local_interval
+        return var_update, sync
+
+    def _advance(self, var_update: bool, sync: bool) -> None:
+        s = self.schedule
+        t = self.step_count
+        if var_update:
+            s[2] += 1
+            s[1] += 1
+            if s[1] >= self.var_update_scaler:
+                s[1], s[0] = 0, s[0] * 2
+        s[5] = 0 if sync else s[5] + 1
+        if t > self.var_freeze_step:
+            s[4] += 1
+            if s[4] >= self.local_step_scaler:
+                s[4], s[3] = 0, min(self.local_step_clipper, s[3] * 2)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def reduce_gradients(self) -> None:
+        self._plan = self._next()
+        if self._plan[0]:  # a variance update: the exact all-reduce
+            super().reduce_gradients()
+        elif not self.reduce.ignore_unused_parameters:
+            self._seen.clear()
+
+    def grad_divisor(self, reduced: bool) -> float:
+        if self._plan[0]:
+            return super().grad_divisor(reduced)
+        return self.loss_scaler.scale  # this rank's own gradient: no sum over ranks, no predivide
+
+    def _grad_norm(self, slots) -> float:
+        norm = super()._grad_norm(slots)
+        if not self._plan[0] and self.comm.world_size > 1:  # every rank skips, or none
+            bad = torch.tensor([0.0 if norm == norm and norm != float("inf") else 1.0], dtype=torch.float64)
+            self.comm.all_reduce(bad, "max")
+            if bad.item():
+                return float("inf")
+        return norm
+
+    def step(self, closure=None) -> bool:
+        applied = super().step(closure)
+        if applied:
+            self._advance(*self._plan)
+        return applied
+
+    def _skip(self, norm: float) -> None:
+        super()._skip(norm)
+        self.exchange.reset()
+
+    @torch.no_grad()
+    def _adam(self, group, master, grad, exp_avg, exp_avg_sq, grad_scale: float, out16, num_threads=None) -> None:
+        b = self._slot[master.data_ptr()]
+        var_update, sync = self._plan
+        t = self.step_count
+        lr, (beta1, beta2), eps, wd = float(group["lr"]), tuple(group["betas"]), group["eps"], group["weight_decay"]
+        adamw = group["adamw_mode"]
+        g = grad.float() / grad_scale
+        decay = 1 - lr * wd if adamw else 1.0
+        if not adamw and wd:
+            g = g.add(master, alpha=wd)
+        bc1 = 1 - beta1**t if group["bias_correction"] else 1.0
+        exp_avg.lerp_(g, 1 - beta1)
+        if var_update:
+            exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        updates = int(self.schedule[2].item()) + (1 if var_update else 0)
+        bc2 = 1 - beta2**updates if group["bias_correction"] else 1.0
+        denom = (exp_avg_sq.sqrt() / bc2**0.5).add_(eps)
+        c = lr / bc1
+        master.mul_(decay).addcdiv_(exp_avg, denom, value=-c)
+        if var_update:  # every rank took the same step: a sync point
+            self.anchor[b].copy_(master)
+            self.u[b].zero_()
+            self.since_sync[b].copy_(torch.tensor([0.0, 1.0], dtype=torch.float64))
+        else:
+            self.u[b].add_(exp_avg, alpha=c)
+            acc = self.since_sync[b]
+            acc[0] += c
+            acc[1] *= decay
+            if sync:
+                mean = self.u[b].clone()
+                if self.comm.world_size > 1:
+                    lo, hi = self._own(self.layout.buckets[b])
+                    self.exchange.reduce(b, mean, (0, hi - lo))
+                    mean.div_(self.comm.world_size)
+                torch.addcdiv(self.anchor[b] * float(acc[1]), mean, denom, value=-1.0, out=master)
+                exp_avg.copy_(mean / float(acc[0]))
+                self.anchor[b].copy_(master)
+                self.u[b].zero_()
+                acc.copy_(torch.tensor([0.0, 1.0], dtype=torch.float64))
+        if out16 is not None:
+            out16.copy_(master)
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def rank_state(self) -> dict[str, torch.Tensor]:
+        """This rank's own state (see [Note: 0/1 Adam]): error buffers, u, anchor, the accumulators,
+        the schedule, and its own parameters and momentum."""
+        out = dict(self.exchange.tensors())
+        for b in range(len(self.master)):
+            out.update({f"u.{b}": self.u[b], f"anchor.{b}": self.anchor[b], f"since_sync.{b}": self.since_sync[b],
+                        f"master.{b}": self.master[b], f"exp_avg.{b}": self.exp_avg[b]})
+        out["schedule"] = self.schedule
+        return out
+
+    def reset_rank_state(self) -> None:
+        """A checkpoint from another world size: start a sync interval from the loaded values."""
+        self.exchange.reset()
+        for b, m in enumerate(self.master):
+            self.u[b].zero_()
+            self.anchor[b].copy_(m)
+            self.since_sync[b].copy_(torch.tensor([0.0, 1.0], dtype=torch.float64))
+        self.schedule[5] = 0
+
+    def after_checkpoint_load(self) -> None:
+        """The 16-bit parameters follow this rank's master (restored with its own state)."""
+        for b, bucket in enumerate(self.layout.buckets):
+            lo, hi = self._own(bucket)
+            if self.master[b].data_ptr() != self.flat[lo:hi].data_ptr():
+                self.flat[lo:hi].copy_(self.master[b])
+        super().after_checkpoint_load()
