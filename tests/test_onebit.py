@@ -376,9 +376,12 @@ def train_zero_one(steps: int, params: dict, path: str | None = None, save_at: i
         engine.load_checkpoint(path)
         start = engine.global_steps
     losses, sent, synced = [], 0, None
+    world = dist.get_world_size()
+    g = torch.Generator().manual_seed(1)  # the batches of train_gpt, the same for Adam and a resumed run
+    for _ in range(start):
+        torch.randint(0, len(data), (16 * world,), generator=g)
     for step in range(start, steps):
-        g = torch.Generator().manual_seed(1000 * step + rank)
-        idx = torch.randint(0, len(data), (16,), generator=g)
+        idx = torch.randint(0, len(data), (16 * world,), generator=g)[16 * rank : 16 * rank + 16]
         x, y = torch.stack([data[i][0] for i in idx]), torch.stack([data[i][1] for i in idx])
         loss = engine(x, y)
         engine.backward(loss)
