@@ -60,6 +60,10 @@ ABSENT_NAMES = {
                         "Linear into several modules)"),
         ("TiledLinearReturnBias", "TiledLinear is not implemented"),
         ("MiCS_Init", "MiCS is not implemented; use zero.Init with stage 3"))},
+    "deepspeed.runtime.fp16.onebit.adam.OnebitAdam": "1-bit Adam runs inside the engine: set \"optimizer\": "
+                                                    "{\"type\": \"OneBitAdam\"} in the config (docs/onebit.md)",
+    "deepspeed.runtime.fp16.onebit.zoadam.ZeroOneAdam": "0/1 Adam runs inside the engine: set \"optimizer\": "
+                                                      "{\"type\": \"ZeroOneAdam\"} in the config (docs/onebit.md)",
     "deepspeed.checkpointing.model_parallel_cuda_manual_seed": "zero has no model parallelism; use torch.manual_seed",
 }
 
