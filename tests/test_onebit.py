@@ -361,7 +361,7 @@ ZERO_ONE = {"var_freeze_step": 45, "var_update_scaler": 4, "local_step_scaler": 
 
 
 def train_zero_one(steps: int, params: dict, path: str | None = None, save_at: int | None = None,
-                   load: bool = False):
+                   load: bool = False, bf16: bool = False):
     """The demo GPT with ZeroOneAdam at stage 0: (final loss, bytes sent, the parameters after the
     last step that was a sync, this rank's parameters at the end)."""
     rank = dist.get_rank()
@@ -370,7 +370,7 @@ def train_zero_one(steps: int, params: dict, path: str | None = None, save_at: i
     model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=32, n_layer=2, n_head=4, n_embd=64))
     engine, optimizer, *_ = zero.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": 16, "optimizer": {"type": "ZeroOneAdam", "params": {"lr": 3e-3, **params}},
-        "zero_optimization": {"stage": 0, "reduce_bucket_size": 50_000}})
+        "zero_optimization": {"stage": 0, "reduce_bucket_size": 50_000}, "bf16": {"enabled": bf16}})
     start = 0
     if load:
         engine.load_checkpoint(path)
@@ -415,17 +415,18 @@ def test_zero_one_adam_resumes_bitwise_between_syncs(tmp_path):
     from zero.testing.dist import DistPool
 
     params = {"var_freeze_step": 4, "var_update_scaler": 2, "local_step_scaler": 2, "local_step_clipper": 4}
-    path = str(tmp_path / "ckpt")
-    pool = DistPool(2)
-    try:
-        unbroken = pool.run(train_zero_one, 14, params)
-        pool.run(train_zero_one, 9, params, path, 9)
-    finally:
-        pool.close()
-    pool = DistPool(2)
-    try:
-        resumed = pool.run(train_zero_one, 14, params, path, None, True)
-    finally:
-        pool.close()
-    for r in range(2):
-        assert torch.equal(unbroken[r][3], resumed[r][3]), r
+    for bf16 in (False, True):  # bf16: the 16-bit parameters must follow each rank's own restored master
+        path = str(tmp_path / f"ckpt{bf16}")
+        pool = DistPool(2)
+        try:
+            unbroken = pool.run(train_zero_one, 14, params, None, None, False, bf16)
+            pool.run(train_zero_one, 9, params, path, 9, False, bf16)
+        finally:
+            pool.close()
+        pool = DistPool(2)
+        try:
+            resumed = pool.run(train_zero_one, 14, params, path, None, True, bf16)
+        finally:
+            pool.close()
+        for r in range(2):
+            assert torch.equal(unbroken[r][3], resumed[r][3]), (bf16, r)

@@ -433,6 +433,12 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
     with torch.no_grad():
         for target, staged in zip(targets, staging):
             target.tensor.copy_(staged.tensor)
+        if with_optimizer and not load_module_only and engine.optimizer.rank_state():
+            if own is None:
+                engine.optimizer.reset_rank_state()
+            else:  # this rank's own state, over what rank 0 saved for everyone (see ShardedAdam.rank_state)
+                for key, t in engine.optimizer.rank_state().items():
+                    t.copy_(own[key])
     engine.optimizer.after_checkpoint_load()
     engine.optimizer.edits_seen(engine.module.parameters())
     if load_module_only:
@@ -442,12 +448,7 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
         for group, saved_group in zip(engine.optimizer.param_groups, state["param_groups"]):
             group.update({k: tuple(v) if k == "betas" else v for k, v in saved_group.items()})
         engine.optimizer.loss_scaler.load_progress(state["loss_scaler"])
-        with torch.no_grad():
-            if own is None:
-                engine.optimizer.reset_rank_state()
-            else:
-                for key, t in engine.optimizer.rank_state().items():
-                    t.copy_(own[key])
+
     if load_lr_scheduler_states and state["lr_scheduler"] is not None and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
     for key in ("global_steps", "skipped_steps", "global_samples"):
