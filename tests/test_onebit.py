@@ -364,7 +364,7 @@ def train_zero_one(steps: int, params: dict, path: str | None = None, save_at: i
                    load: bool = False, bf16: bool = False):
     """The demo GPT with ZeroOneAdam at stage 0: (final loss, bytes sent, the parameters after the
     last step that was a sync, this rank's parameters at the end)."""
-    rank = dist.get_rank()
+    rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(0)
     data = CharDataset(arithmetic_corpus(100_000), 32)
     model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=32, n_layer=2, n_head=4, n_embd=64))
@@ -376,7 +376,7 @@ def train_zero_one(steps: int, params: dict, path: str | None = None, save_at: i
         engine.load_checkpoint(path)
         start = engine.global_steps
     losses, sent, synced = [], 0, None
-    world = dist.get_world_size()
+    world = dist.get_world_size() if dist.is_initialized() else 1
     g = torch.Generator().manual_seed(1)  # the batches of train_gpt, the same for Adam and a resumed run
     for _ in range(start):
         torch.randint(0, len(data), (16 * world,), generator=g)
@@ -430,3 +430,32 @@ def test_zero_one_adam_resumes_bitwise_between_syncs(tmp_path):
             pool.close()
         for r in range(2):
             assert torch.equal(unbroken[r][3], resumed[r][3]), (bf16, r)
+    # at another world size (here one process) the per-rank state restarts and the schedule is
+    # replayed from the step count: training goes on (a variance-update count of 0 would freeze it)
+    with pytest.warns(UserWarning, match="per-rank state .* starts from zero"):
+        _, _, _, loaded = train_zero_one(9, params, str(tmp_path / "ckptFalse"), None, True)  # no step
+        _, _, _, after = train_zero_one(12, params, str(tmp_path / "ckptFalse"), None, True)
+    assert torch.isfinite(after).all() and (after - loaded).abs().max() > 1e-4  # it still learns
+
+
+def test_zero_one_adam_keeps_edits_and_survives_lr_zero():
+    """World 1: a load_state_dict between syncs survives the next sync (the anchor moves with it),
+    and lr 0 leaves everything finite and unchanged."""
+    params = {"var_freeze_step": 2, "var_update_scaler": 1, "local_step_scaler": 1, "local_step_clipper": 4}
+    for lr in (1e-2, 0.0):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        engine, optimizer, *_ = zero.initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "ZeroOneAdam", "params": {"lr": lr, **params}},
+            "zero_optimization": {"stage": 0}})
+        for step in range(7):
+            if step == 4:  # between syncs (the interval is 2 now)
+                assert optimizer.schedule[5].item() != 0 or lr == 0
+                model.load_state_dict({n: torch.zeros_like(t) for n, t in start.items()})
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            engine.backward(engine(x).square().mean())
+            engine.step()
+        for p in model.parameters():
+            assert torch.isfinite(p).all()
+            assert p.abs().max() < (0.05 if lr else 1e-12), (lr, p)  # the zeros were kept (lr 0: exactly)

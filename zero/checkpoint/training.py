@@ -433,9 +433,9 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
     with torch.no_grad():
         for target, staged in zip(targets, staging):
             target.tensor.copy_(staged.tensor)
-        if with_optimizer and not load_module_only and engine.optimizer.rank_state():
-            if own is None:
-                engine.optimizer.reset_rank_state()
+        if engine.optimizer.rank_state():
+            if own is None or not with_optimizer or load_module_only:
+                engine.optimizer.reset_rank_state()  # it would not fit the loaded values
             else:  # this rank's own state, over what rank 0 saved for everyone (see ShardedAdam.rank_state)
                 for key, t in engine.optimizer.rank_state().items():
                     t.copy_(own[key])

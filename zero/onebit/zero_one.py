@@ -52,17 +52,26 @@ class ZeroOneAdam(ZeroOptimizer):
         self.anchor = [m.detach().clone() for m in self.master]
         # per slot: [sum of c_t since the sync, product of decay factors since the sync]
         self.since_sync = [torch.tensor([0.0, 1.0], dtype=torch.float64) for _ in self.master]
-        # the schedule: var_interval, var_counter, var_updates, local_interval, local_counter, steps since sync
-        self.schedule = torch.tensor([1, 0, 0, 1, 0, 0], dtype=torch.int64)
+        # the schedule: var_interval, var_counter, var_updates, local_interval, local_counter, steps since
+        # sync, and the step count it belongs to (a function of the step count: replayed when they differ)
+        self.schedule = torch.tensor([1, 0, 0, 1, 0, 0, 0], dtype=torch.int64)
         self._slot = {m.data_ptr(): b for b, m in enumerate(self.master)}
         self._plan: tuple[bool, bool] = (True, True)
+        self.watch_edits(self.params)  # fp32 too: an edit must move the anchor (see _rebase)
 
     # -- the schedule --------------------------------------------------------------------------
 
     def _next(self) -> tuple[bool, bool]:
         """(variance update, sync) for the coming step."""
+        if int(self.schedule[6]) != self.step_count:  # a checkpoint from another run: replay the schedule
+            self.schedule.copy_(torch.tensor([1, 0, 0, 1, 0, 0, 0]))
+            steps, self.step_count = self.step_count, 0
+            for _ in range(steps):
+                plan = self._next()
+                self.step_count += 1
+                self._advance(*plan)
         t = self.step_count + 1
-        var_interval, _, _, local_interval, _, since = self.schedule.tolist()
+        var_interval, _, _, local_interval, _, since, _ = self.schedule.tolist()
         var_update = t <= self.var_freeze_step and t % var_interval == 0
         sync = var_update or t <= self.var_freeze_step or since + 1 >= local_interval
         return var_update, sync
@@ -76,6 +85,7 @@ class ZeroOneAdam(ZeroOptimizer):
             if s[1] >= self.var_update_scaler:
                 s[1], s[0] = 0, s[0] * 2
         s[5] = 0 if sync else s[5] + 1
+        s[6] = t
         if t > self.var_freeze_step:
             s[4] += 1
             if s[4] >= self.local_step_scaler:
@@ -91,7 +101,7 @@ class ZeroOneAdam(ZeroOptimizer):
             self._seen.clear()
 
     def grad_divisor(self, reduced: bool) -> float:
-        if self._plan[0]:
+        if not reduced or self._plan[0]:  # safe_get_full_grad's sum over ranks, or a variance update
             return super().grad_divisor(reduced)
         return self.loss_scaler.scale  # this rank's own gradient: no sum over ranks, no predivide
 
@@ -109,10 +119,6 @@ class ZeroOneAdam(ZeroOptimizer):
         if applied:
             self._advance(*self._plan)
         return applied
-
-    def _skip(self, norm: float) -> None:
-        super()._skip(norm)
-        self.exchange.reset()
 
     @torch.no_grad()
     def _adam(self, group, master, grad, exp_avg, exp_avg_sq, grad_scale: float, out16, num_threads=None) -> None:
@@ -150,12 +156,40 @@ class ZeroOneAdam(ZeroOptimizer):
                     self.exchange.reduce(b, mean, (0, hi - lo))
                     mean.div_(self.comm.world_size)
                 torch.addcdiv(self.anchor[b] * float(acc[1]), mean, denom, value=-1.0, out=master)
-                exp_avg.copy_(mean / float(acc[0]))
+                if acc[0] > 0:  # lr 0 since the sync: the momentum stays as it is
+                    exp_avg.copy_(mean / float(acc[0]))
                 self.anchor[b].copy_(master)
                 self.u[b].zero_()
                 acc.copy_(torch.tensor([0.0, 1.0], dtype=torch.float64))
         if out16 is not None:
             out16.copy_(master)
+
+    # -- edits from outside ----------------------------------------------------------------------
+
+    def _rebase(self, param, value: torch.Tensor | None = None) -> None:
+        """A parameter set from outside (load_state_dict, an in-place edit) takes its new value as
+        its anchor, and its local progress since the sync is dropped: the next sync keeps it."""
+        i = self._index.get(param)
+        if i is None:
+            return
+        bucket = self.layout.buckets[self.layout.bucket_of[i]]
+        lo, _ = self._own(bucket)
+        a = self.layout.offsets[i] - lo
+        n = self.layout.numels[i]
+        b = bucket.index
+        with torch.no_grad():
+            new = value.detach().reshape(-1).to(self.anchor[b].device, torch.float32) if value is not None \
+                else self.master[b][a : a + n]
+            self.anchor[b][a : a + n].copy_(new)
+            self.u[b][a : a + n].zero_()
+
+    def load_param(self, param, value: torch.Tensor) -> None:
+        super().load_param(param, value)
+        self._rebase(param, value)
+
+    def adopt_edit(self, param) -> None:
+        super().adopt_edit(param)
+        self._rebase(param)
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -176,7 +210,7 @@ class ZeroOneAdam(ZeroOptimizer):
             self.u[b].zero_()
             self.anchor[b].copy_(m)
             self.since_sync[b].copy_(torch.tensor([0.0, 1.0], dtype=torch.float64))
-        self.schedule[5] = 0
+        self.schedule[6] = -1  # replayed from the step count at the next step
 
     def after_checkpoint_load(self) -> None:
         """The 16-bit parameters follow this rank's master (restored with its own state)."""
