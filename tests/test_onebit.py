@@ -459,3 +459,20 @@ def test_zero_one_adam_keeps_edits_and_survives_lr_zero():
         for p in model.parameters():
             assert torch.isfinite(p).all()
             assert p.abs().max() < (0.05 if lr else 1e-12), (lr, p)  # the zeros were kept (lr 0: exactly)
+
+
+def zero_one_memory():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=40, block_size=16, n_layer=1, n_head=2, n_embd=32))
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 0, "reduce_bucket_size": 3000},
+              "optimizer": {"type": "ZeroOneAdam"}}
+    estimate = zero.estimate_memory(model, 2, stage=0, offload="none", dtype="fp32", config=config)[0]
+    plain = zero.estimate_memory(model, 2, stage=0, offload="none", dtype="fp32")[0]
+    engine, *_ = zero.initialize(model=model, config=config)
+    report = engine.memory_report()
+    return estimate.buffers - plain.buffers, report["compression_errors"] + report["local_step_state"]
+
+
+def test_the_estimator_counts_zero_one_adams_state(dist_run):
+    estimated, measured = dist_run(2, zero_one_memory)[0]
+    assert measured > 0 and abs(estimated - measured) <= 4 * 3 * 2 * 16 * 40, (estimated, measured)

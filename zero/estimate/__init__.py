@@ -22,8 +22,9 @@ gradient shard and two copy-back tiles; stage 3's `offload_param` moves the para
 too. These are the kinds `Engine.memory_report()` measures, and on a real run the two agree up to
 padding (each bucket or unit is padded to split evenly over N SIMD-aligned slices).
 
-With a OneBitAdam config, `compression_errors` (included in `buffers`) is its error buffers: an
-fp32 copy of the trainable parameters per rank, plus 1/N of it at stage 0.
+With a OneBitAdam or ZeroOneAdam config, `compression_errors` (included in `buffers`) is the error
+buffers: an fp32 copy of the trainable parameters per rank, plus 1/N of it at stage 0. ZeroOneAdam
+adds two more fp32 copies to `buffers` (its momentum accumulator and anchor).
 
 `buffers` is the communication and gathering memory of a step beyond the model states: stages 0-1
 one bucket cast to the communication dtype (when it differs); stage 2 the staging buffers of the
@@ -213,8 +214,9 @@ def _policies(config, stage: int, offload: str, dtype: str, world_size: int):
     with warnings.catch_warnings():  # a key that has no effect at some row's stage is not news here
         warnings.simplefilter("ignore", ConfigWarning)
         cfg = load_config(data, world_size)
-    onebit = cfg.optimizer is not None and cfg.optimizer.onebit is not None
-    return (*options_from_config(cfg, world_size, num_threads=1), onebit)
+    kind = cfg.optimizer.type if cfg.optimizer is not None and cfg.optimizer.type in ("OneBitAdam", "ZeroOneAdam") \
+        else None
+    return (*options_from_config(cfg, world_size, num_threads=1), kind)
 
 
 def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, config, persistent_given,
@@ -263,9 +265,11 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
     else:  # gathered units, one all-gather output, (offload_param) one staged shard, two gradient sends
         gathered = min(psi - persistent, max(s3.max_live_elements, largest_unit))
         buffers = p * gathered + p * largest_unit + (p * largest_unit / n if offload_param else 0) + 2 * r * largest_unit
-    # OneBitAdam (stages 0-2, several ranks): a worker error per element, a server error per owned element at stage 0
+    # OneBitAdam (stages 0-2) and ZeroOneAdam (stage 0), several ranks: a worker error per element, a
+    # server error per owned element at stage 0; ZeroOneAdam also keeps u and the anchor (8 bytes each)
     errors = 4 * (psi + (psi / n if stage == 0 else 0)) if onebit and n > 1 and stage < 3 else 0
-    buffers += errors
+    local_state = 8 * psi if onebit == "ZeroOneAdam" and stage == 0 else 0
+    buffers += errors + local_state
     on_host = (fp32_master + states if offload_opt else 0) + (p * psi / n if offload_param else 0)
     host = on_host + host_staging
     device = params + grads + fp32_master + states + buffers - on_host

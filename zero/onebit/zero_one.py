@@ -212,6 +212,16 @@ class ZeroOneAdam(ZeroOptimizer):
             self.since_sync[b].copy_(torch.tensor([0.0, 1.0], dtype=torch.float64))
         self.schedule[6] = -1  # replayed from the step count at the next step
 
+    def memory_report(self) -> dict:
+        """As ZeroOptimizer's, plus `compression_errors` (the error buffers) and `local_step_state`
+        (u and the anchor: two fp32 copies of the trainable parameters), both on the device."""
+        report = super().memory_report()
+        errors = sum(t.untyped_storage().nbytes() for t in self.exchange.tensors().values())
+        local = sum(t.untyped_storage().nbytes() for t in (*self.u, *self.anchor))
+        report.update(compression_errors=errors, local_step_state=local)
+        report["device_bytes"] += errors + local
+        return report
+
     def after_checkpoint_load(self) -> None:
         """The 16-bit parameters follow this rank's master (restored with its own state)."""
         for b, bucket in enumerate(self.layout.buckets):
