@@ -201,19 +201,21 @@ class Comm:
         background thread while training uses the data and control groups. Made like `control`."""
         return self._side_group("io")
 
+    def _made_control(self) -> Comm | None:
+        """The control group `control()` made for this group, if it has (without making one)."""
+        entry = _CONTROL.get((id(dist.group.WORLD), id(self.group), "control")) if self.distributed else None
+        return entry[1] if entry is not None and entry[1] is not self else None
+
     def waited_s(self) -> float:
         """Seconds the host waited for this group's collectives and its control group's (if made)."""
-        key = (id(dist.group.WORLD), id(self.group), "control") if self.distributed else None
-        entry = _CONTROL.get(key)
-        side = entry[1] if entry is not None and entry[1] is not self else None
+        side = self._made_control()
         return self.wait_s + (side.wait_s if side is not None else 0.0)
 
     def reset_waited(self) -> None:
         self.wait_s = 0.0
-        key = (id(dist.group.WORLD), id(self.group), "control") if self.distributed else None
-        entry = _CONTROL.get(key)
-        if entry is not None:
-            entry[1].wait_s = 0.0
+        side = self._made_control()
+        if side is not None:
+            side.wait_s = 0.0
 
     def _side_group(self, kind: str) -> Comm:
         if not self.distributed or self.world_size == 1:

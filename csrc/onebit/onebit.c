@@ -58,6 +58,15 @@ static void unpack_block_scalar(int64_t k, int64_t len, const uint8_t *bits, int
 }
 
 #if ONEBIT_X86
+/* The SIMD scale's tail: elements i.. of the block, added to the lanes' fp32 sum. */
+static float finish_scale(float sum, int64_t i, int64_t len, const float *x, float *y) {
+    for (; i < len; i++) {
+        y[i] = y[i] + x[i];
+        sum += y[i] * y[i];
+    }
+    return sqrtf(sum / (float)len);
+}
+
 /* ------------------------------------------------------------------------------ AVX2 */
 #define TARGET_AVX2 __attribute__((target("avx2,fma")))
 #define TARGET_AVX512 __attribute__((target("avx512f,avx512bw")))
@@ -74,11 +83,7 @@ TARGET_AVX2 static float block_scale_avx2(int64_t len, const float *x, float *y)
     _mm256_storeu_ps(lanes, acc);
     float sum = 0.0f;
     for (int l = 0; l < 8; l++) sum += lanes[l];
-    for (; i < len; i++) {
-        y[i] = y[i] + x[i];
-        sum += y[i] * y[i];
-    }
-    return sqrtf(sum / (float)len);
+    return finish_scale(sum, i, len, x, y);
 }
 
 TARGET_AVX2 static void block_bits_avx2(int64_t len, float *y, float s, uint8_t *bits) {
@@ -107,16 +112,8 @@ TARGET_AVX2 static void unpack_block_avx2(int64_t k, int64_t len, const uint8_t 
         }
         _mm256_storeu_ps(out + i, _mm256_div_ps(acc, _mm256_set1_ps((float)k)));
     }
-    if (full < len) {  /* the tail: elements full.. of every row */
-        for (int64_t i = full; i < len; i++) {
-            float acc = 0.0f;
-            for (int64_t r = 0; r < k; r++) {
-                float s = scales[r * row_scales];
-                acc += ((bits[r * row_bytes + (i >> 3)] >> (i & 7)) & 1) ? s : -s;
-            }
-            out[i] = acc / (float)k;
-        }
-    }
+    if (full < len) /* the tail, from a byte boundary: the same sums in the same order */
+        unpack_block_scalar(k, len - full, bits + full / 8, row_bytes, scales, row_scales, out + full);
 }
 
 /* ------------------------------------------------------------------------------ AVX-512 */
@@ -130,11 +127,7 @@ TARGET_AVX512 static float block_scale_avx512(int64_t len, const float *x, float
         acc = _mm512_fmadd_ps(v, v, acc);
     }
     float sum = _mm512_reduce_add_ps(acc);
-    for (; i < len; i++) {
-        y[i] = y[i] + x[i];
-        sum += y[i] * y[i];
-    }
-    return sqrtf(sum / (float)len);
+    return finish_scale(sum, i, len, x, y);
 }
 
 TARGET_AVX512 static void block_bits_avx512(int64_t len, float *y, float s, uint8_t *bits) {
@@ -163,14 +156,8 @@ TARGET_AVX512 static void unpack_block_avx512(int64_t k, int64_t len, const uint
         }
         _mm512_storeu_ps(out + i, _mm512_div_ps(acc, _mm512_set1_ps((float)k)));
     }
-    for (int64_t i = full; i < len; i++) {
-        float acc = 0.0f;
-        for (int64_t r = 0; r < k; r++) {
-            float s = scales[r * row_scales];
-            acc += ((bits[r * row_bytes + (i >> 3)] >> (i & 7)) & 1) ? s : -s;
-        }
-        out[i] = acc / (float)k;
-    }
+    if (full < len)
+        unpack_block_scalar(k, len - full, bits + full / 8, row_bytes, scales, row_scales, out + full);
 }
 #endif /* ONEBIT_X86 */
 

@@ -22,26 +22,24 @@ from zero.config.errors import ConfigError, ConfigWarning
 from zero.config.features import UNIMPLEMENTED_FEATURES, UnimplementedFeature
 from zero.config.loading import load_config, resolve_auto
 from zero.config.model import ZeroConfig
+from zero.config.optimizer import SUPPORTED_OPTIMIZERS, AdamParams, OptimizerConfig
 from zero.config.sections import (
-                                  AUTO,
-                                  DEEPSPEED_SCHEDULERS,
-                                  SUPPORTED_OPTIMIZERS,
-                                  AdamParams,
-                                  BF16Config,
-                                  CheckpointConfig,
-                                  DataTypesConfig,
-                                  FP16Config,
-                                  LRRangeTestParams,
-                                  OffloadOptimizerConfig,
-                                  OffloadParamConfig,
-                                  OneCycleParams,
-                                  OptimizerConfig,
-                                  ParallelWriteConfig,
-                                  SchedulerConfig,
-                                  WarmupCosineLRParams,
-                                  WarmupDecayLRParams,
-                                  WarmupLRParams,
-                                  ZeroOptimizationConfig,
+    AUTO,
+    DEEPSPEED_SCHEDULERS,
+    BF16Config,
+    CheckpointConfig,
+    DataTypesConfig,
+    FP16Config,
+    LRRangeTestParams,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    OneCycleParams,
+    ParallelWriteConfig,
+    SchedulerConfig,
+    WarmupCosineLRParams,
+    WarmupDecayLRParams,
+    WarmupLRParams,
+    ZeroOptimizationConfig,
 )
 
 __all__ = [

@@ -7,12 +7,12 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from zero.config.errors import _fmt, _NestedIssues, _warn
+from zero.config.optimizer import OptimizerConfig
 from zero.config.sections import (
     BF16Config,
     CheckpointConfig,
     DataTypesConfig,
     FP16Config,
-    OptimizerConfig,
     SchedulerConfig,
     ZeroOptimizationConfig,
     _Section,

@@ -237,12 +237,12 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
         for t in self.rank_state().values():
             t.zero_()
 
+    @abc.abstractmethod
     def grad_piece(self, param: torch.nn.Parameter) -> tuple[int, torch.Tensor, bool]:
         """Where `param`'s gradient is on this rank: (offset into the flattened parameter, 1-D
         view, reduced). A reduced piece (stages 2 and 3, once its reduction finished) is this
         rank's part of the sum over ranks; an unreduced one (stages 0 and 1 until the step reduces
         the flat gradient) is this rank's own gradient, whole."""
-        raise NotImplementedError(f"{type(self).__name__} does not expose its gradients")
 
     def grad_divisor(self, reduced: bool) -> float:
         """What a gradient piece is divided by to give the mean gradient the step applies (before

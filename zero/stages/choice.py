@@ -56,7 +56,7 @@ def _client_optimizer(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None) 
         if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
             return None, {}
         return type(optimizer), dict(optimizer.defaults)
-    from zero.config.sections import CLIENT_OPTIMIZERS, optimizer_class
+    from zero.config.optimizer import CLIENT_OPTIMIZERS, optimizer_class
 
     if cfg.optimizer is not None and cfg.optimizer.type in CLIENT_OPTIMIZERS:
         cls = optimizer_class(cfg.optimizer.type)

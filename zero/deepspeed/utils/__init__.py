@@ -80,6 +80,11 @@ def _local(param, kind: str) -> torch.Tensor | None:
     return torch.cat([p.detach().reshape(-1) for p in pieces]) if pieces else torch.empty(0)
 
 
+def _check_state_key(key: str) -> None:
+    if key not in ("exp_avg", "exp_avg_sq"):
+        raise ValueError(f"optimizer state {key!r}: zero's Adam keeps 'exp_avg' and 'exp_avg_sq'")
+
+
 def safe_get_full_fp32_param(param) -> torch.Tensor | None:
     """The full fp32 master value of `param` (collective: every rank calls it)."""
     return _full(param, "master")
@@ -87,8 +92,7 @@ def safe_get_full_fp32_param(param) -> torch.Tensor | None:
 
 def safe_get_full_optimizer_state(param, optim_state_key: str) -> torch.Tensor | None:
     """The full Adam state `optim_state_key` ("exp_avg" or "exp_avg_sq") of `param` (collective)."""
-    if optim_state_key not in ("exp_avg", "exp_avg_sq"):
-        raise ValueError(f"optimizer state {optim_state_key!r}: zero's Adam keeps 'exp_avg' and 'exp_avg_sq'")
+    _check_state_key(optim_state_key)
     return _full(param, optim_state_key)
 
 
@@ -99,8 +103,7 @@ def safe_get_local_fp32_param(param) -> torch.Tensor | None:
 
 def safe_get_local_optimizer_state(param, optim_state_key: str) -> torch.Tensor | None:
     """This rank's part of `param`'s Adam state `optim_state_key`, flat (not collective)."""
-    if optim_state_key not in ("exp_avg", "exp_avg_sq"):
-        raise ValueError(f"optimizer state {optim_state_key!r}: zero's Adam keeps 'exp_avg' and 'exp_avg_sq'")
+    _check_state_key(optim_state_key)
     return _local(param, optim_state_key)
 
 
@@ -194,8 +197,7 @@ def safe_set_full_fp32_param(param, value: torch.Tensor) -> None:
 
 def safe_set_full_optimizer_state(param, value: torch.Tensor, optim_state_key: str) -> None:
     """Set `param`'s Adam state `optim_state_key` to the full `value`, given on every rank."""
-    if optim_state_key not in ("exp_avg", "exp_avg_sq"):
-        raise ValueError(f"optimizer state {optim_state_key!r}: zero's Adam keeps 'exp_avg' and 'exp_avg_sq'")
+    _check_state_key(optim_state_key)
     _set_full(param, optim_state_key, value)
 
 

@@ -1,0 +1,209 @@
+"""The `optimizer` section: which optimizer the engine builds, and its parameters (Adam's, the
+client optimizers' own, OneBitAdam's and ZeroOneAdam's), checked key by key."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal, Optional
+
+from pydantic import Field, field_validator, model_validator
+
+from zero.config.errors import _fmt
+from zero.config.sections import _lr, _Section
+
+SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "Lion", "OneBitAdam", "ZeroOneAdam")
+NOT_YET: dict[str, str] = {}
+CLIENT_OPTIMIZERS = ("SGD", "Adagrad", "Lion")  # run as element-wise optimizers on the shards; params as their own
+NOT_ON_SHARDS = {"Lamb": "LAMB's trust ratio needs each parameter's whole norm, which a shard does not have",
+                 "OneBitLamb": "LAMB's trust ratio needs each parameter's whole norm, which a shard does not have"}
+_DEEPSPEED_ONLY_OPTIMIZERS = ("adagrad", "lamb", "onebitadam", "zerooneadam", "onebitlamb", "muadam",
+                              "muadamw", "musgd", "lion", "muon")
+
+
+class AdamParams(_Section):
+    """`optimizer.params` for Adam/AdamW (DeepSpeed FusedAdam / DeepSpeedCPUAdam defaults)."""
+
+    lr: float = Field(1e-3, ge=0, allow_inf_nan=False, description="Learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="(beta1, beta2), each in [0, 1).")
+    eps: float = Field(1e-8, ge=0, allow_inf_nan=False, description="Added to the denominator.")
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False,
+                                description="Weight decay; decoupled (AdamW) unless adam_w_mode is false.")
+    bias_correction: bool = Field(True, description="Apply Adam's bias correction to m and v.")
+    adam_w_mode: bool = Field(True, description="Decoupled weight decay (AdamW). DeepSpeed's default is "
+                              "true, so type Adam means AdamW unless this is set to false.")
+    torch_adam: bool = Field(False, description="DeepSpeed: use torch.optim.Adam/AdamW instead of its fused "
+                             "kernel. zero always uses its own Adam kernels (true warns).")
+    amsgrad: bool = Field(False, description="Not supported (DeepSpeed's fused Adam rejects it too).")
+    freeze_step: Optional[int] = Field(None, ge=1, description="OneBitAdam: steps of exact Adam before the variance "
+                                       "freezes and gradients are exchanged 1-bit compressed (default 100000; at "
+                                       "least 1: the variance must have a value to freeze).")
+    comm_backend_name: Optional[Literal["nccl", "mpi", "gloo", "compressed", "hccl"]] = Field(
+        None, description="OneBitAdam: DeepSpeed's transport choice; zero exchanges through torch.distributed's "
+        "group (NCCL or gloo) whatever this says.")
+    cuda_aware: Optional[bool] = Field(None, description="OneBitAdam: DeepSpeed's MPI switch; no effect in zero "
+                                       "(true warns).")
+    var_freeze_step: Optional[int] = Field(None, ge=1, description="ZeroOneAdam: the last step at which the "
+                                           "variance may be updated (default 100000).")
+    var_update_scaler: Optional[int] = Field(None, ge=1, description="ZeroOneAdam: variance updates between "
+                                             "doublings of their interval (default 16).")
+    local_step_scaler: Optional[int] = Field(None, ge=1, description="ZeroOneAdam: steps after var_freeze_step "
+                                             "between doublings of the interval between syncs (default 32678).")
+    local_step_clipper: Optional[int] = Field(None, ge=1, description="ZeroOneAdam: the longest interval between "
+                                              "syncs, in steps (default 16).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _max_grad_norm(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "max_grad_norm" in data:
+            raise ValueError("'max_grad_norm' is not an optimizer parameter; use the top-level "
+                             "'gradient_clipping' key (as DeepSpeed requires)")
+        return data
+
+    _check_lr = field_validator("lr")(_lr)
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _betas(cls, v: Any) -> Any:
+        ok = (isinstance(v, (list, tuple)) and len(v) == 2
+              and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in v))
+        if not ok:
+            raise ValueError(f"expected a pair [beta1, beta2] with 0 <= beta < 1, got {_fmt(v)}")
+        return tuple(float(b) for b in v)
+
+    @field_validator("amsgrad")
+    @classmethod
+    def _amsgrad(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("amsgrad is not supported; remove it or set it to false")
+        return v
+
+
+def _client_params(kind: str, params: Any) -> dict:
+    """Check `params` against the optimizer's constructor: names, and finite non-negative lr."""
+    import inspect
+
+    if not isinstance(params, dict):
+        raise ValueError(f"optimizer.params must be an object for {kind}, got {type(params).__name__}")
+    cls = optimizer_class(kind)
+    accepted = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "params")]
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise ValueError(f"unknown {kind} parameter(s) {unknown}; {kind} takes {accepted}")
+    lr = params.get("lr", 1e-3)
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+        raise ValueError(f"optimizer.params.lr must be a finite number >= 0, got {lr!r}")
+    return dict(params)
+
+
+def optimizer_class(kind: str) -> type:
+    """The torch optimizer class of a config optimizer type other than Adam/AdamW."""
+    import torch
+
+    if kind == "Lion":
+        from zero.optimizers import Lion
+
+        return Lion
+    return {"SGD": torch.optim.SGD, "Adagrad": torch.optim.Adagrad}[kind]
+
+
+ONEBIT_KEYS = ("freeze_step", "comm_backend_name", "cuda_aware")
+ZEROONE_KEYS = ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper")
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroOne:
+    """ZeroOneAdam's settings, from `optimizer.params`."""
+
+    var_freeze_step: int
+    var_update_scaler: int
+    local_step_scaler: int
+    local_step_clipper: int
+
+
+@dataclasses.dataclass(frozen=True)
+class OneBit:
+    """OneBitAdam's settings, from `optimizer.params`."""
+
+    freeze_step: int
+
+
+class OptimizerConfig(_Section):
+    """`optimizer`: which optimizer the engine builds when the caller passes none."""
+
+    type: str = Field(..., description="Adam, AdamW, SGD, Adagrad, Lion, OneBitAdam or ZeroOneAdam "
+                      "(case-insensitive).")
+    params: AdamParams = Field(default_factory=AdamParams, description="Constructor arguments.")
+    other_params: dict[str, Any] = Field(default_factory=dict, description="For SGD, Adagrad and Lion: their "
+                                         "constructor arguments (written as `params`).")
+    legacy_fusion: bool = Field(False, description="DeepSpeed legacy fp16 optimizer switch; no effect in zero "
+                                "(true warns).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _misplaced(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("type"), str):
+            kind = next((n for n in CLIENT_OPTIMIZERS if n.lower() == data["type"].lower()), None)
+            if kind is not None:  # its own constructor's arguments, checked against it
+                data = {**data, "type": kind, "other_params": _client_params(kind, data.get("params") or {})}
+                data.pop("params", None)
+        if isinstance(data, dict) and isinstance(data.get("type"), str):
+            why = next((w for name, w in NOT_YET.items() if name.lower() == data["type"].lower()), None)
+            if why is not None:  # before its params are checked as Adam's
+                raise ValueError(f"optimizer type {data['type']!r}: {why}")
+        if isinstance(data, dict):
+            for key in ("adam_w_mode", "torch_adam", "lr", "betas", "eps", "weight_decay"):
+                if key in data:
+                    raise ValueError(f"'{key}' belongs inside optimizer.params, not optimizer")
+        return data
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _type(cls, v: Any) -> Any:
+        if not isinstance(v, str):
+            return v
+        for name, why in NOT_ON_SHARDS.items():
+            if v.lower() == name.lower():
+                raise ValueError(f"optimizer type {v!r} cannot run on ZeRO's partitioned shards: {why}")
+        for name, why in NOT_YET.items():
+            if v.lower() == name.lower():
+                raise ValueError(f"optimizer type {v!r}: {why}")
+        for name in SUPPORTED_OPTIMIZERS:
+            if v.lower() == name.lower():
+                return name
+        raise ValueError(f"optimizer type {v!r} is not supported; supported types: "
+                         f"{', '.join(SUPPORTED_OPTIMIZERS)} (case-insensitive), or pass your own "
+                         f"torch optimizer to initialize()")
+
+    @property
+    def adamw(self) -> bool:
+        """True when weight decay is decoupled: type AdamW, or Adam with adam_w_mode (DeepSpeed rule)."""
+        return self.type == "AdamW" or self.params.adam_w_mode
+
+    @model_validator(mode="after")
+    def _onebit_only(self) -> OptimizerConfig:
+        own = {"OneBitAdam": ("freeze_step", "comm_backend_name", "cuda_aware"),
+               "ZeroOneAdam": ZEROONE_KEYS + ("comm_backend_name", "cuda_aware")}.get(self.type, ())
+        for key in ONEBIT_KEYS + ZEROONE_KEYS:
+            if key not in own and getattr(self.params, key) is not None:
+                whose = "a ZeroOneAdam" if key in ZEROONE_KEYS else "a OneBitAdam"
+                raise ValueError(f"params.{key} is {whose} parameter, not one of {self.type}'s")
+        return self
+
+    @property
+    def zeroone(self) -> ZeroOne | None:
+        """ZeroOneAdam's settings (None for any other type)."""
+        if self.type != "ZeroOneAdam":
+            return None
+        p = self.params
+        pick = lambda v, default: default if v is None else v
+        return ZeroOne(var_freeze_step=pick(p.var_freeze_step, 100_000), var_update_scaler=pick(p.var_update_scaler, 16),
+                       local_step_scaler=pick(p.local_step_scaler, 32678),
+                       local_step_clipper=pick(p.local_step_clipper, 16))
+
+    @property
+    def onebit(self) -> OneBit | None:
+        """OneBitAdam's settings (None for any other type)."""
+        if self.type != "OneBitAdam":
+            return None
+        freeze = self.params.freeze_step
+        return OneBit(freeze_step=100_000 if freeze is None else freeze)
