@@ -42,6 +42,10 @@ class AdamParams(_Section):
         "group (NCCL or gloo) whatever this says.")
     cuda_aware: Optional[bool] = Field(None, description="OneBitAdam: DeepSpeed's MPI switch; no effect in zero "
                                        "(true warns).")
+    compress_param_gather: Optional[bool] = Field(
+        None, description="OneBitAdam at ZeRO stages 1 and 2 (zero's own key): after freeze_step, all-gather "
+        "each owner's parameter change 1-bit compressed instead of the updated 16-bit parameters (see "
+        "[Note: compressed parameter gather]; default false).")
     var_freeze_step: Optional[int] = Field(None, ge=1, description="ZeroOneAdam: the last step at which the "
                                            "variance may be updated (default 100000).")
     var_update_scaler: Optional[int] = Field(None, ge=1, description="ZeroOneAdam: variance updates between "
@@ -106,7 +110,7 @@ def optimizer_class(kind: str) -> type:
     return {"SGD": torch.optim.SGD, "Adagrad": torch.optim.Adagrad}[kind]
 
 
-ONEBIT_KEYS = ("freeze_step", "comm_backend_name", "cuda_aware")
+ONEBIT_KEYS = ("freeze_step", "comm_backend_name", "cuda_aware", "compress_param_gather")
 ZEROONE_KEYS = ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper")
 
 
@@ -125,6 +129,7 @@ class OneBit:
     """OneBitAdam's settings, from `optimizer.params`."""
 
     freeze_step: int
+    compress_param_gather: bool = False
 
 
 class OptimizerConfig(_Section):
@@ -181,7 +186,7 @@ class OptimizerConfig(_Section):
 
     @model_validator(mode="after")
     def _onebit_only(self) -> OptimizerConfig:
-        own = {"OneBitAdam": ("freeze_step", "comm_backend_name", "cuda_aware"),
+        own = {"OneBitAdam": ONEBIT_KEYS,
                "ZeroOneAdam": ZEROONE_KEYS + ("comm_backend_name", "cuda_aware")}.get(self.type, ())
         for key in ONEBIT_KEYS + ZEROONE_KEYS:
             if key not in own and getattr(self.params, key) is not None:
@@ -206,4 +211,5 @@ class OptimizerConfig(_Section):
         if self.type != "OneBitAdam":
             return None
         freeze = self.params.freeze_step
-        return OneBit(freeze_step=100_000 if freeze is None else freeze)
+        return OneBit(freeze_step=100_000 if freeze is None else freeze,
+                      compress_param_gather=bool(self.params.compress_param_gather))

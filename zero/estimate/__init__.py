@@ -216,16 +216,18 @@ def _policies(config, stage: int, offload: str, dtype: str, world_size: int):
         cfg = load_config(data, world_size)
     kind = cfg.optimizer.type if cfg.optimizer is not None and cfg.optimizer.type in ("OneBitAdam", "ZeroOneAdam") \
         else None
-    return (*options_from_config(cfg, world_size, num_threads=1), kind)
+    gather = kind == "OneBitAdam" and cfg.optimizer.onebit.compress_param_gather and stage in (1, 2) and world_size > 1
+    return (*options_from_config(cfg, world_size, num_threads=1), kind, gather)
 
 
 def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, config, persistent_given,
               largest_layer: int | None):
-    precision, step, reduce, s3, onebit = _policies(config, stage, offload, dtype, n)
+    precision, step, reduce, s3, onebit, compressed_gather = _policies(config, stage, offload, dtype, n)
     p, g = precision.param.itemsize, precision.grad.itemsize
     r = precision.reduce.itemsize
     offload_opt, offload_param = step.offload is not None, s3.offload_param
-    master = 4 if (precision.param != torch.float32 or offload_opt or offload_param) else 0  # else: the params
+    # else the params are their own master (OneBitAdam's compressed gather needs them apart)
+    master = 4 if (precision.param != torch.float32 or offload_opt or offload_param or compressed_gather) else 0
     shard = psi / n if stage >= 1 else psi  # the optimizer's part
     persistent, largest_unit = 0, min(psi, largest_layer or s3.unit_elements)
     if stage == 3:
@@ -269,7 +271,7 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
     # server error per owned element at stage 0; ZeroOneAdam also keeps u and the anchor (8 bytes each)
     errors = 4 * (psi + (psi / n if stage == 0 else 0)) if onebit and n > 1 and stage < 3 else 0
     local_state = 8 * psi if onebit == "ZeroOneAdam" and stage == 0 else 0
-    buffers += errors + local_state
+    buffers += errors + local_state + (p * shard if compressed_gather else 0)  # the owned slices before the step
     on_host = (fp32_master + states if offload_opt else 0) + (p * psi / n if offload_param else 0)
     host = on_host + host_staging
     device = params + grads + fp32_master + states + buffers - on_host

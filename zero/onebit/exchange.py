@@ -86,3 +86,42 @@ class CompressedExchange:
         all_bits, all_scales = all_bits.view(n, nb), all_scales.view(n, ns)
         full = torch.cat([unpack_mean(all_bits[r : r + 1], all_scales[r : r + 1], s) for r in range(n)])
         buf.copy_(full[: buf.numel()] * n)
+
+
+@torch.no_grad()
+def gather_changes(comm: Comm, bucket: torch.Tensor, before: torch.Tensor, rank: int) -> None:
+    """[Note: compressed parameter gather]
+    At stages 1 and 2 each rank updates only its own slice of every bucket, and the ranks then
+    all-gather the updated 16-bit slices: 16 bits per element, which after the freeze is most of
+    what 1-bit Adam sends. With `compress_param_gather` the owner of a slice sends instead the
+    change from the values every rank holds for it (`before`, the same bits on every rank) to its
+    new 16-bit values, compressed like a gradient ([Note: 1-bit compression]), and every rank,
+    the owner too, adds the decompressed change to `before` in the same arithmetic, so all ranks
+    keep the same bits.
+
+    There is no error buffer: what a message did not carry stays in the difference between the
+    owner's new values and what the ranks hold, and the next step's change includes it. The
+    model's parameters therefore trail the optimizer's master by at most a few steps' worth of
+    compression error, which the master never sees (its update is exact 1-bit Adam). Costs: at
+    fp32 without offload the master can no longer be the parameters themselves, so each rank
+    keeps an fp32 copy of its own slices (4 bytes per owned element); and during the step a copy
+    of the owned slices as they were (one 16-bit or fp32 value per owned element).
+
+    `bucket` is the whole bucket in the flat parameter buffer (N equal slices, this rank's
+    already holding its new values); `before` is this rank's slice as it was before the step.
+    """
+    n = comm.world_size
+    s = bucket.numel() // n
+    mine = bucket[rank * s : (rank + 1) * s]
+    change = mine.float() - before.float()
+    bits, scales = pack(change, torch.zeros_like(change))
+    nb, ns = bits.numel(), scales.numel()
+    all_bits = torch.empty(n * nb, dtype=torch.uint8, device=bucket.device)
+    all_scales = torch.empty(n * ns, dtype=torch.float32, device=bucket.device)
+    comm.all_gather(all_bits, bits, label="onebit_param_bits")
+    comm.all_gather(all_scales, scales, label="onebit_param_scales")
+    all_bits, all_scales = all_bits.view(n, nb), all_scales.view(n, ns)
+    for r in range(n):
+        chunk = bucket[r * s : (r + 1) * s]
+        base = before if r == rank else chunk
+        chunk.copy_(base.float() + unpack_mean(all_bits[r : r + 1], all_scales[r : r + 1], s))

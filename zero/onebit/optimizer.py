@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from zero.onebit.exchange import CompressedExchange
+from zero.onebit.exchange import CompressedExchange, gather_changes
 from zero.stages.buckets import ZeroOptimizer
 
 
@@ -36,11 +36,15 @@ class OneBitAdam(ZeroOptimizer):
 
     Args:
         freeze_step: steps of exact Adam before the variance freezes and compression starts.
+        compress_param_gather: stages 1 and 2, after the freeze: all-gather each owner's parameter
+            change 1-bit compressed (see [Note: compressed parameter gather]).
     """
 
-    def __init__(self, *args, freeze_step: int, **kwargs):
+    def __init__(self, *args, freeze_step: int, compress_param_gather: bool = False, **kwargs):
+        self.compress_param_gather = compress_param_gather  # read by master_is_params, during the base's __init__
         super().__init__(*args, **kwargs)
         self.freeze_step = freeze_step
+        self._before: list[torch.Tensor] | None = None  # owned slices before this step (compressed gather)
         numels = [b.numel for b in self.layout.buckets] if self.comm.world_size > 1 else []  # one rank: no exchange
         self.exchange = CompressedExchange(self.comm, numels, full_result=self.stage == 0, device=self.flat.device)
         # the loss scale the error buffers are in (fp16), kept with them in checkpoints
@@ -50,6 +54,26 @@ class OneBitAdam(ZeroOptimizer):
     def compressing(self) -> bool:
         """The gradients being reduced now are for a step after `freeze_step`."""
         return self.step_count >= self.freeze_step and self.comm.world_size > 1
+
+    def master_is_params(self) -> bool:
+        return super().master_is_params() and not (self.compress_param_gather and self.comm.world_size > 1)
+
+    def step(self, closure=None) -> bool:
+        if self.compress_param_gather and self.compressing and self.partitions > 1:
+            self._before = [self.flat[slice(*self._own(b))].clone() for b in self.layout.buckets]
+            self.gauges.gather_buffers.add(sum(t.untyped_storage().nbytes() for t in self._before))
+        try:
+            return super().step(closure)
+        finally:
+            if self._before is not None:
+                self.gauges.gather_buffers.sub(sum(t.untyped_storage().nbytes() for t in self._before))
+                self._before = None
+
+    def publish(self) -> None:
+        if self._before is None:  # before the freeze, and every publish outside a step (loads): exact
+            return super().publish()
+        for bucket, before in zip(self.layout.buckets, self._before):
+            gather_changes(self.comm, self.flat[bucket.start : bucket.start + bucket.numel], before, self.rank)
 
     def _reduce_bucket(self, bucket, buf: torch.Tensor, async_op: bool):
         if not self.compressing:
@@ -79,6 +103,8 @@ class OneBitAdam(ZeroOptimizer):
         errors = sum(t.untyped_storage().nbytes() for t in self.exchange.tensors().values())
         report["compression_errors"] = errors
         report["device_bytes"] += errors
+        if self.compress_param_gather:
+            report["gather_buffers_peak"] = self.gauges.gather_buffers.peak
         return report
 
     def _skip(self, norm: float) -> None:

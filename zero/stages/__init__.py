@@ -65,10 +65,15 @@ def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], confi
             raise ValueError("optimizer type OneBitAdam needs ZeRO stage 0, 1 or 2: under stage 3 the gradient "
                              "reduction is per unit of gathered parameters and its compressed exchange is not "
                              "implemented (see docs/onebit.md)")
+        if onebit.compress_param_gather and stage == 0:
+            raise ValueError("optimizer.params.compress_param_gather applies to ZeRO stages 1 and 2: stage 0 has no "
+                             "parameter all-gather (every rank updates every parameter, and its gradient exchange is "
+                             "already compressed both ways); remove the key or set zero_optimization.stage to 1 or 2")
         from zero.onebit.optimizer import OneBitAdam
 
         return OneBitAdam(module, param_groups, stage=stage, comm=comm, precision=precision, step=step, reduce=reduce,
-                          device=device, loss_scaler=scaler, freeze_step=onebit.freeze_step)
+                          device=device, loss_scaler=scaler, freeze_step=onebit.freeze_step,
+                          compress_param_gather=onebit.compress_param_gather)
     if stage == 3:
         return Stage3Optimizer(module, param_groups, comm=comm, precision=precision, step=step, reduce=reduce,
                                options=stage3, device=device, loss_scaler=scaler)

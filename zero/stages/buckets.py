@@ -101,7 +101,7 @@ class ZeroOptimizer(ShardedAdam):
         """See [Note: flat parameters]."""
         layout, dtype = self.layout, self.precision.param
         self.flat = torch.zeros(layout.numel, dtype=dtype, device=device)
-        alias = dtype == torch.float32 and self.offload is None  # fp32: the parameters are their own master
+        alias = self.master_is_params()
         self.master = [self.flat[slice(*self._own(b))] if alias else self.new_state(self.flat[slice(*self._own(b))], device)
                        for b in layout.buckets]
         self.exp_avg = [self.new_state(m, device) for m in self.master]
@@ -117,6 +117,10 @@ class ZeroOptimizer(ShardedAdam):
             if not alias and a < b:  # the exact fp32 values of the part this rank owns
                 self.master[bucket.index][a - lo : b - lo].copy_(full[a - off : b - off])
             p.data = self.flat[off : off + n].view_as(p)
+
+    def master_is_params(self) -> bool:
+        """fp32 training without offload: the parameters are their own master (no second copy)."""
+        return self.precision.param == torch.float32 and self.offload is None
 
     def param_chunks(self, param: nn.Parameter, saving: bool) -> list[tuple[str, int, torch.Tensor]]:
         i = self._index.get(param)
