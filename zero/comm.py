@@ -228,7 +228,9 @@ class Comm:
             # bounded like every wait of zero's: a rank that never gets here (it failed before) makes
             # the others fail in the connection set-up after ZERO_COLLECTIVE_TIMEOUT
             try:
-                group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=self.timeout_s))
+                # local synchronisation: only this group's ranks take part (a mesh has several data groups)
+                group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=self.timeout_s),
+                                       use_local_synchronization=self.group is not None)
             except (RuntimeError, dist.DistError) as exc:
                 raise CollectiveTimeout(
                     f"setting up zero's {kind} group: ranks {ranks} did not all arrive within {self.timeout_s:g} s "
@@ -356,7 +358,9 @@ class Comm:
                 dist.all_to_all_single(output, input, group=self.group)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        """In-place broadcast from global rank `src`."""
+        """In-place broadcast from the group's rank `src` (its place in this group, which is the
+        global rank for the default group)."""
+        src = dist.get_global_rank(self.group, src) if self.distributed and self.group is not None else src
         self._count("broadcast", tensor)
         with record_function("zero::broadcast"):
             if self.world_size == 1:

@@ -165,16 +165,22 @@ def _read(config: Union[Mapping[str, Any], str, pathlib.Path]) -> tuple[dict, st
 
 
 def load_config(config: Union[Mapping[str, Any], str, pathlib.Path], world_size: int = 1, *,
-                auto_values: Optional[Mapping[str, Any]] = None) -> ZeroConfig:
+                auto_values: Optional[Mapping[str, Any]] = None, pipeline_stages: Optional[int] = None) -> ZeroConfig:
     """Parse, validate and resolve a DeepSpeed-style config.
 
     Args:
         config: a dict, or a path (str or pathlib.Path) to a JSON file.
-        world_size: number of data-parallel ranks, used by the batch-size rule.
+        world_size: number of ranks. Without pipeline or tensor parallelism all of them are
+            data-parallel; with them, world_size / (pipeline.stages x tensor_parallel.size) are
+            (see [Note: the parallel mesh] in zero/config/parallel.py), and the batch-size rule
+            counts those.
         auto_values: values for "auto" keys, by dotted path (see `resolve_auto`).
+        pipeline_stages: the model's own stage count (a PipelineModule's num_stages): taken when
+            pipeline.stages is not given; an explicit different value is an error.
 
     Returns:
-        A frozen `ZeroConfig` whose three batch keys are all set.
+        A frozen `ZeroConfig` whose three batch keys, pipeline.stages and pipeline.micro_batches
+        are all set.
 
     Raises:
         ConfigError: unknown key, bad value, inconsistent batch sizes, or a DeepSpeed key that zero
@@ -191,4 +197,28 @@ def load_config(config: Union[Mapping[str, Any], str, pathlib.Path], world_size:
     except ValidationError as err:
         _raise(_issues_from(err, ZeroConfig), source)
     _check_unimplemented(cfg)
-    return cfg.model_copy(update=_resolve_batch(cfg, world_size))
+    pipe = cfg.pipeline
+    if pipeline_stages is not None and pipe.stages is not None and pipe.stages != pipeline_stages:
+        _raise([(("pipeline", "stages"), f"is {pipe.stages}, but the model is a PipelineModule of "
+                 f"num_stages={pipeline_stages}; give the same number (or leave pipeline.stages out)")], source)
+    stages = pipe.stages or pipeline_stages or 1
+    if pipe.schedule == "interleaved_1f1b" and stages < 2:
+        _raise([(("pipeline", "schedule"), "'interleaved_1f1b' needs at least 2 pipeline stages")], source)
+    if world_size % (stages * cfg.tensor_parallel.size):
+        key = ("pipeline", "stages") if stages > 1 or cfg.tensor_parallel.size == 1 else ("tensor_parallel", "size")
+        _raise([(key, f"the world of {world_size} ranks does not split into pipeline.stages "
+                 f"({stages}) x tensor_parallel.size ({cfg.tensor_parallel.size}) x a data-parallel size: "
+                 f"{world_size} is not a multiple of {stages * cfg.tensor_parallel.size}")], source)
+    data_parallel = world_size // (stages * cfg.tensor_parallel.size)
+    m, accum = pipe.micro_batches, cfg.gradient_accumulation_steps
+    if m is not None and accum is not None and m != accum:
+        _raise([(("pipeline", "micro_batches"), f"is {m} but gradient_accumulation_steps is {accum}: both count "
+                 f"the micro-batches of one optimizer step; give one, or the same number")], source)
+    if m is not None:
+        cfg = cfg.model_copy(update={"gradient_accumulation_steps": m})
+    batch = _resolve_batch(cfg, data_parallel)
+    m = batch["gradient_accumulation_steps"]
+    if pipe.schedule == "interleaved_1f1b" and m % stages:
+        _raise([(("pipeline", "micro_batches"), f"schedule 'interleaved_1f1b' runs micro-batches in rounds of the "
+                 f"{stages} stages: the micro-batches per step ({m}) must be a multiple of {stages}")], source)
+    return cfg.model_copy(update={**batch, "pipeline": pipe.model_copy(update={"stages": stages, "micro_batches": m})})

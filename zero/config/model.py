@@ -8,6 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from zero.config.errors import _fmt, _NestedIssues, _warn
 from zero.config.optimizer import OptimizerConfig
+from zero.config.parallel import PipelineConfig, TensorParallelConfig
 from zero.config.sections import (
     BF16Config,
     CheckpointConfig,
@@ -92,7 +93,8 @@ class ZeroConfig(_Section):
     amp: _Section_ = Field(None, description="NVIDIA Apex AMP (not implemented).")
     torch_autocast: _Section_ = Field(None, description="torch.autocast mixed precision (not implemented).")
     sparse_attention: _Section_ = Field(None, description="Sparse attention (not implemented).")
-    pipeline: _Section_ = Field(None, description="Pipeline parallelism (not implemented).")
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Pipeline parallelism "
+                                     "(see docs/parallelism.md).")
     progressive_layer_drop: _Section_ = Field(None, description="Not implemented.")
     curriculum_learning: _Section_ = Field(None, description="Not implemented.")
     data_efficiency: _Section_ = Field(None, description="Not implemented.")
@@ -102,7 +104,8 @@ class ZeroConfig(_Section):
     elasticity: _Section_ = Field(None, description="Not implemented.")
     hybrid_engine: _Section_ = Field(None, description="Not implemented.")
     weight_quantization: _Section_ = Field(None, description="Not implemented.")
-    tensor_parallel: _Section_ = Field(None, description="AutoTP (not implemented).")
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig,
+                                                  description="Tensor slicing (see docs/parallelism.md).")
     compile: _Section_ = Field(None, description="DeepCompile (not implemented).")
     nebula: _Section_ = Field(None, description="Nebula checkpoint service (not implemented).")
     datastates: _Section_ = Field(None, description="DataStates checkpointing (not implemented).")
