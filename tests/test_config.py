@@ -406,6 +406,8 @@ READ = {
     "optimizer.type", "optimizer.other_params", "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
     "optimizer.params.weight_decay", "optimizer.params.bias_correction", "optimizer.params.adam_w_mode",
     "optimizer.params.freeze_step", "optimizer.params.comm_backend_name", "optimizer.params.var_freeze_step",
+    "optimizer.params.compress_param_gather", "pipeline.stages", "pipeline.schedule", "pipeline.micro_batches",
+    "pipeline.virtual_stages", "pipeline.partition_method", "tensor_parallel.size",
     "optimizer.params.var_update_scaler", "optimizer.params.local_step_scaler", "optimizer.params.local_step_clipper",
     # scheduler: DeepSpeed's schedules, or a torch scheduler's arguments passed through as `params`
     "scheduler.type", "scheduler.params", "scheduler.params.last_batch_iteration",
@@ -524,9 +526,9 @@ def _merge(a: dict, b: dict) -> dict:
 
 
 _SETTINGS = {  # a value that sets each row whose key is not a typed bool
-    "sparse_attention": {"mode": "fixed"}, "pipeline": {"stages": 2},
+    "sparse_attention": {"mode": "fixed"},
     "compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}},
-    "weight_quantization": {"post_init_quant": {"fc": {"num_bits": 8}}}, "tensor_parallel.autotp_size": 2,
+    "weight_quantization": {"post_init_quant": {"fc": {"num_bits": 8}}},
     "timers": {"throughput": {"enabled": True}}, "activation_checkpointing": {"partition_activations": True},
     "aio": {"block_size": 1048576}, "sequence_parallel_size": 2, "gradient_allreduce_op": "sum",
     "data_types.grad_accum_dtype": "fp32", "zero_optimization.zero_hpz_partition_size": 2,
@@ -648,7 +650,6 @@ def test_pin_memory_without_offload_warns():
     ({"amp": {"enabled": True, "opt_level": "O1"}}, "amp.enabled"),
     ({"sparse_gradients": True}, "sparse_gradients"),
     ({"curriculum_learning": {"enabled": True}}, "curriculum_learning.enabled"),
-    ({"pipeline": {"stages": 2}}, "pipeline"),
     ({"zero_optimization": {"zero_hpz_partition_size": 2}}, "zero_optimization.zero_hpz_partition_size"),
     ({"zero_optimization": {"zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients"),
     ({"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}}},

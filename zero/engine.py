@@ -586,6 +586,9 @@ def initialize(
             f"Call torch.distributed.init_process_group() first, or leave dist_init_required unset.")
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     cfg = load_config(config, world_size=world_size)  # every config error is raised here, first
+    if cfg.pipeline.stages > 1 or cfg.tensor_parallel.size > 1:
+        raise ValueError("pipeline.stages > 1 and tensor_parallel.size > 1 need a zero.pipe.PipelineModule model or "
+                         "a model sliced by zero.tp.parallelize; this engine trains data-parallel models only")
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(model.parameters() if model_parameters is None else model_parameters)
     engine = Engine(model, cfg, model_parameters, optimizer, lr_scheduler)
