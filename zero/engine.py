@@ -121,10 +121,11 @@ class Engine(nn.Module):
         model_parameters=None,
         optimizer: torch.optim.Optimizer | None = None,
         lr_scheduler=None,
+        comm: Comm | None = None,
     ):
         super().__init__()
         self.config = config
-        self.comm = Comm()
+        self.comm = comm if comm is not None else Comm()  # the data-parallel group (the world without a mesh)
         self.comm.engine = next_engine_number()
         self.device = _compute_device(self.comm)
         defaults = _optimizer_defaults(config, optimizer)
@@ -585,18 +586,36 @@ def initialize(
             f"one of several ranks, but no torch.distributed process group exists, so every rank would train alone. "
             f"Call torch.distributed.init_process_group() first, or leave dist_init_required unset.")
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    cfg = load_config(config, world_size=world_size)  # every config error is raised here, first
-    if cfg.pipeline.stages > 1 or cfg.tensor_parallel.size > 1:
-        raise ValueError("pipeline.stages > 1 and tensor_parallel.size > 1 need a zero.pipe.PipelineModule model or "
-                         "a model sliced by zero.tp.parallelize; this engine trains data-parallel models only")
+    from zero.pipe.module import PipelineModule
+
+    pipelined = isinstance(model, PipelineModule)
+    # every config error is raised here, first
+    cfg = load_config(config, world_size=world_size, pipeline_stages=model.num_stages if pipelined else None)
+    if cfg.pipeline.stages > 1 and not pipelined:
+        raise ValueError(f"pipeline.stages is {cfg.pipeline.stages}: the model must be a zero.pipe.PipelineModule "
+                         f"(a list of layers each stage builds its own part of), not a {type(model).__name__}")
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(model.parameters() if model_parameters is None else model_parameters)
-    engine = Engine(model, cfg, model_parameters, optimizer, lr_scheduler)
+    if pipelined or cfg.tensor_parallel.size > 1:
+        from zero.mesh import build_mesh
+
+        mesh = build_mesh(cfg.pipeline.stages, world_size // (cfg.pipeline.stages * cfg.tensor_parallel.size),
+                          cfg.tensor_parallel.size, _compute_device(Comm()))
+        if pipelined:
+            from zero.pipe.engine import PipelineEngine
+
+            engine = PipelineEngine(model, cfg, mesh, model_parameters, optimizer, lr_scheduler)
+        else:
+            from zero.tp import TensorParallelEngine
+
+            engine = TensorParallelEngine(model, cfg, mesh, model_parameters, optimizer, lr_scheduler)
+    else:
+        engine = Engine(model, cfg, model_parameters, optimizer, lr_scheduler)
     loader = None
     if training_data is not None:  # its position in the epoch goes into checkpoints
         from zero.data import ResumableLoader
 
         loader = engine.training_dataloader = ResumableLoader(
-            training_data, batch_size=cfg.train_micro_batch_size_per_gpu, num_replicas=world_size,
+            training_data, batch_size=cfg.train_micro_batch_size_per_gpu, num_replicas=engine.comm.world_size,
             rank=engine.comm.rank, collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last)
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -70,6 +70,7 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
         self.client_class: type | None = None  # a non-Adam client optimizer (see [Note: other optimizers on shards])
         self.client_defaults: dict = {}
         self._client = None
+        self.model_parallel = None  # a ModelParallelNorm when the model is split over stages or slices (zero/mesh.py)
 
     # -- where optimizer state lives -------------------------------------------------------------
 
@@ -313,8 +314,7 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
         device = slots[0][2].device if slots else torch.device("cpu")  # where the gradients are
         norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for _, _, g, _, _, _ in slots]
         total = self._sum_squares(norms, device)
-        if self.norm_is_partitioned():
-            self.comm.all_reduce(total, "sum")
+        self._sum_over_ranks(total)
         norm_sq = total.item()  # the step's one host synchronisation for the norm
         if math.isfinite(norm_sq):
             return math.sqrt(norm_sq)
@@ -328,9 +328,20 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
                     if torch.isfinite(top) else top.double()
             rescaled.append(n)
         total = self._sum_squares(rescaled, device)
-        if self.norm_is_partitioned():
-            self.comm.all_reduce(total, "sum")
+        self._sum_over_ranks(total)
         return math.sqrt(total.item())
+
+    def _sum_over_ranks(self, total: torch.Tensor) -> None:
+        """This rank's sum of squares -> the whole model's (over data shards, and with a
+        ModelParallelNorm over pipeline stages and tensor slices too)."""
+        if self.model_parallel is not None:
+            self.model_parallel.reduce(self, total)
+        elif self.norm_is_partitioned():
+            self.comm.all_reduce(total, "sum")
+
+    def owned_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """The part of `param`'s reduced gradient in this rank's slots (for the norm), or None."""
+        return None
 
     @staticmethod
     def _sum_squares(norms: list[torch.Tensor], device: torch.device) -> torch.Tensor:

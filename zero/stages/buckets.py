@@ -156,6 +156,16 @@ class ZeroOptimizer(ShardedAdam):
         b = max(a, min(hi, off + n))
         return a - off, self.shards[bucket.index][a - lo : b - lo], True
 
+    def owned_grad(self, param: nn.Parameter) -> torch.Tensor | None:
+        i = self._index.get(param)
+        if i is None:
+            return None
+        off, n = self.layout.offsets[i], self.layout.numels[i]
+        bucket = self.layout.buckets[self.layout.bucket_of[i]]
+        lo, hi = self._own(bucket)
+        a, b = max(lo, off), min(hi, off + n)
+        return self.shards[bucket.index][a - lo : b - lo] if a < b else None
+
     def load_param(self, param: nn.Parameter, value: torch.Tensor) -> None:
         """The master's part of `param` takes `value` exactly (torch then writes the 16-bit param)."""
         i = self._index.get(param)
