@@ -34,6 +34,7 @@ from zero.guards import (
     check_ranks_agree,
     next_engine_number,
 )
+from zero.partition.layout import local_tensor
 from zero.precision import NonFiniteGradientError
 from zero.stages import build_optimizer
 from zero.stages.adam import check_param_groups
@@ -104,11 +105,16 @@ def _place_the_rest(module: nn.Module, placed: list[nn.Parameter], device: torch
                     comm: Comm) -> None:
     """Parameters the optimizer did not place (frozen ones, stages 0-2) and buffers: to the device,
     floating ones in the training dtype, with rank 0's values."""
-    module.to(device=device, dtype=dtype)  # a no-op for the parameters the optimizer placed
     done = {id(p) for p in placed}
     for t in [*module.parameters(), *module.buffers()]:
-        if id(t) not in done and getattr(t, "_zero", None) is None and t.numel():
-            comm.broadcast(t.data, src=0)
+        if id(t) in done or getattr(t, "_zero", None) is not None:
+            continue
+        local = local_tensor(t)  # a DTensor's piece: module.to() would swap the DTensor object itself
+        target = dtype if local.is_floating_point() else local.dtype
+        if local.device != device or local.dtype != target:
+            local.data = local.data.to(device=device, dtype=target)
+        if local.numel():
+            comm.broadcast(local.data, src=0)
 
 
 class Engine(nn.Module):

@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 ALIGN = 16  # elements: slice starts land on 64-byte boundaries for fp32
 
 
@@ -100,3 +102,26 @@ class ShardLayout:
     def param_numel(self) -> int:
         """Elements of real parameters (Psi), without padding."""
         return sum(self.numels)
+
+
+# [Note: sliced parameters]
+# Under tensor parallelism a parameter is a DTensor: the module sees the whole (global) tensor,
+# and each tensor-parallel rank stores its own piece of it, `_local_tensor`. ZeRO partitions
+# what a rank stores: the flat buffers hold local pieces, `local.data` becomes the view (the
+# DTensor object and the module are untouched), and gradients arrive as DTensors whose local
+# piece is what is reduced over the data-parallel group.
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """What this rank stores of `t`: a DTensor's local piece, else `t` itself."""
+    return getattr(t, "_local_tensor", t)
+
+
+def local_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """`param.grad` as this rank stores it (a DTensor gradient laid out as its parameter first)."""
+    grad = param.grad
+    if grad is None or not hasattr(grad, "_local_tensor"):
+        return grad
+    if tuple(grad.placements) != tuple(param.placements):
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    return grad._local_tensor

@@ -54,6 +54,11 @@ class PipelineEngine(Engine):
             raise ValueError(f"pipeline.schedule {p.schedule!r} with a PipelineModule of virtual_stages="
                              f"{module.virtual_stages}: the interleaved schedule needs virtual_stages >= 2 (build "
                              f"PipelineModule(..., virtual_stages=2)), the others virtual_stages=1")
+        if config.zero_optimization.stage == 3:
+            raise ValueError("zero_optimization.stage 3 with a pipeline is not supported: each stage would gather "
+                             "its parameters again for every micro-batch's forward and backward (M times a step). "
+                             "Use stage 1 or 2, which partition optimizer states and gradients over the data-"
+                             "parallel ranks of each stage")
         if module.loss_fn is None:
             raise ValueError("PipelineModule(loss_fn=...) is needed: the last stage computes the loss of each "
                              "micro-batch with it")

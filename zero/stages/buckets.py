@@ -37,7 +37,7 @@ import torch.nn as nn
 from torch.autograd.profiler import record_function
 
 from zero.comm import Comm
-from zero.partition.layout import Bucket, ShardLayout
+from zero.partition.layout import Bucket, ShardLayout, local_grad, local_tensor
 from zero.precision import LossScaler
 from zero.stages.adam import ShardedAdam
 from zero.stages.policies import Precision, ReduceOptions, StepOptions
@@ -64,7 +64,8 @@ class ZeroOptimizer(ShardedAdam):
         groups = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         self.partitions = 1 if stage == 0 else comm.world_size
         self.rank = comm.rank if self.partitions > 1 else 0
-        self.layout = ShardLayout([p.numel() for p in self.params], groups, self.partitions, reduce.bucket_elements)
+        self.layout = ShardLayout([local_tensor(p).numel() for p in self.params], groups, self.partitions,
+                                  reduce.bucket_elements)
         self.names = {p: n for n, p in module.named_parameters()}
         self._index = {p: i for i, p in enumerate(self.params)}
         self._place_parameters(device)
@@ -107,7 +108,7 @@ class ZeroOptimizer(ShardedAdam):
         self.exp_avg = [self.new_state(m, device) for m in self.master]
         self.exp_avg_sq = [self.new_state(m, device) for m in self.master]
         for i, p in enumerate(self.params):
-            full = p.detach().reshape(-1)  # where the user built it (copied across devices below)
+            full = local_tensor(p).detach().reshape(-1)  # where the user built it (copied across devices below)
             self.comm.broadcast(full, src=0)  # every rank starts from rank 0's values
             off, n = layout.offsets[i], layout.numels[i]
             self.flat[off : off + n].copy_(full)
@@ -116,7 +117,8 @@ class ZeroOptimizer(ShardedAdam):
             a, b = max(lo, off), min(hi, off + n)
             if not alias and a < b:  # the exact fp32 values of the part this rank owns
                 self.master[bucket.index][a - lo : b - lo].copy_(full[a - off : b - off])
-            p.data = self.flat[off : off + n].view_as(p)
+            local = local_tensor(p)  # a DTensor's own piece (see [Note: sliced parameters])
+            local.data = self.flat[off : off + n].view_as(local)
 
     def master_is_params(self) -> bool:
         """fp32 training without offload: the parameters are their own master (no second copy)."""
@@ -189,7 +191,7 @@ class ZeroOptimizer(ShardedAdam):
     # -- gradients: stages 0 and 1 ------------------------------------------------------------
 
     def _accumulate(self, param: nn.Parameter) -> None:
-        grad, param.grad = param.grad, None
+        grad, param.grad = local_grad(param), None
         if grad is not None:
             off = self.layout.offsets[self._index[param]]
             self.flat_grad[off : off + grad.numel()].add_(grad.reshape(-1))
@@ -239,7 +241,7 @@ class ZeroOptimizer(ShardedAdam):
         return staging
 
     def _take(self, b: int, param: nn.Parameter) -> None:
-        grad, param.grad = param.grad, None
+        grad, param.grad = local_grad(param), None
         if grad is not None:
             i = self._index[param]
             off = self.layout.offsets[i] - self.layout.buckets[b].start

@@ -24,6 +24,8 @@ class GPTConfig:
         n_head: attention heads per block.
         n_embd: hidden size.
         tie_weights: share the token embedding with the output head.
+        fused_qkv: one Linear for queries, keys and values; False: three (q, k, v), which a
+            tensor-parallel plan can slice by heads (zero.tp's "gpt" plan needs it).
     """
 
     vocab_size: int = 64
@@ -32,25 +34,32 @@ class GPTConfig:
     n_head: int = 2
     n_embd: int = 32
     tie_weights: bool = True
+    fused_qkv: bool = True
 
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd)
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)  # a key bias has zero gradient
+        if cfg.fused_qkv:
+            self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)  # a key bias has zero gradient
+        else:
+            self.q, self.k, self.v = (nn.Linear(cfg.n_embd, cfg.n_embd, bias=False) for _ in range(3))
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
         self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
         self.out = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
         self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        h = self.ln1(x)
+        q, k, v = self.qkv(h).split(c, dim=2) if hasattr(self, "qkv") else (self.q(h), self.k(h), self.v(h))
+        # heads from the width (-1): under tensor parallelism q, k and v hold this rank's heads only
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 

@@ -1,0 +1,166 @@
+"""Tensor slicing on torch's DTensor: `parallelize(model, mesh, plan)` over the mesh's "tp" dimension.
+
+    mesh = zero.tp.mesh(config)                 # the (pp, dp, tp) mesh the config asks for
+    zero.tp.parallelize(model, mesh, "gpt")     # or a {module path: ParallelStyle} plan
+    engine, *_ = zero.initialize(model=model, config=config)
+
+A plan is torch.distributed.tensor.parallel's: `ColwiseParallel` slices a Linear's outputs (its
+weight's rows), `RowwiseParallel` its inputs (and sums the partial outputs), an Embedding's
+RowwiseParallel slices the vocabulary. Our named plans (`PLANS`) are such dicts for the GPT of
+zero.testing.models (built with fused_qkv=False) and HuggingFace Llama; see docs/parallelism.md.
+The engine then runs ZeRO on each rank's pieces over the "dp" group ([Note: sliced parameters]
+in zero/partition/layout.py).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+__all__ = ["mesh", "parallelize", "PLANS", "TensorParallelEngine"]
+
+
+def mesh(config: Any, world_size: int | None = None):
+    """The ParallelMesh `config` asks for (pipeline.stages x data x tensor_parallel.size ranks),
+    joining torchrun's process group if needed. `zero.initialize` reuses the same mesh."""
+    import torch.distributed as dist
+
+    from zero.comm import Comm
+    from zero.config import load_config
+    from zero.engine import _compute_device, init_distributed
+    from zero.mesh import build_mesh
+
+    init_distributed()
+    world = world_size or (dist.get_world_size() if dist.is_initialized() else 1)
+    cfg = load_config(config, world_size=world)
+    p, t = cfg.pipeline.stages, cfg.tensor_parallel.size
+    return build_mesh(p, world // (p * t), t, _compute_device(Comm()))
+
+
+def parallelize(model: nn.Module, mesh: Any, plan: dict[str, Any] | str) -> nn.Module:
+    """Slice `model` in place over the "tp" dimension of `mesh` (a ParallelMesh, or torch's
+    DeviceMesh: one-dimensional, or with a "tp" dimension) by `plan`: {module path (fnmatch
+    patterns allowed): ParallelStyle}, or a name in PLANS. Returns the model.
+
+    Parameters tied to each other (an embedding and the output head) stay tied when both ends
+    are sliced alike (both keep their weight's rows: a vocabulary-sliced embedding and a
+    column-sliced head)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from zero.mesh import ParallelMesh
+
+    tp_mesh = mesh.tp_mesh() if isinstance(mesh, ParallelMesh) else (
+        mesh["tp"] if mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names else mesh)
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"parallelize needs a one-dimensional tensor-parallel mesh (or one with a 'tp' dimension), "
+                         f"got a mesh of shape {tuple(tp_mesh.shape)}")
+    size = tp_mesh.size()
+    if isinstance(plan, str):
+        if plan not in PLANS:
+            raise ValueError(f"no tensor-parallel plan named {plan!r}; named plans: {sorted(PLANS)} (or pass a dict "
+                             f"of module path -> ParallelStyle)")
+        plan = PLANS[plan](model, size)
+    ties = _ties(model)
+    parallelize_module(model, tp_mesh, plan)
+    _retie(model, ties)
+    return model
+
+
+def _ties(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Places (module, attribute) that hold the same parameter, for parameters held in several."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            places.setdefault(id(p), []).append((module, name))
+    return [v for v in places.values() if len(v) > 1]
+
+
+def _retie(model: nn.Module, ties: list[list[tuple[nn.Module, str]]]) -> None:
+    for places in ties:
+        first_module, first_name = places[0]
+        kept = getattr(first_module, first_name)
+        for module, name in places[1:]:
+            other = getattr(module, name)
+            if other is kept:
+                continue
+            same = type(other) is type(kept) and getattr(other, "placements", None) == getattr(kept, "placements", None)
+            if not same or other.shape != kept.shape:
+                raise ValueError(f"a parameter shared by {type(first_module).__name__}.{first_name} and "
+                                 f"{type(module).__name__}.{name} was sliced differently at the two places "
+                                 f"({getattr(kept, 'placements', 'whole')} and {getattr(other, 'placements', 'whole')}); "
+                                 f"slice both alike (a vocabulary-sliced embedding with a column-sliced head) or untie "
+                                 f"them")
+            setattr(module, name, kept)
+
+
+def _gpt_plan(model: nn.Module, size: int) -> dict[str, Any]:
+    """The blocks of zero.testing.models (built with fused_qkv=False), wherever they are (a GPT,
+    or the layers of a PipelineModule): heads sliced in attention, the hidden layer in the MLP;
+    in a GPT also the vocabulary in the embedding and the head (the logits come back whole)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from zero.testing.models import GPT, Block
+
+    blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, Block)]
+    if not blocks:
+        raise ValueError(f"plan 'gpt' slices the blocks of zero.testing.models.GPT; a {type(model).__name__} has none")
+    plan: dict[str, Any] = {}
+    for name, block in blocks:
+        if not hasattr(block, "q"):
+            raise ValueError("plan 'gpt' slices attention by heads, which needs separate q, k and v layers: build "
+                             "the GPT with GPTConfig(fused_qkv=False)")
+        for what, n in (("n_head", block.n_head), ("4 * n_embd", block.fc.out_features)):
+            if n % size:
+                raise ValueError(f"plan 'gpt' on {size} tensor-parallel ranks: {what} ({n}) must be a multiple of {size}")
+        plan.update({f"{name}.{n}": ColwiseParallel() for n in ("q", "k", "v", "fc")})
+        plan.update({f"{name}.{n}": RowwiseParallel() for n in ("proj", "out")})
+    if isinstance(model, GPT):
+        if model.cfg.vocab_size % size:
+            raise ValueError(f"plan 'gpt' on {size} tensor-parallel ranks: vocab_size ({model.cfg.vocab_size}) must be "
+                             f"a multiple of {size}")
+        plan.update({"wte": RowwiseParallel(input_layouts=Replicate()), "head": ColwiseParallel(output_layouts=Replicate())})
+    return plan
+
+
+def _llama_plan(model: nn.Module, size: int) -> dict[str, Any]:
+    """HuggingFace Llama (LlamaForCausalLM or LlamaModel): attention by heads (q/k/v column-,
+    o row-sliced), the MLP's intermediate width (gate/up column-, down row-sliced), the
+    vocabulary in the embedding and the lm_head."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    base = getattr(model, "model", model)
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(base, "layers"):
+        raise ValueError(f"plan 'llama' is for HuggingFace Llama models, not a {type(model).__name__}")
+    for what in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        n = getattr(cfg, what)
+        if n % size:
+            raise ValueError(f"plan 'llama' on {size} tensor-parallel ranks: config.{what} ({n}) must be a multiple "
+                             f"of {size}")
+    prefix = "model." if base is not model else ""
+    plan: dict[str, Any] = {f"{prefix}embed_tokens": RowwiseParallel(input_layouts=Replicate())}
+    if hasattr(model, "lm_head"):
+        if cfg.tie_word_embeddings:
+            raise ValueError("plan 'llama' with tie_word_embeddings: untie them (the embedding is sliced by "
+                             "vocabulary rows and the head by output columns of a transposed use)")
+        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    for i in range(len(base.layers)):
+        layer = f"{prefix}layers.{i}"
+        plan.update({f"{layer}.self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")})
+        plan[f"{layer}.self_attn.o_proj"] = RowwiseParallel()
+        plan.update({f"{layer}.mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")})
+        plan[f"{layer}.mlp.down_proj"] = RowwiseParallel()
+    return plan
+
+
+PLANS = {"gpt": _gpt_plan, "llama": _llama_plan}
+
+
+def __getattr__(name: str):
+    if name == "TensorParallelEngine":
+        from zero.tp.engine import TensorParallelEngine
+
+        return TensorParallelEngine
+    raise AttributeError(f"module 'zero.tp' has no attribute {name!r}")
