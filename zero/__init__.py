@@ -41,6 +41,10 @@ def __getattr__(name):  # keep `import zero` light: torch-heavy modules load on 
         from zero import config
 
         return getattr(config, name)
+    if name in ("pipe", "tp"):  # subpackages, imported when first used
+        import importlib
+
+        return importlib.import_module(f"zero.{name}")
     if name in _DEEPSPEED_ONLY:
         raise AttributeError(f"zero.{name} does not exist: zero's top level has DeepSpeed's initialize and "
                              f"init_distributed only; for the rest of DeepSpeed's names use "
@@ -49,7 +53,7 @@ def __getattr__(name):  # keep `import zero` light: torch-heavy modules load on 
 
 
 _DEEPSPEED_ONLY = {"add_config_arguments", "zero", "utils", "checkpointing", "ops", "DeepSpeedEngine", "init_inference",
-                   "pipe", "moe", "runtime", "accelerator"}
+                   "moe", "runtime", "accelerator"}
 
 
 __all__ = ["initialize", "init_distributed", "Engine", "ConfigError", "load_config", "Init", "GatheredParameters",
