@@ -482,11 +482,25 @@ static void forward_row(const zero_sparse_attention_problem *p, const vec_ops *o
     store_rows(out, p->dtype, r * bs, bs, D, D8, 1.0f, w.o);
 }
 
+/* Heads are taken in groups whose packed inputs fill about GROUP_FLOATS floats (32 MB): one pack
+ * phase and one task phase per group, so the threads meet at a barrier twice per group instead of
+ * per head, and short sequences with many heads still give every thread enough tasks. */
+#define GROUP_FLOATS ((int64_t)8 << 20)
+
+static int64_t group_heads(int64_t units, int64_t per_head) {
+    int64_t g = GROUP_FLOATS / (per_head > 0 ? per_head : 1);
+    if (g > units) g = units;
+    return g < 1 ? 1 : g;
+}
+
+static int64_t forward_head_floats(const zero_sparse_attention_problem *p) {
+    return round_up(p->seq * p->head_dim, 16) + round_up(p->seq * round_up(p->head_dim, 8), 16);
+}
+
 int64_t zero_sparse_attention_forward_workspace(const zero_sparse_attention_problem *p, int num_threads) {
     if (!zero_sparse_attention_valid(p)) return -1;
-    const int64_t D = p->head_dim, D8 = round_up(D, 8);
-    return round_up(p->seq * D, 16) + round_up(p->seq * D8, 16) +
-           thread_count(num_threads) * forward_thread_floats(p->block, D8);
+    const int64_t head = forward_head_floats(p), group = group_heads(p->batch * p->heads, head);
+    return group * head + thread_count(num_threads) * forward_thread_floats(p->block, round_up(p->head_dim, 8));
 }
 
 int zero_sparse_attention_forward(const zero_sparse_attention_problem *p, const void *q, const void *k, const void *v,
@@ -498,29 +512,34 @@ int zero_sparse_attention_forward(const zero_sparse_attention_problem *p, const 
     const vec_ops *ops = pick_ops(simd);
     if (!ops) return ZERO_ADAM_SIMD_UNAVAILABLE;
     const int64_t bs = p->block, D = p->head_dim, D8 = round_up(D, 8), T = p->seq, nb = T / bs;
-    const int dt = p->dtype, elem = zero_dtype_size(dt);
-    float *Kt = workspace, *Vf = Kt + round_up(T * D, 16), *per_thread = Vf + round_up(T * D8, 16);
+    const int64_t head = forward_head_floats(p), group = group_heads(units, head), kt_floats = round_up(T * D, 16);
+    const int64_t stride = T * D * zero_dtype_size(p->dtype); /* bytes of one (batch, head) */
+    const int dt = p->dtype;
+    float *per_thread = workspace + group * head;
     const int threads = thread_count(num_threads);
     (void)threads;
 #pragma omp parallel num_threads(threads)
     {
         float *mine = per_thread + THREAD_ID() * forward_thread_floats(bs, D8);
-        forward_scratch w = {mine, mine + bs * D8, mine + bs * D8 + bs * bs, mine + 2 * bs * D8 + bs * bs,
-                             mine + 2 * bs * D8 + bs * bs + bs};
-        for (int64_t u = 0; u < units; u++) {
-            const int64_t b = u / p->heads, h = u % p->heads, lh = p->layout_heads == 1 ? 0 : h;
-            const char *qu = (const char *)q + u * T * D * elem, *ku = (const char *)k + u * T * D * elem;
-            const char *vu = (const char *)v + u * T * D * elem;
-            const int32_t *row_ptr = p->row_ptr + lh * (nb + 1);
+        const forward_scratch w = {mine, mine + bs * D8, mine + bs * D8 + bs * bs, mine + 2 * bs * D8 + bs * bs,
+                                   mine + 2 * bs * D8 + bs * bs + bs};
+        for (int64_t u0 = 0; u0 < units; u0 += group) {
+            const int64_t tasks = (units - u0 < group ? units - u0 : group) * nb;
 #pragma omp for schedule(static)
-            for (int64_t c = 0; c < nb; c++) {
-                pack_transposed(ku, dt, c * bs, bs, D, Kt + c * bs * D);
-                pack_rows(vu, dt, c * bs, bs, D, D8, 1.0f, Vf + c * bs * D8);
+            for (int64_t t = 0; t < tasks; t++) { /* key block c of head u0 + t / nb, packed */
+                const int64_t u = u0 + t / nb, c = t % nb;
+                float *Kt = workspace + (t / nb) * head, *Vf = Kt + kt_floats;
+                pack_transposed((const char *)k + u * stride, dt, c * bs, bs, D, Kt + c * bs * D);
+                pack_rows((const char *)v + u * stride, dt, c * bs, bs, D, D8, 1.0f, Vf + c * bs * D8);
             }
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t r = 0; r < nb; r++)
-                forward_row(p, ops, b, r, p->col_idx + row_ptr[r], row_ptr[r + 1] - row_ptr[r], qu, Kt, Vf,
-                            (char *)out + u * T * D * elem, lse + u * T, w);
+            for (int64_t t = 0; t < tasks; t++) { /* query block row r of head u0 + t / nb */
+                const int64_t u = u0 + t / nb, r = t % nb, b = u / p->heads, h = u % p->heads;
+                const int32_t *row_ptr = p->row_ptr + (p->layout_heads == 1 ? 0 : h) * (nb + 1);
+                const float *Kt = workspace + (t / nb) * head;
+                forward_row(p, ops, b, r, p->col_idx + row_ptr[r], row_ptr[r + 1] - row_ptr[r],
+                            (const char *)q + u * stride, Kt, Kt + kt_floats, (char *)out + u * stride, lse + u * T, w);
+            }
         }
     }
     return ZERO_ADAM_OK;
@@ -531,10 +550,6 @@ int zero_sparse_attention_forward(const zero_sparse_attention_problem *p, const 
 typedef struct {
     float *s, *dp, *dk, *dv, *dq;
 } backward_scratch;
-
-static int64_t backward_thread_floats(int64_t bs, int64_t D8, int64_t T) {
-    return round_up(2 * bs * bs + 2 * bs * D8, 16) + round_up(T * D8, 16);
-}
 
 typedef struct {
     const float *q, *k, *kt, *vt, *dout, *delta, *lse; /* this (batch, head)'s packed inputs */
@@ -565,11 +580,28 @@ static void backward_col(const zero_sparse_attention_problem *p, const vec_ops *
     store_rows(dv, p->dtype, c * bs, bs, D, D8, 1.0f, w.dv);
 }
 
+/* Per head of a group: the scaled q, k and dO as rows of D8 floats, k and v transposed, delta. */
+static int64_t backward_head_floats(const zero_sparse_attention_problem *p) {
+    const int64_t T = p->seq, D = p->head_dim, D8 = round_up(D, 8);
+    return 3 * round_up(T * D8, 16) + 2 * round_up(T * D, 16) + round_up(T, 16);
+}
+
+/* Per thread: the block scratch, then one dQ accumulator per head of the group. */
+static int64_t backward_thread_floats(const zero_sparse_attention_problem *p, int64_t group) {
+    const int64_t bs = p->block, D8 = round_up(p->head_dim, 8);
+    return round_up(2 * bs * bs + 2 * bs * D8, 16) + group * round_up(p->seq * D8, 16);
+}
+
+static int64_t backward_group(const zero_sparse_attention_problem *p, int threads) {
+    const int64_t dq = round_up(p->seq * round_up(p->head_dim, 8), 16);
+    return group_heads(p->batch * p->heads, backward_head_floats(p) + threads * dq);
+}
+
 int64_t zero_sparse_attention_backward_workspace(const zero_sparse_attention_problem *p, int num_threads) {
     if (!zero_sparse_attention_valid(p)) return -1;
-    const int64_t D = p->head_dim, D8 = round_up(D, 8), T = p->seq;
-    return 3 * round_up(T * D8, 16) + 2 * round_up(T * D, 16) + round_up(T, 16) +
-           thread_count(num_threads) * backward_thread_floats(p->block, D8, T);
+    const int threads = thread_count(num_threads);
+    const int64_t group = backward_group(p, threads);
+    return group * backward_head_floats(p) + threads * backward_thread_floats(p, group);
 }
 
 int zero_sparse_attention_backward(const zero_sparse_attention_problem *p, const void *q, const void *k,
@@ -582,27 +614,25 @@ int zero_sparse_attention_backward(const zero_sparse_attention_problem *p, const
     const vec_ops *ops = pick_ops(simd);
     if (!ops) return ZERO_ADAM_SIMD_UNAVAILABLE;
     const int64_t bs = p->block, D = p->head_dim, D8 = round_up(D, 8), T = p->seq, nb = T / bs;
-    const int dt = p->dtype, elem = zero_dtype_size(dt);
-    float *Qf = workspace, *Kf = Qf + round_up(T * D8, 16), *dOf = Kf + round_up(T * D8, 16);
-    float *Kt = dOf + round_up(T * D8, 16), *Vt = Kt + round_up(T * D, 16), *delta = Vt + round_up(T * D, 16);
-    float *per_thread = delta + round_up(T, 16);
     const int threads = thread_count(num_threads);
-    (void)threads;
+    const int64_t head = backward_head_floats(p), group = backward_group(p, threads);
+    const int64_t per = backward_thread_floats(p, group), scratch = round_up(2 * bs * bs + 2 * bs * D8, 16);
+    const int64_t rows = round_up(T * D8, 16), cols = round_up(T * D, 16); /* one packed (T, D8) / (D, T) */
+    const int64_t stride = T * D * zero_dtype_size(p->dtype);
+    const int dt = p->dtype;
+    float *per_thread = workspace + group * head;
 #pragma omp parallel num_threads(threads)
     {
-        const int64_t per = backward_thread_floats(bs, D8, T);
         float *mine = per_thread + THREAD_ID() * per;
-        backward_scratch w = {mine, mine + bs * bs, mine + 2 * bs * bs, mine + 2 * bs * bs + bs * D8,
-                              mine + round_up(2 * bs * bs + 2 * bs * D8, 16)};
         const int team = TEAM_SIZE();
-        for (int64_t u = 0; u < units; u++) {
-            const int64_t b = u / p->heads, h = u % p->heads, lh = p->layout_heads == 1 ? 0 : h;
-            const int64_t off = u * T * D * elem;
-            const int32_t *col_ptr = p->col_ptr + lh * (nb + 1);
-            memset(w.dq, 0, (size_t)(T * D8) * sizeof(float));
+        for (int64_t u0 = 0; u0 < units; u0 += group) {
+            const int64_t heads_now = units - u0 < group ? units - u0 : group, tasks = heads_now * nb;
+            memset(mine + scratch, 0, (size_t)(heads_now * rows) * sizeof(float));
 #pragma omp for schedule(static)
-            for (int64_t c = 0; c < nb; c++) {
-                const int64_t r0 = c * bs;
+            for (int64_t t = 0; t < tasks; t++) { /* block c of head u0 + t / nb, packed */
+                const int64_t off = (u0 + t / nb) * stride, r0 = (t % nb) * bs;
+                float *Qf = workspace + (t / nb) * head, *Kf = Qf + rows, *dOf = Kf + rows, *Kt = dOf + rows;
+                float *Vt = Kt + cols, *delta = Vt + cols;
                 pack_rows((const char *)q + off, dt, r0, bs, D, D8, p->scale, Qf + r0 * D8);
                 pack_rows((const char *)k + off, dt, r0, bs, D, D8, 1.0f, Kf + r0 * D8);
                 pack_rows((const char *)dout + off, dt, r0, bs, D, D8, 1.0f, dOf + r0 * D8);
@@ -615,19 +645,27 @@ int zero_sparse_attention_backward(const zero_sparse_attention_problem *p, const
                     delta[i] = sum;
                 }
             }
-            const backward_inputs in = {Qf, Kf, Kt, Vt, dOf, delta, lse + u * T};
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t c = 0; c < nb; c++)
+            for (int64_t t = 0; t < tasks; t++) { /* key block column c of head u0 + t / nb */
+                const int64_t u = u0 + t / nb, c = t % nb, b = u / p->heads, h = u % p->heads;
+                const int32_t *col_ptr = p->col_ptr + (p->layout_heads == 1 ? 0 : h) * (nb + 1);
+                const float *Qf = workspace + (t / nb) * head;
+                const backward_inputs in = {Qf, Qf + rows, Qf + 3 * rows, Qf + 3 * rows + cols, Qf + 2 * rows,
+                                            Qf + 3 * rows + 2 * cols, lse + u * T};
+                const backward_scratch w = {mine, mine + bs * bs, mine + 2 * bs * bs, mine + 2 * bs * bs + bs * D8,
+                                            mine + scratch + (t / nb) * rows};
                 backward_col(p, ops, b, c, p->row_idx + col_ptr[c], col_ptr[c + 1] - col_ptr[c], in,
-                             (char *)dk + off, (char *)dv + off, w);
+                             (char *)dk + u * stride, (char *)dv + u * stride, w);
+            }
 #pragma omp for schedule(static)
-            for (int64_t c = 0; c < nb; c++) { /* dQ = scale * the threads' sums, block by block */
-                float *first = per_thread + round_up(2 * bs * bs + 2 * bs * D8, 16) + c * bs * D8;
-                for (int t = 1; t < team; t++) {
-                    const float *other = first + t * per;
+            for (int64_t t = 0; t < tasks; t++) { /* dQ = scale * the threads' sums, block by block */
+                const int64_t c = t % nb;
+                float *first = per_thread + scratch + (t / nb) * rows + c * bs * D8;
+                for (int i = 1; i < team; i++) {
+                    const float *other = first + i * per;
                     for (int64_t e = 0; e < bs * D8; e++) first[e] += other[e];
                 }
-                store_rows((char *)dq + off, dt, c * bs, bs, D, D8, p->scale, first);
+                store_rows((char *)dq + (u0 + t / nb) * stride, dt, c * bs, bs, D, D8, p->scale, first);
             }
         }
     }
