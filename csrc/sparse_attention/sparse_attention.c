@@ -377,18 +377,6 @@ static int thread_count(int num_threads) {
 #endif
 }
 
-int zero_sparse_attention_valid(const zero_sparse_attention_problem *p) {
-    if (!p) return 0;
-    const int64_t bs = p->block;
-    if (bs != 16 && bs != 32 && bs != 64 && bs != 128) return 0;
-    if (p->batch < 0 || p->heads < 1 || p->seq < 0 || p->seq % bs) return 0;
-    if (p->head_dim < 1 || p->head_dim > ZERO_SPARSE_MAX_HEAD_DIM) return 0;
-    if (p->dtype != ZERO_F32 && p->dtype != ZERO_F16 && p->dtype != ZERO_BF16) return 0;
-    if (p->layout_heads != 1 && p->layout_heads != p->heads) return 0;
-    if (!isfinite(p->scale) || p->attn_bias_len < 0 || (p->attn_bias && p->attn_bias_len == 0)) return 0;
-    return 1;
-}
-
 /* rows x D elements of src (rows row0.. of a (seq, D) buffer of `dtype`) as fp32, times scale,
  * into rows of D8 floats whose last D8 - D are 0. */
 static void pack_rows(const void *src, int dtype, int64_t row0, int64_t rows, int64_t D, int64_t D8, float scale,

@@ -30,6 +30,8 @@
 
 #include <stdint.h>
 
+#include "common/dtypes.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -50,8 +52,19 @@ typedef struct {
 /* Sizes the kernels accept: block 16, 32, 64 or 128; head_dim 1..ZERO_SPARSE_MAX_HEAD_DIM. */
 #define ZERO_SPARSE_MAX_HEAD_DIM 128
 
-/* 1 when p describes a problem the kernels accept (pointers not checked), else 0. */
-int zero_sparse_attention_valid(const zero_sparse_attention_problem *p);
+/* 1 when p describes a problem the CPU and CUDA kernels accept (data pointers not checked). */
+static inline int zero_sparse_attention_valid(const zero_sparse_attention_problem *p) {
+    if (!p) return 0;
+    const int64_t bs = p->block;
+    if (bs != 16 && bs != 32 && bs != 64 && bs != 128) return 0;
+    if (p->batch < 0 || p->heads < 1 || p->seq < 0 || p->seq % bs) return 0;
+    if (p->head_dim < 1 || p->head_dim > ZERO_SPARSE_MAX_HEAD_DIM) return 0;
+    if (p->dtype != ZERO_F32 && p->dtype != ZERO_F16 && p->dtype != ZERO_BF16) return 0;
+    if (p->layout_heads != 1 && p->layout_heads != p->heads) return 0;
+    if (!(p->scale == p->scale) || p->scale - p->scale != 0.0f) return 0; /* NaN or infinite */
+    if (p->attn_bias_len < 0 || (p->attn_bias && p->attn_bias_len == 0)) return 0;
+    return 1;
+}
 
 int64_t zero_sparse_attention_forward_workspace(const zero_sparse_attention_problem *p, int num_threads);
 int zero_sparse_attention_forward(const zero_sparse_attention_problem *p, const void *q, const void *k, const void *v,
