@@ -31,6 +31,7 @@ class BlockSparseIndex:
         block: the block size (16, 32, 64 or 128).
         num_blocks: block rows (= block columns) of the layout; the sequence is num_blocks * block.
         causal: built for causal attention: blocks above the diagonal were dropped.
+        heads: heads of the layout it was made from (1 = one layout for every head).
         row_ptr: (layout_heads, num_blocks + 1) int32 offsets into col_idx.
         col_idx: int32 key block of every kept block, row by row, head by head.
         col_ptr: (layout_heads, num_blocks + 1) int32 offsets into row_idx (the transpose).
@@ -40,6 +41,7 @@ class BlockSparseIndex:
     block: int
     num_blocks: int
     causal: bool
+    heads: int
     row_ptr: torch.Tensor
     col_idx: torch.Tensor
     col_ptr: torch.Tensor
@@ -62,14 +64,14 @@ class BlockSparseIndex:
 
     def to(self, device: torch.device | str) -> BlockSparseIndex:
         move = lambda t: t.to(device)
-        return BlockSparseIndex(self.block, self.num_blocks, self.causal, move(self.row_ptr), move(self.col_idx),
-                                move(self.col_ptr), move(self.row_idx))
+        return BlockSparseIndex(self.block, self.num_blocks, self.causal, self.heads, move(self.row_ptr),
+                                move(self.col_idx), move(self.col_ptr), move(self.row_idx))
 
     @classmethod
     def from_layout(cls, layout: torch.Tensor, block: int, causal: bool) -> BlockSparseIndex:
         """Compress a (heads, blocks, blocks) layout of 0/1 (or bool) values.
 
-        Heads with identical layouts are stored once. With `causal`, blocks above the diagonal are
+        Identical head layouts are stored once (layout_heads 1); `heads` remembers the count. With `causal`, blocks above the diagonal are
         dropped (the kernels would mask them entirely).
 
         Raises:
@@ -96,13 +98,14 @@ class BlockSparseIndex:
             why = " (blocks above the diagonal do not count in causal attention)" if causal else ""
             raise ValueError(f"layout head {h}, block row {r} has no block{why}: its queries would attend to nothing; "
                              f"{empty.shape[0]} such row(s) in all")
-        if kept.shape[0] > 1 and bool((kept == kept[:1]).all()):
+        heads = kept.shape[0]
+        if heads > 1 and bool((kept == kept[:1]).all()):
             kept = kept[:1]
         if kept.sum() >= 2**31:
             raise ValueError("layout has too many blocks for int32 indices")
         row_ptr, col_idx = _compress(kept)
         col_ptr, row_idx = _compress(kept.transpose(1, 2))
-        return cls(block, kept.shape[1], bool(causal), row_ptr, col_idx, col_ptr, row_idx)
+        return cls(block, kept.shape[1], bool(causal), heads, row_ptr, col_idx, col_ptr, row_idx)
 
 
 def _compress(kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,8 +154,8 @@ def _check_inputs(q, k, v, index: BlockSparseIndex, scale: float, key_bias, attn
     if seq != index.num_blocks * index.block:
         raise ValueError(f"q has {seq} positions but the layout covers {index.num_blocks} blocks of {index.block} = "
                          f"{index.num_blocks * index.block}; pad the sequence to a multiple of the block size")
-    if index.layout_heads not in (1, heads):
-        raise ValueError(f"the layout has {index.layout_heads} heads but q has {heads}")
+    if index.heads not in (1, heads):
+        raise ValueError(f"the layout has {index.heads} heads but q has {heads}")
     if index.row_ptr.device != q.device:
         raise ValueError(f"index is on {index.row_ptr.device} but q is on {q.device} (use index.to(q.device))")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
