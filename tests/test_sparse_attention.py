@@ -379,14 +379,15 @@ def train_gpt_stage2(sparse: bool, steps: int) -> list[float]:
 
 def test_gpt_with_sparse_attention_trains_under_zero_stage2_like_dense(dist_run):
     load("sparse_attention")  # built here once, not by both ranks
-    steps = 60
-    dense = dist_run(2, train_gpt_stage2, False, steps)
-    sparse = dist_run(2, train_gpt_stage2, True, steps)
-    first = lambda runs: sum(r[0] for r in runs) / len(runs)
-    last = lambda runs: sum(sum(r[-10:]) / 10 for r in runs) / len(runs)
-    assert abs(first(sparse) - first(dense)) < 0.05  # same model, same start
-    assert last(dense) < 0.75 * first(dense) and last(sparse) < 0.75 * first(sparse)
-    assert last(sparse) < 1.05 * last(dense), (last(sparse), last(dense))
+    steps = 120
+    dense, sparse = (dist_run(2, train_gpt_stage2, s, steps) for s in (False, True))
+    mean = lambda runs, i: sum(r[i] for r in runs) / len(runs)  # over ranks
+    dense_curve, sparse_curve = ([mean(runs, i) for i in range(steps)] for runs in (dense, sparse))
+    last = lambda curve: sum(curve[-10:]) / 10
+    assert abs(sparse_curve[0] - dense_curve[0]) < 1e-4  # one model, one batch: the same first loss
+    assert last(dense_curve) < 0.72 * dense_curve[0] and last(sparse_curve) < 0.72 * sparse_curve[0]
+    assert last(sparse_curve) < 1.03 * last(dense_curve), (last(sparse_curve), last(dense_curve))
+    assert sum(abs(a - b) for a, b in zip(sparse_curve, dense_curve)) / steps < 0.05  # the curves follow each other
 
 
 @needs_cuda
