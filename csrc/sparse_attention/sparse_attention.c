@@ -470,10 +470,10 @@ static void forward_row(const zero_sparse_attention_problem *p, const vec_ops *o
     store_rows(out, p->dtype, r * bs, bs, D, D8, 1.0f, w.o);
 }
 
-/* Heads are taken in groups whose packed inputs fill about GROUP_FLOATS floats (32 MB): one pack
+/* Heads are taken in groups whose packed inputs fill about GROUP_FLOATS floats (16 MB): one pack
  * phase and one task phase per group, so the threads meet at a barrier twice per group instead of
  * per head, and short sequences with many heads still give every thread enough tasks. */
-#define GROUP_FLOATS ((int64_t)8 << 20)
+#define GROUP_FLOATS ((int64_t)4 << 20)
 
 static int64_t group_heads(int64_t units, int64_t per_head) {
     int64_t g = GROUP_FLOATS / (per_head > 0 ? per_head : 1);
