@@ -16,7 +16,10 @@ and the longest sequence that fits a memory budget.
   over forward + backward, above the inputs: outputs, gradients, saved tensors and work space.
   Besides dense SDPA without a mask, dense SDPA with the layout expanded to a boolean element
   mask (the same attention pattern computed densely) is measured, once.
-- Budget: per method, the longest measured length whose peak fits --budget-mib.
+- Budget: per method, the longest measured length whose peak fits --budget-mib. Beyond the table,
+  our kernel alone is run at doubling lengths until it no longer fits, with DeepSpeed's default
+  BigBird (window 3, random 1, global 1: a fixed number of blocks per row, so time grows linearly);
+  dense SDPA is not run past the table's longest length (minutes per step on a CPU).
 """
 from __future__ import annotations
 
@@ -70,15 +73,23 @@ def _timed(fn, reps: int, warm_up: bool = True) -> float:
 
 
 def _fwd_bwd(attend, q, k, v, dout):
+    """Forward + backward; the gradients of the previous call are dropped first."""
     def step():
-        for x in (q, k, v):
-            x.grad = None
+        _drop_grads(q, k, v)
         attend(q, k, v).backward(dout)
     return step
 
 
-def _peak(fn, device) -> float:
-    """MiB allocated above the start by one call of fn."""
+def _drop_grads(*tensors) -> None:
+    for x in tensors:
+        x.grad = None
+
+
+def _peak(fn, device, *inputs) -> float:
+    """MiB allocated above the start by one call of fn. The inputs' old gradients are dropped
+    before the measurement starts: on the CPU, freeing inside it a block that an earlier
+    measurement saw allocated counts against this one's peak."""
+    _drop_grads(*inputs)
     with AllocatorPeak(device) as peak:
         fn()
     return peak.peak / 2**20
@@ -107,7 +118,7 @@ def measure(seq: int, reps: int, device, dtype) -> tuple[dict, list[dict]]:
     dout = torch.randn(1, HEADS, seq, HEAD_DIM, generator=g).to(device, dtype)
     dense = _fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c), q, k, v, dout)
     long = seq >= 8192 and device.type == "cpu"  # one dense run takes tens of seconds: time it once
-    dense_row = {"time": _timed(dense, 1 if long else reps, warm_up=not long), "peak": _peak(dense, device)}
+    dense_row = {"time": _timed(dense, 1 if long else reps, warm_up=not long), "peak": _peak(dense, device, q, k, v)}
     rows = []
     blocks = seq // BLOCK
     for name, make in (("BigBird", bigbird), ("Fixed", fixed)):
@@ -116,7 +127,7 @@ def measure(seq: int, reps: int, device, dtype) -> tuple[dict, list[dict]]:
         layout = attention.get_layout(seq)
         ours = _fwd_bwd(attention, q, k, v, dout)
         row = {"layout": name, "seq": seq, "density": layout[0].float().mean().item(), "config": config,
-               "time": _timed(ours, reps), "peak": _peak(ours, device)}
+               "time": _timed(ours, reps), "peak": _peak(ours, device, q, k, v)}
         with torch.no_grad():
             row["fwd"] = _timed(lambda a=attention: a(q, k, v), reps)
         flex, why = _flex(layout, seq, device)
@@ -136,11 +147,28 @@ def measure(seq: int, reps: int, device, dtype) -> tuple[dict, list[dict]]:
                 element = blocks.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
                 return F.scaled_dot_product_attention(a, b, c, attn_mask=element)
 
-            dense_row["masked_peak"] = _peak(_fwd_bwd(masked, q, k, v, dout), device)
+            dense_row["masked_peak"] = _peak(_fwd_bwd(masked, q, k, v, dout), device, q, k, v)
         rows.append(row)
         print(f"  {name} seq {seq}: density {row['density']:.3f}, ours {row['time'] * 1e3:.0f} ms vs dense "
               f"{dense_row['time'] * 1e3:.0f} ms", flush=True)
     return dense_row, rows
+
+
+def longest_ours(start: int, budget: float, device, dtype, limit: int = 1 << 20) -> tuple[int, dict[int, float]]:
+    """Our longest length (doubling from `start`) within `budget` MiB with a fixed-width BigBird."""
+    peaks: dict[int, float] = {}
+    seq = start
+    while seq <= limit:
+        q, k, v = (torch.randn(1, HEADS, seq, HEAD_DIM).to(device, dtype).requires_grad_() for _ in range(3))
+        attention = SparseSelfAttention(BigBirdSparsityConfig(HEADS, block=BLOCK), max_seq_length=seq)
+        peaks[seq] = _peak(_fwd_bwd(attention, q, k, v, torch.ones_like(q)), device, q, k, v)
+        print(f"  ours, BigBird(3, 1, 1) at {seq:,}: {peaks[seq]:,.0f} MiB", flush=True)
+        del q, k, v
+        if peaks[seq] > budget:
+            break
+        seq *= 2
+    fits = [s for s, p in peaks.items() if p <= budget]
+    return (max(fits) if fits else 0), peaks
 
 
 def longest_within(peaks: dict[int, float], budget: float) -> str:
@@ -154,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", default="1024,2048,4096,8192,16384")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--budget-mib", type=float, default=512.0)
+    parser.add_argument("--budget-mib", type=float, default=1024.0)
     parser.add_argument("--write", action="store_true", help="write benchmarks/results/sparse_attention.md and .png")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -197,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("BigBird", "Fixed"):
         peaks = {r["seq"]: r["peak"] for r in rows if r["layout"] == name}
         lines.append(f"- ours, {name}: {longest_within(peaks, budget)}")
+    longest, sweep = longest_ours(max(seqs) * 2, budget, device, dtype)
+    lines.append(f"- ours, DeepSpeed's default BigBird (window 3, random 1, global 1), run at doubling lengths: "
+                 f"{longest:,} (" + ", ".join(f"{s:,}: {p:,.0f} MiB" for s, p in sweep.items()) + ")")
     lines += ["", "Layout parameters per length: " + "; ".join(
         f"{r['layout']} {r['seq']:,}: " + (f"window {r['config'].num_sliding_window_blocks}, random "
                                            f"{r['config'].num_random_blocks}, global {r['config'].num_global_blocks}"
