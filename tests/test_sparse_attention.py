@@ -391,7 +391,8 @@ def test_gpt_with_sparse_attention_trains_under_zero_stage2_like_dense(dist_run)
 
 
 @needs_cuda
-def test_cuda_kernel_matches_dense_sdpa_and_the_cpu_kernel():
+def test_cuda_kernel_matches_dense_sdpa_like_the_cpu_kernel():
+    """fp32: 1e-5 from fp64 SDPA; bf16 and fp16: within twice the CPU kernel's error, plus 1e-3."""
     g = torch.Generator().manual_seed(4)
     for config, block, head_dim, seq, causal in CASES:
         layout = config.make_layout(-(-seq // block) * block)
@@ -400,8 +401,9 @@ def test_cuda_kernel_matches_dense_sdpa_and_the_cpu_kernel():
             key_bias = _key_padding(2, seq)
             cpu, ref = sparse_and_dense(q, k, v, layout, block, causal, key_bias=key_bias)
             gpu = run_sparse(q.cuda(), k.cuda(), v.cuda(), layout, block, causal, key_bias=key_bias.cuda())
-            tol = 1e-5 if dtype == torch.float32 else 2e-2
             for name, a, c, r in zip(("out", "dq", "dk", "dv"), gpu, cpu, ref):
-                assert a.device.type == "cuda" and a.dtype == dtype
-                torch.testing.assert_close(a.cpu().double(), r, atol=tol, rtol=tol, msg=f"{config} {dtype} {name}")
-                torch.testing.assert_close(a.cpu(), c, atol=tol, rtol=tol, msg=f"{config} {dtype} {name} vs CPU")
+                assert a.device.type == "cuda" and a.dtype == dtype, (name, a.device, a.dtype)
+                err = (a.cpu().double() - r).abs().max().item()
+                bound = 1e-5 * (1 + r.abs().max().item()) if dtype == torch.float32 else \
+                    2 * (c.double() - r).abs().max().item() + 1e-3
+                assert err <= bound, (config, dtype, name, err, bound)
