@@ -22,6 +22,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from zero.ops import sparse_attention as ops
 from zero.ops.sparse_attention import BLOCK_SIZES, BlockSparseIndex
@@ -44,6 +45,7 @@ class BlockSparseAttentionFunction(torch.autograd.Function):
         return out if padded == seq else out[:, :, :seq].contiguous()
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout):
         qp, kp, vp, out, lse = ctx.saved_tensors
         index, scale, key_bias, attn_bias, simd, num_threads, seq = ctx.args
