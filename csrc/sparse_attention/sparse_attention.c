@@ -1,9 +1,9 @@
 /* Block-sparse attention on the CPU (contract: sparse_attention.h; design: docs/sparse_attention.md).
  *
  * [Note: sparse attention on the CPU]
- * Work is split by (batch, head): for each one, the threads first pack what several tasks share
- * (keys transposed, values, and in the backward the scaled queries and dO) into fp32 work space,
- * then take tasks from a dynamic schedule:
+ * Heads (batch x heads of them) are taken in groups (see GROUP_FLOATS): for each group, the
+ * threads first pack what several tasks share (keys transposed, values, and in the backward the
+ * scaled queries and dO) into fp32 work space, then take tasks from a dynamic schedule:
  *
  * - forward, one task per query block row r: for every key block c of r's index list, the block
  *   of scores S = (scale q_r) k_c^T (a block x block GEMM), the masks (only the diagonal block has
