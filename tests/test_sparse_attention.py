@@ -384,7 +384,7 @@ def test_gpt_with_sparse_attention_trains_under_zero_stage2_like_dense(dist_run)
     mean = lambda runs, i: sum(r[i] for r in runs) / len(runs)  # over ranks
     dense_curve, sparse_curve = ([mean(runs, i) for i in range(steps)] for runs in (dense, sparse))
     last = lambda curve: sum(curve[-10:]) / 10
-    assert abs(sparse_curve[0] - dense_curve[0]) < 1e-4  # one model, one batch: the same first loss
+    assert abs(sparse_curve[0] - dense_curve[0]) < 0.01  # same weights and batch, only the attention pattern differs
     assert last(dense_curve) < 0.72 * dense_curve[0] and last(sparse_curve) < 0.72 * sparse_curve[0]
     assert last(sparse_curve) < 1.03 * last(dense_curve), (last(sparse_curve), last(dense_curve))
     assert sum(abs(a - b) for a, b in zip(sparse_curve, dense_curve)) / steps < 0.05  # the curves follow each other
