@@ -103,6 +103,18 @@ OPS: dict[str, OpSpec] = {
             cpp_sources=("bindings/fused_adam.cpp",),
             cuda_sources=("adam/fused_adam.cu",),
         ),
+        OpSpec(
+            "sparse_attention",
+            "block-sparse attention forward/backward (AVX-512 / AVX2 / portable C, OpenMP)",
+            c_sources=("sparse_attention/sparse_attention.c", "adam/cpu_adam.c"),
+            cpp_sources=("bindings/sparse_attention.cpp",),
+        ),
+        OpSpec(
+            "sparse_attention_cuda",
+            "block-sparse attention forward/backward on the GPU",
+            cpp_sources=("bindings/sparse_attention_cuda.cpp",),
+            cuda_sources=("sparse_attention/sparse_attention.cu",),
+        ),
     )
 }
 
