@@ -218,6 +218,9 @@ def misuse(kind: str):
     if kind == "fused qkv":
         zero.tp.parallelize(GPT(GPTConfig(n_head=4, n_embd=WIDTH)), zero.tp.mesh({**base, "tensor_parallel": {"size": 2}}),
                             "gpt")
+    if kind == "partition disagrees":
+        model = PipelineModule(layers(2), num_stages=2, loss_fn=loss_fn, partition_method="uniform")
+        zero.initialize(model=model, config={**base, "pipeline": {"partition_method": "parameters"}})
     if kind == "forward":
         model = PipelineModule(layers(2), num_stages=2, loss_fn=loss_fn)
         engine, *_ = zero.initialize(model=model, config=base)
@@ -231,6 +234,7 @@ def misuse(kind: str):
     ("stage 3 tensor", "stage 3 with tensor_parallel.size > 1 is not implemented"),
     ("fused qkv", "fused_qkv=False"),
     ("forward", "call engine.train_batch"),
+    ("partition disagrees", "pipeline.partition_method is 'parameters' but the PipelineModule was built with"),
 ])
 def test_pipeline_and_tensor_misuse_is_a_clear_error(dist_run, kind, says):
     from zero.testing.dist import RankFailed
@@ -308,3 +312,30 @@ def test_pipeline_tensor_and_data_3d_matches_single_process(dist_run):
         for losses, full, *_ in runs:
             assert losses == pytest.approx(ref_losses, rel=1e-4)
             _close(full, ref, 1e-4)
+
+
+def deepspeed_script(steps: int):
+    import argparse
+    import runpy
+
+    script = runpy.run_path(str(__import__("pathlib").Path(__file__).parent.parent / "examples" / "deepspeed_pipeline.py"))
+    return script["main"](argparse.Namespace(steps=steps, local_rank=-1, pipeline_parallel_size=2, deepspeed=True,
+                                             deepspeed_config=None))
+
+
+def test_a_deepspeed_pipeline_script_runs_unchanged_but_for_the_import(dist_run):
+    """examples/deepspeed_pipeline.py (written from DeepSpeed's documented pipeline API: LayerSpec,
+    TiedLayerSpec, PipelineModule, initialize with training_data, RepeatingLoader, train_batch) on
+    pipeline 2 x data 2: every rank reports the same losses, and they fall."""
+    import pathlib
+
+    source = (pathlib.Path(__file__).parent.parent / "examples" / "deepspeed_pipeline.py").read_text()
+    imports = [line for line in source.splitlines() if line.startswith(("import ", "from "))]
+    assert [line for line in imports if "zero" in line] == [
+        "import zero.deepspeed as deepspeed  # was: import deepspeed",
+        "from zero.deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # was: from deepspeed.pipe import ...",
+        "from zero.deepspeed.utils import RepeatingLoader  # was: from deepspeed.utils import RepeatingLoader"]
+    runs = dist_run(4, deepspeed_script, 30)
+    assert all(r == runs[0] for r in runs)
+    losses = runs[0]
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses

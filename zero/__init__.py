@@ -37,15 +37,11 @@ def __getattr__(name):  # keep `import zero` light: torch-heavy modules load on 
         from zero.errors import ZeroRuntimeError
 
         return ZeroRuntimeError
-    if name == "sparse_attention":  # a subpackage: block-sparse attention (issue 17)
-        import importlib
-
-        return importlib.import_module("zero.sparse_attention")
     if name in ("ConfigError", "load_config"):
         from zero import config
 
         return getattr(config, name)
-    if name in ("pipe", "tp"):  # subpackages, imported when first used
+    if name in ("pipe", "tp", "sparse_attention"):  # subpackages, imported when first used
         import importlib
 
         return importlib.import_module(f"zero.{name}")

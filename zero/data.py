@@ -60,3 +60,27 @@ class ResumableLoader(DataLoader):
         self.sampler.set_epoch(state["epoch"])
         self.sampler.seed = state["seed"]
         self._resume_at = state["batches"]
+
+
+class RepeatingLoader:
+    """Iterate `loader` forever, starting it again (a new epoch) when it runs out: the endless
+    micro-batch stream a pipeline engine's `train_batch` draws from (DeepSpeed's RepeatingLoader)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self._epoch = 0
+        self._it = iter(loader)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._it)
+        except StopIteration:
+            self._epoch += 1
+            sampler = getattr(self.loader, "sampler", None)
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(self._epoch)
+            self._it = iter(self.loader)
+            return next(self._it)

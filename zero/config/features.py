@@ -95,7 +95,8 @@ UNIMPLEMENTED_FEATURES: tuple[UnimplementedFeature, ...] = (
     _refused("amp.enabled", "Apex AMP; use fp16 or bf16", bool),
     _refused("torch_autocast.enabled", "torch.autocast mixed precision; use fp16 or bf16", bool),
     _refused("sparse_gradients", "gradients are always dense"),
-    _refused("sparse_attention", "zero has no sparse attention kernels", _present),
+    _refused("sparse_attention", "sparse attention is a model layer in zero (zero.sparse_attention."
+             "SparseSelfAttention with a SparsityConfig; docs/sparse_attention.md), not a config section", _present),
     _refused("progressive_layer_drop.enabled", "layers would be skipped during training", bool),
     _refused("curriculum_learning.enabled", "the data order and sequence lengths would change", bool),
     _refused("data_efficiency.enabled", "data sampling and routing would change", bool),

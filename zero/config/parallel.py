@@ -33,16 +33,18 @@ class PipelineConfig(_Section):
         "'interleaved_1f1b' (each rank holds `virtual_stages` non-consecutive parts: a smaller bubble).")
     micro_batches: Optional[int] = Field(None, ge=1, description="Micro-batches per optimizer step; the same "
                                          "number as gradient_accumulation_steps (give either, or both equal).")
-    virtual_stages: int = Field(2, ge=1, description="interleaved_1f1b: parts per rank (P x this many in all).")
-    partition_method: str = Field("parameters", description="How layers are split between stages: "
-                                  "'parameters' (balance trainable parameter counts), 'uniform' (balance layer "
-                                  "counts) or 'type:<regex>' (balance the layers whose class name matches).")
+    virtual_stages: Optional[int] = Field(None, ge=1, description="Parts per rank (interleaved_1f1b: >= 2); null: "
+                                          "the PipelineModule's virtual_stages, which must agree when given.")
+    partition_method: Optional[str] = Field(None, description="How layers are split between stages: "
+                                            "'parameters' (balance trainable parameter counts), 'uniform' (balance "
+                                            "layer counts) or 'type:<regex>' (balance the layers whose class name "
+                                            "matches); null: the PipelineModule's, which must agree when given.")
 
     @field_validator("partition_method")
     @classmethod
-    def _method(cls, v: str) -> str:
-        if v.lower() in ("parameters", "uniform"):
-            return v.lower()
+    def _method(cls, v: Optional[str]) -> Optional[str]:
+        if v is None or v.lower() in ("parameters", "uniform"):
+            return v if v is None else v.lower()
         if v.lower().startswith("type:"):
             try:
                 re.compile(v[5:], re.IGNORECASE)
@@ -57,7 +59,7 @@ class PipelineConfig(_Section):
         if self.schedule == "interleaved_1f1b":
             if self.stages is not None and self.stages < 2:
                 raise ValueError("schedule 'interleaved_1f1b' needs stages >= 2 (one stage has nothing to interleave)")
-            if self.virtual_stages < 2:
+            if self.virtual_stages is not None and self.virtual_stages < 2:
                 raise ValueError("schedule 'interleaved_1f1b' needs virtual_stages >= 2 parts per rank; with 1 it "
                                  "is '1f1b'")
             if m is not None and self.stages is not None and m % self.stages:

@@ -19,8 +19,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     """`deepspeed.initialize`: also takes the config from `args.deepspeed_config` (as set by
     `add_config_arguments` and `--deepspeed_config ds.json`)."""
     if mpu is not None:
-        raise ValueError("deepspeed.initialize(mpu=...): zero is data-parallel only (no model parallelism); "
-                         "leave mpu unset")
+        raise ValueError("deepspeed.initialize(mpu=...): zero takes model parallelism from the config (pipeline.stages, "
+                         "tensor_parallel.size; see docs/parallelism.md), not from an mpu object; leave mpu unset")
     if config is None and config_params is None and args is not None:
         config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     from zero.engine import initialize as _initialize
@@ -41,4 +41,12 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 
 def __getattr__(name: str):
+    if name == "PipelineModule":
+        from zero.pipe import PipelineModule
+
+        return PipelineModule
+    if name == "pipe":
+        import importlib
+
+        return importlib.import_module("zero.deepspeed.pipe")
     return missing("deepspeed", name)

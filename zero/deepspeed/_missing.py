@@ -1,12 +1,12 @@
 """What to say about a DeepSpeed name zero does not have.
 
 [Note: absent names]
-A DeepSpeed script often imports more than it uses (`from deepspeed.pipe import PipelineModule` at
-the top of a file that trains without a pipeline). So a DeepSpeed name that zero knows and lacks
+A DeepSpeed script often imports more than it uses (`from deepspeed.moe.layer import MoE` at
+the top of a file that trains without experts). So a DeepSpeed name that zero knows and lacks
 imports fine and fails when used: it resolves to a stand-in class whose call, attribute access or
 instantiation of a subclass raises `NotAvailableError` with the reason and what to use instead.
-`isinstance(x, StandIn)` is simply False. A missing DeepSpeed package (`deepspeed.pipe`,
-`deepspeed.moe.layer`, ...) is a module made on import by `_AbsentPackages`, whose every name is such
+`isinstance(x, StandIn)` is simply False. A missing DeepSpeed package (`deepspeed.moe.layer`,
+`deepspeed.inference`, ...) is a module made on import by `_AbsentPackages`, whose every name is such
 a stand-in. A name zero does not know at all (a typo, or a part of DeepSpeed nobody asked for) is an
 AttributeError at once, as for any module.
 """
@@ -21,8 +21,6 @@ import types
 
 # DeepSpeed packages with no counterpart here (everything under them), and what to use instead
 ABSENT_PACKAGES = {
-    "deepspeed.pipe": "pipeline parallelism is not implemented yet",
-    "deepspeed.runtime.pipe": "pipeline parallelism is not implemented yet",
     "deepspeed.moe": "expert parallelism is not implemented; MoE layers train as ordinary modules "
                      "(zero.set_z3_leaf_modules keeps an MoE block one unit under stage 3)",
     "deepspeed.profiling": "use torch.profiler; engine.wall_clock_report() and engine.comm_report() give zero's "
@@ -33,12 +31,11 @@ ABSENT_PACKAGES = {
     "deepspeed.sequence": "sequence parallelism is not implemented",
     "deepspeed.ops.transformer": "DeepSpeed's fused transformer layers are not implemented; use torch's layers "
                                  "(F.scaled_dot_product_attention)",
-    "deepspeed.ops.sparse_attention": "block-sparse attention is not implemented yet",
     "deepspeed.ops.lamb": "LAMB is refused: its trust ratio needs whole parameters, which ZeRO partitions",
     "deepspeed.runtime.zero.tiling": "TiledLinear is not implemented; stage 3 gathers one module at a time "
                                      "(split a huge Linear into several modules)",
-    "deepspeed.utils.groups": "zero is data-parallel only: its group is torch.distributed's default group "
-                              "(no model, expert or sequence parallel groups)",
+    "deepspeed.utils.groups": "zero's process groups are its mesh's: zero.tp.mesh(config).group('pp' | 'dp' | 'tp') "
+                              "(see docs/parallelism.md); DeepSpeed's group helpers are not provided",
     "deepspeed.utils.timer": "use engine.wall_clock_report() for zero's timings, or torch.profiler",
     "deepspeed.runtime.sequence_parallel": "sequence parallelism is not implemented",
     "deepspeed.runtime.zero.mics": "MiCS (hierarchical partitioning) is not implemented; use stage 3",
@@ -52,7 +49,6 @@ ABSENT_PACKAGES = {
 ABSENT_NAMES = {
     "deepspeed.init_inference": "inference engines are not implemented; use the model directly (under stage 3, "
                                 "with zero.integrations.hf.from_pretrained and model.generate)",
-    "deepspeed.PipelineModule": "pipeline parallelism is not implemented yet",
     "deepspeed.runtime.zero.partition_parameters.ZeroParamType": "zero's stage-3 parameters tell their state by "
                                                                  "ds_status; there are no remote parameters",
     **{f"deepspeed.{m}.{name}": reason for m in ("zero", "runtime.zero") for name, reason in (

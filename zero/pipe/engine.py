@@ -49,6 +49,12 @@ class PipelineEngine(Engine):
         p = config.pipeline
         if module.num_stages != p.stages:
             raise ValueError(f"the PipelineModule has num_stages={module.num_stages} but pipeline.stages is {p.stages}")
+        for key, mine, theirs in (("partition_method", module.partition_method, p.partition_method),
+                                  ("virtual_stages", module.virtual_stages, p.virtual_stages)):
+            if theirs is not None and str(theirs).lower() != str(mine).lower():
+                raise ValueError(f"pipeline.{key} is {theirs!r} but the PipelineModule was built with {key}={mine!r}: "
+                                 f"the module splits its layers when it is built (each rank builds only its own); "
+                                 f"give the same value, or leave pipeline.{key} out")
         interleaved = p.schedule == "interleaved_1f1b"
         if interleaved != (module.virtual_stages > 1):
             raise ValueError(f"pipeline.schedule {p.schedule!r} with a PipelineModule of virtual_stages="
@@ -109,7 +115,7 @@ class PipelineEngine(Engine):
         (each an (inputs, labels) pair; the first and last stages need it, the others may pass
         None). Returns the mean loss, the same on every rank. See [Note: a pipelined step]."""
         m = self.config.gradient_accumulation_steps
-        inputs, labels = self._draw(data_iter, m)
+        inputs, labels = self._draw(self._default_iter() if data_iter is None else data_iter, m)
         self.module.train()
         self._losses = []
         self.optimizer.at_boundary = False  # gradient copies to the host (offload) wait for the step
@@ -147,6 +153,17 @@ class PipelineEngine(Engine):
         return self.agg_eval_loss
 
     # -- the pieces -------------------------------------------------------------------------------
+
+    def _default_iter(self) -> Iterator | None:
+        """DeepSpeed's train_batch() without data_iter: the loader of initialize(training_data=...),
+        repeated."""
+        if self.training_dataloader is None:
+            return None
+        if getattr(self, "_repeating", None) is None:
+            from zero.data import RepeatingLoader
+
+            self._repeating = RepeatingLoader(self.training_dataloader)
+        return self._repeating
 
     def _loss(self, output: Any, labels: Any) -> torch.Tensor:
         loss = self.module.loss_fn(output, labels)

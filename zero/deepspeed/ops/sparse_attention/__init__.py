@@ -1,0 +1,3 @@
+"""`deepspeed.ops.sparse_attention`: zero's block-sparse attention (see docs/sparse_attention.md)."""
+from zero.sparse_attention import *  # noqa: F401,F403
+from zero.sparse_attention import __all__  # noqa: F401

@@ -1,0 +1,2 @@
+"""`deepspeed.runtime.pipe`: the pipeline API on zero.pipe (see docs/parallelism.md)."""
+from zero.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: F401
