@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from zero.deepspeed._missing import missing
 from zero.data import RepeatingLoader  # noqa: F401
+from zero.deepspeed._missing import missing
 from zero.deepspeed.utils import zero_to_fp32  # noqa: F401
 from zero.init import refuse_after_initialize, set_z3_leaf_modules  # noqa: F401
 
