@@ -7,10 +7,10 @@ import torch.distributed as dist
 from zero.comm import Comm
 from zero.config import ZeroConfig
 from zero.engine import Engine
-from zero.mesh import ModelParallelNorm, ParallelMesh, replica_counts
+from zero.mesh import MeshCheckpointRefusal, ModelParallelNorm, ParallelMesh, replica_counts
 
 
-class TensorParallelEngine(Engine):
+class TensorParallelEngine(MeshCheckpointRefusal, Engine):
     """A tensor-parallel (and data-parallel) model; see zero/tp/__init__.py. Built by
     `zero.initialize` when tensor_parallel.size > 1. The ranks of one tensor-parallel group must
     be fed the same batches (the data loader of `initialize(training_data=...)` is split over the
