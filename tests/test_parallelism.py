@@ -366,6 +366,6 @@ def test_offload_and_fp16_overflow_on_a_pipeline_and_checkpoints_refused(dist_ru
     skipped = [r[5] for r in fp16]
     assert skipped[0] >= 1 and len(set(skipped)) == 1, skipped
     assert all(torch.isfinite(p).all() for r in fp16 for p in r[1].values())
-    assert all(l == l for l in fp16[0][0][skipped[0]:])  # the losses of the applied steps are numbers
+    assert all(loss == loss for loss in fp16[0][0][skipped[0]:])  # the losses of the applied steps are numbers
     says = dist_run(2, save_refused)
     assert all("save_checkpoint with pipeline stages or tensor slices is not implemented yet" in s for s in says)
