@@ -125,14 +125,19 @@ __global__ void __launch_bounds__(THREADS)
         for (int64_t kc = 0; kc < bs; kc += FWD_CHUNK) {
             const int64_t k0 = c * bs + kc;
             if (p.causal && k0 > w.row0 + ROWS - 1) break; /* every key after every query of the CTA */
+            /* a block of 16 keys fills half a chunk: the rest belongs to the next block (which the
+               layout may not have) or lies past the end of k and v, so it is neither loaded nor seen */
+            const int valid = (int)(bs - kc < FWD_CHUNK ? bs - kc : FWD_CHUNK);
             __syncthreads(); /* the previous chunk is no longer read */
-            load_rows<DT>(k, base, k0, FWD_CHUNK, D, ld, 1.0f, Ks);
-            load_rows<DT>(v, base, k0, FWD_CHUNK, D, ld, 1.0f, Vs);
+            load_rows<DT>(k, base, k0, valid, D, ld, 1.0f, Ks);
+            load_rows<DT>(v, base, k0, valid, D, ld, 1.0f, Vs);
+            for (int e = threadIdx.x; e < (FWD_CHUNK - valid) * D; e += THREADS)
+                Vs[(valid + e / D) * ld + e % D] = 0.0f; /* its probabilities are 0: keep 0 * V finite */
             __syncthreads();
             float s[FWD_CHUNK / LANES], cmax = -INFINITY;
             for (int t = 0; t < FWD_CHUNK / LANES; t++) {
                 const int j = lane + LANES * t;
-                s[t] = masked(p, w.b, qi, k0 + j, dot(Qs + row * ld, Ks + j * ld, D));
+                s[t] = j < valid ? masked(p, w.b, qi, k0 + j, dot(Qs + row * ld, Ks + j * ld, D)) : -INFINITY;
                 cmax = fmaxf(cmax, s[t]);
             }
             const float mnew = fmaxf(m, row_max(cmax));

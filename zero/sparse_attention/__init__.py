@@ -10,7 +10,7 @@ their first call (zero/ops/builder.py).
 """
 from zero.ops.sparse_attention import BlockSparseIndex
 from zero.sparse_attention.attention import BlockSparseAttentionFunction, SparseSelfAttention, sparse_attention
-from zero.sparse_attention.replace import SparseAttentionBlock, replace_self_attention
+from zero.sparse_attention.replace import replace_self_attention
 from zero.sparse_attention.sparsity_config import (
     BigBirdSparsityConfig,
     BSLongformerSparsityConfig,
@@ -24,5 +24,5 @@ from zero.sparse_attention.sparsity_config import (
 __all__ = [
     "SparsityConfig", "DenseSparsityConfig", "FixedSparsityConfig", "VariableSparsityConfig", "BigBirdSparsityConfig",
     "BSLongformerSparsityConfig", "LocalSlidingWindowSparsityConfig", "SparseSelfAttention", "sparse_attention",
-    "BlockSparseAttentionFunction", "BlockSparseIndex", "SparseAttentionBlock", "replace_self_attention",
+    "BlockSparseAttentionFunction", "BlockSparseIndex", "replace_self_attention",
 ]

@@ -2,9 +2,9 @@
 
 `replace_self_attention(model, sparsity_config)` changes, in place:
 
-- every `zero.testing.models.Block` (the GPT of zero.testing.models) into a `SparseAttentionBlock`
-  that holds the very same layers (same parameters, same state_dict keys) and calls a causal
-  SparseSelfAttention where the block called dense SDPA;
+- every `zero.testing.models.Block` (the GPT of zero.testing.models, built with fused or separate
+  q, k, v): its attention function (`Block.attend`) becomes a causal SparseSelfAttention where it
+  called dense SDPA; the layers, parameters and state_dict keys stay as they were;
 - every HuggingFace `GPT2Attention` (self-attention) and `BertSelfAttention` so that its attention
   function is ours (registered with transformers' AttentionInterface as "zero_sparse"; the
   module gets its own copy of the config naming it, so other modules keep theirs). The layer
@@ -22,33 +22,12 @@ import copy
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from zero.sparse_attention.attention import SparseSelfAttention
 from zero.sparse_attention.sparsity_config import SparsityConfig
 
 HF_ATTENTION_NAME = "zero_sparse"
 _HF_CLASSES = ("GPT2Attention", "BertSelfAttention")
-
-
-class SparseAttentionBlock(nn.Module):
-    """A zero.testing.models.Block whose attention is block-sparse (and causal); it shares the
-    original block's layers."""
-
-    def __init__(self, block: nn.Module, attention: SparseSelfAttention):
-        super().__init__()
-        for name in ("ln1", "qkv", "proj", "ln2", "fc", "out"):
-            setattr(self, name, getattr(block, name))
-        self.n_head = block.n_head
-        self.attention = attention
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = self.attention(q, k, v)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
 def replace_self_attention(model: nn.Module, sparsity_config: SparsityConfig, *,
@@ -69,16 +48,12 @@ def replace_self_attention(model: nn.Module, sparsity_config: SparsityConfig, *,
     """
     from zero.testing.models import Block
 
-    if isinstance(model, Block):
-        raise ValueError("pass the module that holds the Block (the GPT), so the Block can be replaced in it")
     swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, Block):
-                _check_heads(name, child.n_head, sparsity_config)
-                attention = SparseSelfAttention(sparsity_config, max_seq_length=max_seq_length, causal=True)
-                setattr(parent, name, SparseAttentionBlock(child, attention))
-                swapped += 1
+    for name, module in model.named_modules():
+        if isinstance(module, Block):  # its attention function, which is causal
+            _check_heads(name or type(module).__name__, module.n_head, sparsity_config)
+            module.attend = SparseSelfAttention(sparsity_config, max_seq_length=max_seq_length, causal=True)
+            swapped += 1
     for module in model.modules():
         if type(module).__name__ in _HF_CLASSES and not getattr(module, "is_cross_attention", False):
             heads = getattr(module, "num_heads", getattr(module, "num_attention_heads", None))

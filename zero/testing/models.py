@@ -51,6 +51,9 @@ class Block(nn.Module):
         self.out = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
         self.n_head = cfg.n_head
         self.head_dim = cfg.n_embd // cfg.n_head
+        # attention over (batch, heads, seq, head_dim) q, k, v; None: causal SDPA. Swapped by
+        # zero.sparse_attention.replace_self_attention for block-sparse attention.
+        self.attend: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
@@ -58,7 +61,7 @@ class Block(nn.Module):
         q, k, v = self.qkv(h).split(c, dim=2) if hasattr(self, "qkv") else (self.q(h), self.k(h), self.v(h))
         # heads from the width (-1): under tensor parallelism q, k and v hold this rank's heads only
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True) if self.attend is None else self.attend(q, k, v)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
