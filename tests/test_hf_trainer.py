@@ -123,7 +123,7 @@ def test_zero_trainer_matches_plain_trainer_saves_resumes_evaluates_generates(di
     single = tiny(kind)
     ZeroTrainer(model=single, args=arguments(tempfile.mkdtemp(), 1, 6), train_dataset=Tokens(),
                 zero_config=_config(stage, offload)).train(resume_from_checkpoint=f"{out}/checkpoint-3")
-    assert max((p.detach() - straight[n]).abs().max().item() for n, p in single.named_parameters()) < 5e-6
+    assert max((p.detach() - straight[n]).abs().max().item() for n, p in single.named_parameters()) < 1e-5
 
 
 def test_hf_auto_values_resolve_and_contradictions_are_listed():

@@ -148,6 +148,18 @@ def test_pipeline_by_data_matches_single_process_for_every_schedule_and_stage(di
         total = sum(p.numel() for p in ref.values())
         embed = sum(p.numel() for n, p in ref.items() if n.startswith("tied_modules"))
         assert built[0] + built[2] == total + embed and max(built) < 0.75 * total, (built, total)
+        # the reports split by mesh dimension: stage 0 sends each micro-batch's activations on and
+        # stage 1 the gradients back (M x 2 x 8 x 16 fp32 values each way per step); the whole
+        # model's parameter count from every stage's share
+        activation_bytes = M * MICRO * SEQ * WIDTH * 4
+        for rank, (_, _, held, memory, comm, _) in enumerate(runs):
+            first = rank < 2
+            assert memory["mesh"]["parameters"]["model"] == total and memory["mesh"]["parameters"]["stage"] == held
+            assert memory["mesh"]["shape"] == {"pp": 2, "dp": 2, "tp": 1}
+            sent = comm["pp"]["activations" if first else "gradients"]
+            if virtual == 1:
+                assert sent["bytes"] == activation_bytes and sent["calls"] == M, (schedule, comm)
+            assert comm["dp"] and not comm["tp"], comm
 
 
 def test_partition_methods_give_the_documented_splits():
@@ -309,9 +321,14 @@ def test_pipeline_tensor_and_data_3d_matches_single_process(dist_run):
     ref_losses, ref = single_process(2, 3)
     for schedule, zero_stage, virtual in (("1f1b", 1, 1), ("interleaved_1f1b", 2, 2)):
         runs = dist_run(8, train_pipeline, 2, schedule, zero_stage, 3, 2, virtual)
-        for losses, full, *_ in runs:
+        for losses, full, held, memory, comm, _ in runs:
             assert losses == pytest.approx(ref_losses, rel=1e-4)
             _close(full, ref, 1e-4)
+            p = memory["mesh"]["parameters"]
+            assert p["model"] == sum(t.numel() for t in ref.values()) and p["rank"] < p["stage"] == held, p
+            # every block all-reduces its row-sliced outputs (proj, out) in forward and its column-
+            # sliced inputs (q, k, v, fc) in backward, on the tensor group
+            assert comm["tp"]["all_reduce"]["bytes"] > 0 and comm["pp"], comm
 
 
 def deepspeed_script(steps: int):

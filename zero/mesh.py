@@ -151,3 +151,87 @@ class MeshCheckpointRefusal:
 
     def consolidated_16bit_state_dict(self, *args, **kwargs):
         self._refuse("consolidated_16bit_state_dict")
+
+
+class MeshReports:
+    """memory_report() and comm_report() of the 3D engines, split by mesh dimension.
+
+    - Memory: the base report (this rank's bytes, measured), plus under "mesh" the mesh's shape,
+      this rank's coordinates, and how each dimension divides the parameters: the whole model's
+      count, this pipeline stage's, what this rank stores (its tensor slices) and what its
+      optimizer shard covers (the data-parallel partition).
+    - Communication, per step: "dp" is the ZeRO group's counted collectives (as without a mesh);
+      "pp" the activations sent to the next stage and the gradients sent back (each part's
+      outputs and inputs, counted by hooks); "tp" the tensor-parallel collectives inside the
+      sliced layers (a column-sliced layer all-reduces its input's gradient in backward, a
+      row-sliced one its output in forward; an output gathered whole counts its size), counted
+      by hooks as logical bytes like "dp"'s.
+    """
+
+    def _init_mesh_reports(self, stage_modules: list[torch.nn.Module]) -> None:
+        from torch.distributed.tensor import Shard
+
+        self._traffic: dict[str, dict[str, dict[str, int]]] = {"pp": {}, "tp": {}}
+        self._last_traffic: dict[str, dict[str, dict[str, int]]] = {"pp": {}, "tp": {}}
+
+        def count(dim: str, name: str, tensors) -> None:
+            entry = self._traffic[dim].setdefault(name, {"calls": 0, "bytes": 0})
+            entry["calls"] += 1
+            entry["bytes"] += sum(t.numel() * t.element_size() for t in tensors)
+
+        last = self.mesh.pp * getattr(self.module, "virtual_stages", 1) - 1
+        for part in stage_modules:
+            index = getattr(part, "index", 0)
+            if index < last:
+                part.register_forward_hook(lambda m, a, out: count("pp", "activations", _floats(out)))
+            if index > 0:
+                part.register_forward_pre_hook(lambda m, args: count("pp", "gradients", [
+                    t for t in _floats(args) if t.requires_grad]) if torch.is_grad_enabled() else None)
+        for module in self.module.modules():
+            weight = getattr(module, "weight", None)
+            placements = tuple(getattr(weight, "placements", ()))
+            if not placements:
+                continue
+            if isinstance(module, torch.nn.Linear) and placements[0] == Shard(0):  # column-sliced
+                module.register_forward_pre_hook(lambda m, args: count("tp", "all_reduce", _floats(args)))
+                # an output that comes back with all the columns was gathered
+                module.register_forward_hook(lambda m, a, out: count("tp", "all_gather", [
+                    t for t in _floats(out) if t.shape[-1] == m.weight.shape[0]]) if m.weight.shape[0] > 1 else None)
+            elif placements[0] == Shard(1) or (isinstance(module, torch.nn.Embedding) and placements[0] == Shard(0)):
+                module.register_forward_hook(lambda m, a, out: count("tp", "all_reduce", _floats(out)))
+        world = Comm()
+        params = {id(p): p for p in self.module.parameters()}.values()
+        local = sum((p._local_tensor if hasattr(p, "_local_tensor") else p).numel() for p in params)
+        whole = sum(p.numel() for p in params)  # global shapes: this stage's parameters, unsliced
+        tied = getattr(self.module, "tied_modules", None)
+        stages_of = {id(q): len(self.module.tied_stages(k)) for k, m in (tied.items() if tied is not None else [])
+                     for q in m.parameters()}
+        share = torch.tensor([sum(p.numel() / stages_of.get(id(p), 1) for p in params)], dtype=torch.float64)
+        if self.mesh.tp > 1:  # every tensor rank of a stage holds the same global shapes
+            share /= self.mesh.tp
+        share /= self.mesh.dp
+        world.all_reduce(share, "sum")
+        self._mesh_params = {"model": int(round(share.item())), "stage": whole, "rank": local,
+                             "optimizer_shard": sum(m.numel() for m in self.optimizer.master)
+                             if hasattr(self.optimizer, "master") else local}
+
+    def memory_report(self) -> dict:
+        report = super().memory_report()
+        report["mesh"] = {"shape": {"pp": self.mesh.pp, "dp": self.mesh.dp, "tp": self.mesh.tp},
+                          "coordinate": {d: self.mesh.coordinate(d) for d in ("pp", "dp", "tp")},
+                          "parameters": dict(self._mesh_params)}
+        return report
+
+    def comm_report(self) -> dict:
+        return {"dp": super().comm_report(), **{d: dict(v) for d, v in self._last_traffic.items()}}
+
+    def _close_traffic_window(self) -> None:
+        """At the end of a step: this step's pipeline and tensor traffic becomes the report's."""
+        self._last_traffic = self._traffic
+        self._traffic = {"pp": {}, "tp": {}}
+
+
+def _floats(obj) -> list[torch.Tensor]:
+    from zero.stages.readiness import tensors_in
+
+    return [t for t in tensors_in(obj) if t.is_floating_point()]

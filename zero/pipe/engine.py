@@ -34,13 +34,13 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from zero.comm import Comm
 from zero.config import ZeroConfig
 from zero.engine import Engine
-from zero.mesh import MeshCheckpointRefusal, ModelParallelNorm, ParallelMesh, group_of, replica_counts
+from zero.mesh import MeshCheckpointRefusal, MeshReports, ModelParallelNorm, ParallelMesh, group_of, replica_counts
 from zero.pipe.module import PipelineModule
 
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
 
-class PipelineEngine(MeshCheckpointRefusal, Engine):
+class PipelineEngine(MeshCheckpointRefusal, MeshReports, Engine):
     """A PipelineModule trained with pipeline stages (and tensor slices) composed with ZeRO over
     the data-parallel group. Built by `zero.initialize`; train with `train_batch`."""
 
@@ -87,6 +87,7 @@ class PipelineEngine(MeshCheckpointRefusal, Engine):
         stage = self._stages if interleaved else self._stages[0]
         self._schedule = schedule(stage, p.micro_batches, loss_fn=self._loss, scale_grads=False)
         self._losses: list[torch.Tensor] = []
+        self._init_mesh_reports(module.parts)
         self.agg_train_loss: torch.Tensor | None = None
         self.agg_eval_loss: torch.Tensor | None = None
 
@@ -125,6 +126,7 @@ class PipelineEngine(MeshCheckpointRefusal, Engine):
         self._backwards = m
         for _ in range(m):  # the accumulation bookkeeping of m micro-steps; the last one steps
             Engine.step(self)
+        self._close_traffic_window()
         self.agg_train_loss = self._mean_loss()
         return self.agg_train_loss
 

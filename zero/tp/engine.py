@@ -7,10 +7,10 @@ import torch.distributed as dist
 from zero.comm import Comm
 from zero.config import ZeroConfig
 from zero.engine import Engine
-from zero.mesh import MeshCheckpointRefusal, ModelParallelNorm, ParallelMesh, replica_counts
+from zero.mesh import MeshCheckpointRefusal, MeshReports, ModelParallelNorm, ParallelMesh, replica_counts
 
 
-class TensorParallelEngine(MeshCheckpointRefusal, Engine):
+class TensorParallelEngine(MeshCheckpointRefusal, MeshReports, Engine):
     """A tensor-parallel (and data-parallel) model; see zero/tp/__init__.py. Built by
     `zero.initialize` when tensor_parallel.size > 1. The ranks of one tensor-parallel group must
     be fed the same batches (the data loader of `initialize(training_data=...)` is split over the
@@ -23,6 +23,13 @@ class TensorParallelEngine(MeshCheckpointRefusal, Engine):
         super().__init__(module, config, model_parameters, optimizer, lr_scheduler,
                          comm=Comm(mesh.group("dp")) if dist.is_initialized() else Comm())
         self.optimizer.model_parallel = ModelParallelNorm(Comm(), replica_counts(module, mesh))
+        self._init_mesh_reports([])
+
+    def step(self) -> None:
+        boundary = self.is_gradient_accumulation_boundary()
+        super().step()
+        if boundary:
+            self._close_traffic_window()
 
 
 def check_stage(config: ZeroConfig) -> None:
