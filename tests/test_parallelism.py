@@ -90,6 +90,9 @@ def single_process(data_parallel: int, steps: int, clip: float = 0.5):
         torch.nn.utils.clip_grad_norm_(list(params.values()), clip)
         opt.step()
         losses.append(loss.item())
+    with torch.no_grad():  # the trained model on the first step's batch (what eval_batch computes)
+        x, y = batch(0, M * MICRO * data_parallel)
+        losses.append(loss_fn(forward(x), y).item())
     return losses, {n: p.detach() for n, p in params.items()}
 
 
@@ -115,6 +118,7 @@ def train_pipeline(stages: int, schedule: str, zero_stage: int, steps: int, tens
     engine, *_ = zero.initialize(model=model, config=config)
     dp, dp_rank = engine.comm.world_size, engine.comm.rank
     losses = [engine.train_batch(iter(my_micro_batches(step, dp_rank, dp))).item() for step in range(steps)]
+    losses.append(engine.eval_batch(iter(my_micro_batches(0, dp_rank, dp))).item())  # forward only
     full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
     return losses, full, built, engine.memory_report(), engine.comm_report(), engine.skipped_steps
 
@@ -134,7 +138,8 @@ def test_pipeline_by_data_matches_single_process_for_every_schedule_and_stage(di
     """Pipeline 2 x data 2: after 5 steps the parameters equal single-process AdamW on the global
     batch (fp32 1e-5 relative, gradient clipping on), with the embedding tied across the first and
     last stage, for GPipe, 1F1B and interleaved 1F1B at ZeRO stages 0-2. Every rank returns the
-    same mean loss, and each rank built only its own stage's layers."""
+    same mean loss (and eval_batch the trained model's), and each rank built only its own stage's
+    layers."""
     ref_losses, ref = single_process(2, 5)
     for schedule, zero_stage, virtual in (("gpipe", 1, 1), ("1f1b", 2, 1), ("1f1b", 0, 1),
                                           ("interleaved_1f1b", 2, 2), ("interleaved_1f1b", 1, 2)):
