@@ -78,7 +78,10 @@ def run(pp: int, tp: int, blocks: int, width: int, micro_batches: int, steps: in
         part.register_forward_pre_hook(lambda m, a: busy.append(-time.perf_counter()))
         part.register_forward_hook(lambda m, a, o: busy.append(time.perf_counter()))
         part.register_full_backward_pre_hook(lambda m, g: busy.append(-time.perf_counter()))
-        part.register_full_backward_hook(lambda m, gi, go: busy.append(time.perf_counter()))
+        # the backward ends when every parameter of the part has its gradient (a module hook on the
+        # inputs' gradients would fire at once on the first stage, whose inputs are token ids)
+        torch.autograd.graph.register_multi_grad_hook([p for p in part.parameters() if p.requires_grad],
+                                                      lambda grads: busy.append(time.perf_counter()), mode="all")
     g = torch.Generator().manual_seed(engine.comm.rank)
     times, inside = [], []
     for step in range(steps):
