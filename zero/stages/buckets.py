@@ -124,16 +124,23 @@ class ZeroOptimizer(ShardedAdam):
         """fp32 training without offload: the parameters are their own master (no second copy)."""
         return self.precision.param == torch.float32 and self.offload is None
 
+    def _owned_part(self, i: int) -> tuple[Bucket, int, int, int, int]:
+        """Parameter i's bucket, the start `lo` of this rank's slice of it, the parameter's offset
+        `off`, and [a, b): the part of the parameter inside the slice (flat-buffer elements; empty
+        when a == b)."""
+        off, n = self.layout.offsets[i], self.layout.numels[i]
+        bucket = self.layout.buckets[self.layout.bucket_of[i]]
+        lo, hi = self._own(bucket)
+        a = max(lo, off)
+        return bucket, lo, off, a, max(a, min(hi, off + n))
+
     def param_chunks(self, param: nn.Parameter, saving: bool) -> list[tuple[str, int, torch.Tensor]]:
         i = self._index.get(param)
         if i is None:  # frozen: replicated on every rank, written by rank 0
             whole = param.detach().reshape(-1)
             return [("model", 0, whole)] if not saving or self.comm.rank == 0 else []
-        off, n = self.layout.offsets[i], self.layout.numels[i]
-        bucket = self.layout.buckets[self.layout.bucket_of[i]]
-        lo, hi = self._own(bucket)
-        a, b = max(lo, off), min(hi, off + n)
-        b = max(a, b)
+        bucket, lo, off, a, b = self._owned_part(i)
+        n = self.layout.numels[i]
         out = []
         if saving and (self.partitions > 1 or self.comm.rank == 0):
             out.append(("model", a - off, self.flat[a:b]))  # this rank's slice (stage 0: rank 0 writes all)
@@ -149,23 +156,17 @@ class ZeroOptimizer(ShardedAdam):
 
     def grad_piece(self, param: nn.Parameter) -> tuple[int, torch.Tensor, bool]:
         i = self._index[param]
-        off, n = self.layout.offsets[i], self.layout.numels[i]
         if self.stage < 2:
-            return 0, self.flat_grad[off : off + n], False
-        bucket = self.layout.buckets[self.layout.bucket_of[i]]
-        lo, hi = self._own(bucket)
-        a = max(lo, off)
-        b = max(a, min(hi, off + n))
+            off = self.layout.offsets[i]
+            return 0, self.flat_grad[off : off + self.layout.numels[i]], False
+        bucket, lo, off, a, b = self._owned_part(i)
         return a - off, self.shards[bucket.index][a - lo : b - lo], True
 
     def owned_grad(self, param: nn.Parameter) -> torch.Tensor | None:
         i = self._index.get(param)
         if i is None:
             return None
-        off, n = self.layout.offsets[i], self.layout.numels[i]
-        bucket = self.layout.buckets[self.layout.bucket_of[i]]
-        lo, hi = self._own(bucket)
-        a, b = max(lo, off), min(hi, off + n)
+        bucket, lo, _, a, b = self._owned_part(i)
         return self.shards[bucket.index][a - lo : b - lo] if a < b else None
 
     def load_param(self, param: nn.Parameter, value: torch.Tensor) -> None:
@@ -173,12 +174,9 @@ class ZeroOptimizer(ShardedAdam):
         i = self._index.get(param)
         if i is None:
             return None
-        off, n = self.layout.offsets[i], self.layout.numels[i]
-        bucket = self.layout.buckets[self.layout.bucket_of[i]]
-        lo, hi = self._own(bucket)
-        a, b = max(lo, off), min(hi, off + n)
+        bucket, lo, off, a, b = self._owned_part(i)
         master = self.master[bucket.index]
-        if a < b and master.data_ptr() != self.flat[lo:hi].data_ptr():
+        if a < b and master.data_ptr() != self.flat[slice(*self._own(bucket))].data_ptr():
             master[a - lo : b - lo].copy_(value.detach().reshape(-1)[a - off : b - off])
         return None
 
