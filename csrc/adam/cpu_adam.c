@@ -354,7 +354,7 @@ static int resolve_simd(int simd) {
     return simd;
 }
 
-static int thread_count(int num_threads) {
+int zero_cpu_thread_count(int num_threads) {
 #ifdef _OPENMP
     return num_threads > 0 ? num_threads : omp_get_max_threads();
 #else
@@ -389,7 +389,7 @@ int zero_cpu_adam_step(int64_t n, float *param, const void *grad, int32_t grad_d
     const adam_tile_fn tile = adam_tile_for(level);
     const int64_t ntiles = (n + TILE - 1) / TILE;
     const size_t gsz = (size_t)zero_dtype_size(grad_dtype);
-    const int threads = thread_count(num_threads);
+    const int threads = zero_cpu_thread_count(num_threads);
     (void)threads;
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (ntiles > 1 && threads > 1)

@@ -49,6 +49,10 @@ int zero_cpu_adam_simd_available(int level);
 /* The highest available level. */
 int zero_cpu_adam_best_simd(void);
 
+/* The OpenMP threads a kernel uses: num_threads when > 0, else OpenMP's default (1 without OpenMP).
+   Shared by the CPU kernels that link this file (1-bit pack, block-sparse attention). */
+int zero_cpu_thread_count(int num_threads);
+
 /* "scalar", "avx2", "avx512"; "unknown" for anything else. */
 const char *zero_cpu_adam_simd_name(int level);
 

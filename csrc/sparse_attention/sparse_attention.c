@@ -370,15 +370,6 @@ static const vec_ops *pick_ops(int simd) {
 
 static int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
-static int thread_count(int num_threads) {
-#ifdef _OPENMP
-    return num_threads > 0 ? num_threads : omp_get_max_threads();
-#else
-    (void)num_threads;
-    return 1;
-#endif
-}
-
 /* rows x D elements of src (rows row0.. of a (seq, D) buffer of `dtype`) as fp32, times scale,
  * into rows of D8 floats whose last D8 - D are 0. */
 static void pack_rows(const void *src, int dtype, int64_t row0, int64_t rows, int64_t D, int64_t D8, float scale,
@@ -490,7 +481,7 @@ static int64_t forward_head_floats(const zero_sparse_attention_problem *p) {
 int64_t zero_sparse_attention_forward_workspace(const zero_sparse_attention_problem *p, int num_threads) {
     if (!zero_sparse_attention_valid(p)) return -1;
     const int64_t head = forward_head_floats(p), group = group_heads(p->batch * p->heads, head);
-    return group * head + thread_count(num_threads) * forward_thread_floats(p->block, round_up(p->head_dim, 8));
+    return group * head + zero_cpu_thread_count(num_threads) * forward_thread_floats(p->block, round_up(p->head_dim, 8));
 }
 
 int zero_sparse_attention_forward(const zero_sparse_attention_problem *p, const void *q, const void *k, const void *v,
@@ -506,7 +497,7 @@ int zero_sparse_attention_forward(const zero_sparse_attention_problem *p, const 
     const int64_t stride = T * D * zero_dtype_size(p->dtype); /* bytes of one (batch, head) */
     const int dt = p->dtype;
     float *per_thread = workspace + group * head;
-    const int threads = thread_count(num_threads);
+    const int threads = zero_cpu_thread_count(num_threads);
     (void)threads;
 #pragma omp parallel num_threads(threads)
     {
@@ -589,7 +580,7 @@ static int64_t backward_group(const zero_sparse_attention_problem *p, int thread
 
 int64_t zero_sparse_attention_backward_workspace(const zero_sparse_attention_problem *p, int num_threads) {
     if (!zero_sparse_attention_valid(p)) return -1;
-    const int threads = thread_count(num_threads);
+    const int threads = zero_cpu_thread_count(num_threads);
     const int64_t group = backward_group(p, threads);
     return group * backward_head_floats(p) + threads * backward_thread_floats(p, group);
 }
@@ -604,7 +595,7 @@ int zero_sparse_attention_backward(const zero_sparse_attention_problem *p, const
     const vec_ops *ops = pick_ops(simd);
     if (!ops) return ZERO_ADAM_SIMD_UNAVAILABLE;
     const int64_t bs = p->block, D = p->head_dim, D8 = round_up(D, 8), T = p->seq, nb = T / bs;
-    const int threads = thread_count(num_threads);
+    const int threads = zero_cpu_thread_count(num_threads);
     const int64_t head = backward_head_floats(p), group = backward_group(p, threads);
     const int64_t per = backward_thread_floats(p, group), scratch = round_up(2 * bs * bs + 2 * bs * D8, 16);
     const int64_t rows = round_up(T * D8, 16), cols = round_up(T * D, 16); /* one packed (T, D8) / (D, T) */
