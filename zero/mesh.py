@@ -129,22 +129,16 @@ class ModelParallelNorm:
 
 
 class MeshCheckpointRefusal:
-    """Checkpoint entry points of the pipeline and tensor-parallel engines: refused with the reason
-    until zero's checkpoint format describes stage- and slice-local pieces. (Its files are named by
-    data-parallel rank and its writers chosen within one data-parallel group, so two stages or two
-    tensor slices would write over each other's files.)"""
+    """The whole-model savers of the pipeline and tensor-parallel engines, refused with the way to
+    get the same file: no rank holds the whole model (its stages and slices are on other ranks), and
+    a training checkpoint (`save_checkpoint`, which 3D runs support) turns into a plain state dict
+    with `python -m zero.checkpoint to-fp32`."""
 
     def _refuse(self, what: str):
         raise NotImplementedError(
-            f"engine.{what} with pipeline stages or tensor slices is not implemented yet: zero's checkpoints are laid "
-            f"out per data-parallel group, and the stages and slices of a 3D run would overwrite each other's files. "
-            f"Nothing was written or read. Save the model's weights with engine.module.state_dict() per rank meanwhile")
-
-    def save_checkpoint(self, *args, **kwargs):
-        self._refuse("save_checkpoint")
-
-    def load_checkpoint(self, *args, **kwargs):
-        self._refuse("load_checkpoint")
+            f"engine.{what} with pipeline stages or tensor slices is not implemented: no rank holds the whole model. "
+            f"Nothing was written. Save with engine.save_checkpoint(dir) and write the weights with "
+            f"`python -m zero.checkpoint to-fp32 dir out --dtype bf16` (or zero.checkpoint.consolidate.get_fp32_state_dict(dir))")
 
     def save_16bit_model(self, *args, **kwargs):
         self._refuse("save_16bit_model")

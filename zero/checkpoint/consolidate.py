@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from zero.checkpoint.placement import to_whole
 from zero.checkpoint.training import CheckpointError, read_state, resolve_tag
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -70,7 +71,7 @@ def iter_full_tensors(checkpoint_dir: str | os.PathLike, tag: str | None = None,
         if covered < numel:
             raise CheckpointError(f"{path / 'tensors'}: {key} has {covered} of its {numel} elements; a rank's file "
                                   f"is missing")
-        out = full.view(shape)
+        out = to_whole(full, shape, info.get("layout"))  # tensor-parallel slices back in place
         yield name, out.to(dtype) if out.is_floating_point() else out
 
 

@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 
 from zero.checkpoint.chunks import Chunk, load_chunks, save_chunks, saved_tensors
+from zero.checkpoint.placement import Placement, from_whole, layout_of, piece_offset, to_whole
 from zero.errors import ZeroRuntimeError
 
 FORMAT = "zero-checkpoint"
@@ -69,21 +70,36 @@ def _shape(t: torch.Tensor) -> list[int]:
     return list(z.shape if z is not None else t.shape)
 
 
-def _chunks(engine, saving: bool, kinds: tuple[str, ...] = ("model", *OPTIMIZER_KINDS),
+def _chunks(engine, place: Placement, saving: bool, kinds: tuple[str, ...] = ("model", *OPTIMIZER_KINDS),
             exclude_frozen: bool = False) -> list[Chunk]:
+    """This rank's pieces of every global tensor: those it writes (`saving`) or reads into."""
     opt = engine.optimizer
     out: list[Chunk] = []
     for name, t, is_param in _named_tensors(engine.module):
+        if saving and not place.writes(t):
+            continue
         numel = math.prod(_shape(t))
         if is_param:
             if exclude_frozen and not t.requires_grad:
                 continue
             pieces = opt.param_chunks(t, saving)
-        else:  # buffers are replicated: rank 0 writes them, every rank reads them
+        else:  # buffers are replicated: data rank 0 writes them, every rank reads them
             if not t.is_contiguous():
                 raise CheckpointError(f"buffer {name!r} is not contiguous; zero checkpoints store buffers flat")
             pieces = [("model", 0, t.detach().view(-1))] if not saving or engine.comm.rank == 0 else []
-        out += [Chunk(f"{kind}/{name}", off, view, numel) for kind, off, view in pieces if kind in kinds]
+        start = piece_offset(t)  # a tensor-parallel slice's place (see [Note: sliced tensors in checkpoints])
+        out += [Chunk(f"{kind}/{name}", start + off, view, numel) for kind, off, view in pieces if kind in kinds]
+    return out
+
+
+def _tensor_entries(engine) -> dict[str, dict]:
+    """What the checkpoint's JSON says of each of this rank's tensors."""
+    trainable = _trainable(engine)
+    out = {}
+    for n, t, is_param in _named_tensors(engine.module):
+        out[n] = {"shape": _shape(t), "dtype": str(t.dtype), "parameter": is_param, "trainable": id(t) in trainable}
+        if layout_of(t) is not None:
+            out[n]["layout"] = layout_of(t)
     return out
 
 
@@ -132,7 +148,8 @@ def _write_json(path: Path, value: Any) -> None:
 def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None,
                     save_latest: bool = True, exclude_frozen_parameters: bool = False, async_save: bool = False):
     """See Engine.save_checkpoint. Returns the tag's path, or with `async_save` a PendingSave."""
-    comm = engine.comm
+    place = Placement(engine)
+    comm = place.world
     if engine.optimizer.client_class is not None:
         raise CheckpointError(f"save_checkpoint with a {engine.optimizer.client_class.__name__} client optimizer is not "
                               f"implemented yet (zero checkpoints hold Adam's state); save the model with "
@@ -144,7 +161,7 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
     final = root / tag
     scheduler = engine.lr_scheduler
     state = {
-        "format": FORMAT, "version": VERSION, "world_size": comm.world_size,
+        "format": FORMAT, "version": VERSION, "world_size": comm.world_size, "mesh": place.mesh_shape(),
         "stage": engine.config.zero_optimization.stage, "dtype": str(engine.config.dtype),
         "global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
         "micro_steps": engine.micro_steps, "global_samples": engine.global_samples,
@@ -153,15 +170,15 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
         "lr_scheduler": _json_or_error(scheduler.state_dict(), "the lr scheduler's state_dict()")
         if scheduler is not None and hasattr(scheduler, "state_dict") else None,
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
-        "tensors": {n: {"shape": _shape(t), "dtype": str(t.dtype), "parameter": is_param,
-                        "trainable": id(t) in _trainable(engine)}
-                    for n, t, is_param in _named_tensors(engine.module)},
+        "tensors": _tensor_entries(engine),
         "client_state": _json_or_error(dict(client_state or {}), "client_state"),
         "tied": _tied_aliases(engine.module),
         "dataloader": engine.training_dataloader.state_dict() if engine.training_dataloader is not None else None,
     }
     # every rank, or none, with the same tag (see [Note: rank-agreement tags])
     comm.agree([6, 1, zlib.crc32(tag.encode())], f"save_checkpoint({str(root)!r}, tag={tag!r})")
+    if place.mesh is not None:  # each pipeline stage knows its own tensors: the JSON lists all of them
+        state["tensors"] = {n: e for entries in place.gather(state["tensors"]) for n, e in entries.items()}
     if engine.micro_steps % engine.config.gradient_accumulation_steps:
         warnings.warn(f"save_checkpoint at micro-step {engine.micro_steps}, inside a gradient accumulation window: "
                       f"the gradients of its micro-batches are not saved, and a resumed run starts the window "
@@ -169,10 +186,10 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
     state_json = json.dumps(state)  # now: the caller may change client_state while an async save writes
     with torch.no_grad():  # the snapshot: host copies, so training may go on while they are written
         chunks = [Chunk(c.name, c.offset, c.tensor.detach().to("cpu", copy=True), c.numel)
-                  for c in _chunks(engine, saving=True, exclude_frozen=exclude_frozen_parameters)]
+                  for c in _chunks(engine, place, saving=True, exclude_frozen=exclude_frozen_parameters)]
     rng = _rng_state()
     own = {k: v.detach().to("cpu", copy=True) for k, v in engine.optimizer.rank_state().items()}
-    io = comm.io()
+    io = place.io
     write = functools.partial(_write, io, root, tag, state_json, chunks, rng, save_latest, own)
     if not async_save:
         write()
@@ -285,7 +302,7 @@ def _check_tag_dir(path: Path) -> None:
                                   f"{path} is a zero checkpoint.")
 
 
-def _read_rank_state(engine, path: Path, state: dict) -> dict[str, torch.Tensor] | None:
+def _read_rank_state(engine, place: Placement, path: Path, state: dict) -> dict[str, torch.Tensor] | None:
     """This rank's saved own optimizer state, if it fits this engine (same world size and shapes);
     else None, with a warning when there was some (see [Note: 1-bit Adam in checkpoints])."""
     from safetensors import safe_open
@@ -293,16 +310,17 @@ def _read_rank_state(engine, path: Path, state: dict) -> dict[str, torch.Tensor]
     mine = engine.optimizer.rank_state()
     if not mine:
         return None
-    file = path / "optimizer" / f"rank{engine.comm.rank}.safetensors"
+    file = path / "optimizer" / f"rank{place.world.rank}.safetensors"
     own = None
-    if state["world_size"] == engine.comm.world_size and file.is_file():
+    same = state["world_size"] == place.world.world_size and state.get("mesh") == place.mesh_shape()
+    if same and file.is_file():
         with safe_open(str(file), framework="pt") as f:
             own = {k: f.get_tensor(k) for k in f.keys()}
         if own.keys() != mine.keys() or any(own[k].shape != t.shape for k, t in mine.items()):
             own = None
-    if own is None and engine.comm.rank == 0:
+    if own is None and place.world.rank == 0:
         warnings.warn(f"load_checkpoint: {path} was saved at world size {state['world_size']} (now "
-                      f"{engine.comm.world_size}) or with other buckets, so the optimizer's per-rank state (1-bit "
+                      f"{place.world.world_size}), on another mesh or with other buckets, so the optimizer's per-rank state (1-bit "
                       f"Adam's error buffers) starts from zero; training continues, not bitwise as the saved run "
                       f"would have", stacklevel=3)
     return own
@@ -374,24 +392,26 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
     engine changes only once all of it has arrived."""
     from safetensors import safe_open
 
-    comm = engine.comm
+    place = Placement(engine)
+    io = place.io  # DCP's own collectives go over gloo, whatever the data group is
     path = resolve_tag(load_dir, tag)
     state = read_state(path)
     error = None
-    if comm.rank == 0:  # one rank reads every file once and checks it against its checksum
+    if io.rank == 0:  # one rank reads every file once and checks it against its checksum
         try:
             verify_files(path, state)
         except CheckpointError as exc:
             error = exc
-    if comm.any_rank(error is not None, f"checking checkpoint {path}"):
+    if io.any_rank(error is not None, f"checking checkpoint {path}"):
         raise error or CheckpointError(f"{path}: rank 0 found damaged or missing files (see its error)")
     saved = state["tensors"]
     mine = {n: (_shape(t), is_param) for n, t, is_param in _named_tensors(engine.module)}
     problems = [f"{n}: shape {saved[n]['shape']} in the checkpoint, {s} in the model"
                 for n, (s, _) in mine.items() if n in saved and saved[n]["shape"] != s]
     if load_module_strict:
+        everywhere = set(mine) if place.mesh is None else {n for names in place.gather(sorted(mine)) for n in names}
         problems += [f"{n}: missing from the checkpoint" for n in mine if n not in saved]
-        problems += [f"{n}: in the checkpoint, not in the model" for n in saved if n not in mine]
+        problems += [f"{n}: in the checkpoint, not in the model" for n in saved if n not in everywhere]
     if problems:
         raise CheckpointError(f"{path}: the checkpoint does not match the model ({len(problems)} problem(s)): "
                               + "; ".join(problems))
@@ -412,27 +432,40 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
             raise CheckpointError(f"{path}: the checkpoint lacks optimizer states ({absent[:4]}...); load with "
                                   f"load_optimizer_states=False to take the model only")
     kinds = ("model", *OPTIMIZER_KINDS) if with_optimizer else ("model",)
-    targets = [c for c in _chunks(engine, saving=False, kinds=kinds) if c.name in stored]
+    targets = [c for c in _chunks(engine, place, saving=False, kinds=kinds) if c.name in stored]
     if not with_optimizer:  # the master follows the loaded model
         targets += [Chunk(f"model/{c.name.split('/', 1)[1]}", c.offset, c.tensor, c.numel)
-                    for c in _chunks(engine, saving=False, kinds=("master",))
+                    for c in _chunks(engine, place, saving=False, kinds=("master",))
                     if f"model/{c.name.split('/', 1)[1]}" in stored]
-    staging = [Chunk(c.name, c.offset, torch.empty(c.tensor.shape, dtype=c.tensor.dtype), c.numel) for c in targets]
-    io = comm.io()  # DCP's own collectives go over gloo, whatever the data group is
+    # a tensor stored in another layout than this engine's is read whole and re-sliced (see
+    # [Note: sliced tensors in checkpoints]); the others are read piece by piece
+    layouts = {n: layout_of(t) for n, t, _ in _named_tensors(engine.module)}
+    moved = {c.name for c in targets if saved[c.name.split("/", 1)[1]].get("layout") != layouts[c.name.split("/", 1)[1]]}
+    staging = [Chunk(c.name, c.offset, torch.empty(c.tensor.shape, dtype=c.tensor.dtype), c.numel)
+               for c in targets if c.name not in moved]
+    whole = {c.name: Chunk(c.name, 0, torch.empty(c.numel, dtype=c.tensor.dtype), c.numel)
+             for c in targets if c.name in moved}
     error = None
     try:
-        load_chunks(staging, str(path / "tensors"), process_group=io.group if io.distributed else None)
+        load_chunks(staging + list(whole.values()), str(path / "tensors"),
+                    process_group=io.group if io.distributed else None)
+        for name, chunk in whole.items():
+            n = name.split("/", 1)[1]
+            chunk.tensor = from_whole(to_whole(chunk.tensor, saved[n]["shape"], saved[n].get("layout")), layouts[n])
     except BaseException as exc:  # noqa: BLE001 - DCP wraps errors in CheckpointException (a BaseException)
         error = exc
     if io.any_rank(error is not None, f"reading checkpoint {path}"):
         raise CheckpointError(f"{path / 'tensors'}: reading failed ({error or 'on another rank'}); the engine is "
                               f"unchanged") from None
-    own = _read_rank_state(engine, path, state) if with_optimizer else None
+    staged = iter(staging)
+    sources = [whole[c.name].tensor[c.offset : c.offset + c.tensor.numel()] if c.name in moved else next(staged).tensor
+               for c in targets]
+    own = _read_rank_state(engine, place, path, state) if with_optimizer else None
     # everything arrived: now change the engine
     engine.zero_grad()  # gradients of the run before the load belong to no step of the loaded one
     with torch.no_grad():
-        for target, staged in zip(targets, staging):
-            target.tensor.copy_(staged.tensor)
+        for target, source in zip(targets, sources):
+            target.tensor.copy_(source)
         if engine.optimizer.rank_state():
             if own is None or not with_optimizer or load_module_only:
                 engine.optimizer.reset_rank_state()  # it would not fit the loaded values
@@ -459,7 +492,7 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
         engine.training_dataloader.load_state_dict(state["dataloader"])
     engine.optimizer.at_boundary = engine.is_gradient_accumulation_boundary()
     engine._backwards = 0
-    rng = path / "rng" / f"rank{comm.rank}.safetensors"
+    rng = path / "rng" / f"rank{place.world.rank}.safetensors"
     if rng.is_file():
         with safe_open(str(rng), framework="pt") as f:
             _set_rng_state({k: f.get_tensor(k) for k in f.keys()}, f.metadata())

@@ -137,7 +137,7 @@ class ZeroOptimizer(ShardedAdam):
     def param_chunks(self, param: nn.Parameter, saving: bool) -> list[tuple[str, int, torch.Tensor]]:
         i = self._index.get(param)
         if i is None:  # frozen: replicated on every rank, written by rank 0
-            whole = param.detach().reshape(-1)
+            whole = local_tensor(param).detach().reshape(-1)
             return [("model", 0, whole)] if not saving or self.comm.rank == 0 else []
         bucket, lo, off, a, b = self._owned_part(i)
         n = self.layout.numels[i]

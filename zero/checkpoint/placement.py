@@ -1,0 +1,125 @@
+"""Where this rank's pieces of each tensor lie in a checkpoint's global tensors, for engines whose
+ranks hold different parts of the model (pipeline stages, tensor slices).
+
+[Note: sliced tensors in checkpoints]
+A checkpoint holds every tensor as one global 1-D tensor of its full length (see [Note: checkpoint
+chunks]). A parameter sliced over T tensor-parallel ranks (a DTensor placed Shard(d) on the "tp"
+mesh) is stored as its T local pieces back to back, tensor rank t's piece flattened at the offset
+of pieces 0..t-1. For d = 0 that is the parameter's own row-major order, so nothing records it;
+for d > 0 the checkpoint records the layout {"dim": d, "parts": T} beside the tensor's shape. ZeRO's
+flat buffers hold local pieces ([Note: sliced parameters] in zero/partition/layout.py), so a rank's
+chunks are its optimizer's offsets within its local piece plus the piece's start.
+
+Loading a tensor stored in another layout than this engine's (a change of tensor_parallel.size,
+or a sliced checkpoint into an unsliced model and back) reads the whole tensor on each rank that
+needs part of it and re-slices it there: for the duration of the load, host memory for the whole
+of those tensors (model, master and both Adam moments) of this rank's pipeline stage.
+
+A value held by several ranks is written by one of them: a stage-0 or frozen parameter and a
+buffer by data rank 0 (the optimizer's rule), a tensor not sliced over "tp" by tensor rank 0, and a
+tied parameter (a TiedLayerSpec's module on several pipeline stages) by the first stage holding it.
+Pipeline layers keep their global index as their name on whatever stage holds them, so a
+checkpoint loads at another pipeline stage count as well.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from zero.comm import Comm
+
+
+def _piece_sizes(n: int, parts: int) -> list[int]:
+    """Sizes of the `parts` pieces of a dimension of `n` (torch.chunk's rule, which DTensor's
+    Shard follows: pieces of ceil(n / parts), the last ones shorter or empty)."""
+    size = -(-n // parts)
+    return [max(0, min(size, n - i * size)) for i in range(parts)]
+
+
+def _shard_dim(t: torch.Tensor) -> int | None:
+    """The dimension a DTensor is sliced along on its (one-dimensional) mesh, or None."""
+    from torch.distributed.tensor import Shard
+
+    placements = tuple(getattr(t, "placements", ()))
+    if len(placements) > 1:
+        raise ValueError(f"a DTensor placed {placements} on a {len(placements)}-dimensional mesh: zero checkpoints "
+                         f"store tensors sliced over one (tensor-parallel) mesh dimension")
+    return placements[0].dim if placements and isinstance(placements[0], Shard) else None
+
+
+def layout_of(t: torch.Tensor) -> dict | None:
+    """The checkpoint layout of `t`: None for the row-major order, else {"dim", "parts"}."""
+    dim = _shard_dim(t)
+    if not dim:  # not sliced, or sliced by rows: its pieces back to back are its row-major order
+        return None
+    return {"dim": dim, "parts": t.device_mesh.size()}
+
+
+def piece_offset(t: torch.Tensor) -> int:
+    """Where this rank's local piece of `t` starts in its global 1-D tensor."""
+    dim = _shard_dim(t)
+    if dim is None:
+        return 0
+    shape = tuple(t.shape)
+    sizes = _piece_sizes(shape[dim], t.device_mesh.size())
+    return sum(sizes[: t.device_mesh.get_local_rank()]) * (math.prod(shape) // max(shape[dim], 1))
+
+
+def to_whole(flat: torch.Tensor, shape: list[int], layout: dict | None) -> torch.Tensor:
+    """The tensor of `shape` from its global 1-D tensor stored in `layout`."""
+    if layout is None:
+        return flat.view(shape)
+    dim, parts = layout["dim"], layout["parts"]
+    sizes = _piece_sizes(shape[dim], parts)
+    inner = math.prod(shape) // max(shape[dim], 1)
+    pieces = flat.split([s * inner for s in sizes])
+    return torch.cat([p.view(*shape[:dim], s, *shape[dim + 1:]) for p, s in zip(pieces, sizes)], dim=dim)
+
+
+def from_whole(whole: torch.Tensor, layout: dict | None) -> torch.Tensor:
+    """The global 1-D tensor of `whole` in `layout` (the reverse of `to_whole`)."""
+    if layout is None:
+        return whole.reshape(-1)
+    dim, parts = layout["dim"], layout["parts"]
+    return torch.cat([p.reshape(-1) for p in whole.split(_piece_sizes(whole.shape[dim], parts), dim=dim)])
+
+
+class Placement:
+    """The io group and the writers of an engine's checkpoint (see [Note: sliced tensors in
+    checkpoints]). Without a mesh: the engine's data-parallel group, every tensor written by the
+    optimizer's rule."""
+
+    def __init__(self, engine):
+        mesh = getattr(engine, "mesh", None)
+        self.mesh = mesh
+        self.world = Comm() if mesh is not None else engine.comm  # every rank of the run
+        self.io = self.world.io()
+        self._not_mine: set[int] = set()
+        if mesh is None:
+            return
+        module = engine.module
+        if mesh.coordinate("tp") != 0:  # tensors every tensor rank holds whole: tensor rank 0 writes them
+            self._not_mine |= {id(t) for t in [*module.parameters(), *module.buffers()] if _shard_dim(t) is None}
+        tied = getattr(module, "tied_modules", None)
+        for key, m in (tied.items() if isinstance(tied, nn.ModuleDict) else []):
+            if module.tied_stages(key)[0] != mesh.coordinate("pp"):
+                self._not_mine |= {id(t) for t in [*m.parameters(), *m.buffers()]}
+
+    def writes(self, t: torch.Tensor) -> bool:
+        """This rank writes its pieces of `t` (another rank holding the same values does not)."""
+        return id(t) not in self._not_mine
+
+    def mesh_shape(self) -> dict | None:
+        return None if self.mesh is None else {"pp": self.mesh.pp, "dp": self.mesh.dp, "tp": self.mesh.tp}
+
+    def gather(self, value):
+        """`value` of every rank of the run, in rank order (one rank: [value])."""
+        import torch.distributed as dist
+
+        if self.io.world_size == 1:
+            return [value]
+        out = [None] * self.io.world_size
+        dist.all_gather_object(out, value, group=self.io.group)
+        return out
