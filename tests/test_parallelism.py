@@ -227,11 +227,6 @@ def misuse(kind: str):
     if kind == "interleaved without virtual stages":
         model = PipelineModule(layers(2), num_stages=2, loss_fn=loss_fn)
         zero.initialize(model=model, config={**base, "pipeline": {"schedule": "interleaved_1f1b"}})
-    if kind == "stage 3 tensor":
-        cfg = {**base, "tensor_parallel": {"size": 2}, "zero_optimization": {"stage": 3}}
-        model = GPT(GPTConfig(vocab_size=VOCAB, n_head=4, n_embd=WIDTH, fused_qkv=False))
-        zero.tp.parallelize(model, zero.tp.mesh(cfg), "gpt")
-        zero.initialize(model=model, config=cfg)
     if kind == "fused qkv":
         zero.tp.parallelize(GPT(GPTConfig(n_head=4, n_embd=WIDTH)), zero.tp.mesh({**base, "tensor_parallel": {"size": 2}}),
                             "gpt")
@@ -248,7 +243,6 @@ def misuse(kind: str):
     ("plain model with stages", "must be a zero.pipe.PipelineModule"),
     ("stage 3 pipeline", "stage 3 with a pipeline is not supported"),
     ("interleaved without virtual stages", "needs virtual_stages >= 2"),
-    ("stage 3 tensor", "stage 3 with tensor_parallel.size > 1 is not implemented"),
     ("fused qkv", "fused_qkv=False"),
     ("forward", "call engine.train_batch"),
     ("partition disagrees", "pipeline.partition_method is 'parameters' but the PipelineModule was built with"),
@@ -260,12 +254,13 @@ def test_pipeline_and_tensor_misuse_is_a_clear_error(dist_run, kind, says):
         dist_run(2, misuse, kind)
 
 
-def train_tensor(tensor: int, zero_stage: int, steps: int, torch_reference: bool = False):
+def train_tensor(tensor: int, zero_stage: int, steps: int, torch_reference: bool = False, zero_extra: dict | None = None):
     """The GPT of zero.testing.models sliced by plan 'gpt' (tensor x data ranks): with zero, or
     (torch_reference) with torch's AdamW on the same slices, gradients averaged over the data
-    ranks by hand."""
+    ranks by hand. Returns the full parameters (and, with `zero_extra` zero_optimization keys,
+    the memory report)."""
     config = {**CONFIG, "gradient_accumulation_steps": 1, "tensor_parallel": {"size": tensor},
-              "zero_optimization": {"stage": zero_stage}}
+              "zero_optimization": {"stage": zero_stage, **(zero_extra or {})}}
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=WIDTH, fused_qkv=False))
     mesh = zero.tp.mesh(config)
@@ -293,11 +288,16 @@ def train_tensor(tensor: int, zero_stage: int, steps: int, torch_reference: bool
         else:
             engine.backward(engine(x, y))
             engine.step()
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+    with zero.GatheredParameters(list(model.parameters())):  # stage 3 keeps only shards between uses
+        full = _full(model)
+    return full if zero_extra is None else (full, engine.memory_report())
 
 
 def test_tensor_by_data_matches_torch_tensor_parallel_and_single_process(dist_run):
-    """Tensor 2 x data 2, ZeRO stages 1 and 2: after 5 steps the parameters equal torch's own
+    """Tensor 2 x data 2, ZeRO stages 1, 2 and 3 (default config, where this tiny model's
+    parameters all stay gathered, and with every block a unit gathered and freed around its use,
+    also with optimizer and parameter offload):
+    after 5 steps the parameters equal torch's own
     tensor-parallel training with torch AdamW on the same ranks (fp32 1e-5 relative in norm per
     tensor) and the single-process model (1e-4 in the largest element: slicing a matmul changes
     the order of its sums, and Adam turns the rounding of near-zero gradients into visible steps
@@ -313,10 +313,21 @@ def test_tensor_by_data_matches_torch_tensor_parallel_and_single_process(dist_ru
         opt.step()
     one = {n: p.detach() for n, p in single.named_parameters()}
     sliced = dist_run(4, train_tensor, 2, 1, 5, True)[0]
-    for zero_stage in (1, 2):
+    for zero_stage in (1, 2, 3):
         for full in dist_run(4, train_tensor, 2, zero_stage, 5):
             _close(full, sliced, 1e-5, norm=True)
             _close(full, one, 1e-4)
+    partitioned = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0}
+    whole = sum(p.numel() for p in one.values())
+    offloaded = {**partitioned, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+    for (full, memory), (host, _) in zip(dist_run(4, train_tensor, 2, 3, 5, False, partitioned),
+                                         dist_run(4, train_tensor, 2, 3, 5, False, offloaded)):
+        _close(host, full, 1e-6)
+        _close(full, sliced, 1e-5, norm=True)
+        # each rank stores a quarter of the model (half of each slice): fp32 parameters that are
+        # also the master, padded to the data ranks; what it gathered was freed after use
+        assert memory["persistent_params"] == 0 and memory["gathered_peak"] > 0 == memory["gathered_bytes"], memory
+        assert whole / 4 * 4 <= memory["params"] < whole / 4 * 4 * 1.1, (memory["params"], whole)
 
 
 def test_pipeline_tensor_and_data_3d_matches_single_process(dist_run):
@@ -393,11 +404,12 @@ def _full(model) -> dict:
     return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
 
 
-def resume_gpt(tensor: int, path: str, save_after: int | None = None, load: bool = False, steps: int = 4):
+def resume_gpt(tensor: int, path: str, save_after: int | None = None, load: bool = False, steps: int = 4,
+               zero_stage: int = 2):
     """The GPT of train_tensor on 4 ranks (tensor x data), or unsliced on 2 (tensor=1), on the same
     global batch: saves after step `save_after`, or loads `path` first. Returns the parameters."""
     config = {**CONFIG, "gradient_accumulation_steps": 1, "tensor_parallel": {"size": tensor},
-              "zero_optimization": {"stage": 2}}
+              "zero_optimization": {"stage": zero_stage, "stage3_param_persistence_threshold": 0}}
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=WIDTH, fused_qkv=False))
     if tensor > 1:
@@ -412,7 +424,8 @@ def resume_gpt(tensor: int, path: str, save_after: int | None = None, load: bool
         engine.step()
         if step + 1 == save_after:
             engine.save_checkpoint(path)
-    return _full(model)
+    with zero.GatheredParameters(list(model.parameters())):
+        return _full(model)
 
 
 def save_16bit_refused():
@@ -430,7 +443,8 @@ def test_3d_checkpoints_resume_on_the_same_and_on_other_meshes(dist_run, tmp_pat
     exactly; loaded on pipeline 4 x data 2 (no tensor slices, ZeRO 2, GPipe: another stage count,
     tensor size and stage) within 1e-4 (slicing changes the order of sums; see the tensor test).
     The consolidated state dict equals the parameters at the save. A tensor-parallel GPT saved on
-    tensor 2 x data 2 resumes unsliced on 2 ranks, and an unsliced one sliced, both within 1e-4."""
+    tensor 2 x data 2 with ZeRO 3 resumes unsliced on 2 ranks with ZeRO 2, and back, both within
+    1e-4."""
     from zero.checkpoint.consolidate import get_fp32_state_dict
 
     ckpt = str(tmp_path / "3d")
@@ -448,11 +462,11 @@ def test_3d_checkpoints_resume_on_the_same_and_on_other_meshes(dist_run, tmp_pat
     for _, end in dist_run(8, resume_pipeline, 4, 1, 2, "gpipe", ckpt, 4, None, True):
         _close(end, straight, 1e-4)
 
-    sliced = dist_run(4, resume_gpt, 2, str(tmp_path / "tp"), 2)[0]
+    sliced = dist_run(4, resume_gpt, 2, str(tmp_path / "tp"), 2, False, 4, 3)[0]
     for end in dist_run(2, resume_gpt, 1, str(tmp_path / "tp"), None, True):
         _close(end, sliced, 1e-4)
     whole = dist_run(2, resume_gpt, 1, str(tmp_path / "plain"), 2)[0]
-    for end in dist_run(4, resume_gpt, 2, str(tmp_path / "plain"), None, True):
+    for end in dist_run(4, resume_gpt, 2, str(tmp_path / "plain"), None, True, 4, 3):
         _close(end, whole, 1e-4)
     says = dist_run(2, save_16bit_refused)
     assert all("save_16bit_model with pipeline stages or tensor slices is not implemented" in s and "to-fp32" in s

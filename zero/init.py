@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from zero.comm import Comm
+from zero.partition.layout import local_tensor
 from zero.partition.shards import ShardedParam, ZeroParamStatus, gather_param, mark_ds, shard_numel, take_shard
 
 
@@ -166,15 +167,17 @@ class GatheredParameters:
     def __enter__(self) -> GatheredParameters:
         if not self.params:
             return self
-        self.comm = Comm()
+        # the data-parallel group the parameters are sharded over (the world without a mesh)
+        units = [p._zero.unit for p in self.params if p._zero.unit is not None]
+        self.comm = units[0].comm if units else Comm()
         # every rank must enter with the same parameters (see [Note: rank-agreement tags])
         self.comm.agree([5, len(self.params), sum(p._zero.numel for p in self.params)], "GatheredParameters")
         with torch.no_grad():
             for p in self.params:
                 info: ShardedParam = p._zero
-                if p.data.numel() == info.numel and info.numel > 0:
+                if local_tensor(p).numel() == info.numel and info.numel > 0:
                     continue  # its unit is gathered right now (or it is persistent)
-                p.data = gather_param(info.shard(), info.numel, self.comm).view(info.shape)
+                local_tensor(p).data = gather_param(info.shard(), info.numel, self.comm).view(info.shape)
                 p.ds_status = ZeroParamStatus.AVAILABLE
                 self._gathered.append(p)
         return self
@@ -187,7 +190,7 @@ class GatheredParameters:
                 for p in self.params:
                     self._write_back(p)
             for p in self._gathered:
-                p.data = p._zero.shard()[:0]
+                local_tensor(p).data = p._zero.shard()[:0]
                 p.ds_status = ZeroParamStatus.NOT_AVAILABLE
             for p in self.params:  # what was changed inside has been written back (or was read-only)
                 p._zero_version = p._version
@@ -195,10 +198,11 @@ class GatheredParameters:
 
     def _write_back(self, p: nn.Parameter) -> None:
         info: ShardedParam = p._zero
-        full = p.data.contiguous()
+        local = local_tensor(p).data  # a tensor slice's own piece (see [Note: sliced parameters])
+        full = local.contiguous()
         self.comm.broadcast(full, src=self.modifier_rank)
-        if full.data_ptr() != p.data.data_ptr():
-            p.data.copy_(full)
+        if full.data_ptr() != local.data_ptr():
+            local.copy_(full)
         if info.unit is not None:  # the shard, and the fp32 master with it
             info.unit.load_param(p, full.view(info.shape))
         else:

@@ -128,7 +128,7 @@ class ModelParallelNorm:
         self.world.all_reduce(total, "sum")
 
 
-class MeshCheckpointRefusal:
+class WholeModelSaveRefusal:
     """The whole-model savers of the pipeline and tensor-parallel engines, refused with the way to
     get the same file: no rank holds the whole model (its stages and slices are on other ranks), and
     a training checkpoint (`save_checkpoint`, which 3D runs support) turns into a plain state dict
@@ -206,8 +206,8 @@ class MeshReports:
         share /= self.mesh.dp
         world.all_reduce(share, "sum")
         self._mesh_params = {"model": int(round(share.item())), "stage": whole, "rank": local,
-                             "optimizer_shard": sum(m.numel() for m in self.optimizer.master)
-                             if hasattr(self.optimizer, "master") else local}
+                             "optimizer_shard": sum(slot[1].numel() for slot in self.optimizer.slots())
+                             if hasattr(self.optimizer, "slots") else local}
 
     def memory_report(self) -> dict:
         report = super().memory_report()

@@ -66,8 +66,9 @@ def _tied_aliases(module: nn.Module) -> dict[str, str]:
 
 
 def _shape(t: torch.Tensor) -> list[int]:
+    """The global shape (a stage-3 shard's full shape; a tensor slice's whole shape)."""
     z = getattr(t, "_zero", None)
-    return list(z.shape if z is not None else t.shape)
+    return list(z.shape if z is not None and not hasattr(t, "_local_tensor") else t.shape)
 
 
 def _chunks(engine, place: Placement, saving: bool, kinds: tuple[str, ...] = ("model", *OPTIMIZER_KINDS),

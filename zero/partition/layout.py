@@ -109,7 +109,8 @@ class ShardLayout:
 # and each tensor-parallel rank stores its own piece of it, `_local_tensor`. ZeRO partitions
 # what a rank stores: the flat buffers hold local pieces, `local.data` becomes the view (the
 # DTensor object and the module are untouched), and gradients arrive as DTensors whose local
-# piece is what is reduced over the data-parallel group.
+# piece is what is reduced over the data-parallel group. Stage 3 shards the local piece the same
+# way: its units gather and free `local.data`, and `param._zero` describes the local piece.
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -95,7 +95,7 @@ def mark_ds(p, info: ShardedParam, shard: torch.Tensor, persistent: bool = False
     p.ds_numel, p.ds_shape, p.ds_tensor, p.ds_persist = info.numel, info.shape, shard, persistent
     if not hasattr(p, "ds_id"):
         p.ds_id = next(_IDS)
-    p.ds_status = ZeroParamStatus.AVAILABLE if p.data.numel() == info.numel and info.numel else \
+    p.ds_status = ZeroParamStatus.AVAILABLE if getattr(p, "_local_tensor", p).numel() == info.numel and info.numel else \
         ZeroParamStatus.NOT_AVAILABLE
     p.all_gather = functools.partial(_all_gather, p)
     p.partition = functools.partial(_partition, p)

@@ -34,13 +34,13 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from zero.comm import Comm
 from zero.config import ZeroConfig
 from zero.engine import Engine
-from zero.mesh import MeshCheckpointRefusal, MeshReports, ModelParallelNorm, ParallelMesh, group_of, replica_counts
+from zero.mesh import MeshReports, ModelParallelNorm, ParallelMesh, WholeModelSaveRefusal, group_of, replica_counts
 from zero.pipe.module import PipelineModule
 
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
 
-class PipelineEngine(MeshCheckpointRefusal, MeshReports, Engine):
+class PipelineEngine(WholeModelSaveRefusal, MeshReports, Engine):
     """A PipelineModule trained with pipeline stages (and tensor slices) composed with ZeRO over
     the data-parallel group. Built by `zero.initialize`; train with `train_batch`."""
 

@@ -5,6 +5,7 @@ import torch
 import torch.nn as nn
 
 from zero.comm import Comm
+from zero.partition.layout import local_tensor
 from zero.partition.shards import ShardedParam, shard_numel, take_shard
 
 
@@ -74,8 +75,9 @@ def plan_units(module: nn.Module, persistence_threshold: int, unit_threshold: in
 
 def describe_shard(p: nn.Parameter, world_size: int) -> ShardedParam:
     """`p._zero`, created for a parameter that is still whole (see [Note: parameter shards])."""
-    if getattr(p, "_zero", None) is None:
-        p._zero = ShardedParam(p.shape, p.numel(), shard_numel(p.numel(), world_size))
+    if getattr(p, "_zero", None) is None:  # a tensor slice: its local piece (see [Note: sliced parameters])
+        local = local_tensor(p)
+        p._zero = ShardedParam(local.shape, local.numel(), shard_numel(local.numel(), world_size))
     return p._zero
 
 
@@ -92,8 +94,8 @@ def take_local_shard(p: nn.Parameter, comm: Comm) -> torch.Tensor:
     info = describe_shard(p, comm.world_size)
     local, info.local = info.local, None
     if local is None:
-        full = p.detach()
+        full = local_tensor(p).detach()
         comm.broadcast(full, src=0)  # every rank starts from rank 0's values
         local = take_shard(full, comm.rank, comm.world_size)
-        p.data = local[:0]
+        local_tensor(p).data = local[:0]
     return local

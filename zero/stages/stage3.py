@@ -60,6 +60,7 @@ import torch
 import torch.nn as nn
 
 from zero.comm import Comm, RankDivergenceError  # noqa: F401 - RankDivergenceError: its old home
+from zero.partition.layout import local_tensor
 from zero.precision import LossScaler
 from zero.stages.adam import ShardedAdam
 from zero.stages.planning import describe_shard, plan_units, take_local_shard
@@ -496,6 +497,12 @@ class Stage3Optimizer(ShardedAdam):
     def grad_piece(self, param: nn.Parameter) -> tuple[int, torch.Tensor, bool]:
         return param._zero.unit.grad_piece(param)
 
+    def owned_grad(self, param: nn.Parameter) -> torch.Tensor | None:
+        z = getattr(param, "_zero", None)
+        if z is None or z.unit is None or not any(q is param for q in z.unit.trainable):
+            return None
+        return z.unit.grad_piece(param)[1]
+
     def load_param(self, param: nn.Parameter, value: torch.Tensor) -> torch.Tensor | None:
         z = getattr(param, "_zero", None)
         return None if z is None or z.unit is None else z.unit.load_param(param, value)
@@ -503,7 +510,7 @@ class Stage3Optimizer(ShardedAdam):
     def adopt_edit(self, param: nn.Parameter) -> None:
         unit = param._zero.unit
         if unit.state is ShardedState.GATHERED:  # the edit is in the gathered values: take it into the shard
-            unit.load_param(param, param.detach().clone())
+            unit.load_param(param, local_tensor(param).detach().clone())
             return
         raise RuntimeError(
             f"parameter {self.names.get(param, '?')!r} was changed in place while ZeRO-3 held only this rank's shard "

@@ -37,6 +37,7 @@ from torch.autograd.profiler import record_function
 
 from zero.comm import Comm
 from zero.memory_report import Gauges
+from zero.partition.layout import local_grad, local_tensor
 from zero.partition.shards import ZeroParamStatus, mark_ds
 from zero.stages.policies import Precision
 
@@ -178,12 +179,12 @@ class ParamUnit:
 
     def _show(self) -> None:
         for p, view in zip(self.params, self._views):
-            p.data = view
+            local_tensor(p).data = view
             p.ds_status = ZeroParamStatus.AVAILABLE
 
     def _hide(self) -> None:
         for p in self.params:
-            p.data = self._empty
+            local_tensor(p).data = self._empty
             p.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
     def _allocate(self) -> None:
@@ -290,7 +291,7 @@ class ParamUnit:
             r.master[off - r.lo : off - r.lo + n].copy_(local)
         if self.state is ShardedState.GATHERED:
             return None  # torch copies `value` into the gathered view
-        return p.data
+        return local_tensor(p).data
 
     # -- gradients ----------------------------------------------------------------------------------
 
@@ -300,7 +301,8 @@ class ParamUnit:
         world, rank = self.comm.world_size, self.comm.rank
         grads = []
         for p in self.trainable:
-            g, p.grad = p.grad, None
+            g = local_grad(p)
+            p.grad = None
             grads.append(g.reshape(-1) if g is not None else torch.zeros(p._zero.numel, dtype=self.dtype, device=self.device))
         with record_function(f"zero::pack_grads[{self.name}]"):
             send = torch.empty(world * self.trainable_numel, dtype=self.reduce_dtype, device=self.device)

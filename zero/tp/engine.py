@@ -7,10 +7,10 @@ import torch.distributed as dist
 from zero.comm import Comm
 from zero.config import ZeroConfig
 from zero.engine import Engine
-from zero.mesh import MeshCheckpointRefusal, MeshReports, ModelParallelNorm, ParallelMesh, replica_counts
+from zero.mesh import MeshReports, ModelParallelNorm, ParallelMesh, WholeModelSaveRefusal, replica_counts
 
 
-class TensorParallelEngine(MeshCheckpointRefusal, MeshReports, Engine):
+class TensorParallelEngine(WholeModelSaveRefusal, MeshReports, Engine):
     """A tensor-parallel (and data-parallel) model; see zero/tp/__init__.py. Built by
     `zero.initialize` when tensor_parallel.size > 1. The ranks of one tensor-parallel group must
     be fed the same batches (the data loader of `initialize(training_data=...)` is split over the
@@ -18,7 +18,6 @@ class TensorParallelEngine(MeshCheckpointRefusal, MeshReports, Engine):
 
     def __init__(self, module, config: ZeroConfig, mesh: ParallelMesh, model_parameters=None, optimizer=None,
                  lr_scheduler=None):
-        check_stage(config)
         self.mesh = mesh
         super().__init__(module, config, model_parameters, optimizer, lr_scheduler,
                          comm=Comm(mesh.group("dp")) if dist.is_initialized() else Comm())
@@ -30,11 +29,3 @@ class TensorParallelEngine(MeshCheckpointRefusal, MeshReports, Engine):
         super().step()
         if boundary:
             self._close_traffic_window()
-
-
-def check_stage(config: ZeroConfig) -> None:
-    """Stage 3 on sliced parameters is refused, with what to use instead."""
-    if config.zero_optimization.stage == 3 and config.tensor_parallel.size > 1:
-        raise ValueError("zero_optimization.stage 3 with tensor_parallel.size > 1 is not implemented: stage 3's units "
-                         "gather whole parameters, not DTensor pieces. Use stage 1 or 2 with tensor parallelism "
-                         "(their optimizer states and gradients are partitioned over the data-parallel ranks)")
