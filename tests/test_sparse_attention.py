@@ -47,12 +47,12 @@ def output_gradient(q: torch.Tensor) -> torch.Tensor:
     return torch.randn(q.shape, generator=torch.Generator().manual_seed(7)).to(q.dtype)
 
 
-def run_sparse(q, k, v, layout, block, causal, key_bias=None, attn_bias=None, **kwargs) -> list[torch.Tensor]:
-    """[out, dq, dk, dv] of our kernels for the output gradient `output_gradient(q)`."""
+def run_sparse(q, k, v, layout, block, causal, key_bias=None, attn_bias=None, grad=None, **kwargs) -> list[torch.Tensor]:
+    """[out, dq, dk, dv] of our kernels for the output gradient `grad` (default `output_gradient(q)`)."""
     inputs = [x.clone().requires_grad_() for x in (q, k, v)]
     out = sparse_attention(*inputs, layout, block=block, causal=causal, key_bias=key_bias, attn_bias=attn_bias,
                            **kwargs)
-    out.backward(output_gradient(q).to(q.device))
+    out.backward((output_gradient(q) if grad is None else grad).to(q.device))
     return [out.detach(), *(x.grad for x in inputs)]
 
 
@@ -157,11 +157,33 @@ def test_masks_modes_and_fully_masked_queries():
     assert torch.equal(qg.grad[:, :, 5], torch.zeros_like(qg.grad[:, :, 5])) and qg.grad.abs().sum() > 0
 
 
+def test_nan_scores_make_nan_rows_like_dense_sdpa_at_every_simd_level():
+    """A NaN in a query makes its row NaN, a NaN in a key every row that sees that key, forward
+    and backward, as dense softmax does (the running max must not drop it)."""
+    from zero.ops.cpu_adam import simd_levels
+
+    config = FixedSparsityConfig(2, block=16, num_local_blocks=2)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 64, 32, generator=g) for _ in range(3))
+    q[0, 1, 5, 7] = float("nan")
+    k[1, 0, 40, 0] = float("nan")
+    layout = config.make_layout(64)
+    seen = layout.bool().repeat_interleave(16, 1).repeat_interleave(16, 2)  # (heads, query, key)
+    want = torch.zeros(2, 2, 64, dtype=torch.bool)
+    want[0, 1, 5] = True
+    want[1, 0] = seen[0, :, 40]
+    for simd in simd_levels():
+        out, dq, dk, dv = run_sparse(q, k, v, layout, 16, False, simd=simd)
+        assert torch.equal(out.isnan().any(-1), want), simd
+        assert dq.isnan().any() and dk.isnan().any() and dv.isnan().any(), simd
+        assert not out[~want].isnan().any(), simd
+
+
 def test_saved_activations_are_inputs_output_and_logsumexp_only():
     """Memory: what autograd keeps is q, k, v, out (padded to whole blocks) and one fp32 per row:
     O(seq), never seq^2 or non-zero blocks x block^2."""
     config = BigBirdSparsityConfig(2, block=64, num_random_blocks=2)
-    attention = SparseSelfAttention(config, max_seq_length=64)
+    attention = SparseSelfAttention(config, max_seq_length=2048)
     for seq in (2048, 2000):
         q, k, v = (torch.randn(1, 2, seq, 32, requires_grad=True) for _ in range(3))
         with SavedTensorProbe() as probe:
@@ -172,6 +194,22 @@ def test_saved_activations_are_inputs_output_and_logsumexp_only():
         assert probe.held_bytes() < probabilities / 2 < 2 * seq * seq * 4 / 8
         out.sum().backward()
         assert q.grad.shape == q.shape
+
+
+def test_heads_taken_in_several_groups_equal_heads_taken_one_by_one():
+    """At seq 2048 and head dim 64 the CPU kernel packs 16 heads per forward group and 4 per
+    backward group (its 16 MB groups): 24 heads in one call equal each head on its own (a group
+    of one), forward and backward."""
+    g = torch.Generator().manual_seed(5)
+    layout = BigBirdSparsityConfig(1, block=64, num_random_blocks=1).make_layout(2048)
+    q, k, v = (torch.randn(2, 12, 2048, 64, generator=g) for _ in range(3))
+    together = run_sparse(q, k, v, layout, 64, False)
+    for b, h in ((0, 0), (0, 11), (1, 3), (1, 10)):
+        pick = (slice(b, b + 1), slice(h, h + 1))
+        alone = run_sparse(q[pick], k[pick], v[pick], layout, 64, False, grad=output_gradient(q)[pick])
+        for name, a, c in zip(("out", "dq", "dk", "dv"), together, alone):
+            torch.testing.assert_close(a[pick], c, atol=1e-6, rtol=1e-6,
+                                       msg=lambda m, n=name, w=(b, h): f"head {w} {n}: {m}")
 
 
 def test_layouts_equal_what_deepspeeds_parameters_describe():
@@ -263,6 +301,25 @@ def test_bad_configs_layouts_and_inputs_are_clear_errors():
         BlockSparseIndex.from_layout(torch.ones(1, 2, 2, dtype=torch.long), 24, False)
     with pytest.raises(ValueError, match="sparsity_config.block must be one of"):
         SparseSelfAttention(DenseSparsityConfig(2, block=8))
+    # a hand-made index is checked before a kernel indexes with it
+    import dataclasses
+
+    good = BlockSparseIndex.from_layout(torch.ones(1, 3, 3, dtype=torch.long), 16, False)
+    for change, says in ((dict(col_idx=torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 7], dtype=torch.int32)), "col_idx must hold"),
+                         (dict(row_ptr=torch.tensor([[0, 5, 3, 9]], dtype=torch.int32)), "row_ptr must rise"),
+                         (dict(row_idx=good.row_idx.long()), "must be int32"),
+                         (dict(num_blocks=4), "num_blocks \\+ 1 = 5"),
+                         (dict(heads=0), "heads must be")):
+        with pytest.raises(ValueError, match=f"BlockSparseIndex: .*{says}"):
+            dataclasses.replace(good, **change)
+    # random blocks are drawn once, for max_seq_length: a longer sequence would draw others
+    attention = SparseSelfAttention(BigBirdSparsityConfig(2, block=16), max_seq_length=64)
+    q64 = torch.randn(1, 2, 64, 32)
+    attention(q64, q64, q64)
+    with pytest.raises(ValueError, match="a sequence of 80 tokens is longer than max_seq_length \\(64\\)"):
+        attention(*(torch.randn(1, 2, 80, 32),) * 3)
+    longer = SparseSelfAttention(FixedSparsityConfig(2, block=16), max_seq_length=64)  # no random blocks: remade
+    assert longer(*(torch.randn(1, 2, 80, 32),) * 3).shape == (1, 2, 80, 32)
     q = torch.randn(1, 2, 100, 32)
     with pytest.raises(ValueError, match="the layout has 3 blocks of 16 but the sequence has 100 tokens; it needs .* 7"):
         sparse_attention(q, q, q, torch.ones(1, 3, 3, dtype=torch.long), block=16)

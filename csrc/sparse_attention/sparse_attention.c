@@ -76,9 +76,13 @@ static void gemm_scalar(int64_t M, int64_t N, int64_t K, const float *A, int64_t
     }
 }
 
+/* The row maxima keep a NaN (as dense softmax does: a NaN score makes its row NaN), which
+ * fmax and the SIMD max instructions would drop. */
+static inline float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
+
 static float row_max_scalar(int64_t n, const float *x) {
     float m = -INFINITY;
-    for (int64_t j = 0; j < n; j++) m = x[j] > m ? x[j] : m;
+    for (int64_t j = 0; j < n; j++) m = nan_max(m, x[j]);
     return m;
 }
 
@@ -195,14 +199,19 @@ INLINE_AVX2 float hsum_avx2(__m256 v) {
 }
 
 TARGET_AVX2 static float row_max_avx2(int64_t n, const float *x) {
-    __m256 m = _mm256_set1_ps(-INFINITY);
+    __m256 m = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
     int64_t j = 0;
-    for (; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + j));
+    for (; j + 8 <= n; j += 8) {
+        const __m256 v = _mm256_loadu_ps(x + j);
+        m = _mm256_max_ps(m, v);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    if (_mm256_movemask_ps(nan)) return NAN;
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     h = _mm_max_ss(h, _mm_movehdup_ps(h));
     float r = _mm_cvtss_f32(h);
-    for (; j < n; j++) r = x[j] > r ? x[j] : r;
+    for (; j < n; j++) r = nan_max(r, x[j]);
     return r;
 }
 
@@ -318,10 +327,16 @@ TARGET_AVX512 static void gemm_avx512(int64_t M, int64_t N, int64_t K, const flo
 
 TARGET_AVX512 static float row_max_avx512(int64_t n, const float *x) {
     __m512 m = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;
     int64_t j = 0;
-    for (; j + 16 <= n; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + j));
+    for (; j + 16 <= n; j += 16) {
+        const __m512 v = _mm512_loadu_ps(x + j);
+        m = _mm512_max_ps(m, v);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    if (nan) return NAN;
     float r = _mm512_reduce_max_ps(m);
-    for (; j < n; j++) r = x[j] > r ? x[j] : r;
+    for (; j < n; j++) r = nan_max(r, x[j]);
     return r;
 }
 
@@ -442,7 +457,7 @@ static void forward_row(const zero_sparse_attention_problem *p, const vec_ops *o
         apply_masks(p, b, r, c, w.s);
         for (int64_t i = 0; i < bs; i++) {
             float *s = w.s + i * bs;
-            const float mx = ops->row_max(bs, s), m = mx > w.m[i] ? mx : w.m[i];
+            const float m = nan_max(ops->row_max(bs, s), w.m[i]); /* a NaN stays for the whole row */
             if (m == -INFINITY) { /* nothing visible in this row yet */
                 memset(s, 0, (size_t)bs * sizeof(float));
                 continue;
@@ -457,7 +472,7 @@ static void forward_row(const zero_sparse_attention_problem *p, const vec_ops *o
     }
     for (int64_t i = 0; i < bs; i++) {
         const float inv = w.l[i] > 0.0f ? 1.0f / w.l[i] : 0.0f;
-        lse[r * bs + i] = w.l[i] > 0.0f ? w.m[i] + logf(w.l[i]) : INFINITY;
+        lse[r * bs + i] = w.l[i] > 0.0f || w.l[i] != w.l[i] ? w.m[i] + logf(w.l[i]) : INFINITY; /* NaN stays */
         ops->scale_row(D8, w.o + i * D8, inv);
     }
     store_rows(out, p->dtype, r * bs, bs, D, D8, 1.0f, w.o);

@@ -53,8 +53,11 @@ __device__ __forceinline__ float masked(const problem &p, int64_t b, int64_t qi,
     return s;
 }
 
+/* A max that keeps a NaN (dense softmax makes a row with a NaN score NaN; fmaxf would drop it). */
+__device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
+
 __device__ __forceinline__ float row_max(float x) {
-    for (int off = LANES / 2; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(FULL, x, off));
+    for (int off = LANES / 2; off > 0; off >>= 1) x = nan_max(x, __shfl_xor_sync(FULL, x, off));
     return x;
 }
 
@@ -138,9 +141,9 @@ __global__ void __launch_bounds__(THREADS)
             for (int t = 0; t < FWD_CHUNK / LANES; t++) {
                 const int j = lane + LANES * t;
                 s[t] = j < valid ? masked(p, w.b, qi, k0 + j, dot(Qs + row * ld, Ks + j * ld, D)) : -INFINITY;
-                cmax = fmaxf(cmax, s[t]);
+                cmax = nan_max(cmax, s[t]);
             }
-            const float mnew = fmaxf(m, row_max(cmax));
+            const float mnew = nan_max(row_max(cmax), m);
             float psum = 0.0f;
             for (int t = 0; t < FWD_CHUNK / LANES; t++) {
                 s[t] = mnew == -INFINITY ? 0.0f : expf(s[t] - mnew);
@@ -166,7 +169,7 @@ __global__ void __launch_bounds__(THREADS)
         const int d = lane + LANES * jj;
         if (d < D) store<DT>(out, base + qi * D + d, o[jj] * inv);
     }
-    if (lane == 0) lse[w.unit * T + qi] = l > 0.0f ? m + logf(l) : INFINITY;
+    if (lane == 0) lse[w.unit * T + qi] = l > 0.0f || l != l ? m + logf(l) : INFINITY;
 }
 
 /* delta[i] = sum_d dO[i][d] * O[i][d]: one warp per row. */

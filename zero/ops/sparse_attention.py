@@ -23,6 +23,36 @@ BLOCK_SIZES = (16, 32, 64, 128)
 MAX_HEAD_DIM = 128  # ZERO_SPARSE_MAX_HEAD_DIM in sparse_attention.h
 
 
+def _index_problem(index) -> str | None:
+    """What is wrong with a BlockSparseIndex's fields, or None."""
+    if isinstance(index.block, bool) or index.block not in BLOCK_SIZES:
+        return f"block must be one of {BLOCK_SIZES}, got {index.block!r}"
+    n = index.num_blocks
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        return f"num_blocks must be a positive integer, got {n!r}"
+    for ptr_name, idx_name in (("row_ptr", "col_idx"), ("col_ptr", "row_idx")):
+        ptr, idx = getattr(index, ptr_name), getattr(index, idx_name)
+        if not isinstance(ptr, torch.Tensor) or not isinstance(idx, torch.Tensor) or \
+                ptr.dtype != torch.int32 or idx.dtype != torch.int32:
+            return f"{ptr_name} and {idx_name} must be int32 tensors"
+        if ptr.dim() != 2 or ptr.shape[1] != n + 1 or idx.dim() != 1 or ptr.device != idx.device:
+            return (f"{ptr_name} must be (layout heads, num_blocks + 1 = {n + 1}) and {idx_name} one-dimensional on "
+                    f"one device, got {tuple(ptr.shape)} and {tuple(idx.shape)}")
+        ptr, idx = ptr.cpu().long(), idx.cpu()
+        per_head = ptr[:, -1] - ptr[:, 0]
+        if (ptr[:, 1:] < ptr[:, :-1]).any() or (ptr[0, 0] != 0).item() or \
+                (ptr[1:, 0] != ptr[:-1, -1]).any() or ptr[-1, -1].item() != idx.numel() or (per_head < 0).any():
+            return f"{ptr_name} must rise from 0 to the length of {idx_name} ({idx.numel()}), head after head"
+        if idx.numel() and (idx.min().item() < 0 or idx.max().item() >= n):
+            return f"{idx_name} must hold block numbers in [0, {n})"
+    if index.row_ptr.shape[0] != index.col_ptr.shape[0] or index.col_idx.numel() != index.row_idx.numel():
+        return "the row index (row_ptr, col_idx) and its transpose (col_ptr, row_idx) hold different blocks"
+    if isinstance(index.heads, bool) or not isinstance(index.heads, int) or index.heads < 1 or \
+            index.row_ptr.shape[0] not in (1, index.heads):
+        return f"heads must be a positive integer that the {index.row_ptr.shape[0]} layout heads are 1 of or equal"
+    return None
+
+
 @dataclass(frozen=True)
 class BlockSparseIndex:
     """A block layout in the kernels' compressed form (see csrc/sparse_attention/sparse_attention.h).
@@ -46,6 +76,12 @@ class BlockSparseIndex:
     col_idx: torch.Tensor
     col_ptr: torch.Tensor
     row_idx: torch.Tensor
+
+    def __post_init__(self):
+        """Check what the kernels index with, so a hand-made index is an error, not a wild read."""
+        problem = _index_problem(self)
+        if problem:
+            raise ValueError(f"BlockSparseIndex: {problem} (make it with BlockSparseIndex.from_layout)")
 
     @property
     def layout_heads(self) -> int:

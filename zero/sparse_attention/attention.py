@@ -133,8 +133,9 @@ class SparseSelfAttention(nn.Module):
             keep-mask (nonzero or True = attend, 0 or False = masked).
         attn_mask_mode: the same choice for attn_mask.
         max_seq_length: the layout is made once for this many tokens (rounded up to blocks) and
-            its top-left corner is used for shorter sequences, as in DeepSpeed; a longer sequence
-            remakes it at that length.
+            its top-left corner is used for shorter sequences, as in DeepSpeed. A longer sequence
+            remakes it at that length, except with random blocks (BigBird, Variable with
+            num_random_blocks), where it is an error: their blocks would change.
         causal: mask future keys; default: the config's attention is "unidirectional".
     """
 
@@ -167,6 +168,13 @@ class SparseSelfAttention(nn.Module):
         """The (num_heads, blocks, blocks) layout used for `seq_len` tokens (blocks = ceil(seq_len / block))."""
         block = self.sparsity_config.block
         blocks = -(-seq_len // block)
+        if getattr(self.sparsity_config, "num_random_blocks", 0) and blocks * block > self.max_seq_length:
+            # see [Note: random blocks]: a layout drawn at another length has other random blocks
+            raise ValueError(f"a sequence of {seq_len} tokens is longer than max_seq_length ({self.max_seq_length}): "
+                             f"{type(self.sparsity_config).__name__}'s random blocks are drawn once, for the "
+                             f"max_seq_length layout, so that every sequence (and every rank) attends to the same "
+                             f"blocks; a longer layout would draw them anew. Give SparseSelfAttention("
+                             f"max_seq_length=...) the longest sequence, rounded up to a multiple of {block}")
         if self._master is None or self._master.shape[1] < blocks:
             length = max(blocks, -(-self.max_seq_length // block)) * block
             self._master = self.sparsity_config.make_layout(length)
@@ -190,7 +198,8 @@ class SparseSelfAttention(nn.Module):
             query, key, value: float32 or bfloat16 (float16 too) tensors of one shape and device.
             rpe: relative position embeddings: not supported (must be None).
             key_padding_mask: optional (batch, seq), read per key_padding_mask_mode.
-            attn_mask: optional (seq, seq), read per attn_mask_mode.
+            attn_mask: optional (seq, seq), read per attn_mask_mode. Its seq x seq fp32 bias is
+                the one O(seq^2) tensor of a call (the layout and key_padding_mask cost O(seq)).
             scale: factor of query . key; default head_dim ** -0.5.
 
         Returns:

@@ -13,7 +13,9 @@ two calls, get different layouts. Here they come from a torch.Generator seeded w
 `seed` (a keyword DeepSpeed lacks, default 0) at every `make_layout` call: every rank of a job and
 every call build the same layout, which data parallelism needs. BigBird's unidirectional random
 blocks are drawn among the row's past blocks; a row with fewer past blocks than
-`num_random_blocks` takes all of them (DeepSpeed fails there).
+`num_random_blocks` takes all of them (DeepSpeed fails there). The draws depend on the layout's
+length, so SparseSelfAttention refuses a sequence longer than its max_seq_length for such configs
+rather than draw a longer layout whose corner would differ from the one used so far.
 """
 from __future__ import annotations
 
