@@ -2,6 +2,7 @@
 and the longest sequence that fits a memory budget.
 
     python benchmarks/bench_sparse_attention.py [--seqs 1024,2048,4096,8192,16384] [--reps 3] [--write]
+    python benchmarks/bench_sparse_attention.py --memory-sweep 1024,4096,10240 [--write]
 
 - Problem: batch 1, 12 heads, head_dim 64, fp32 on the CPU (bf16 on a GPU), torch's thread count
   for every method. Layouts: BigBird and Fixed (bidirectional, block 64), their parameters chosen
@@ -171,6 +172,50 @@ def longest_ours(start: int, budget: float, device, dtype, limit: int = 1 << 20)
     return (max(fits) if fits else 0), peaks
 
 
+def memory_sweep(budgets: list[float], device, dtype) -> str:
+    """The longest power-of-two length each method fits in each budget: dense SDPA with the
+    BigBird element mask (the same attention pattern computed densely: its memory grows with
+    seq^2) and ours with DeepSpeed's default BigBird (window 3, random 1, global 1: linear), each
+    run at doubling lengths from 1,024 until it, or the next length at the growth of the last
+    doubling, exceeds the largest budget (that next length is not run). Dense SDPA without a
+    mask is left out here: on the CPU it is flash attention, linear too (see the main table)."""
+    top = max(budgets)
+    masked: dict[int, float] = {}
+    ours: dict[int, float] = {}
+    for peaks, attend in ((masked, "masked"), (ours, "ours")):
+        seq = 1024
+        while True:
+            q, k, v = (torch.randn(1, HEADS, seq, HEAD_DIM).to(device, dtype).requires_grad_() for _ in range(3))
+            config = BigBirdSparsityConfig(HEADS, block=BLOCK)
+            attention = SparseSelfAttention(config, max_seq_length=seq)
+            if attend == "masked":
+                element = attention.get_layout(seq)[0].bool().to(device)
+
+                def fn(a, b, c, blocks=element):
+                    mask = blocks.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+                    return F.scaled_dot_product_attention(a, b, c, attn_mask=mask)
+            else:
+                fn = attention
+            start = time.perf_counter()
+            peaks[seq] = _peak(_fwd_bwd(fn, q, k, v, torch.ones_like(q)), device, q, k, v)
+            print(f"  {attend} at {seq:,}: {peaks[seq]:,.0f} MiB ({time.perf_counter() - start:.0f} s)", flush=True)
+            del q, k, v
+            sizes = sorted(peaks)
+            growth = peaks[sizes[-1]] / peaks[sizes[-2]] if len(sizes) > 1 else 4.0
+            if peaks[seq] > top or peaks[seq] * growth > top:  # the next length would not fit (or the host)
+                break
+            seq *= 2
+    rows = ["| budget MiB | dense SDPA + element mask | ours, BigBird(3, 1, 1) | ratio |", "| --- | --- | --- | --- |"]
+    for budget in budgets:
+        a = max((s for s, p in masked.items() if p <= budget), default=0)
+        b = max((s for s, p in ours.items() if p <= budget), default=0)
+        rows.append(f"| {budget:,.0f} | {a:,} | {b:,} | {b / a if a else math.inf:.0f}x |")
+    measured = ["", "Measured peaks (MiB above the inputs, forward + backward): dense + element mask "
+                + ", ".join(f"{s:,}: {p:,.0f}" for s, p in masked.items()) + "; ours "
+                + ", ".join(f"{s:,}: {p:,.0f}" for s, p in ours.items())]
+    return "\n".join(rows + measured)
+
+
 def longest_within(peaks: dict[int, float], budget: float) -> str:
     fits = [s for s, p in sorted(peaks.items()) if p <= budget]
     if not fits:
@@ -183,10 +228,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seqs", default="1024,2048,4096,8192,16384")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--budget-mib", type=float, default=1024.0)
+    parser.add_argument("--memory-sweep", default=None, metavar="MIB,MIB",
+                        help="only the longest sequence each method fits in each of these budgets (see memory_sweep)")
     parser.add_argument("--write", action="store_true", help="write benchmarks/results/sparse_attention.md and .png")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.memory_sweep:
+        text = memory_sweep([float(b) for b in args.memory_sweep.split(",")], device, dtype)
+        where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+        text = (f"batch 1, {HEADS} heads, head_dim {HEAD_DIM}, block {BLOCK}, {str(dtype).replace('torch.', '')}, "
+                f"{where}\n\nLongest power-of-two sequence whose forward + backward fits each budget "
+                f"(`--memory-sweep`):\n\n" + text)
+        print(text)
+        if args.write:
+            from report import _write
+
+            _write("sparse_attention_memory", "Block-sparse attention: the longest sequence a memory budget holds",
+                   text, None)
+        return 0
     seqs = [int(s) for s in args.seqs.split(",")]
     dense, rows = {}, []
     for seq in seqs:

@@ -260,6 +260,12 @@ def test_layouts_equal_what_deepspeeds_parameters_describe():
         assert torch.equal(layout, make(0, True).make_layout(16 * 12)) and not torch.equal(layout[0], layout[1])
         assert not torch.equal(layout, make(1, True).make_layout(16 * 12))
         assert torch.equal(make(0, False).make_layout(16 * 12)[1], make(0, False).make_layout(16 * 12)[0])
+    # what SparseSelfAttention keeps: the same layout as bool, one head when the heads share it
+    for config, block, _, seq, _ in CASES:
+        n = -(-seq // block) * block
+        compact = config.compact_layout(n)
+        assert compact.dtype == torch.bool and compact.shape[0] == (2 if config.different_layout_per_head else 1)
+        assert torch.equal(compact.expand(2, -1, -1).long(), config.make_layout(n)), config
     causal_random = BigBirdSparsityConfig(1, block=16, num_random_blocks=3, attention="unidirectional").make_layout(160)
     assert torch.equal(causal_random, causal_random.tril())
 

@@ -166,6 +166,11 @@ class SparseSelfAttention(nn.Module):
 
     def get_layout(self, seq_len: int) -> torch.Tensor:
         """The (num_heads, blocks, blocks) layout used for `seq_len` tokens (blocks = ceil(seq_len / block))."""
+        corner = self._corner(seq_len)
+        return corner.expand(self.sparsity_config.num_heads, -1, -1).long()
+
+    def _corner(self, seq_len: int) -> torch.Tensor:
+        """The layout of `seq_len` tokens as kept: bool, one head when all heads share it."""
         block = self.sparsity_config.block
         blocks = -(-seq_len // block)
         if getattr(self.sparsity_config, "num_random_blocks", 0) and blocks * block > self.max_seq_length:
@@ -177,13 +182,13 @@ class SparseSelfAttention(nn.Module):
                              f"max_seq_length=...) the longest sequence, rounded up to a multiple of {block}")
         if self._master is None or self._master.shape[1] < blocks:
             length = max(blocks, -(-self.max_seq_length // block)) * block
-            self._master = self.sparsity_config.make_layout(length)
+            self._master = self.sparsity_config.compact_layout(length)
             self._indices.clear()
         return self._master[:, :blocks, :blocks]
 
     def _index(self, seq_len: int, device: torch.device) -> BlockSparseIndex:
         blocks = -(-seq_len // self.sparsity_config.block)
-        layout = self.get_layout(seq_len)  # first: a remade master clears the cache
+        layout = self._corner(seq_len)  # first: a remade master clears the cache
         key = (blocks, device)
         if key not in self._indices:
             self._indices[key] = BlockSparseIndex.from_layout(layout, self.sparsity_config.block, self.causal).to(device)

@@ -72,6 +72,8 @@ class SparsityConfig:
         if seq_len % self.block:
             raise ValueError(f"seq_len {seq_len} is not a multiple of the block size {self.block}")
         blocks = seq_len // self.block
+        if getattr(self, "_compact", False):  # see compact_layout
+            return torch.zeros(self.num_layout_heads, blocks, blocks, dtype=torch.bool)
         return torch.zeros(self.num_heads, blocks, blocks, dtype=torch.int64)
 
     def check_and_propagate_first_head_layout(self, layout: torch.Tensor) -> torch.Tensor:
@@ -83,8 +85,18 @@ class SparsityConfig:
     def make_layout(self, seq_len: int) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} does not define make_layout")
 
+    def compact_layout(self, seq_len: int) -> torch.Tensor:
+        """`make_layout(seq_len)` as bool, with one head when every head shares it: (num_layout_heads,
+        blocks, blocks). What SparseSelfAttention keeps: at 262k tokens of block 64 and 12 shared
+        heads, 16 MiB instead of make_layout's 1.5 GiB (the layout is (seq / block)^2 per head)."""
+        self._compact = True
+        try:
+            return self.make_layout(seq_len)
+        finally:
+            self._compact = False
+
     def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if k != "num_layout_heads")
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if k not in ("num_layout_heads", "_compact"))
         return f"{type(self).__name__}({fields})"
 
 
