@@ -134,3 +134,41 @@ def test_a_save_inside_an_accumulation_window_warns_and_resumes_at_the_window_st
     engine.load_checkpoint(tmp_path)
     assert engine.micro_steps == 0 and engine.is_gradient_accumulation_boundary() is False
     assert all(s.abs().sum() == 0 for s in engine.optimizer.shards)
+
+
+def test_model_only_loads_fill_model_and_master_with_the_saved_values(tmp_path):
+    """load_optimizer_states=False and load_module_only in bf16 with a separate fp32 master (stages
+    2 and 3, and stage 2 with optimizer offload): the model takes the saved 16-bit values and the
+    master follows them exactly (they share one (name, offset) when read)."""
+    import torch.nn as nn
+
+    import zero
+
+    def make(seed: int, stage: int, offload: bool):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        zc = {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
+        engine, *_ = zero.initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True}, "zero_optimization": zc,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+        return engine
+
+    def values(engine):
+        with zero.GatheredParameters(list(engine.module.parameters())):
+            return [p.detach().float().clone() for p in engine.module.parameters()]
+
+    for stage, offload in ((2, False), (3, False), (2, True)):
+        saver = make(0, stage, offload)
+        saver.backward(saver(torch.randn(4, 8, dtype=torch.bfloat16)).float().square().mean())
+        saver.step()
+        saver.save_checkpoint(tmp_path / f"s{stage}{offload}", tag="t")
+        want = values(saver)
+        for kwargs in ({"load_optimizer_states": False}, {"load_module_only": True}):
+            engine = make(1, stage, offload)
+            engine.load_checkpoint(tmp_path / f"s{stage}{offload}", tag="t", **kwargs)
+            got = values(engine)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (stage, offload, kwargs)
+            masters = torch.cat([m.reshape(-1) for _, m, *_ in engine.optimizer.slots()])
+            assert torch.isfinite(masters).all() and masters.abs().max() <= max(w.abs().max() for w in want)
+            engine.optimizer.publish()  # the master republished: the same values again
+            assert all(torch.equal(a, b) for a, b in zip(values(engine), want)), (stage, offload, kwargs)

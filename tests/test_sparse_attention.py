@@ -2,9 +2,7 @@
 (every SIMD level) and the CUDA kernel against dense SDPA with the layout expanded to an element
 mask, masks and padding, memory saved for backward, errors, the model swap, and a GPT with sparse
 attention training under ZeRO stage 2 like the dense one."""
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -319,10 +317,10 @@ def test_bad_configs_layouts_and_inputs_are_clear_errors():
         with pytest.raises(ValueError, match=f"BlockSparseIndex: .*{says}"):
             dataclasses.replace(good, **change)
     # random blocks are drawn once, for max_seq_length: a longer sequence would draw others
-    attention = SparseSelfAttention(BigBirdSparsityConfig(2, block=16), max_seq_length=64)
+    attention = SparseSelfAttention(BigBirdSparsityConfig(2, block=16), max_seq_length=60)
     q64 = torch.randn(1, 2, 64, 32)
-    attention(q64, q64, q64)
-    with pytest.raises(ValueError, match="a sequence of 80 tokens is longer than max_seq_length \\(64\\)"):
+    attention(q64, q64, q64)  # 60 tokens are 4 blocks of 16: 64 fits
+    with pytest.raises(ValueError, match="a sequence of 80 tokens is longer than max_seq_length \\(60\\)"):
         attention(*(torch.randn(1, 2, 80, 32),) * 3)
     longer = SparseSelfAttention(FixedSparsityConfig(2, block=16), max_seq_length=64)  # no random blocks: remade
     assert longer(*(torch.randn(1, 2, 80, 32),) * 3).shape == (1, 2, 80, 32)
@@ -404,12 +402,17 @@ def test_swapped_models_equal_dense_attention_with_a_dense_layout():
 
 
 def _demo_text() -> str:
-    """The demo's training text (examples/train_gpt.py: the repository's own documentation)."""
-    path = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
-    spec = importlib.util.spec_from_file_location("train_gpt_demo", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.corpus()
+    """A fixed training text (not the repository's docs, which change): seeded sentences over a small
+    vocabulary, so spelling and word order are there to learn."""
+    g = torch.Generator().manual_seed(11)
+    words = ("the block row attends to its local window and the global blocks while the random "
+             "blocks reach far keys so every query sees the start of the sequence").split()
+    out = []
+    while sum(map(len, out)) < 40_000:
+        n = int(torch.randint(4, 12, (1,), generator=g))
+        start = int(torch.randint(0, len(words) - n, (1,), generator=g))
+        out.append(" ".join(words[start : start + n]).capitalize() + ". ")
+    return "".join(out)
 
 
 SPARSE_GPT = dict(num_heads=2, block=16, num_local_blocks=4, attention="unidirectional")
@@ -453,12 +456,17 @@ def train_gpt_stage2(attention: str, steps: int) -> list[float]:
         "zero_optimization": {"stage": 2}})
     g = torch.Generator().manual_seed(100 + dist.get_rank())
     losses = []
-    for _ in range(steps):
-        x, y = zip(*(data[i] for i in torch.randint(0, len(data), (8,), generator=g).tolist()))
-        loss = engine(torch.stack(x), torch.stack(y))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # dQ sums per-thread buffers: one thread makes the curve independent of load
+    try:
+        for _ in range(steps):
+            x, y = zip(*(data[i] for i in torch.randint(0, len(data), (8,), generator=g).tolist()))
+            loss = engine(torch.stack(x), torch.stack(y))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    finally:
+        torch.set_num_threads(threads)
     return losses
 
 
@@ -474,7 +482,9 @@ def test_gpt_with_sparse_attention_trains_under_zero_stage2_like_dense(dist_run)
         runs = dist_run(2, train_gpt_stage2, attention, steps)
         curves[attention] = [sum(r[i] for r in runs) / len(runs) for i in range(steps)]  # mean over ranks
     sparse, masked, dense = curves["sparse"], curves["masked"], curves["dense"]
-    assert max(abs(a - b) for a, b in zip(sparse, masked)) < 2e-3, list(zip(sparse, masked))
+    gap = max(abs(a - b) for a, b in zip(sparse, masked))
+    print(f"sparse vs masked dense: {gap:.2e}; vs dense: {max(abs(a - b) for a, b in zip(sparse, dense)):.2e}")
+    assert gap < 2e-3, list(zip(sparse, masked))
     assert sum(sparse[-10:]) / 10 < 0.8 * sparse[0], sparse
     assert max(abs(a - b) for a, b in zip(sparse, dense)) > 1e-2, "the layout did not change the model"
 

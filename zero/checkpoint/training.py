@@ -413,9 +413,10 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
         everywhere = set(mine) if place.mesh is None else {n for names in place.gather(sorted(mine)) for n in names}
         problems += [f"{n}: missing from the checkpoint" for n in mine if n not in saved]
         problems += [f"{n}: in the checkpoint, not in the model" for n in saved if n not in everywhere]
-    if problems:
+    if io.any_rank(bool(problems), f"checking checkpoint {path}"):  # ranks hold different tensors (stages, slices)
         raise CheckpointError(f"{path}: the checkpoint does not match the model ({len(problems)} problem(s)): "
-                              + "; ".join(problems))
+                              + "; ".join(problems) if problems else
+                              f"{path}: the checkpoint does not match another rank's part of the model (see its error)")
     try:
         stored = saved_tensors(str(path / "tensors"))
     except BaseException as exc:  # noqa: BLE001 - safetensors and DCP raise many kinds on a damaged file
@@ -429,7 +430,7 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
     trainable = [n for n, t, is_param in _named_tensors(engine.module) if is_param and id(t) in _trainable(engine)]
     if with_optimizer:
         absent = [f"{k}/{n}" for n in trainable for k in OPTIMIZER_KINDS if f"{k}/{n}" not in stored]
-        if absent:
+        if io.any_rank(bool(absent), f"checking checkpoint {path}"):
             raise CheckpointError(f"{path}: the checkpoint lacks optimizer states ({absent[:4]}...); load with "
                                   f"load_optimizer_states=False to take the model only")
     kinds = ("model", *OPTIMIZER_KINDS) if with_optimizer else ("model",)
@@ -442,8 +443,16 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
     # [Note: sliced tensors in checkpoints]); the others are read piece by piece
     layouts = {n: layout_of(t) for n, t, _ in _named_tensors(engine.module)}
     moved = {c.name for c in targets if saved[c.name.split("/", 1)[1]].get("layout") != layouts[c.name.split("/", 1)[1]]}
-    staging = [Chunk(c.name, c.offset, torch.empty(c.tensor.shape, dtype=c.tensor.dtype), c.numel)
-               for c in targets if c.name not in moved]
+    # one staging range per tensor on this rank, covering all its targets: DCP tells the pieces a
+    # rank reads apart by (name, offset) only, and two targets may share both (the model and, with
+    # load_optimizer_states=False, the master that follows it)
+    spans: dict[str, tuple[int, int, torch.dtype, int]] = {}  # name -> (lo, hi, dtype, global length)
+    for c in targets:
+        if c.name not in moved:
+            lo, hi, dtype, numel = spans.get(c.name, (c.offset, c.offset, c.tensor.dtype, c.numel))
+            spans[c.name] = (min(lo, c.offset), max(hi, c.offset + c.tensor.numel()), dtype, numel)
+    staging = [Chunk(n, lo, torch.empty(hi - lo, dtype=dtype), numel) for n, (lo, hi, dtype, numel) in spans.items()]
+    staged = {c.name: c for c in staging}
     whole = {c.name: Chunk(c.name, 0, torch.empty(c.numel, dtype=c.tensor.dtype), c.numel)
              for c in targets if c.name in moved}
     error = None
@@ -458,8 +467,8 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
     if io.any_rank(error is not None, f"reading checkpoint {path}"):
         raise CheckpointError(f"{path / 'tensors'}: reading failed ({error or 'on another rank'}); the engine is "
                               f"unchanged") from None
-    staged = iter(staging)
-    sources = [whole[c.name].tensor[c.offset : c.offset + c.tensor.numel()] if c.name in moved else next(staged).tensor
+    sources = [whole[c.name].tensor[c.offset : c.offset + c.tensor.numel()] if c.name in moved else
+               staged[c.name].tensor[c.offset - staged[c.name].offset : c.offset - staged[c.name].offset + c.tensor.numel()]
                for c in targets]
     own = _read_rank_state(engine, place, path, state) if with_optimizer else None
     # everything arrived: now change the engine

@@ -9,6 +9,7 @@ Function, padding and masks on top of these.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,10 @@ def _index_problem(index) -> str | None:
         if not isinstance(ptr, torch.Tensor) or not isinstance(idx, torch.Tensor) or \
                 ptr.dtype != torch.int32 or idx.dtype != torch.int32:
             return f"{ptr_name} and {idx_name} must be int32 tensors"
-        if ptr.dim() != 2 or ptr.shape[1] != n + 1 or idx.dim() != 1 or ptr.device != idx.device:
+        if not ptr.is_contiguous() or not idx.is_contiguous() or ptr.device != index.row_ptr.device or \
+                idx.device != index.row_ptr.device:
+            return "row_ptr, col_idx, col_ptr and row_idx must be contiguous and on one device"
+        if ptr.dim() != 2 or ptr.shape[1] != n + 1 or idx.dim() != 1:
             return (f"{ptr_name} must be (layout heads, num_blocks + 1 = {n + 1}) and {idx_name} one-dimensional on "
                     f"one device, got {tuple(ptr.shape)} and {tuple(idx.shape)}")
         ptr, idx = ptr.cpu().long(), idx.cpu()
@@ -99,9 +103,12 @@ class BlockSparseIndex:
         return self.nnz / max(1, self.layout_heads * self.num_blocks**2)
 
     def to(self, device: torch.device | str) -> BlockSparseIndex:
-        move = lambda t: t.to(device)
-        return BlockSparseIndex(self.block, self.num_blocks, self.causal, self.heads, move(self.row_ptr),
-                                move(self.col_idx), move(self.col_ptr), move(self.row_idx))
+        """The same index on `device` (checked once, where it was made: no host round trip here)."""
+        moved = object.__new__(BlockSparseIndex)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            object.__setattr__(moved, f.name, value.to(device).contiguous() if isinstance(value, torch.Tensor) else value)
+        return moved
 
     @classmethod
     def from_layout(cls, layout: torch.Tensor, block: int, causal: bool) -> BlockSparseIndex:

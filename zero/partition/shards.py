@@ -107,7 +107,8 @@ def _all_gather(p, param_list=None) -> None:
         if q.ds_status is not ZeroParamStatus.AVAILABLE:
             from zero.comm import Comm
 
-            q.data = gather_param(q._zero.shard(), q._zero.numel, Comm()).view(q._zero.shape)
+            comm = q._zero.unit.comm if q._zero.unit is not None else Comm()  # its data-parallel group
+            getattr(q, "_local_tensor", q).data = gather_param(q._zero.shard(), q._zero.numel, comm).view(q._zero.shape)
             q.ds_status = ZeroParamStatus.AVAILABLE
             q._zero_gathered_by_user = True
 
@@ -117,6 +118,6 @@ def _partition(p, param_list=None) -> None:
     GatheredParameters(modifier_rank=...) to change values)."""
     for q in param_list or [p]:
         if getattr(q, "_zero_gathered_by_user", False):
-            q.data = q._zero.shard()[:0]
+            getattr(q, "_local_tensor", q).data = q._zero.shard()[:0]
             q.ds_status = ZeroParamStatus.NOT_AVAILABLE
             q._zero_gathered_by_user = False

@@ -173,13 +173,13 @@ class SparseSelfAttention(nn.Module):
         """The layout of `seq_len` tokens as kept: bool, one head when all heads share it."""
         block = self.sparsity_config.block
         blocks = -(-seq_len // block)
-        if getattr(self.sparsity_config, "num_random_blocks", 0) and blocks * block > self.max_seq_length:
+        if getattr(self.sparsity_config, "num_random_blocks", 0) and blocks > -(-self.max_seq_length // block):
             # see [Note: random blocks]: a layout drawn at another length has other random blocks
             raise ValueError(f"a sequence of {seq_len} tokens is longer than max_seq_length ({self.max_seq_length}): "
                              f"{type(self.sparsity_config).__name__}'s random blocks are drawn once, for the "
                              f"max_seq_length layout, so that every sequence (and every rank) attends to the same "
                              f"blocks; a longer layout would draw them anew. Give SparseSelfAttention("
-                             f"max_seq_length=...) the longest sequence, rounded up to a multiple of {block}")
+                             f"max_seq_length=...) the longest sequence")
         if self._master is None or self._master.shape[1] < blocks:
             length = max(blocks, -(-self.max_seq_length // block)) * block
             self._master = self.sparsity_config.compact_layout(length)

@@ -205,6 +205,12 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
             value = state_dict.get(key)
             if not isinstance(value, torch.Tensor):
                 continue
+            if getattr(p, "_zero", None) is not None and hasattr(p, "_local_tensor"):
+                errors.append(f"{key}: load_state_dict into a tensor-sliced parameter under ZeRO stage 3 is not "
+                              f"implemented; load the state dict before zero.initialize, or use "
+                              f"engine.load_checkpoint")
+                state_dict.pop(key)
+                continue
             shape = p._zero.shape if getattr(p, "_zero", None) is not None else p.shape
             if value.shape != shape:
                 errors.append(f"size mismatch for {key}: copying a param with shape {value.shape} from checkpoint, "
