@@ -328,6 +328,8 @@ def test_tensor_by_data_matches_torch_tensor_parallel_and_single_process(dist_ru
         # also the master, padded to the data ranks; what it gathered was freed after use
         assert memory["persistent_params"] == 0 and memory["gathered_peak"] > 0 == memory["gathered_bytes"], memory
         assert whole / 4 * 4 <= memory["params"] < whole / 4 * 4 * 1.1, (memory["params"], whole)
+        mesh = memory["mesh"]["parameters"]  # counted from the shards' sizes, not the released pieces
+        assert mesh["model"] == whole and whole / 2 <= mesh["rank"] < whole / 2 * 1.1, (mesh, whole)
 
 
 def test_pipeline_tensor_and_data_3d_matches_single_process(dist_run):

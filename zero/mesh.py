@@ -195,12 +195,12 @@ class MeshReports:
                 module.register_forward_hook(lambda m, a, out: count("tp", "all_reduce", _floats(out)))
         world = Comm()
         params = {id(p): p for p in self.module.parameters()}.values()
-        local = sum((p._local_tensor if hasattr(p, "_local_tensor") else p).numel() for p in params)
-        whole = sum(p.numel() for p in params)  # global shapes: this stage's parameters, unsliced
+        local = sum(_stored_numel(p) for p in params)
+        whole = sum(_whole_numel(p) for p in params)  # global shapes: this stage's parameters, unsliced
         tied = getattr(self.module, "tied_modules", None)
         stages_of = {id(q): len(self.module.tied_stages(k)) for k, m in (tied.items() if tied is not None else [])
                      for q in m.parameters()}
-        share = torch.tensor([sum(p.numel() / stages_of.get(id(p), 1) for p in params)], dtype=torch.float64)
+        share = torch.tensor([sum(_whole_numel(p) / stages_of.get(id(p), 1) for p in params)], dtype=torch.float64)
         if self.mesh.tp > 1:  # every tensor rank of a stage holds the same global shapes
             share /= self.mesh.tp
         share /= self.mesh.dp
@@ -223,6 +223,18 @@ class MeshReports:
         """At the end of a step: this step's pipeline and tensor traffic becomes the report's."""
         self._last_traffic = self._traffic
         self._traffic = {"pp": {}, "tp": {}}
+
+
+def _stored_numel(p: torch.Tensor) -> int:
+    """Elements this rank stores of `p` when gathered: its tensor slice (a stage-3 shard's whole piece)."""
+    z = getattr(p, "_zero", None)
+    return z.numel if z is not None else getattr(p, "_local_tensor", p).numel()
+
+
+def _whole_numel(p: torch.Tensor) -> int:
+    """Elements of the whole parameter (a DTensor keeps its global shape; a stage-3 shard its `_zero`)."""
+    z = getattr(p, "_zero", None)
+    return p.numel() if hasattr(p, "_local_tensor") or z is None else z.numel
 
 
 def _floats(obj) -> list[torch.Tensor]:
