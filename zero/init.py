@@ -167,9 +167,7 @@ class GatheredParameters:
     def __enter__(self) -> GatheredParameters:
         if not self.params:
             return self
-        # the data-parallel group the parameters are sharded over (the world without a mesh)
-        units = [p._zero.unit for p in self.params if p._zero.unit is not None]
-        self.comm = units[0].comm if units else Comm()
+        self.comm = self.params[0]._zero.comm()  # the group the parameters are sharded over
         # every rank must enter with the same parameters (see [Note: rank-agreement tags])
         self.comm.agree([5, len(self.params), sum(p._zero.numel for p in self.params)], "GatheredParameters")
         with torch.no_grad():

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from zero.comm import Comm, collective_timeout_s
+from zero.partition.layout import local_tensor
 
 
 @dataclasses.dataclass
@@ -228,7 +229,7 @@ class MeshReports:
 def _stored_numel(p: torch.Tensor) -> int:
     """Elements this rank stores of `p` when gathered: its tensor slice (a stage-3 shard's whole piece)."""
     z = getattr(p, "_zero", None)
-    return z.numel if z is not None else getattr(p, "_local_tensor", p).numel()
+    return z.numel if z is not None else local_tensor(p).numel()
 
 
 def _whole_numel(p: torch.Tensor) -> int:

@@ -99,8 +99,9 @@ def _tensor_entries(engine) -> dict[str, dict]:
     out = {}
     for n, t, is_param in _named_tensors(engine.module):
         out[n] = {"shape": _shape(t), "dtype": str(t.dtype), "parameter": is_param, "trainable": id(t) in trainable}
-        if layout_of(t) is not None:
-            out[n]["layout"] = layout_of(t)
+        layout = layout_of(t)
+        if layout is not None:
+            out[n]["layout"] = layout
     return out
 
 
@@ -439,37 +440,31 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
         targets += [Chunk(f"model/{c.name.split('/', 1)[1]}", c.offset, c.tensor, c.numel)
                     for c in _chunks(engine, place, saving=False, kinds=("master",))
                     if f"model/{c.name.split('/', 1)[1]}" in stored]
-    # a tensor stored in another layout than this engine's is read whole and re-sliced (see
-    # [Note: sliced tensors in checkpoints]); the others are read piece by piece
+    # one staging span per tensor on this rank, covering all its targets: DCP tells the pieces a
+    # rank reads apart by (name, offset) only, and two targets may share both (the model and, with
+    # load_optimizer_states=False, the master that follows it). A tensor stored in another layout
+    # than this engine's is read whole and re-sliced (see [Note: sliced tensors in checkpoints]).
     layouts = {n: layout_of(t) for n, t, _ in _named_tensors(engine.module)}
     moved = {c.name for c in targets if saved[c.name.split("/", 1)[1]].get("layout") != layouts[c.name.split("/", 1)[1]]}
-    # one staging range per tensor on this rank, covering all its targets: DCP tells the pieces a
-    # rank reads apart by (name, offset) only, and two targets may share both (the model and, with
-    # load_optimizer_states=False, the master that follows it)
     spans: dict[str, tuple[int, int, torch.dtype, int]] = {}  # name -> (lo, hi, dtype, global length)
     for c in targets:
-        if c.name not in moved:
-            lo, hi, dtype, numel = spans.get(c.name, (c.offset, c.offset, c.tensor.dtype, c.numel))
-            spans[c.name] = (min(lo, c.offset), max(hi, c.offset + c.tensor.numel()), dtype, numel)
-    staging = [Chunk(n, lo, torch.empty(hi - lo, dtype=dtype), numel) for n, (lo, hi, dtype, numel) in spans.items()]
-    staged = {c.name: c for c in staging}
-    whole = {c.name: Chunk(c.name, 0, torch.empty(c.numel, dtype=c.tensor.dtype), c.numel)
-             for c in targets if c.name in moved}
+        lo, hi, dtype, numel = spans.get(c.name, (c.numel, 0, c.tensor.dtype, c.numel))
+        lo, hi = (0, numel) if c.name in moved else (min(lo, c.offset), max(hi, c.offset + c.tensor.numel()))
+        spans[c.name] = (lo, hi, dtype, numel)
+    staged = {n: Chunk(n, lo, torch.empty(hi - lo, dtype=dtype), numel) for n, (lo, hi, dtype, numel) in spans.items()}
     error = None
     try:
-        load_chunks(staging + list(whole.values()), str(path / "tensors"),
-                    process_group=io.group if io.distributed else None)
-        for name, chunk in whole.items():
+        load_chunks(list(staged.values()), str(path / "tensors"), process_group=io.group if io.distributed else None)
+        for name in moved:
             n = name.split("/", 1)[1]
-            chunk.tensor = from_whole(to_whole(chunk.tensor, saved[n]["shape"], saved[n].get("layout")), layouts[n])
+            staged[name].tensor = from_whole(to_whole(staged[name].tensor, saved[n]["shape"], saved[n].get("layout")),
+                                             layouts[n])
     except BaseException as exc:  # noqa: BLE001 - DCP wraps errors in CheckpointException (a BaseException)
         error = exc
     if io.any_rank(error is not None, f"reading checkpoint {path}"):
         raise CheckpointError(f"{path / 'tensors'}: reading failed ({error or 'on another rank'}); the engine is "
                               f"unchanged") from None
-    sources = [whole[c.name].tensor[c.offset : c.offset + c.tensor.numel()] if c.name in moved else
-               staged[c.name].tensor[c.offset - staged[c.name].offset : c.offset - staged[c.name].offset + c.tensor.numel()]
-               for c in targets]
+    sources = [staged[c.name].tensor[c.offset - staged[c.name].offset :][: c.tensor.numel()] for c in targets]
     own = _read_rank_state(engine, place, path, state) if with_optimizer else None
     # everything arrived: now change the engine
     engine.zero_grad()  # gradients of the run before the load belong to no step of the loaded one

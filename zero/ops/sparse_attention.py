@@ -40,12 +40,11 @@ def _index_problem(index) -> str | None:
                 idx.device != index.row_ptr.device:
             return "row_ptr, col_idx, col_ptr and row_idx must be contiguous and on one device"
         if ptr.dim() != 2 or ptr.shape[1] != n + 1 or idx.dim() != 1:
-            return (f"{ptr_name} must be (layout heads, num_blocks + 1 = {n + 1}) and {idx_name} one-dimensional on "
-                    f"one device, got {tuple(ptr.shape)} and {tuple(idx.shape)}")
+            return (f"{ptr_name} must be (layout heads, num_blocks + 1 = {n + 1}) and {idx_name} one-dimensional, "
+                    f"got {tuple(ptr.shape)} and {tuple(idx.shape)}")
         ptr, idx = ptr.cpu().long(), idx.cpu()
-        per_head = ptr[:, -1] - ptr[:, 0]
-        if (ptr[:, 1:] < ptr[:, :-1]).any() or (ptr[0, 0] != 0).item() or \
-                (ptr[1:, 0] != ptr[:-1, -1]).any() or ptr[-1, -1].item() != idx.numel() or (per_head < 0).any():
+        if (ptr[:, 1:] < ptr[:, :-1]).any() or ptr[0, 0].item() != 0 or \
+                (ptr[1:, 0] != ptr[:-1, -1]).any() or ptr[-1, -1].item() != idx.numel():
             return f"{ptr_name} must rise from 0 to the length of {idx_name} ({idx.numel()}), head after head"
         if idx.numel() and (idx.min().item() < 0 or idx.max().item() >= n):
             return f"{idx_name} must hold block numbers in [0, {n})"

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zero.comm import Comm
+from zero.partition.layout import local_tensor
 
 if TYPE_CHECKING:
     from zero.stages.unit import ParamUnit
@@ -54,6 +55,11 @@ class ShardedParam:
         if self.unit is not None:
             return self.unit.shard[self.offset : self.offset + self.shard_numel]
         return self.local
+
+    def comm(self) -> Comm:
+        """The ranks the parameter is sharded over: its unit's data-parallel group, else (under
+        `zero.Init`, before `initialize`) the world."""
+        return self.unit.comm if self.unit is not None else Comm()
 
 
 def take_shard(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -95,7 +101,7 @@ def mark_ds(p, info: ShardedParam, shard: torch.Tensor, persistent: bool = False
     p.ds_numel, p.ds_shape, p.ds_tensor, p.ds_persist = info.numel, info.shape, shard, persistent
     if not hasattr(p, "ds_id"):
         p.ds_id = next(_IDS)
-    p.ds_status = ZeroParamStatus.AVAILABLE if getattr(p, "_local_tensor", p).numel() == info.numel and info.numel else \
+    p.ds_status = ZeroParamStatus.AVAILABLE if local_tensor(p).numel() == info.numel and info.numel else \
         ZeroParamStatus.NOT_AVAILABLE
     p.all_gather = functools.partial(_all_gather, p)
     p.partition = functools.partial(_partition, p)
@@ -105,10 +111,7 @@ def _all_gather(p, param_list=None) -> None:
     """DeepSpeed's `param.all_gather()`: the full value in `p.data` until `partition()`."""
     for q in param_list or [p]:
         if q.ds_status is not ZeroParamStatus.AVAILABLE:
-            from zero.comm import Comm
-
-            comm = q._zero.unit.comm if q._zero.unit is not None else Comm()  # its data-parallel group
-            getattr(q, "_local_tensor", q).data = gather_param(q._zero.shard(), q._zero.numel, comm).view(q._zero.shape)
+            local_tensor(q).data = gather_param(q._zero.shard(), q._zero.numel, q._zero.comm()).view(q._zero.shape)
             q.ds_status = ZeroParamStatus.AVAILABLE
             q._zero_gathered_by_user = True
 
@@ -118,6 +121,6 @@ def _partition(p, param_list=None) -> None:
     GatheredParameters(modifier_rank=...) to change values)."""
     for q in param_list or [p]:
         if getattr(q, "_zero_gathered_by_user", False):
-            getattr(q, "_local_tensor", q).data = q._zero.shard()[:0]
+            local_tensor(q).data = q._zero.shard()[:0]
             q.ds_status = ZeroParamStatus.NOT_AVAILABLE
             q._zero_gathered_by_user = False

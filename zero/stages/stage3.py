@@ -498,10 +498,8 @@ class Stage3Optimizer(ShardedAdam):
         return param._zero.unit.grad_piece(param)
 
     def owned_grad(self, param: nn.Parameter) -> torch.Tensor | None:
-        z = getattr(param, "_zero", None)
-        if z is None or z.unit is None or not any(q is param for q in z.unit.trainable):
-            return None
-        return z.unit.grad_piece(param)[1]
+        z = getattr(param, "_zero", None)  # a frozen parameter's piece is empty
+        return None if z is None or z.unit is None else z.unit.grad_piece(param)[1]
 
     def load_param(self, param: nn.Parameter, value: torch.Tensor) -> torch.Tensor | None:
         z = getattr(param, "_zero", None)
