@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from zero.comm import Comm, collective_timeout_s
-from zero.partition.layout import local_tensor
+from zero.partition.layout import local_tensor, slicing
 
 
 @dataclasses.dataclass
@@ -164,8 +164,6 @@ class MeshReports:
     """
 
     def _init_mesh_reports(self, stage_modules: list[torch.nn.Module]) -> None:
-        from torch.distributed.tensor import Shard
-
         self._traffic: dict[str, dict[str, dict[str, int]]] = {"pp": {}, "tp": {}}
         self._last_traffic: dict[str, dict[str, dict[str, int]]] = {"pp": {}, "tp": {}}
 
@@ -183,16 +181,16 @@ class MeshReports:
                 part.register_forward_pre_hook(lambda m, args: count("pp", "gradients", [
                     t for t in _floats(args) if t.requires_grad]) if torch.is_grad_enabled() else None)
         for module in self.module.modules():
-            weight = getattr(module, "weight", None)
-            placements = tuple(getattr(weight, "placements", ()))
-            if not placements:
+            sliced = _sliced_direction(module)
+            if sliced is None:
                 continue
-            if isinstance(module, torch.nn.Linear) and placements[0] == Shard(0):  # column-sliced
+            direction, width = sliced
+            if direction == "column":
                 module.register_forward_pre_hook(lambda m, args: count("tp", "all_reduce", _floats(args)))
                 # an output that comes back with all the columns was gathered
-                module.register_forward_hook(lambda m, a, out: count("tp", "all_gather", [
-                    t for t in _floats(out) if t.shape[-1] == m.weight.shape[0]]) if m.weight.shape[0] > 1 else None)
-            elif placements[0] == Shard(1) or (isinstance(module, torch.nn.Embedding) and placements[0] == Shard(0)):
+                module.register_forward_hook(lambda m, a, out, width=width: count("tp", "all_gather", gathered) if (
+                    gathered := [t for t in _floats(out) if t.shape[-1] == width]) and width > 1 else None)
+            else:
                 module.register_forward_hook(lambda m, a, out: count("tp", "all_reduce", _floats(out)))
         world = Comm()
         params = {id(p): p for p in self.module.parameters()}.values()
@@ -236,6 +234,23 @@ def _whole_numel(p: torch.Tensor) -> int:
     """Elements of the whole parameter (a DTensor keeps its global shape; a stage-3 shard its `_zero`)."""
     z = getattr(p, "_zero", None)
     return p.numel() if hasattr(p, "_local_tensor") or z is None else z.numel
+
+
+def _sliced_direction(module: torch.nn.Module) -> tuple[str, int] | None:
+    """("column", whole output width) for a layer sliced by its outputs (each rank computes some
+    columns from the whole input), ("row", width) for one sliced by its inputs (partial outputs
+    summed over the ranks: also a vocabulary-sliced embedding); None for a layer not sliced."""
+    weight = getattr(module, "weight", None)
+    s = slicing(weight) if isinstance(weight, torch.Tensor) else None
+    if s is None:
+        return None
+    if isinstance(module, torch.nn.Linear):  # weight [out, in]
+        return ("column" if s[0] == 0 else "row"), weight.shape[0]
+    if isinstance(module, torch.nn.Embedding):  # weight [vocab, dim]
+        return ("row" if s[0] == 0 else "column"), weight.shape[1]
+    if hasattr(module, "nf") and weight.dim() == 2:  # HuggingFace Conv1D, weight [in, out]
+        return ("column" if s[0] == 1 else "row"), weight.shape[1]
+    return None
 
 
 def _floats(obj) -> list[torch.Tensor]:

@@ -6,7 +6,9 @@ A checkpoint holds every tensor as one global 1-D tensor of its full length (see
 chunks]). A parameter sliced over T tensor-parallel ranks (a DTensor placed Shard(d) on the "tp"
 mesh) is stored as its T local pieces back to back, tensor rank t's piece flattened at the offset
 of pieces 0..t-1. For d = 0 that is the parameter's own row-major order, so nothing records it;
-for d > 0 the checkpoint records the layout {"dim": d, "parts": T} beside the tensor's shape. ZeRO's
+for d > 0 the checkpoint records the layout {"dim": d, "parts": T} beside the tensor's shape, and
+for a strided slice (GPT-2's fused q/k/v, [Note: fused q/k/v slices] in zero/tp/styles.py) also
+"split": 3, along any dimension: rank t's piece is then the t-th piece of each third. ZeRO's
 flat buffers hold local pieces ([Note: sliced parameters] in zero/partition/layout.py), so a rank's
 chunks are its optimizer's offsets within its local piece plus the piece's start.
 
@@ -29,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from zero.comm import Comm
+from zero.partition.layout import slicing
 
 
 def _piece_sizes(n: int, parts: int) -> list[int]:
@@ -38,52 +41,48 @@ def _piece_sizes(n: int, parts: int) -> list[int]:
     return [max(0, min(size, n - i * size)) for i in range(parts)]
 
 
-def _shard_dim(t: torch.Tensor) -> int | None:
-    """The dimension a DTensor is sliced along on its (one-dimensional) mesh, or None."""
-    from torch.distributed.tensor import Shard
-
-    placements = tuple(getattr(t, "placements", ()))
-    if len(placements) > 1:
-        raise ValueError(f"a DTensor placed {placements} on a {len(placements)}-dimensional mesh: zero checkpoints "
-                         f"store tensors sliced over one (tensor-parallel) mesh dimension")
-    return placements[0].dim if placements and isinstance(placements[0], Shard) else None
-
-
 def layout_of(t: torch.Tensor) -> dict | None:
-    """The checkpoint layout of `t`: None for the row-major order, else {"dim", "parts"}."""
-    dim = _shard_dim(t)
-    if not dim:  # not sliced, or sliced by rows: its pieces back to back are its row-major order
+    """The checkpoint layout of `t`: None for the row-major order, else {"dim", "parts"} and,
+    for a strided slice, "split"."""
+    s = slicing(t)
+    if s is None or s == (0, 1):  # not sliced, or sliced by rows: its pieces back to back are its row-major order
         return None
-    return {"dim": dim, "parts": t.device_mesh.size()}
+    dim, split = s
+    return {"dim": dim, "parts": t.device_mesh.size(), **({"split": split} if split > 1 else {})}
 
 
 def piece_offset(t: torch.Tensor) -> int:
     """Where this rank's local piece of `t` starts in its global 1-D tensor."""
-    dim = _shard_dim(t)
-    if dim is None:
+    s = slicing(t)
+    if s is None:
         return 0
+    dim, split = s
     shape = tuple(t.shape)
-    sizes = _piece_sizes(shape[dim], t.device_mesh.size())
-    return sum(sizes[: t.device_mesh.get_local_rank()]) * (math.prod(shape) // max(shape[dim], 1))
+    sizes = _piece_sizes(shape[dim] // split, t.device_mesh.size())
+    return split * sum(sizes[: t.device_mesh.get_local_rank()]) * (math.prod(shape) // max(shape[dim], 1))
 
 
 def to_whole(flat: torch.Tensor, shape: list[int], layout: dict | None) -> torch.Tensor:
-    """The tensor of `shape` from its global 1-D tensor stored in `layout`."""
+    """The tensor of `shape` from its global 1-D tensor stored in `layout`: rank t's piece is,
+    for each of the `split` equal parts of the dimension, that part's t-th piece."""
     if layout is None:
         return flat.view(shape)
-    dim, parts = layout["dim"], layout["parts"]
-    sizes = _piece_sizes(shape[dim], parts)
+    dim, parts, split = layout["dim"], layout["parts"], layout.get("split", 1)
+    sizes = _piece_sizes(shape[dim] // split, parts)
     inner = math.prod(shape) // max(shape[dim], 1)
-    pieces = flat.split([s * inner for s in sizes])
-    return torch.cat([p.view(*shape[:dim], s, *shape[dim + 1:]) for p, s in zip(pieces, sizes)], dim=dim)
+    pieces = [p.view(*shape[:dim], split * s, *shape[dim + 1:]).chunk(split, dim) if s else [p] * split
+              for p, s in zip(flat.split([split * s * inner for s in sizes]), sizes)]
+    return torch.cat([pieces[t][k] for k in range(split) for t in range(parts) if sizes[t]], dim=dim)
 
 
 def from_whole(whole: torch.Tensor, layout: dict | None) -> torch.Tensor:
     """The global 1-D tensor of `whole` in `layout` (the reverse of `to_whole`)."""
     if layout is None:
         return whole.reshape(-1)
-    dim, parts = layout["dim"], layout["parts"]
-    return torch.cat([p.reshape(-1) for p in whole.split(_piece_sizes(whole.shape[dim], parts), dim=dim)])
+    dim, parts, split = layout["dim"], layout["parts"], layout.get("split", 1)
+    sizes = _piece_sizes(whole.shape[dim] // split, parts)
+    cut = [part.split(sizes, dim=dim) for part in whole.chunk(split, dim=dim)]
+    return torch.cat([torch.cat([c[t] for c in cut], dim=dim).reshape(-1) for t in range(parts)])
 
 
 class Placement:
@@ -101,7 +100,7 @@ class Placement:
             return
         module = engine.module
         if mesh.coordinate("tp") != 0:  # tensors every tensor rank holds whole: tensor rank 0 writes them
-            self._not_mine |= {id(t) for t in [*module.parameters(), *module.buffers()] if _shard_dim(t) is None}
+            self._not_mine |= {id(t) for t in [*module.parameters(), *module.buffers()] if slicing(t) is None}
         tied = getattr(module, "tied_modules", None)
         for key, m in (tied.items() if isinstance(tied, nn.ModuleDict) else []):
             if module.tied_stages(key)[0] != mesh.coordinate("pp"):

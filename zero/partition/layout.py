@@ -118,6 +118,27 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return getattr(t, "_local_tensor", t)
 
 
+def slicing(t: torch.Tensor) -> tuple[int, int] | None:
+    """(dimension, split factor) of a tensor sliced over a one-dimensional mesh: (d, 1) for
+    Shard(d), (d, s) for a strided slice of s parts ([Note: fused q/k/v slices] in
+    zero/tp/styles.py); None for a plain tensor or a replicated DTensor."""
+    from torch.distributed.tensor import Shard
+
+    placements = tuple(getattr(t, "placements", ()))
+    if len(placements) > 1:
+        raise ValueError(f"a DTensor placed {placements} on a {len(placements)}-dimensional mesh: zero handles "
+                         f"tensors sliced over one (tensor-parallel) mesh dimension")
+    if not placements:
+        return None
+    p = placements[0]
+    split = getattr(p, "split_factor", None)
+    if split is not None:  # _StridedShard, a Shard subclass in older torch and not in 2.13
+        return p.dim, int(split)
+    if isinstance(p, Shard):
+        return p.dim, 1
+    return None
+
+
 def local_grad(param: torch.Tensor) -> torch.Tensor | None:
     """`param.grad` as this rank stores it (a DTensor gradient laid out as its parameter first)."""
     grad = param.grad

@@ -7,7 +7,9 @@
 A plan is torch.distributed.tensor.parallel's: `ColwiseParallel` slices a Linear's outputs (its
 weight's rows), `RowwiseParallel` its inputs (and sums the partial outputs), an Embedding's
 RowwiseParallel slices the vocabulary. Our named plans (`PLANS`) are such dicts for the GPT of
-zero.testing.models (built with fused_qkv=False) and HuggingFace Llama; see docs/parallelism.md.
+zero.testing.models (built with fused_qkv=False), HuggingFace Llama and GPT-2 (zero/tp/plans.py;
+GPT-2's Conv1D layers and fused attention take the styles of zero/tp/styles.py); see
+docs/parallelism.md.
 The engine then runs ZeRO on each rank's pieces over the "dp" group ([Note: sliced parameters]
 in zero/partition/layout.py).
 """
@@ -16,6 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch.nn as nn
+
+from zero.tp.plans import PLANS
 
 __all__ = ["mesh", "parallelize", "PLANS", "TensorParallelEngine"]
 
@@ -93,69 +97,6 @@ def _retie(model: nn.Module, ties: list[list[tuple[nn.Module, str]]]) -> None:
             setattr(module, name, kept)
 
 
-def _gpt_plan(model: nn.Module, size: int) -> dict[str, Any]:
-    """The blocks of zero.testing.models (built with fused_qkv=False), wherever they are (a GPT,
-    or the layers of a PipelineModule): heads sliced in attention, the hidden layer in the MLP;
-    in a GPT also the vocabulary in the embedding and the head (the logits come back whole)."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    from zero.testing.models import GPT, Block
-
-    blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, Block)]
-    if not blocks:
-        raise ValueError(f"plan 'gpt' slices the blocks of zero.testing.models.GPT; a {type(model).__name__} has none")
-    plan: dict[str, Any] = {}
-    for name, block in blocks:
-        if not hasattr(block, "q"):
-            raise ValueError("plan 'gpt' slices attention by heads, which needs separate q, k and v layers: build "
-                             "the GPT with GPTConfig(fused_qkv=False)")
-        for what, n in (("n_head", block.n_head), ("4 * n_embd", block.fc.out_features)):
-            if n % size:
-                raise ValueError(f"plan 'gpt' on {size} tensor-parallel ranks: {what} ({n}) must be a multiple of {size}")
-        plan.update({f"{name}.{n}": ColwiseParallel() for n in ("q", "k", "v", "fc")})
-        plan.update({f"{name}.{n}": RowwiseParallel() for n in ("proj", "out")})
-    if isinstance(model, GPT):
-        if model.cfg.vocab_size % size:
-            raise ValueError(f"plan 'gpt' on {size} tensor-parallel ranks: vocab_size ({model.cfg.vocab_size}) must be "
-                             f"a multiple of {size}")
-        plan.update({"wte": RowwiseParallel(input_layouts=Replicate()), "head": ColwiseParallel(output_layouts=Replicate())})
-    return plan
-
-
-def _llama_plan(model: nn.Module, size: int) -> dict[str, Any]:
-    """HuggingFace Llama (LlamaForCausalLM or LlamaModel): attention by heads (q/k/v column-,
-    o row-sliced), the MLP's intermediate width (gate/up column-, down row-sliced), the
-    vocabulary in the embedding and the lm_head."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    base = getattr(model, "model", model)
-    cfg = getattr(model, "config", None)
-    if cfg is None or not hasattr(base, "layers"):
-        raise ValueError(f"plan 'llama' is for HuggingFace Llama models, not a {type(model).__name__}")
-    for what in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
-        n = getattr(cfg, what)
-        if n % size:
-            raise ValueError(f"plan 'llama' on {size} tensor-parallel ranks: config.{what} ({n}) must be a multiple "
-                             f"of {size}")
-    prefix = "model." if base is not model else ""
-    plan: dict[str, Any] = {f"{prefix}embed_tokens": RowwiseParallel(input_layouts=Replicate())}
-    if hasattr(model, "lm_head"):
-        if cfg.tie_word_embeddings:
-            raise ValueError("plan 'llama' with tie_word_embeddings: untie them (the embedding is sliced by "
-                             "vocabulary rows and the head by output columns of a transposed use)")
-        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
-    for i in range(len(base.layers)):
-        layer = f"{prefix}layers.{i}"
-        plan.update({f"{layer}.self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")})
-        plan[f"{layer}.self_attn.o_proj"] = RowwiseParallel()
-        plan.update({f"{layer}.mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")})
-        plan[f"{layer}.mlp.down_proj"] = RowwiseParallel()
-    return plan
-
-
-PLANS = {"gpt": _gpt_plan, "llama": _llama_plan}
 
 
 def __getattr__(name: str):
