@@ -8,6 +8,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install 'zero[hf]')")
 
 import zero  # noqa: E402
+import zero.integrations.hf  # noqa: E402
 
 SEQ, ROWS, STEPS = 12, 2, 4  # ROWS per data rank
 CONFIG = {"train_micro_batch_size_per_gpu": ROWS, "gradient_clipping": 0.5,
@@ -50,21 +51,24 @@ def _full(model) -> dict:
 
 
 def train(kind: str, tensor: int, zero_stage: int, path: str | None = None, save_after: int | None = None,
-          load: bool = False, extra: dict | None = None, steps: int = STEPS, torch_reference: bool = False):
+          load: bool = False, extra: dict | None = None, steps: int = STEPS, torch_reference: bool = False,
+          auto: bool = False):
     """`kind` sliced over `tensor` ranks by its plan (unsliced for tensor=1), data-parallel over
     the rest with ZeRO `zero_stage`: `steps` steps on the global batch, saving to `path` after
     `save_after` or loading it first. `torch_reference`: torch's AdamW on the same slices instead
-    of zero, gradients averaged over the data ranks and clipped by hand. Returns (parameters at
+    of zero, gradients averaged over the data ranks and clipped by hand. `auto`: initialize
+    slices the model itself (DeepSpeed's AutoTP). Returns (parameters at
     the save, at the end, what the engine reports, whether the embedding is still the head)."""
     config = {**CONFIG, "tensor_parallel": {"size": tensor}, "zero_optimization": {"stage": zero_stage, **(extra or {})}}
     model = tiny(kind)
-    if tensor > 1:
+    if tensor > 1 and not auto:
         zero.tp.parallelize(model, zero.tp.mesh(config), kind)
     tied = model.lm_head.weight is model.model.embed_tokens.weight if kind == "llama" else \
         model.lm_head.weight is model.transformer.wte.weight
     if torch_reference:
         return None, _torch_reference(model, zero.tp.mesh(config), steps), None, tied
     engine, *_ = zero.initialize(model=model, config=config)
+    tied = tied and (model.lm_head.weight is (model.model.embed_tokens if kind == "llama" else model.transformer.wte).weight)
     if load:
         engine.load_checkpoint(path)
     dp, dp_rank, saved = engine.comm.world_size, engine.comm.rank, None
@@ -140,6 +144,9 @@ def test_hf_gpt2_and_llama_plans_slice_exactly_and_train_under_zero(dist_run):
                 assert _worst(end, want, norm=True) <= 1e-5, (kind, zero_stage, _worst(end, want, norm=True))
                 assert _worst(end, runs[0][1]) == 0.0
                 assert tied
+            if zero_stage == 2:  # initialize slices an unsliced HF model by its plan (DeepSpeed's autotp_size)
+                for _, end, _, tied in dist_run(4, train, kind, 2, 2, auto=True):
+                    assert _worst(end, runs[0][1]) == 0.0 and tied
             tp = runs[0][2]["comm"]["tp"]
             if kind == "gpt2":  # 2 blocks x (2 column + 2 row) + the embedding (row) + the head (column)
                 assert tp["all_reduce"]["calls"] == 2 * 4 + 2 and tp["all_gather"]["calls"] == 1, tp
@@ -172,3 +179,36 @@ def test_hf_gpt2_checkpoint_resumes_unsliced_and_consolidates(dist_run, tmp_path
     end = dist_run(2, train, "gpt2", 1, 2, unsliced, 2)[0][1]
     for _, resumed, _, _ in dist_run(4, train, "gpt2", 2, 3, unsliced, None, True):
         assert _worst(resumed, end) <= 1e-4, _worst(resumed, end)
+
+
+def misuse(tmp: str) -> list[str]:
+    from zero.testing.models import GPT, GPTConfig
+
+    config = {**CONFIG, "tensor_parallel": {"size": 2}}
+    says = []
+    attempts = [
+        lambda: zero.initialize(model=GPT(GPTConfig(vocab_size=16, n_embd=16, n_head=4)), config=config),
+        lambda: zero.initialize(model=(m := tiny("gpt2")), optimizer=torch.optim.AdamW(m.parameters()), config=config),
+        lambda: zero.integrations.hf.ZeroTrainer(
+            model=tiny("gpt2"), zero_config={"tensor_parallel": {"size": 2}},
+            train_dataset=[{"input_ids": x, "labels": x} for x in tokens(0, 8, 65)],
+            args=transformers.TrainingArguments(output_dir=tmp, max_steps=1, use_cpu=True, report_to=[])).train(),
+    ]
+    for attempt in attempts:
+        try:
+            attempt()
+            says.append("no error")
+        except ValueError as exc:
+            says.append(str(exc))
+    return says
+
+
+def test_tensor_parallel_misuse_is_a_clear_error(dist_run, tmp_path):
+    """tensor_parallel.size 2 with a model nobody sliced and no plan of ours, with an optimizer
+    made from the parameters initialize would replace, and under HF Trainer (whose sampler feeds
+    each rank its own batches): each a ValueError that says what to do."""
+    pytest.importorskip("accelerate", reason="needs accelerate (pip install 'zero[hf]')")
+    for unsliced, prebuilt, trainer in dist_run(2, misuse, str(tmp_path)):
+        assert "no parameter of the GPT is sliced" in unsliced and "zero.tp.parallelize" in unsliced, unsliced
+        assert "made from the unsliced ones" in prebuilt and "'gpt2'" in prebuilt, prebuilt
+        assert "ZeroTrainer trains with ZeRO data parallelism only" in trainer, trainer

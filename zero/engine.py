@@ -600,13 +600,24 @@ def initialize(
     if cfg.pipeline.stages > 1 and not pipelined:
         raise ValueError(f"pipeline.stages is {cfg.pipeline.stages}: the model must be a zero.pipe.PipelineModule "
                          f"(a list of layers each stage builds its own part of), not a {type(model).__name__}")
-    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = optimizer(model.parameters() if model_parameters is None else model_parameters)
+    auto_plan = None
+    if cfg.tensor_parallel.size > 1:
+        from zero.tp.plans import auto_plan_for
+
+        auto_plan = auto_plan_for(model, cfg.tensor_parallel.size,
+                                  prebuilt=isinstance(optimizer, torch.optim.Optimizer) or model_parameters is not None)
     if pipelined or cfg.tensor_parallel.size > 1:
         from zero.mesh import build_mesh
 
         mesh = build_mesh(cfg.pipeline.stages, world_size // (cfg.pipeline.stages * cfg.tensor_parallel.size),
                           cfg.tensor_parallel.size, _compute_device(Comm()))
+        if auto_plan is not None:
+            from zero.tp import parallelize
+
+            parallelize(model, mesh, auto_plan)
+    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer(model.parameters() if model_parameters is None else model_parameters)
+    if pipelined or cfg.tensor_parallel.size > 1:
         if pipelined:
             from zero.pipe.engine import PipelineEngine
 

@@ -169,6 +169,18 @@ class _SchedulerView:
         pass
 
 
+def _refuse_model_parallel(raw: dict) -> None:
+    from zero.config.parallel import PipelineConfig, TensorParallelConfig
+
+    tensor = TensorParallelConfig.model_validate(raw.get("tensor_parallel") or {}).size
+    stages = PipelineConfig.model_validate(raw.get("pipeline") or {}).stages or 1
+    if tensor > 1 or stages > 1:
+        raise ValueError(f"ZeroTrainer trains with ZeRO data parallelism only, but the config asks for tensor_parallel."
+                         f"size {tensor} and pipeline.stages {stages}: Trainer's sampler gives every rank its own "
+                         f"batches, while the ranks of one tensor or pipeline group must share theirs. Train those "
+                         f"with zero.initialize (docs/parallelism.md)")
+
+
 class ZeroTrainer(Trainer):
     """`transformers.Trainer` whose model trains with a zero engine; see [Note: Trainer on zero].
 
@@ -188,6 +200,7 @@ class ZeroTrainer(Trainer):
     def _ensure_engine(self, max_steps: int) -> None:
         """Build the engine (once), and a schedule for `max_steps` (for every `train()`, as Trainer does)."""
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        _refuse_model_parallel(_raw(self.zero_config))
         cfg = resolve_auto(self.zero_config, self.args, self.model, max(1, max_steps), world)
         if self.engine is None:
             # no optimizer section: Trainer's AdamW, with Trainer's no-decay group

@@ -35,6 +35,7 @@ from zero.comm import Comm
 from zero.config import ZeroConfig
 from zero.engine import Engine
 from zero.mesh import MeshReports, ModelParallelNorm, ParallelMesh, WholeModelSaveRefusal, group_of, replica_counts
+from zero.partition.layout import local_tensor
 from zero.pipe.module import PipelineModule
 
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -230,8 +231,7 @@ class PipelineEngine(WholeModelSaveRefusal, MeshReports, Engine):
                 continue
             # stage 2: each data rank holds a different part of the reduced sum, at another place
             # on another stage; the parts of the whole gradient, summed over stages and data ranks
-            whole = torch.zeros(param.numel() if not hasattr(param, "_local_tensor") else param._local_tensor.numel(),
-                                dtype=piece.dtype, device=piece.device)
+            whole = torch.zeros(local_tensor(param).numel(), dtype=piece.dtype, device=piece.device)
             whole[offset : offset + piece.numel()] = piece
             dist.all_reduce(whole, group=group)
             piece.copy_(whole[offset : offset + piece.numel()])
@@ -261,8 +261,7 @@ def _tie_initial_values(module: PipelineModule, mesh: ParallelMesh) -> None:
             continue
         group = group_of(ranks)
         for t in [*tied.parameters(), *tied.buffers()]:
-            local = t._local_tensor if hasattr(t, "_local_tensor") else t
-            dist.broadcast(local.data, src=ranks[0], group=group)
+            dist.broadcast(local_tensor(t).data, src=ranks[0], group=group)
 
 
 def _tied_groups(module: PipelineModule, mesh: ParallelMesh, optimizer) -> list[tuple[torch.nn.Parameter, Any]]:

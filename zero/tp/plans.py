@@ -104,3 +104,29 @@ def _gpt2_plan(model: nn.Module, size: int) -> dict[str, Any]:
 
 
 PLANS = {"gpt": _gpt_plan, "llama": _llama_plan, "gpt2": _gpt2_plan}
+
+
+def auto_plan_for(model: nn.Module, size: int, prebuilt: bool) -> str | None:
+    """For `zero.initialize` with tensor_parallel.size > 1 (DeepSpeed's autotp_size): None when
+    the model is sliced already; the name of its plan when it is a HuggingFace model one of
+    PLANS slices (checked now, before anything is built); else a ValueError that says how to
+    slice it. `prebuilt`: an optimizer or parameter list was made from the unsliced parameters,
+    which slicing replaces."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return None
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    name = model_type if model_type in ("gpt2", "llama") else None
+    if name is None:
+        raise ValueError(f"tensor_parallel.size is {size} but no parameter of the {type(model).__name__} is sliced: "
+                         f"slice it first with zero.tp.parallelize(model, zero.tp.mesh(config), plan) (named plans: "
+                         f"{sorted(PLANS)}, or a dict of module path -> ParallelStyle); HuggingFace GPT-2 and Llama "
+                         f"models are sliced by initialize itself")
+    if prebuilt:
+        raise ValueError(f"tensor_parallel.size is {size}: initialize would slice this {type(model).__name__} by plan "
+                         f"{name!r}, which replaces its parameters, but the optimizer or model_parameters given were "
+                         f"made from the unsliced ones; call zero.tp.parallelize(model, zero.tp.mesh(config), "
+                         f"{name!r}) before making them, or let the config's optimizer section build it")
+    PLANS[name](model, size)  # checks the sizes before any process group work
+    return name
