@@ -604,17 +604,16 @@ def initialize(
     if cfg.tensor_parallel.size > 1:
         from zero.tp.plans import auto_plan_for
 
-        auto_plan = auto_plan_for(model, cfg.tensor_parallel.size,
-                                  prebuilt=isinstance(optimizer, torch.optim.Optimizer) or model_parameters is not None)
+        auto_plan = auto_plan_for(model, cfg.tensor_parallel.size)
     if pipelined or cfg.tensor_parallel.size > 1:
         from zero.mesh import build_mesh
 
         mesh = build_mesh(cfg.pipeline.stages, world_size // (cfg.pipeline.stages * cfg.tensor_parallel.size),
                           cfg.tensor_parallel.size, _compute_device(Comm()))
-        if auto_plan is not None:
-            from zero.tp import parallelize
+        if auto_plan is not None:  # an HF model nobody sliced: its plan (DeepSpeed's AutoTP)
+            from zero.tp import parallelize_for_initialize
 
-            parallelize(model, mesh, auto_plan)
+            model_parameters = parallelize_for_initialize(model, mesh, auto_plan, model_parameters, optimizer)
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(model.parameters() if model_parameters is None else model_parameters)
     if pipelined or cfg.tensor_parallel.size > 1:

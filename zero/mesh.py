@@ -63,15 +63,9 @@ class ParallelMesh:
 def replica_counts(module: torch.nn.Module, mesh: ParallelMesh) -> dict[torch.nn.Parameter, int]:
     """Parameter -> how many tensor-parallel ranks hold the same values of it: the tp size for a
     parameter that is not sliced over "tp" (a plain tensor, or a DTensor replicated there), else 1."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    out = {}
-    for q in module.parameters():
-        if mesh.tp == 1:
-            break
-        sliced = isinstance(q, DTensor) and any(not isinstance(pl, Replicate) for pl in q.placements)
-        out[q] = 1 if sliced else mesh.tp
-    return out
+    if mesh.tp == 1:
+        return {}
+    return {q: 1 if slicing(q) is not None else mesh.tp for q in module.parameters()}
 
 
 _MESHES: dict[tuple, ParallelMesh] = {}
@@ -186,7 +180,8 @@ class MeshReports:
                 continue
             direction, width = sliced
             if direction == "column":
-                module.register_forward_pre_hook(lambda m, args: count("tp", "all_reduce", _floats(args)))
+                module.register_forward_pre_hook(lambda m, args: count("tp", "all_reduce", needs) if (
+                    needs := [t for t in _floats(args) if t.requires_grad]) and torch.is_grad_enabled() else None)
                 # an output that comes back with all the columns was gathered
                 module.register_forward_hook(lambda m, a, out, width=width: count("tp", "all_gather", gathered) if (
                     gathered := [t for t in _floats(out) if t.shape[-1] == width]) and width > 1 else None)
@@ -248,7 +243,9 @@ def _sliced_direction(module: torch.nn.Module) -> tuple[str, int] | None:
         return ("column" if s[0] == 0 else "row"), weight.shape[0]
     if isinstance(module, torch.nn.Embedding):  # weight [vocab, dim]
         return ("row" if s[0] == 0 else "column"), weight.shape[1]
-    if hasattr(module, "nf") and weight.dim() == 2:  # HuggingFace Conv1D, weight [in, out]
+    from zero.tp.styles import is_conv1d
+
+    if is_conv1d(module):  # HuggingFace Conv1D, weight [in, out]
         return ("column" if s[0] == 1 else "row"), weight.shape[1]
     return None
 

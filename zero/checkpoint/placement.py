@@ -48,6 +48,9 @@ def layout_of(t: torch.Tensor) -> dict | None:
     if s is None or s == (0, 1):  # not sliced, or sliced by rows: its pieces back to back are its row-major order
         return None
     dim, split = s
+    if t.shape[dim] % split:
+        raise ValueError(f"a tensor of shape {tuple(t.shape)} sliced in {split} strided parts along dimension {dim}, "
+                         f"which {split} does not divide: zero checkpoints store strided slices of equal parts")
     return {"dim": dim, "parts": t.device_mesh.size(), **({"split": split} if split > 1 else {})}
 
 
@@ -67,6 +70,8 @@ def to_whole(flat: torch.Tensor, shape: list[int], layout: dict | None) -> torch
     for each of the `split` equal parts of the dimension, that part's t-th piece."""
     if layout is None:
         return flat.view(shape)
+    if set(layout) - {"dim", "parts", "split"}:
+        raise ValueError(f"a tensor stored in layout {layout}, which this zero does not know (a newer zero wrote it?)")
     dim, parts, split = layout["dim"], layout["parts"], layout.get("split", 1)
     sizes = _piece_sizes(shape[dim] // split, parts)
     inner = math.prod(shape) // max(shape[dim], 1)

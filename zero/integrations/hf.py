@@ -191,6 +191,7 @@ class ZeroTrainer(Trainer):
     """
 
     def __init__(self, *args, zero_config: dict | str | os.PathLike, **kwargs):
+        _refuse_model_parallel(_raw(zero_config))
         super().__init__(*args, **kwargs)
         self.zero_config = zero_config
         self.engine = None
@@ -200,7 +201,6 @@ class ZeroTrainer(Trainer):
     def _ensure_engine(self, max_steps: int) -> None:
         """Build the engine (once), and a schedule for `max_steps` (for every `train()`, as Trainer does)."""
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        _refuse_model_parallel(_raw(self.zero_config))
         cfg = resolve_auto(self.zero_config, self.args, self.model, max(1, max_steps), world)
         if self.engine is None:
             # no optimizer section: Trainer's AdamW, with Trainer's no-decay group

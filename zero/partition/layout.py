@@ -144,6 +144,10 @@ def local_grad(param: torch.Tensor) -> torch.Tensor | None:
     grad = param.grad
     if grad is None or not hasattr(grad, "_local_tensor"):
         return grad
-    if tuple(grad.placements) != tuple(param.placements):
+    sliced = slicing(param)
+    if tuple(grad.placements) != tuple(param.placements) and (sliced is None or slicing(grad) is None
+                                                                 or slicing(grad)[0] != sliced[0]):
+        # a gradient sliced along its parameter's dimension is laid out as its parameter's piece
+        # (it was computed from it); only the label may lack a strided slice's split factor
         grad = grad.redistribute(param.device_mesh, param.placements)
     return grad._local_tensor

@@ -15,6 +15,7 @@ in zero/partition/layout.py).
 """
 from __future__ import annotations
 
+from fnmatch import fnmatch
 from typing import Any
 
 import torch.nn as nn
@@ -59,15 +60,51 @@ def parallelize(model: nn.Module, mesh: Any, plan: dict[str, Any] | str) -> nn.M
         raise ValueError(f"parallelize needs a one-dimensional tensor-parallel mesh (or one with a 'tp' dimension), "
                          f"got a mesh of shape {tuple(tp_mesh.shape)}")
     size = tp_mesh.size()
+    if any(getattr(p, "_zero", None) is not None for p in model.parameters()):
+        raise ValueError("parallelize: this model's parameters are ZeRO stage-3 shards (built under zero.Init or "
+                         "zero.integrations.hf.from_pretrained); build or load it whole, slice it, then initialize")
     if isinstance(plan, str):
         if plan not in PLANS:
             raise ValueError(f"no tensor-parallel plan named {plan!r}; named plans: {sorted(PLANS)} (or pass a dict "
                              f"of module path -> ParallelStyle)")
         plan = PLANS[plan](model, size)
+    paths = [name.split(".") for name, _ in model.named_modules() if name]
+    unmatched = [key for key in plan if not any(
+        len(atoms) == len(key.split(".")) and all(map(fnmatch, atoms, key.split("."))) for atoms in paths)]
+    if unmatched:  # torch only warns, and the model would train whole on every tensor rank
+        raise ValueError(f"parallelize: no module of the {type(model).__name__} is at plan path(s) {unmatched[:4]}; "
+                         f"the plan's paths are relative to the model passed (a wrapped model, such as a PeftModel, "
+                         f"has its own prefix)")
     ties = _ties(model)
     parallelize_module(model, tp_mesh, plan)
     _retie(model, ties)
     return model
+
+
+def parallelize_for_initialize(model: nn.Module, mesh: Any, plan: str, model_parameters: Any, optimizer: Any) -> Any:
+    """`parallelize` for `zero.initialize` (DeepSpeed's autotp_size): `model_parameters` (params
+    or param groups) and a torch optimizer made from the unsliced parameters are pointed at the
+    sliced ones that replace them. Returns the model_parameters to use."""
+    import torch
+
+    if isinstance(optimizer, torch.optim.Optimizer) and optimizer.state:
+        raise ValueError("initialize would slice the model's parameters, but the optimizer given has state for the "
+                         "unsliced ones; slice with zero.tp.parallelize before it takes a step")
+    params = None if model_parameters is None else list(model_parameters)
+    before = {(id(m), n): p for m in model.modules() for n, p in m.named_parameters(recurse=False)}
+    parallelize(model, mesh, plan)
+    moved = {id(before[(id(m), n)]): p for m in model.modules() for n, p in m.named_parameters(recurse=False)
+             if (id(m), n) in before and before[(id(m), n)] is not p}
+
+    def swap(group: Any) -> list:
+        return [moved.get(id(p), p) for p in ([group] if isinstance(group, torch.Tensor) else group)]
+
+    if isinstance(optimizer, torch.optim.Optimizer):
+        for group in optimizer.param_groups:
+            group["params"] = swap(group["params"])
+    if params is None:
+        return None
+    return [{**g, "params": swap(g["params"])} if isinstance(g, dict) else moved.get(id(g), g) for g in params]
 
 
 def _ties(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

@@ -49,6 +49,7 @@ def _llama_plan(model: nn.Module, size: int) -> dict[str, Any]:
     cfg = getattr(model, "config", None)
     if cfg is None or not hasattr(base, "layers"):
         raise ValueError(f"plan 'llama' is for HuggingFace Llama models, not a {type(model).__name__}")
+    _transformers_with_shape_read_heads("llama")
     for what in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         n = getattr(cfg, what)
         if n % size:
@@ -84,6 +85,7 @@ def _gpt2_plan(model: nn.Module, size: int) -> dict[str, Any]:
     cfg = getattr(model, "config", None)
     if cfg is None or not (hasattr(base, "h") and hasattr(base, "wte")):
         raise ValueError(f"plan 'gpt2' is for HuggingFace GPT-2 models, not a {type(model).__name__}")
+    _transformers_with_shape_read_heads("gpt2")
     if getattr(cfg, "add_cross_attention", False):
         raise ValueError("plan 'gpt2' does not slice cross-attention (config.add_cross_attention=True)")
     inner = cfg.n_inner if cfg.n_inner is not None else 4 * cfg.n_embd
@@ -106,12 +108,11 @@ def _gpt2_plan(model: nn.Module, size: int) -> dict[str, Any]:
 PLANS = {"gpt": _gpt_plan, "llama": _llama_plan, "gpt2": _gpt2_plan}
 
 
-def auto_plan_for(model: nn.Module, size: int, prebuilt: bool) -> str | None:
+def auto_plan_for(model: nn.Module, size: int) -> str | None:
     """For `zero.initialize` with tensor_parallel.size > 1 (DeepSpeed's autotp_size): None when
     the model is sliced already; the name of its plan when it is a HuggingFace model one of
-    PLANS slices (checked now, before anything is built); else a ValueError that says how to
-    slice it. `prebuilt`: an optimizer or parameter list was made from the unsliced parameters,
-    which slicing replaces."""
+    PLANS slices (its sizes checked now, before any process group work); else a ValueError that
+    says how to slice it."""
     from torch.distributed.tensor import DTensor
 
     if any(isinstance(p, DTensor) for p in model.parameters()):
@@ -123,10 +124,20 @@ def auto_plan_for(model: nn.Module, size: int, prebuilt: bool) -> str | None:
                          f"slice it first with zero.tp.parallelize(model, zero.tp.mesh(config), plan) (named plans: "
                          f"{sorted(PLANS)}, or a dict of module path -> ParallelStyle); HuggingFace GPT-2 and Llama "
                          f"models are sliced by initialize itself")
-    if prebuilt:
-        raise ValueError(f"tensor_parallel.size is {size}: initialize would slice this {type(model).__name__} by plan "
-                         f"{name!r}, which replaces its parameters, but the optimizer or model_parameters given were "
-                         f"made from the unsliced ones; call zero.tp.parallelize(model, zero.tp.mesh(config), "
-                         f"{name!r}) before making them, or let the config's optimizer section build it")
-    PLANS[name](model, size)  # checks the sizes before any process group work
+    try:
+        PLANS[name](model, size)
+    except ValueError as exc:
+        raise ValueError(f"tensor_parallel.size {size} slices this {type(model).__name__} by plan {name!r}: {exc}") \
+            from None
     return name
+
+
+def _transformers_with_shape_read_heads(plan: str) -> None:
+    """HF plans divide the heads among the ranks and rely on attention reading its head count
+    from the tensors (views with -1), which transformers does from 4.48 on."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version("4.48"):
+        raise ValueError(f"plan {plan!r} needs transformers 4.48 or later (its attention takes the head count from "
+                         f"the tensors, so a rank can hold some heads); this is {transformers.__version__}")

@@ -18,13 +18,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.placement_types import Placement
 
-from zero.partition.layout import slicing
-
-__all__ = ["Conv1DColwise", "Conv1DRowwise", "GPT2AttentionHeads", "slicing"]
+__all__ = ["Conv1DColwise", "Conv1DRowwise", "GPT2AttentionHeads"]
 
 
-def _strided(dim: int, split: int):
+def _strided(dim: int, split: int) -> Placement:
+    """Shard(dim), or the strided slice of `split` parts ([Note: fused q/k/v slices])."""
     if split == 1:
         return Shard(dim)
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -32,7 +32,7 @@ def _strided(dim: int, split: int):
     return _StridedShard(dim, split_factor=split)
 
 
-def _is_conv1d(module: nn.Module) -> bool:
+def is_conv1d(module: nn.Module) -> bool:
     """HuggingFace's Conv1D (found by shape, so transformers need not be imported): a [nx, nf]
     weight and an [nf] bias."""
     w, b = getattr(module, "weight", None), getattr(module, "bias", None)
@@ -56,16 +56,36 @@ def _as_dtensor(placement):
 
 
 def _check(module: nn.Module, what: str) -> None:
-    if not _is_conv1d(module):
+    if not is_conv1d(module):
         raise ValueError(f"{what} slices a HuggingFace Conv1D (weight [nx, nf]), not a {type(module).__name__}; "
                          f"for nn.Linear use torch's ColwiseParallel / RowwiseParallel")
+
+
+def _check_local_forward(module: nn.Module) -> None:
+    """A strided slice's forward must be each rank's own piece computed locally. torch's sharding
+    rules for `_StridedShard` are private and have changed between versions; a version that
+    re-slices the output contiguously would train on the wrong q, k and v columns without any
+    error, so this compares a probe's output with the local product now (no communication)."""
+    w, b = module.weight.to_local(), module.bias.to_local() if module.bias is not None else None
+    if w.device.type == "meta":
+        return
+    with torch.no_grad():
+        x = torch.linspace(-1, 1, 2 * module.nx, dtype=w.dtype, device=w.device).view(2, module.nx)
+        got, want = module(x), x @ w + (b if b is not None else 0)
+    if got.shape != want.shape or not torch.allclose(got.float(), want.float(), rtol=1e-3, atol=1e-3):
+        raise RuntimeError(f"torch {torch.__version__}'s DTensor does not compute a strided (fused q/k/v) slice "
+                           f"locally, so the sliced layer would compute the wrong columns; use torch 2.13 or later "
+                           f"for this slicing")
 
 
 class Conv1DColwise(ParallelStyle):
     """Slice a Conv1D's outputs: each tensor rank computes its columns from the whole input, and
     gets them back as a plain tensor (the input's gradient is summed over the ranks in backward).
-    `split` > 1 cuts the outputs into that many equal parts first (q, k, v) and slices each part
-    ([Note: fused q/k/v slices])."""
+
+    Args:
+        split: cut the outputs into this many equal parts first (3: q, k and v) and give each
+            rank its piece of every part ([Note: fused q/k/v slices]).
+    """
 
     def __init__(self, split: int = 1):
         super().__init__()
@@ -82,8 +102,10 @@ class Conv1DColwise(ParallelStyle):
                 _replace(m, "weight", mesh, _strided(1, self.split))
                 _replace(m, "bias", mesh, _strided(0, self.split))
 
-        return distribute_module(module, device_mesh, partition, _as_dtensor(Replicate()),
-                                 lambda m, out, mesh: out.to_local())
+        distribute_module(module, device_mesh, partition, _as_dtensor(Replicate()), lambda m, out, mesh: out.to_local())
+        if self.split > 1:
+            _check_local_forward(module)
+        return module
 
 
 class Conv1DRowwise(ParallelStyle):
