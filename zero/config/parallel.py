@@ -70,7 +70,8 @@ class PipelineConfig(_Section):
 
 class TensorParallelConfig(_Section):
     """`tensor_parallel`: slice each layer's weights across `size` ranks (a plan applied with
-    `zero.tp.parallelize`, or a model built already sliced; see docs/parallelism.md)."""
+    `zero.tp.parallelize`, a model built already sliced, or an unsliced HuggingFace GPT-2 or
+    Llama, which `zero.initialize` slices by its plan; see docs/parallelism.md)."""
 
     size: int = Field(1, ge=1, description="Tensor-parallel ranks T (1: no slicing).")
 
