@@ -6,7 +6,7 @@ PYTHON ?= python3
 # TORCH_SPEC="torch==X --index-url <your CPU wheel index>" for a CPU-only machine).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench ops
+.PHONY: setup demo test lint bench ops gpu-wheels gpu-check
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install $(TORCH_SPEC)
 	$(PYTHON) -m pip install --no-build-isolation -e ".[test]"
@@ -30,3 +30,16 @@ ops: setup
 
 lint:
 	$(PYTHON) -m ruff check .
+
+# The GPU machine (the `device` tool): `make gpu-wheels` here once, then one call per part,
+# run(command="make gpu-check PART=tests", carry=[".whl"]); see .ci/gpu-check.
+GPU_WHEELS ?= pydantic==$(shell $(PYTHON) -c "import pydantic; print(pydantic.VERSION)") \
+	pydantic-core==$(shell $(PYTHON) -c "import pydantic_core; print(pydantic_core.__version__)") \
+	annotated-types typing-inspection hjson
+gpu-wheels:
+	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(GPU_WHEELS)
+
+gpu-check:
+	PART=$(PART) bash .ci/gpu-check

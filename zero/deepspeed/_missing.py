@@ -60,7 +60,9 @@ ABSENT_NAMES = {
                                                     "{\"type\": \"OneBitAdam\"} in the config (docs/onebit.md)",
     "deepspeed.runtime.fp16.onebit.zoadam.ZeroOneAdam": "0/1 Adam runs inside the engine: set \"optimizer\": "
                                                       "{\"type\": \"ZeroOneAdam\"} in the config (docs/onebit.md)",
-    "deepspeed.checkpointing.model_parallel_cuda_manual_seed": "zero's tensor slices keep no separate model-parallel generator (docs/parallelism.md, Dropout); seed every rank alike with torch.manual_seed",
+    "deepspeed.checkpointing.model_parallel_cuda_manual_seed": "zero's tensor slices keep no separate model-parallel "
+                                                               "generator (docs/parallelism.md, Dropout); seed every "
+                                                               "rank alike with torch.manual_seed",
 }
 
 
