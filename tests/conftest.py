@@ -1,5 +1,7 @@
 """Shared fixtures: a reusable pool of gloo ranks per world size (see zero/testing/dist.py)."""
 
+import os
+
 import pytest
 
 from zero.testing.dist import DistPool
@@ -21,3 +23,12 @@ def dist_run():
     for pool in _pools.values():
         pool.close()
     _pools.clear()
+
+
+def pytest_collection_modifyitems(config, items):
+    """ZERO_GPU_ONLY=1 (make gpu-check PART=tests): only the tests that skip without a CUDA GPU."""
+    if not os.environ.get("ZERO_GPU_ONLY"):
+        return
+    gpu = [i for i in items if any("needs a CUDA GPU" in str(m.kwargs.get("reason", "")) for m in i.iter_markers("skipif"))]
+    config.hook.pytest_deselected(items=[i for i in items if i not in gpu])
+    items[:] = gpu
