@@ -133,3 +133,36 @@ def test_nvme_offload_is_a_clear_error():
         zero.initialize(model=build_model("mlp"), config={
             "train_batch_size": 4, "optimizer": {"type": "AdamW"},
             "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}})
+
+
+def test_refused_page_locking_falls_back_and_clears_the_cuda_error(monkeypatch):
+    """HostMemory.empty on a CUDA machine whose cudaHostRegister is refused (host memory short,
+    a sandbox): the runtime's last error is cleared (torch's cudart binding has no
+    cudaGetLastError), then torch's pinned allocator is tried, then pageable memory with a
+    warning. Simulated here: the CUDA calls are stand-ins."""
+    import zero.offload as offload
+
+    cleared = []
+
+    class Refusing:
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            return 2  # cudaErrorMemoryAllocation
+
+    real_empty = torch.empty
+
+    def empty(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            raise RuntimeError("CUDA error: out of memory")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Refusing())
+    monkeypatch.setattr(offload, "_clear_cuda_error", lambda: cleared.append(1))
+    monkeypatch.setattr(torch, "empty", empty)
+    class Owner:
+        pass
+
+    owner = Owner()
+    with pytest.warns(UserWarning, match="could not be page-locked"):
+        t = offload.HostMemory(owner).empty((4, 3), torch.float32)
+    assert t.shape == (4, 3) and t.device.type == "cpu" and len(cleared) == 2

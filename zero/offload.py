@@ -58,6 +58,25 @@ def _unregister(tensors: list[torch.Tensor]) -> None:
     tensors.clear()
 
 
+def _clear_cuda_error() -> None:
+    """cudaGetLastError(), which torch's cudart binding lacks: through the CUDA runtime library
+    this process loaded (torch's), found by its exported symbol or in /proc/self/maps."""
+    import ctypes
+
+    candidates = [None]
+    try:
+        with open("/proc/self/maps") as maps:
+            candidates += sorted({line.split()[-1] for line in maps if "libcudart" in line})
+    except OSError:
+        pass
+    for name in candidates:
+        try:
+            ctypes.CDLL(name).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
+
+
 class HostMemory:
     """Host tensors for offloaded state; see [Note: page-locked host memory].
 
@@ -78,8 +97,17 @@ class HostMemory:
         if int(cudart.cudaHostRegister(t.data_ptr(), t.untyped_storage().nbytes(), 0)) == 0:
             self._registered.append(t)
             return t
-        cudart.cudaGetLastError()  # registration refused: clear the error, pin through torch's allocator
-        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+        # registration refused (host memory short, or a sandbox that does not allow it): clear the
+        # runtime's last error, or the next kernel launch check (torch's or ours) would report it
+        _clear_cuda_error()
+        try:  # torch's pinned allocator (it rounds sizes up, so it is the second choice)
+            return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+        except RuntimeError as exc:
+            _clear_cuda_error()
+            warnings.warn(f"zero: {t.untyped_storage().nbytes()} bytes of host memory could not be page-locked "
+                          f"({exc}); offload copies of this tensor run from pageable memory, slower and not "
+                          f"overlapped", stacklevel=2)
+            return t
 
     def empty_pageable(self, shape, dtype: torch.dtype) -> torch.Tensor:
         return self.empty(shape, dtype, pin=False)
