@@ -14,7 +14,9 @@ On a CPU-only machine host and device are the same memory, so the copies are pla
 the numbers show the cost of the offload path itself, not PCIe. With `--gpu` it also reports
 achieved TFLOPS (6 * params * tokens per step, plus attention) and searches for the largest GPT
 that trains with (a) stage 2 + optimizer offload, (b) stage 3 + optimizer and parameter offload,
-(c) no offload, growing the number of layers at a fixed width until memory runs out.
+(c) no offload, at a fixed width: zero's estimator proposes the deepest fit, one step checks it,
+and the depth is bisected below it if it fails (`--search` picks the configurations, so each
+can be its own call on a machine whose commands are time-limited).
 """
 from __future__ import annotations
 
@@ -64,7 +66,8 @@ def timed_steps(engine, vocab, seq, batch, warmup, steps):
 
 
 def _out_of_memory(exc: BaseException) -> bool:
-    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+    text = str(exc).lower()
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text
 
 
 def _release_memory() -> None:
@@ -119,18 +122,64 @@ def trains(layers: int, embd: int, stage: int, offload: dict, args) -> bool:
         _release_memory()
 
 
+SEARCHES = {"none": ("no offload (stage 2)", 2, {}, "none"),
+            "opt": ("stage 2 + optimizer offload", 2, OFFLOAD_OPT, "optimizer"),
+            "param": ("stage 3 + optimizer + param offload", 3, OFFLOAD_BOTH, "optimizer+param")}
+
+
+def _psi(layers: int, args) -> int:
+    """Parameters of the GPT with `layers` blocks, counted on the meta device (nothing built)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in build(layers, args.embd, args.vocab, args.search_seq).parameters())
+
+
+def _host_available() -> int:
+    """Bytes of host memory available now (/proc/meminfo's MemAvailable)."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
 def largest_models(args) -> None:
-    print(f"\nlargest GPT (width {args.embd}) that trains one step, growing depth by doubling then bisecting:")
-    for name, stage, offload in [("no offload (stage 2)", 2, {}), ("stage 2 + optimizer offload", 2, OFFLOAD_OPT),
-                                 ("stage 3 + optimizer + param offload", 3, OFFLOAD_BOTH)]:
-        lo, hi = 0, 1
-        while trains(hi, args.embd, stage, offload, args):
-            lo, hi = hi, hi * 2
+    """For each configuration: the deepest GPT (at --embd) that trains one step. zero's estimator
+    gives the deepest that should fit (host: its host bytes plus the fp32 model built on the host
+    first, within 90% of what is available; device: its device bytes within 90% of the GPU), which
+    is tried first; if it fails, the depth is bisected below it. Beside each result: the host
+    bound of 12 bytes per parameter (fp32 master, m and v) of the host memory available at the
+    start, and the share of it reached."""
+    from zero.estimate import estimate_memory
+
+    host, device = _host_available(), torch.cuda.get_device_properties(0).total_memory
+    print(f"\nlargest GPT (width {args.embd}) that trains one step; host memory available "
+          f"{host / 2**30:.0f} GiB (bound {host / 12 / 1e9:.1f} B params at 12 bytes each), GPU {device / 2**30:.0f} GiB:")
+    for key in args.search.split(","):
+        name, stage, offload, option = SEARCHES[key]
+
+        def fits(layers: int, stage=stage, option=option) -> bool:
+            psi = _psi(layers, args)
+            row = estimate_memory(psi, 1, stage=stage, offload=option, dtype="bf16").row(stage, option)
+            return row.host_bytes + 4 * psi <= 0.9 * host and row.device_bytes <= 0.9 * device
+
+        cap = 1
+        while fits(cap * 2):
+            cap *= 2
+        lo, hi = cap, cap * 2  # the estimator's deepest fit lies in [cap, 2 cap)
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if trains(mid, args.embd, stage, offload, args) else (lo, mid)
-        psi = sum(p.numel() for p in build(max(lo, 1), args.embd, args.vocab, args.seq).parameters()) if lo else 0
-        print(f"  {name:<38} {lo:>4} layers  {psi / 1e9:6.2f} B params")
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        cap = lo if fits(lo) else 0
+        start = time.perf_counter()
+        if cap and trains(cap, args.embd, stage, offload, args):
+            best = cap
+        else:  # the estimate was too optimistic: bisect below it
+            lo, hi = 0, max(cap, 1)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if trains(mid, args.embd, stage, offload, args) else (lo, mid)
+            best = lo
+        psi = _psi(best, args) if best else 0
+        share = f"{psi * 12 / host:6.1%} of the host bound" if offload else " " * 26
+        print(f"  {name:<38} {best:>4} layers  {psi / 1e9:6.2f} B params  {share}  "
+              f"(estimated deepest fit {cap} layers; {time.perf_counter() - start:.0f} s)", flush=True)
 
 
 def main() -> None:
@@ -145,6 +194,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--no-search", action="store_true", help="skip the largest-model search (--gpu)")
     parser.add_argument("--search-seq", type=int, default=128, help="sequence length of the search (batch 1)")
+    parser.add_argument("--search", default="none,opt,param",
+                        help="which largest-model searches (--gpu): comma-separated of none, opt, param")
+    parser.add_argument("--no-breakdown", action="store_true", help="only the largest-model search (--gpu)")
     args = parser.parse_args()
     if args.gpu and not torch.cuda.is_available():
         print("bench_offload: --gpu needs a CUDA GPU; none is available here")
@@ -155,7 +207,10 @@ def main() -> None:
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    breakdown(args)
+    if bad := set(args.search.split(",")) - set(SEARCHES):
+        parser.error(f"--search takes {', '.join(SEARCHES)}, not {', '.join(sorted(bad))}")
+    if not args.no_breakdown:
+        breakdown(args)
     if args.gpu and not args.no_search:
         largest_models(args)
 
