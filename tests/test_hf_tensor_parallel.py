@@ -100,7 +100,7 @@ def train(kind: str, tensor: int, zero_stage: int, path: str | None = None, save
 
 
 def _torch_reference(model, mesh, steps: int) -> dict:
-    import torch.distributed as dist
+    from zero.testing.training import average_and_clip_sliced_grads
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
     dp, dp_rank = mesh.dp, mesh.coordinate("dp")
@@ -108,14 +108,7 @@ def _torch_reference(model, mesh, steps: int) -> dict:
         x = tokens(step, ROWS * dp, model.config.vocab_size)[dp_rank * ROWS : (dp_rank + 1) * ROWS]
         opt.zero_grad()
         model(input_ids=x, labels=x).loss.backward()
-        for p in model.parameters():
-            local = p.grad._local_tensor if hasattr(p.grad, "_local_tensor") else p.grad
-            dist.all_reduce(local, group=mesh.group("dp"))
-            local /= dp
-        whole = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
-        norm = torch.stack([g.float().square().sum() for g in whole]).sum().sqrt().item()
-        for p in model.parameters():  # clip_grad_norm_'s rule (it does not take mixed DTensor/tensor grads)
-            p.grad.mul_(min(1.0, 0.5 / (norm + 1e-6)))
+        average_and_clip_sliced_grads(model, mesh.group("dp"), dp, 0.5)
         opt.step()
     return _full(model)
 

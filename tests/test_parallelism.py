@@ -2,7 +2,6 @@
 ranks, each against single-process training of the same model on the same global batch."""
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -11,6 +10,7 @@ from zero.config import ConfigError
 from zero.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from zero.pipe.module import partition, partition_uniform
 from zero.testing.models import GPT, Block, GPTConfig
+from zero.testing.training import average_and_clip_sliced_grads
 
 VOCAB, WIDTH, SEQ = 16, 16, 8
 BLOCK = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=1, n_head=4, n_embd=WIDTH, fused_qkv=False)
@@ -276,14 +276,7 @@ def train_tensor(tensor: int, zero_stage: int, steps: int, torch_reference: bool
         if torch_reference:
             opt.zero_grad()
             model(x, y).backward()
-            for p in model.parameters():
-                local = p.grad._local_tensor if hasattr(p.grad, "_local_tensor") else p.grad
-                dist.all_reduce(local, group=mesh.group("dp"))
-                local /= dp
-            whole = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
-            norm = torch.stack([g.float().square().sum() for g in whole]).sum().sqrt()
-            for p in model.parameters():  # clip_grad_norm_'s rule (it does not take mixed DTensor/tensor grads)
-                p.grad.mul_(min(1.0, 0.5 / (norm.item() + 1e-6)))
+            average_and_clip_sliced_grads(model, mesh.group("dp"), dp, 0.5)
             opt.step()
         else:
             engine.backward(engine(x, y))

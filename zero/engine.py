@@ -605,6 +605,7 @@ def initialize(
         from zero.tp.plans import auto_plan_for
 
         auto_plan = auto_plan_for(model, cfg.tensor_parallel.size)
+    mesh = None
     if pipelined or cfg.tensor_parallel.size > 1:
         from zero.mesh import build_mesh
 
@@ -616,15 +617,14 @@ def initialize(
             model_parameters = parallelize_for_initialize(model, mesh, auto_plan, model_parameters, optimizer)
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(model.parameters() if model_parameters is None else model_parameters)
-    if pipelined or cfg.tensor_parallel.size > 1:
-        if pipelined:
-            from zero.pipe.engine import PipelineEngine
+    if pipelined:
+        from zero.pipe.engine import PipelineEngine
 
-            engine = PipelineEngine(model, cfg, mesh, model_parameters, optimizer, lr_scheduler)
-        else:
-            from zero.tp import TensorParallelEngine
+        engine = PipelineEngine(model, cfg, mesh, model_parameters, optimizer, lr_scheduler)
+    elif mesh is not None:
+        from zero.tp import TensorParallelEngine
 
-            engine = TensorParallelEngine(model, cfg, mesh, model_parameters, optimizer, lr_scheduler)
+        engine = TensorParallelEngine(model, cfg, mesh, model_parameters, optimizer, lr_scheduler)
     else:
         engine = Engine(model, cfg, model_parameters, optimizer, lr_scheduler)
     loader = None

@@ -144,10 +144,10 @@ def local_grad(param: torch.Tensor) -> torch.Tensor | None:
     grad = param.grad
     if grad is None or not hasattr(grad, "_local_tensor"):
         return grad
-    sliced = slicing(param)
-    if tuple(grad.placements) != tuple(param.placements) and (sliced is None or slicing(grad) is None
-                                                                 or slicing(grad)[0] != sliced[0]):
+    if tuple(grad.placements) != tuple(param.placements):
+        sliced, grad_sliced = slicing(param), slicing(grad)
         # a gradient sliced along its parameter's dimension is laid out as its parameter's piece
         # (it was computed from it); only the label may lack a strided slice's split factor
-        grad = grad.redistribute(param.device_mesh, param.placements)
+        if sliced is None or grad_sliced is None or grad_sliced[0] != sliced[0]:
+            grad = grad.redistribute(param.device_mesh, param.placements)
     return grad._local_tensor

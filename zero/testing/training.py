@@ -160,3 +160,17 @@ def train_side_by_side(
         "grad_norm": engine.get_global_grad_norm(),
         "losses": losses,  # per step: (engine, reference) loss on the whole global batch before the update
     }
+
+
+def average_and_clip_sliced_grads(model: nn.Module, dp_group, dp: int, max_norm: float) -> None:
+    """torch's side of a tensor x data parallel reference, after backward: each gradient's local
+    piece averaged over the data ranks, then every gradient clipped by the norm of the whole
+    gradients (clip_grad_norm_'s rule, which does not take mixed DTensor / tensor gradients)."""
+    for p in model.parameters():
+        local = getattr(p.grad, "_local_tensor", p.grad)
+        dist.all_reduce(local, group=dp_group)
+        local /= dp
+    whole = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
+    norm = torch.stack([g.float().square().sum() for g in whole]).sum().sqrt().item()
+    for p in model.parameters():
+        p.grad.mul_(min(1.0, max_norm / (norm + 1e-6)))

@@ -134,8 +134,6 @@ def _retie(model: nn.Module, ties: list[list[tuple[nn.Module, str]]]) -> None:
             setattr(module, name, kept)
 
 
-
-
 def __getattr__(name: str):
     if name == "TensorParallelEngine":
         from zero.tp.engine import TensorParallelEngine
