@@ -1,4 +1,6 @@
 """Specification of zero/config/: DeepSpeed key names, aliases, defaults, and readable errors."""
+import ast
+import inspect
 import itertools
 import json
 import pathlib
@@ -11,6 +13,7 @@ import pydantic
 import pytest
 import torch
 
+import zero
 from zero.config import (
     DEEPSPEED_SCHEDULERS,
     UNIMPLEMENTED_FEATURES,
@@ -20,6 +23,7 @@ from zero.config import (
     load_config,
     resolve_auto,
 )
+from zero.config.optimizer import CLIENT_OPTIMIZERS
 from zero.config.sections import _Section
 
 BASE = {"train_batch_size": 8}
@@ -393,54 +397,21 @@ def test_zero_optimization_bool_legacy_form():
 # ----------------------------------------------------------------------------------- read, refused or warned
 # See [Note: what zero does with a DeepSpeed key] in zero/config/features.py.
 
-READ = {
-    "checkpoint.async_save",
-    # batch, gradients, logging
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
-    "prescale_gradients", "gradient_predivide_factor", "communication_data_type", "steps_per_print",
-    "wall_clock_breakdown", "memory_breakdown", "dump_state", "dataloader_drop_last",
-    # precision
-    "fp16.enabled", "fp16.auto_cast", "fp16.loss_scale", "fp16.initial_scale_power", "fp16.loss_scale_window",
-    "fp16.hysteresis", "fp16.consecutive_hysteresis", "fp16.min_loss_scale", "bf16.enabled",
-    # optimizer (a type other than Adam/AdamW is refused by its validator)
-    "optimizer.type", "optimizer.other_params", "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
-    "optimizer.params.weight_decay", "optimizer.params.bias_correction", "optimizer.params.adam_w_mode",
-    "optimizer.params.freeze_step", "optimizer.params.comm_backend_name", "optimizer.params.var_freeze_step",
-    "optimizer.params.compress_param_gather", "pipeline.stages", "pipeline.schedule", "pipeline.micro_batches",
-    "pipeline.virtual_stages", "pipeline.partition_method", "tensor_parallel.size",
-    "optimizer.params.var_update_scaler", "optimizer.params.local_step_scaler", "optimizer.params.local_step_clipper",
-    # scheduler: DeepSpeed's schedules, or a torch scheduler's arguments passed through as `params`
-    "scheduler.type", "scheduler.params", "scheduler.params.last_batch_iteration",
-    "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr", "scheduler.params.warmup_num_steps",
-    "scheduler.params.warmup_type", "scheduler.params.total_num_steps", "scheduler.params.warmup_min_ratio",
-    "scheduler.params.cos_min_ratio", "scheduler.params.cycle_min_lr", "scheduler.params.cycle_max_lr",
-    "scheduler.params.decay_lr_rate", "scheduler.params.cycle_first_step_size",
-    "scheduler.params.cycle_second_step_size", "scheduler.params.cycle_first_stair_count",
-    "scheduler.params.cycle_second_stair_count", "scheduler.params.decay_step_size",
-    "scheduler.params.cycle_momentum", "scheduler.params.cycle_min_mom", "scheduler.params.cycle_max_mom",
-    "scheduler.params.decay_mom_rate", "scheduler.params.lr_range_test_min_lr",
-    "scheduler.params.lr_range_test_step_size", "scheduler.params.lr_range_test_step_rate",
-    "scheduler.params.lr_range_test_staircase",
-    # zero_optimization
-    "zero_optimization.stage", "zero_optimization.reduce_scatter", "zero_optimization.reduce_bucket_size",
-    "zero_optimization.allgather_bucket_size", "zero_optimization.overlap_comm",
-    "zero_optimization.sub_group_size",  # warns when changed without offload_optimizer
-    "zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_param_persistence_threshold",
-    "zero_optimization.stage3_model_persistence_threshold", "zero_optimization.stage3_max_live_parameters",
-    "zero_optimization.stage3_max_reuse_distance", "zero_optimization.stage3_gather_16bit_weights_on_model_save",
-    "zero_optimization.stage3_module_granularity_threshold", "zero_optimization.ignore_unused_parameters",
-    "zero_optimization.override_module_apply", "zero_optimization.log_trace_cache_warnings",
-    "zero_optimization.enable_sanity_checks",
-    # offload ("nvme" and ratio < 1 are refused by their validators)
-    "zero_optimization.offload_optimizer.device", "zero_optimization.offload_optimizer.pin_memory",
-    "zero_optimization.offload_optimizer.ratio", "zero_optimization.offload_param.device",
-    "zero_optimization.offload_param.pin_memory",
-}
+# What is READ is not listed here: it is derived from zero's source. A key is read when a module
+# of zero outside zero/config/ reads its attribute name, in a module that also reads its section's
+# name (`z = cfg.zero_optimization` ... `z.stage`), or when a config property that such a module uses
+# reads it (`cfg.precision` reads `bf16.enabled`). A key with its own name cannot pass this unread;
+# a generic one (`enabled`, `size`) needs its section's name beside it. The parameters of
+# DeepSpeed's schedules are read as a whole (`build_scheduler(type, dict(params), ...)`), so they
+# must be the constructor arguments of zero.lr_schedules' classes of the same names.
 DEPRECATED_SPELLINGS = {  # read as their new names, with a ConfigWarning
     "zero_optimization.cpu_offload", "zero_optimization.cpu_offload_param",
     "zero_optimization.stage3_gather_fp16_weights_on_model_save",
 }
-REFUSED_BY_VALIDATOR = {"optimizer.params.amsgrad": True}  # key -> a value its validator refuses
+REFUSED_BY_VALIDATOR = {  # key -> a value its validator refuses; the default is the only accepted value
+    "optimizer.params.amsgrad": True, "zero_optimization.offload_optimizer.ratio": 0.5,
+}
+PACKAGE = pathlib.Path(zero.__file__).parent
 
 
 def _submodel(annotation):
@@ -449,8 +420,9 @@ def _submodel(annotation):
     return next((m for m in map(_submodel, typing.get_args(annotation)) if m is not None), None)
 
 
-def _keys(cls=ZeroConfig, prefix="", seen=None):
-    """DeepSpeed path -> pydantic field, for every key of `cls` and of the sections under it."""
+def _keys(cls=ZeroConfig, prefix="", seen=None, names=()):
+    """DeepSpeed path -> (pydantic field, its attribute names from the root), for every key of
+    `cls` and of the sections under it."""
     out = {}
     if seen is not None:
         seen.add(cls)
@@ -458,16 +430,57 @@ def _keys(cls=ZeroConfig, prefix="", seen=None):
         path = f"{prefix}{field.alias or name}"
         sub = _submodel(field.annotation)
         if sub is not None:
-            out.update(_keys(sub, path + ".", seen))
+            out.update(_keys(sub, path + ".", seen, names + (name,)))
         else:
-            out[path] = field
+            out[path] = (field, names + (name,))
     if cls is ZeroConfig:  # `scheduler.params` is typed per schedule
         for schedule in DEEPSPEED_SCHEDULERS.values():
-            out.update(_keys(schedule, "scheduler.params.", seen))
+            out.update(_keys(schedule, "scheduler.params.", seen, ("scheduler", "params")))
     return out
 
 
+def _fields():
+    return {path: field for path, (field, _) in _keys().items()}
+
+
+def _attributes_read(tree: ast.AST) -> set[str]:
+    """The attribute names `tree` reads: `x.name` and `getattr(x, "name")`."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            names.add(node.attr)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)):
+            names.add(node.args[1].value)
+    return names
+
+
+def _read_sites() -> list[tuple[str, set[str]]]:
+    """(where, attribute names read) for each module of zero outside zero/config/, and for each config
+    property that one of those modules uses."""
+    sites = [(str(f.relative_to(PACKAGE)), _attributes_read(ast.parse(f.read_text())))
+             for f in sorted(PACKAGE.rglob("*.py")) if "config" not in f.relative_to(PACKAGE).parts[:1]]
+    used = set().union(*(names for _, names in sites))
+    for f in sorted((PACKAGE / "config").glob("*.py")):
+        for cls in (n for n in ast.walk(ast.parse(f.read_text())) if isinstance(n, ast.ClassDef)):
+            for fn in cls.body:
+                if (isinstance(fn, ast.FunctionDef) and fn.name in used
+                        and any(isinstance(d, ast.Name) and d.id == "property" for d in fn.decorator_list)):
+                    sites.append((f"config/{f.name}: {cls.name}.{fn.name}", _attributes_read(fn)))
+    return sites
+
+
+def _readers(names: tuple, sites) -> list[str]:
+    """Where the key with attribute names `names` (from the root) is read: its own name and its
+    section's, in one module."""
+    *_, section, name = ("",) + names
+    return [where for where, read in sites if name in read and (not section or section in read)]
+
+
 TABLE = {row.path: row for row in UNIMPLEMENTED_FEATURES}
+
+
+RAW_SECTIONS = {row.field_at[1] for row in UNIMPLEMENTED_FEATURES if row.placeholder.raw}
 
 
 def _in_table(path: str) -> bool:
@@ -484,17 +497,31 @@ def test_every_key_is_read_refused_or_warned():
         cls = todo.pop()
         todo.extend(cls.__subclasses__())
         sections.add(cls)
-    assert sections - {_Section} <= seen, "a section model is not reachable from ZeroConfig"
-    for path in keys:
-        kinds = [name for name, hit in (("READ", path in READ), ("DEPRECATED_SPELLINGS", path in DEPRECATED_SPELLINGS),
+    # with_placeholders builds each section as a subclass of the class written in sections.py
+    unreachable = {cls for cls in sections - {_Section} - seen if not set(cls.__subclasses__()) & seen}
+    assert not unreachable, f"section models not reachable from ZeroConfig: {unreachable}"
+    sites = _read_sites()
+    for path, (_, names) in keys.items():
+        kinds = [name for name, hit in (("DEPRECATED_SPELLINGS", path in DEPRECATED_SPELLINGS),
                                         ("REFUSED_BY_VALIDATOR", path in REFUSED_BY_VALIDATOR),
                                         ("UNIMPLEMENTED_FEATURES", _in_table(path))) if hit]
-        assert len(kinds) == 1, f"{path}: classified as {kinds or 'nothing'}; add it to exactly one"
-    for path in READ | DEPRECATED_SPELLINGS | set(REFUSED_BY_VALIDATOR):
+        assert len(kinds) <= 1, f"{path}: classified as {kinds}; keep it in one"
+        if path.startswith("scheduler.params."):
+            continue  # a schedule's parameters: test_schedule_parameters_are_the_schedules_arguments
+        if path in RAW_SECTIONS:
+            continue  # DeepSpeed's section, its name often an attribute of something else (`torch.compile`)
+        readers = _readers(names, sites)
+        if kinds:
+            assert not readers, (f"{path} is in {kinds[0]} but {readers} read it: if zero implements it now, "
+                                 f"take it out of {kinds[0]}")
+        else:
+            assert readers, (f"{path} is accepted but nothing in zero outside zero/config/ reads it: read it, or "
+                             f"refuse or warn about it with a row in UNIMPLEMENTED_FEATURES")
+    for path in DEPRECATED_SPELLINGS | set(REFUSED_BY_VALIDATOR):
         assert path in keys, f"{path} is listed here but is not a key"
     for path in TABLE:
         head = path.split(".")[0]
-        assert path in keys or (head in keys and keys[head].annotation == typing.Optional[dict[str, typing.Any]]), path
+        assert path in keys or (head in keys and keys[head][0].annotation == typing.Optional[dict[str, typing.Any]]), path
     for path, value in REFUSED_BY_VALIDATOR.items():
         config = _nested(path, value)
         if path.startswith("optimizer."):
@@ -502,6 +529,43 @@ def test_every_key_is_read_refused_or_warned():
         with pytest.raises(ConfigError) as info:
             load(config)
         assert [p for p, _ in info.value.issues] == [path]
+
+
+def test_config_tables_are_used_and_not_empty():
+    """No dead scaffolding in zero/config/: every module-level table (a literal dict, tuple, list or
+    set) holds something and is used somewhere in zero outside its own assignment."""
+    sources = {f: f.read_text() for f in PACKAGE.rglob("*.py")}
+    for f in sorted((PACKAGE / "config").glob("*.py")):
+        for node in ast.parse(sources[f]).body:
+            target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else (
+                node.target if isinstance(node, ast.AnnAssign) else None)
+            if not isinstance(target, ast.Name) or not isinstance(node.value, (ast.Dict, ast.Tuple, ast.List, ast.Set)):
+                continue
+            name = target.id
+            value = node.value
+            assert (value.keys if isinstance(value, ast.Dict) else value.elts), f"{f.name}: {name} is empty"
+            uses = sum(len(re.findall(rf"\b{name}\b", text)) for text in sources.values())
+            assert uses > 1, f"{f.name}: {name} is never used"
+
+
+def test_schedule_parameters_are_the_schedules_arguments():
+    """`scheduler.params` reaches the schedule whole, as keyword arguments: each key of a DeepSpeed
+    schedule is an argument of zero's schedule of that name, and the engine passes them all."""
+    from zero.lr_schedules.build import DEEPSPEED_SCHEDULERS as SCHEDULES
+
+    assert set(SCHEDULES) == set(DEEPSPEED_SCHEDULERS)
+    for name, params in DEEPSPEED_SCHEDULERS.items():
+        arguments = set(inspect.signature(SCHEDULES[name]).parameters) - {"optimizer"}
+        assert set(params.model_fields) <= arguments, (name, set(params.model_fields) - arguments)
+    assert _readers(("scheduler", "params"), _read_sites()), "nothing passes scheduler.params to the schedule"
+
+
+def test_the_completeness_check_finds_a_key_nothing_reads():
+    """The check above derives what is read from the source: an attribute nobody reads is caught."""
+    sites = _read_sites()
+    assert not _readers(("optimizer", "params", "no_such_key"), sites)
+    assert not _readers(("pipeline", "loss_scale"), sites)  # a name that is read, but not beside its section's
+    assert _readers(("zero_optimization", "reduce_bucket_size"), sites)
 
 
 @pytest.mark.parametrize("path", sorted(DEPRECATED_SPELLINGS))
@@ -539,19 +603,21 @@ _SETTINGS = {  # a value that sets each row whose key is not a typed bool
     "zero_optimization.offload_optimizer.buffer_count": 8,
     "zero_optimization.offload_param.nvme_path": "/local_nvme", "zero_optimization.offload_param.buffer_count": 8,
     "zero_optimization.offload_param.buffer_size": 10**6, "zero_optimization.offload_param.max_in_cpu": 10**6,
+    "optimizer.params.comm_backend_name": "mpi",
 }
+ONEBIT_ONLY = {"optimizer.params.cuda_aware", "optimizer.params.comm_backend_name"}
 
 
 def _setting(row) -> dict:
     if row.path in _SETTINGS:
         value = _SETTINGS[row.path]
-    elif row.path.endswith((".enabled", ".deepcompile")) and row.path not in _keys():
+    elif row.path.endswith((".enabled", ".deepcompile")) and row.path not in _fields():
         value = True  # a flag inside a raw DeepSpeed section
     else:
-        value = not _keys()[row.path].default
+        value = not _fields()[row.path].default
     config = _nested(row.path, value)
     if row.path.startswith("optimizer."):
-        config["optimizer"]["type"] = "OneBitAdam" if row.path == "optimizer.params.cuda_aware" else "AdamW"
+        config["optimizer"]["type"] = "OneBitAdam" if row.path in ONEBIT_ONLY else "AdamW"
     return config
 
 
@@ -570,7 +636,7 @@ def test_a_refused_or_warned_key_names_itself_when_set(row):
 
 
 def test_refused_and_warned_keys_are_quiet_at_their_defaults():
-    keys = _keys()
+    keys = _fields()
     config = {"optimizer": {"type": "AdamW"}}
     for path in TABLE:
         if path in keys:
@@ -612,6 +678,99 @@ def test_deepspeed_memory_knobs_warn_from_load_config_only_when_changed(key, val
 def test_keys_zero_accepts_but_does_not_read_warn_when_set(extra, path):
     with pytest.warns(ConfigWarning, match=re.escape(path) + " = .* has no effect in zero"):
         load(extra)
+
+
+def test_zero_allow_untested_optimizer_warns_with_what_zero_really_runs():
+    """zero runs the config's client optimizer types (and element-wise optimizer objects) without
+    the key; the warning must not say it refuses them."""
+    with pytest.warns(ConfigWarning, match="zero_allow_untested_optimizer = true has no effect") as record:
+        load({"zero_allow_untested_optimizer": True})
+    text = " ".join(str(w.message) for w in record)
+    assert "refuses any other optimizer" not in text and "Adam and AdamW only" not in text
+    for kind in CLIENT_OPTIMIZERS:
+        assert kind in text
+        load({"optimizer": {"type": kind}})  # and each one loads
+
+
+def test_comm_backend_name_warns_unless_it_is_what_zero_does():
+    """zero's 1-bit exchange goes through the torch.distributed group's backend, whatever the key says."""
+    with pytest.warns(ConfigWarning, match="optimizer.params.comm_backend_name = \"mpi\" has no effect in zero"):
+        load({"optimizer": {"type": "OneBitAdam", "params": {"comm_backend_name": "mpi"}}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load({"optimizer": {"type": "OneBitAdam", "params": {"comm_backend_name": "nccl"}}})
+        load({"optimizer": {"type": "ZeroOneAdam", "params": {"comm_backend_name": "nccl"}}})
+    assert "a OneBitAdam parameter" in error({"optimizer": {"type": "AdamW", "params": {"comm_backend_name": "nccl"}}})
+
+
+# ----------------------------------------------------------------------------------- settings that go together
+# See [Note: rules that combine settings] in zero/config/rules.py: load_config refuses them, so
+# zero.initialize does before any process group, mesh or engine exists and before it slices a model.
+
+OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
+
+
+@pytest.mark.parametrize("extra,kw,path,says", [
+    ({"optimizer": {"type": "ZeroOneAdam"}, "zero_optimization": {"stage": 1}}, {}, "zero_optimization.stage",
+     "ZeroOneAdam needs ZeRO stage 0, not 1"),
+    ({"optimizer": {"type": "ZeroOneAdam"}, "zero_optimization": OFFLOAD}, {}, "zero_optimization.offload_optimizer",
+     "ZeroOneAdam with offload_optimizer is not supported"),
+    ({"optimizer": {"type": "OneBitAdam"}, "zero_optimization": {"stage": 3}}, {}, "zero_optimization.stage",
+     "OneBitAdam needs ZeRO stage 0, 1 or 2"),
+    ({"optimizer": {"type": "OneBitAdam", "params": {"compress_param_gather": True}}}, {},
+     "optimizer.params.compress_param_gather", "compress_param_gather applies to ZeRO stages 1 and 2"),
+    ({"pipeline": {"stages": 2}, "zero_optimization": {"stage": 3}}, {}, "zero_optimization.stage",
+     "stage 3 with a pipeline is not supported"),
+    ({"zero_optimization": {"stage": 3}}, {"pipeline_stages": 2}, "zero_optimization.stage",
+     "stage 3 with a pipeline is not supported"),
+    ({"zero_optimization": {"stage": 3}}, {"pipeline_stages": 1}, "zero_optimization.stage",
+     "stage 3 with a pipeline is not supported"),
+    ({"pipeline": {"stages": 2}}, {"model_is_pipeline": False}, "pipeline.stages",
+     "the model must be a zero.pipe.PipelineModule"),
+    ({"optimizer": {"type": "SGD"}, "zero_optimization": {"stage": 2, **OFFLOAD}}, {},
+     "zero_optimization.offload_optimizer", "optimizer offload runs zero's CPU Adam, so optimizer.type SGD cannot"),
+    ({"zero_optimization": {"stage": 2, **OFFLOAD}}, {"client_optimizer": torch.optim.Adagrad},
+     "zero_optimization.offload_optimizer", "so the optimizer object's class Adagrad cannot be offloaded"),
+    ({"optimizer": {"type": "OneBitAdam"}}, {"client_optimizer": torch.optim.SGD}, "optimizer.type",
+     "OneBitAdam but initialize\\(\\) was given a SGD too"),
+])
+def test_settings_that_cannot_go_together_are_refused_by_load_config(extra, kw, path, says):
+    with pytest.raises(ConfigError, match=says) as info:
+        load(extra, world_size=2, **kw)
+    assert [p for p, _ in info.value.issues] == [path]
+
+
+def test_rules_about_the_model_or_optimizer_object_wait_until_the_caller_knows_it():
+    """zero.tp.mesh and zero.estimate load a config without a model or optimizer: nothing is assumed."""
+    load({"pipeline": {"stages": 2}}, world_size=2)  # the model may well be a PipelineModule
+    load({"pipeline": {"stages": 2}}, world_size=2, model_is_pipeline=True)
+    load({"pipeline": {"stages": 1}}, model_is_pipeline=False)
+    load({"zero_optimization": {"stage": 3}}, model_is_pipeline=False)
+    # an Adam/AdamW object runs zero's Adam, which offload steps on the CPU, whatever optimizer.type says
+    for cls in (torch.optim.Adam, torch.optim.AdamW):
+        load({"zero_optimization": {"stage": 2, **OFFLOAD}}, client_optimizer=cls)
+        load({"optimizer": {"type": "SGD"}, "zero_optimization": {"stage": 2, **OFFLOAD}}, client_optimizer=cls)
+    with pytest.raises(TypeError, match="type\\(optimizer\\)"):
+        load(client_optimizer=torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+
+
+def test_an_optimizer_object_built_after_load_config_is_checked_by_the_same_rule():
+    """initialize(optimizer=callable) builds the object after the model is sliced."""
+    from zero.config.rules import check_optimizer_object
+
+    cfg = load({"zero_optimization": {"stage": 2, **OFFLOAD}})
+    check_optimizer_object(cfg, torch.optim.AdamW)
+    with pytest.raises(ConfigError, match="class SGD cannot be offloaded") as info:
+        check_optimizer_object(cfg, torch.optim.SGD)
+    assert [p for p, _ in info.value.issues] == ["zero_optimization.offload_optimizer"]
+
+
+def test_every_broken_rule_is_reported_at_once():
+    with pytest.raises(ConfigError) as info:
+        load({"optimizer": {"type": "ZeroOneAdam"}, "fp16": {"enabled": True}, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 2, **OFFLOAD}})
+    assert [p for p, _ in info.value.issues] == ["bf16.enabled", "zero_optimization.stage",
+                                                 "zero_optimization.offload_optimizer"]
 
 
 @pytest.mark.parametrize("extra,path,message", [

@@ -170,3 +170,59 @@ def test_leaf_marks_after_initialize_are_refused():
         deepspeed.utils.unset_z3_leaf_modules(model, [nn.Sequential])
     assert engine.zero_gather_16bit_weights_on_model_save() is False
     assert engine._zero3_consolidated_16bit_state_dict().keys() == model.state_dict().keys()
+
+
+def test_cpu_adam_with_low_precision_state_is_refused_not_ignored():
+    """DeepSpeedCPUAdam(fp32_optimizer_states=False) keeps Adam's moments in the parameters' dtype in
+    DeepSpeed, which changes the result; zero's are fp32, so it refuses the argument by name."""
+    params = list(nn.Linear(2, 2).parameters())
+    with pytest.raises(ValueError, match=r"fp32_optimizer_states=False.*zero keeps Adam's moments in fp32"):
+        deepspeed.ops.adam.DeepSpeedCPUAdam(params, lr=0.1, fp32_optimizer_states=False)
+    assert deepspeed.ops.adam.DeepSpeedCPUAdam(params, lr=0.1, fp32_optimizer_states=True).defaults["lr"] == 0.1
+
+
+@pytest.mark.parametrize("set_grad_none", [True, False])
+def test_fused_adam_set_grad_none_decides_what_zero_grad_leaves(set_grad_none):
+    """FusedAdam(set_grad_none=...): zero_grad() sets the gradients to None, or zeroes them in place."""
+    layer = nn.Linear(2, 2)
+    opt = deepspeed.ops.adam.FusedAdam(layer.parameters(), lr=0.1, set_grad_none=set_grad_none)
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["lr"] == 0.1
+    layer(torch.ones(1, 2)).sum().backward()
+    grad = layer.weight.grad
+    opt.zero_grad()
+    if set_grad_none:
+        assert layer.weight.grad is None
+    else:
+        assert layer.weight.grad is grad and not grad.any()
+    layer(torch.ones(1, 2)).sum().backward()
+    opt.zero_grad(set_to_none=True)  # an explicit argument wins
+    assert layer.weight.grad is None
+
+
+def test_deepspeed_zero_is_deepspeed_runtime_zero():
+    """One module under both paths, as in DeepSpeed (`from .runtime import zero`), with DeepSpeed
+    0.19.8's names of it: each is zero's, or a stand-in that says why when used."""
+    import importlib
+    import sys
+
+    import zero.deepspeed.runtime.zero
+    import zero.deepspeed.zero
+    from zero.deepspeed._missing import _StandIn
+    from zero.deepspeed.zero import Init, ZeroParamStatus, set_z3_leaf_modules, unwrap_model_for_generation  # noqa: F401
+
+    module = zero.deepspeed.runtime.zero
+    assert zero.deepspeed.zero is module and deepspeed.zero is module and deepspeed.runtime.zero is module
+    assert sys.modules["zero.deepspeed.zero"] is module
+    for name in ("Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter",
+                 "ZeroParamStatus", "unwrap_model_for_generation", "set_z3_leaf_modules"):
+        assert not isinstance(getattr(module, name), _StandIn), name  # zero's own
+    for name in ("ZeroParamType", "DeepSpeedZeRoOffload", "DeepSpeedTensorOverride", "TiledLinear",
+                 "TiledLinearReturnBias"):
+        with pytest.raises(deepspeed.NotAvailableError, match=f"deepspeed.runtime.zero.{name} is not available"):
+            getattr(deepspeed.zero, name)()
+    # a submodule through either path is one module, not a second copy
+    via_alias = importlib.import_module("zero.deepspeed.zero.config")
+    assert via_alias is importlib.import_module("zero.deepspeed.runtime.zero.config") and via_alias is module.config
+    assert via_alias.ZeroStageEnum is zero.deepspeed.runtime.zero.config.ZeroStageEnum
+    with pytest.raises(ImportError):
+        importlib.import_module("zero.deepspeed.zero.no_such_module")

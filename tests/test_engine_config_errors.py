@@ -25,6 +25,16 @@ def storage_of(model):
          r"ratio=0.5 \(partial offload\) is not yet supported"),
         ({"train_batch_size": 4, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
          r"nvme.*not yet supported"),
+        # settings that cannot go together (see [Note: rules that combine settings] in zero/config/rules.py)
+        ({"train_batch_size": 4, "optimizer": {"type": "ZeroOneAdam"}, "zero_optimization": {"stage": 1}},
+         r"zero_optimization\.stage: optimizer type ZeroOneAdam needs ZeRO stage 0, not 1"),
+        ({"train_batch_size": 4, "optimizer": {"type": "OneBitAdam"}, "zero_optimization": {"stage": 3}},
+         r"zero_optimization\.stage: optimizer type OneBitAdam needs ZeRO stage 0, 1 or 2"),
+        ({"train_batch_size": 4, "optimizer": {"type": "OneBitAdam", "params": {"compress_param_gather": True}}},
+         r"optimizer\.params\.compress_param_gather: .*applies to ZeRO stages 1 and 2"),
+        ({"train_batch_size": 4, "optimizer": {"type": "SGD"},
+          "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+         r"zero_optimization\.offload_optimizer: optimizer offload runs zero's CPU Adam, so optimizer.type SGD"),
     ],
 )
 def test_bad_config_is_a_config_error_and_the_model_is_untouched(config, message):
@@ -33,6 +43,27 @@ def test_bad_config_is_a_config_error_and_the_model_is_untouched(config, message
     with pytest.raises(ConfigError, match=message):
         zero.initialize(model=model, config={"optimizer": {"type": "AdamW"}, **config})
     assert storage_of(model) == before
+
+
+@pytest.mark.parametrize("make, config, message", [
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+     r"zero_optimization\.offload_optimizer: .*the optimizer object's class SGD cannot be offloaded"),
+    (lambda ps: torch.optim.Adagrad(ps, lr=0.1), {"optimizer": {"type": "OneBitAdam"}},
+     r"optimizer\.type: the config's optimizer is OneBitAdam but initialize\(\) was given a Adagrad too"),
+])
+def test_an_optimizer_object_that_does_not_fit_the_config_is_a_config_error(make, config, message):
+    """Raised by load_config (initialize passes the object's class), before the model is touched."""
+    model = MLP()
+    before = storage_of(model)
+    with pytest.raises(ConfigError, match=message):
+        zero.initialize(model=model, optimizer=make(model.parameters()), config={"train_batch_size": 4, **config})
+    assert storage_of(model) == before
+
+
+def test_pipeline_stages_without_a_pipeline_module_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"pipeline\.stages: is 2: the model must be a zero\.pipe\.PipelineModule"):
+        zero.initialize(model=MLP(), config={"train_batch_size": 4, "optimizer": {"type": "AdamW"},
+                                             "pipeline": {"stages": 2}})
 
 
 def test_missing_optimizer_is_a_clear_error():

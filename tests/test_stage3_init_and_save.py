@@ -144,3 +144,31 @@ def test_in_place_init_after_zero_init_sharded_is_refused_not_lost():
     with pytest.raises(ValueError, match=r"changed in place after zero.Init had sharded them \(first: 'a.weight'\)"):
         zero.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam"},
                                               "zero_optimization": {"stage": 3}})
+
+
+def test_init_pins_the_shard_it_keeps_after_casting_to_dtype(monkeypatch):
+    """zero.Init(remote_device="cpu", pin_memory=True, dtype=bf16): the bf16 shard is page-locked,
+    not an fp32 one that a cast then replaces by a pageable copy. Pinning needs CUDA, so a
+    stand-in torch.empty records what it was asked to pin (and torch.cuda.is_available says yes)."""
+    real_empty = torch.empty
+    pinned = []
+
+    def empty(*args, pin_memory=False, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if pin_memory:
+            pinned.append(t)
+        return t
+
+    torch.manual_seed(0)
+    expected = nn.Linear(4, 3).weight.detach().to(torch.bfloat16).reshape(-1)
+    torch.manual_seed(0)
+    with zero.Init(remote_device="cpu", pin_memory=True, dtype=torch.bfloat16):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch, "empty", empty)
+        layer = nn.Linear(4, 3)
+        monkeypatch.undo()
+    shard = layer.weight.ds_tensor
+    assert shard.dtype == torch.bfloat16 and torch.equal(shard[: expected.numel()], expected)
+    assert [t.dtype for t in pinned] == [torch.bfloat16, torch.bfloat16]  # weight, bias: once each, no fp32 copy
+    assert shard.untyped_storage().data_ptr() == pinned[0].untyped_storage().data_ptr()  # the kept shard is pinned
+    assert layer.bias.ds_tensor.untyped_storage().data_ptr() == pinned[1].untyped_storage().data_ptr()

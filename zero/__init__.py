@@ -8,10 +8,14 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):  # keep `import zero` light: torch-heavy modules load on first use
-    if name in ("initialize", "init_distributed", "Engine"):
-        from zero import engine
+    if name in ("initialize", "init_distributed"):
+        from zero import launch
 
-        return getattr(engine, name)
+        return getattr(launch, name)
+    if name == "Engine":
+        from zero.engine import Engine
+
+        return Engine
     if name in ("Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter",
                 "set_z3_leaf_modules"):
         from zero import init

@@ -33,9 +33,11 @@ reduce-scatter with an all-reduce; a ring all-reduce sends about 2E), so do not 
 """
 from __future__ import annotations
 
+import enum
 import math
 import os
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,33 +68,57 @@ class RankDivergenceError(ZeroRuntimeError):
 # [Note: rank-agreement tags]
 # Before a collective whose place in the program could differ between ranks, every rank
 # all-gathers a small tag saying where it is, on the control group (`Comm.control`): four int64s,
-# (what, a, b, engine), where `engine` numbers the engines of the process in the order they were
-# built (the same on every rank; 0 outside an engine), so two engines' collectives (a GAN's
-# generator and discriminator) never pass for each other. Every control-group message has this
-# one size, so a rank that is somewhere else shows up as a different tag, never as a size mismatch
-# (which aborts gloo without a word). A mismatch raises RankDivergenceError on every rank, naming
-# where each rank was.
+# (what, a, b, engine), where `what` is a `Tag` and `engine` numbers the engines of the process in
+# the order they were built (the same on every rank; 0 outside an engine), so two engines'
+# collectives (a GAN's generator and discriminator) never pass for each other. Every
+# control-group message has this one size, so a rank that is somewhere else shows up as a
+# different tag, never as a size mismatch (which aborts gloo without a word). A mismatch raises
+# RankDivergenceError on every rank, naming where each rank was.
+#
+# When: on gloo a tag is checked before its data collective is issued (mismatched sizes abort gloo
+# without a word). On NCCL the collectives of a backward (bucket and unit reductions, unit
+# gathers) are deferred: their tags are checked together at the end of the backward
+# (`Comm.check_deferred`), so the CPU never waits for the other ranks per collective; NCCL does not
+# check sizes, so there the check is best effort, and `enable_sanity_checks` (or
+# TORCH_DISTRIBUTED_DEBUG=DETAIL) checks every tag before its collective. `Comm.tagged` is the one
+# place that decides.
+class Tag(enum.IntEnum):
+    """What a rank-agreement tag says a rank is about to do (its `a` and `b` in `TAG_WORDS`)."""
+
+    UNIT_FORWARD = 0  # a: the stage-3 unit
+    UNIT_BACKWARD = 1
+    UNIT_REDUCE = 2
+    BUCKET_REDUCE = 3  # a: the bucket, b: its elements
+    STEP = 4  # a: the optimizer step, b: backward passes since the last one
+    GATHERED_PARAMETERS = 5  # a: parameters, b: their elements
+    SAVE_16BIT_MODEL = 6
+    END_OF_BACKWARD = 7  # a: groups with late gradients, b: groups
+    INITIALIZE = 8  # a, b: a digest of the model and config
+    SAVE_CHECKPOINT = 9  # b: a checksum of the tag name
+
+
 TAG_WORDS = {
-    0: "forward of unit {a}",
-    1: "backward of unit {a}",
-    2: "gradient reduction of unit {a}",
-    3: "gradient reduction of bucket {a} ({b} elements)",
-    4: "optimizer step {a} after {b} backward pass(es)",
-    5: "GatheredParameters over {a} parameter(s) of {b} elements",
-    6: "saving the 16-bit model",
-    7: "the end of a backward pass",
-    8: "zero.initialize",
+    Tag.UNIT_FORWARD: "forward of unit {a}",
+    Tag.UNIT_BACKWARD: "backward of unit {a}",
+    Tag.UNIT_REDUCE: "gradient reduction of unit {a}",
+    Tag.BUCKET_REDUCE: "gradient reduction of bucket {a} ({b} elements)",
+    Tag.STEP: "optimizer step {a} after {b} backward pass(es)",
+    Tag.GATHERED_PARAMETERS: "GatheredParameters over {a} parameter(s) of {b} elements",
+    Tag.SAVE_16BIT_MODEL: "saving the 16-bit model",
+    Tag.END_OF_BACKWARD: "the end of a backward pass",
+    Tag.INITIALIZE: "zero.initialize",
+    Tag.SAVE_CHECKPOINT: "save_checkpoint (tag checksum {b})",
 }
 TAG_SIZE = 4
-UNIT_PHASES = (0, 1, 2)  # tags whose `a` is a stage-3 unit
+UNIT_TAGS = (Tag.UNIT_FORWARD, Tag.UNIT_BACKWARD, Tag.UNIT_REDUCE)  # tags whose `a` is a stage-3 unit
 
 
 def describe_tag(row: list[int], unit_label: Callable[[int], str] | None = None, engine: bool = False) -> str:
     """Words for one rank's tag (see [Note: rank-agreement tags]); `engine` adds the engine number."""
     what, a, b, number = row
-    if what in UNIT_PHASES and unit_label is not None:
+    if what in UNIT_TAGS and unit_label is not None:
         a = unit_label(a)
-    words = TAG_WORDS.get(what, f"unknown tag {row}").format(a=a, b=b)
+    words = TAG_WORDS[Tag(what)].format(a=a, b=b) if what in Tag._value2member_map_ else f"unknown tag {row}"
     return f"{words} of engine {number}" if engine else words
 
 
@@ -187,6 +213,10 @@ class Comm:
         self.data: Comm | None = None  # for a control group (see `control`), the group it serves
         self.engine = 0  # the engine these collectives belong to (see [Note: rank-agreement tags])
         self.wait_s = 0.0  # seconds the host waited for this group's gloo collectives (NCCL: not measured)
+        # check the tags of a pass's collectives at its end (`tagged`); set by the optimizer: NCCL
+        # without strict checks
+        self.defer_tags = False
+        self._deferred: list = []
 
     def control(self) -> Comm:
         """A gloo group over the same ranks, for small host messages (stage 3's rank-divergence
@@ -410,34 +440,58 @@ class Comm:
                 cause = "failed because another rank stopped or crashed (see its log for the first error)"
             raise CollectiveTimeout(f"{describe()} {cause} ({exc}).") from exc
 
-    def start_tag(self, tag: list[int]):
-        """All-gather (what, a, b) and this group's engine number on the control group; returns
+    def start_tag(self, tag: Tag, a: int = 0, b: int = 0):
+        """All-gather (tag, a, b) and this group's engine number on the control group; returns
         (handle, gathered tags). See [Note: rank-agreement tags]."""
         ctl = self.control()
-        mine = torch.tensor([*tag, self.engine], dtype=torch.int64)
+        mine = torch.tensor([int(tag), a, b, self.engine], dtype=torch.int64)
         tags = torch.empty(self.world_size * TAG_SIZE, dtype=torch.int64)
         return ctl.all_gather(tags, mine, async_op=True, label="rank_tags"), tags
 
-    def check_tags(self, work, tags: torch.Tensor, what: str, unit_label: Callable[[int], str] | None = None,
-                   advice: str = "", key: Callable[[list[int]], object] = tuple) -> list[list[int]]:
+    def check_tags(self, work, tags: torch.Tensor, what: str | Callable[[], str],
+                   unit_label: Callable[[int], str] | None = None, advice: str = "",
+                   key: Callable[[list[int]], object] = tuple) -> list[list[int]]:
         """Wait for a tag exchange (bounded) and raise RankDivergenceError if the ranks' tags
         differ (in `key`, which must include the engine number unless it is being agreed on);
-        returns every rank's tag."""
-        self.control().wait_for(work, lambda: f"{what}: the rank-agreement check")
+        returns every rank's tag. `what` (or what it returns) names the place, for messages."""
+        describe = what if callable(what) else lambda: what
+        self.control().wait_for(work, lambda: f"{describe()}: the rank-agreement check")
         rows = tags.view(self.world_size, TAG_SIZE).tolist()
         if any(key(r) != key(rows[0]) for r in rows):
             self.abort()
             engines = len({row[3] for row in rows}) > 1
             seen = "; ".join(f"rank {r}: {describe_tag(row, unit_label, engines)}" for r, row in enumerate(rows))
             raise RankDivergenceError(
-                f"{what}: ranks diverged ({seen}). Every rank must run the same modules in the same order and call "
-                f"backward, step, GatheredParameters and save_16bit_model the same number of times{advice}.")
+                f"{describe()}: ranks diverged ({seen}). Every rank must run the same modules in the same order and "
+                f"call backward, step, GatheredParameters and the savers the same number of times{advice}.")
         return rows
 
-    def agree(self, tag: list[int], what: str) -> None:
-        """Every rank must be at the same point (`tag`) before the collective that follows."""
+    def agree(self, tag: Tag, a: int, b: int, what: str) -> None:
+        """Every rank must be at the same point (`tag`, `a`, `b`) before the collective that follows:
+        checked now."""
         if self.world_size > 1:
-            self.check_tags(*self.start_tag(tag), what)
+            self.check_tags(*self.start_tag(tag, a, b), what)
+
+    def tagged(self, tag: Tag, a: int, b: int, what: str | Callable[[], str],
+               unit_label: Callable[[int], str] | None = None, advice: str = "") -> None:
+        """Tag a data collective of a backward (or forward) about to be issued: its tag is checked
+        now, or, when `defer_tags` is set (NCCL without strict checks), by `check_deferred` at the
+        end of the pass. See [Note: rank-agreement tags]."""
+        if self.world_size == 1:
+            return
+        work, tags = self.start_tag(tag, a, b)
+        if not self.defer_tags:
+            self.check_tags(work, tags, what, unit_label, advice)
+            return
+        self._deferred.append((work, tags, what, unit_label, advice))
+        if len(self._deferred) > 4096:  # forwards with grad but no backward: do not pile up
+            self.check_deferred()
+
+    def check_deferred(self) -> None:
+        """Check the tags `tagged` deferred (host tensors on the control group: no GPU synchronisation)."""
+        pending, self._deferred = self._deferred, []
+        for work, tags, what, unit_label, advice in pending:
+            self.check_tags(work, tags, what, unit_label, advice)
 
     def abort(self) -> None:
         """Abort this group and its control group after a fatal divergence or timeout, so the
@@ -479,6 +533,19 @@ class Comm:
             raise CollectiveTimeout(f"waiting for every rank to finish {what} failed because another rank stopped "
                                     f"or crashed (see its log for the first error) ({exc}).") from exc
         return bool(t.item())
+
+
+def compute_device(comm: Comm) -> torch.device:
+    """The current CUDA device, unless there is none or the process group is gloo-only (CPU ranks)."""
+    if not torch.cuda.is_available() or (comm.distributed and not comm.uses_nccl):
+        return torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device())
+    local = os.environ.get("LOCAL_RANK")
+    if comm.distributed and local is not None and int(local) != device.index and torch.cuda.device_count() > 1:
+        warnings.warn(f"zero: LOCAL_RANK is {local} but the current CUDA device is {device}; call "
+                      f"torch.cuda.set_device(LOCAL_RANK) before init_process_group (or let zero.initialize do it), "
+                      f"or several ranks will share one GPU", stacklevel=3)
+    return device
 
 
 def __getattr__(name: str):

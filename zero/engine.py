@@ -3,30 +3,54 @@
     engine, optimizer, loader, scheduler = zero.initialize(model=model, config=cfg)
     for x, y in loader:
         loss = engine(x, y)
-        engine.backward(loss)
+        engine.backward(loss)        # or loss.backward(), as with plain PyTorch (bf16, fp32)
         engine.step()
 
 The engine delegates: gradients and partitioning live in zero/stages, collectives in zero/comm.py,
-config keys in zero/config/. It owns the training-loop bookkeeping DeepSpeed users rely on:
+config keys in zero/config/, the mesh of a 3D-parallel run in zero/mesh.py and the pipeline
+schedule in zero/pipe/schedule.py. It owns the training-loop bookkeeping DeepSpeed users rely on:
 micro-steps and the accumulation boundary, the loss scale, the global step count.
+
+[Note: one engine, any mesh]
+There is one Engine class. A mesh (zero/mesh.py) changes its data, not its type: the optimizer
+partitions over the mesh's "dp" group, the global gradient norm sums over the whole world
+(`ModelParallelNorm`), the reports add the pipeline and tensor traffic and how the mesh divides
+the parameters (`MeshTraffic`), and a PipelineModule gives the engine a schedule
+(`PipelineSchedule`), which `train_batch`/`eval_batch` run; `engine(...)`, `backward` and `step`
+are then refused, since the schedule interleaves micro-batches' forward and backward passes.
+
+[Note: backward from PyTorch]
+`loss.backward()` followed by `engine.step()` is exactly `engine.backward(loss)` + `engine.step()`:
+- Gradients reach the stage's buckets and units through hooks on the parameters, whoever calls
+  backward.
+- The loss is not divided by the accumulation steps: the step divides the summed gradients by
+  them (see [Note: one divisor] in zero/stages/adam.py), so an unscaled loss gives the same bits.
+- The engine counts backward passes (the step's rank-agreement tag carries the count) from a
+  hook on the model's outputs: the first output gradient of each backward counts it once.
+  `engine.backward` counts its own call when the outputs hid from the hook.
+- fp16 needs the loss multiplied by the loss scale: `engine.backward(loss)` does it, and so
+  does `engine.scale(loss).backward()`. A backward that reaches the model's outputs without
+  passing a scaled loss is refused at its first output gradient, before any parameter
+  gradient is taken.
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
+import dataclasses
 import logging
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterable
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zero.comm import Comm
-from zero.config import ZeroConfig, load_config
+from zero.comm import Comm, Tag, compute_device
+from zero.config import ZeroConfig
 from zero.guards import (
     _claim,
     _refuse_claimed,
@@ -34,70 +58,55 @@ from zero.guards import (
     check_ranks_agree,
     next_engine_number,
 )
+from zero.mesh import MeshTraffic, ModelParallelNorm, ParallelMesh, refuse_whole_model_save
 from zero.partition.layout import local_tensor
 from zero.precision import NonFiniteGradientError
 from zero.stages import build_optimizer
 from zero.stages.adam import check_param_groups
-from zero.stages.choice import _client_optimizer, _optimizer_defaults, _param_groups
+from zero.stages.choice import _optimizer_defaults, _param_groups, client_step
+from zero.stages.readiness import tensors_in
 
 log = logging.getLogger("zero")
 
 
-def init_distributed(dist_backend: str | None = None, timeout_s: float | None = None) -> None:
-    """Join the torch.distributed group that torchrun (or a similar launcher) describes.
-
-    Does nothing if a group is already initialised or no launcher environment is present (a
-    world of one). The backend is NCCL when CUDA is available, gloo otherwise.
+@dataclasses.dataclass
+class TrainingProgress:
+    """Where training stands, besides tensors: the engine's counters. A DCP `Stateful`
+    (`state_dict` / `load_state_dict`), which checkpoints save and restore.
 
     Args:
-        dist_backend: override the backend ("nccl", "gloo").
-        timeout_s: the process group's collective timeout in seconds (default: ZERO_COLLECTIVE_TIMEOUT,
-            600), after which NCCL's watchdog ends a hung collective; see [Note: bounded waits].
+        accumulation: micro-batches per optimizer step (the config's gradient_accumulation_steps).
+        micro_steps: `engine.step()` calls (micro-batches) so far.
+        global_steps: optimizer steps (accumulation boundaries) so far, skipped ones included.
+        skipped_steps: steps skipped for a non-finite gradient.
+        global_samples: samples seen by all data-parallel ranks together.
+        backwards: backward passes since the last optimizer step (ranks must agree).
+        last_step_applied: whether the last `step()` updated the weights.
+        last_step_skipped: whether the last boundary step was skipped.
     """
-    if dist.is_initialized() or "WORLD_SIZE" not in os.environ or "MASTER_ADDR" not in os.environ:
-        return
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    kwargs = {}
-    if "nccl" in backend:  # bind the rank to its GPU up front (no device guessing, eager communicator)
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        kwargs["device_id"] = device
-    from datetime import timedelta
 
-    if timeout_s is None:
-        from zero.comm import collective_timeout_s
+    accumulation: int = 1
+    micro_steps: int = 0
+    global_steps: int = 0
+    skipped_steps: int = 0
+    global_samples: int = 0
+    backwards: int = 0
+    last_step_applied: bool = False
+    last_step_skipped: bool = False
 
-        timeout_s = collective_timeout_s()
-    dist.init_process_group(backend=backend, init_method="env://", timeout=timedelta(seconds=timeout_s), **kwargs)
-    atexit.register(_destroy_process_group)
+    def state_dict(self) -> dict[str, int]:
+        """What a checkpoint keeps: the steps and samples so far (a window of accumulated
+        micro-batches is not in a checkpoint)."""
+        return {"global_steps": self.global_steps, "skipped_steps": self.skipped_steps,
+                "global_samples": self.global_samples}
 
-
-def _destroy_process_group() -> None:
-    """[Note: gloo at exit]
-    A gloo group still alive when the interpreter shuts down can abort the process from its worker
-    threads ("terminate called without an active exception", pytorch/pytorch#190489): measured on
-    torch 2.13, 2 ranks exiting after a few collectives abort in about half the runs once a torch
-    optimizer exists. `destroy_process_group()` alone is not enough there, because a reference
-    cycle keeps the group alive; destroying it and then collecting garbage, while the interpreter
-    is still whole, brings it to 0 in 12 runs. So the group zero created, zero also takes down."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-        import gc
-
-        gc.collect()
-
-
-def _compute_device(comm: Comm) -> torch.device:
-    """The current CUDA device, unless there is none or the process group is gloo-only (CPU ranks)."""
-    if not torch.cuda.is_available() or (comm.distributed and not comm.uses_nccl):
-        return torch.device("cpu")
-    device = torch.device("cuda", torch.cuda.current_device())
-    local = os.environ.get("LOCAL_RANK")
-    if comm.distributed and local is not None and int(local) != device.index and torch.cuda.device_count() > 1:
-        warnings.warn(f"zero: LOCAL_RANK is {local} but the current CUDA device is {device}; call "
-                      f"torch.cuda.set_device(LOCAL_RANK) before init_process_group (or let zero.initialize do it), "
-                      f"or several ranks will share one GPU", stacklevel=3)
-    return device
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from `state`, at the beginning of an accumulation window."""
+        self.global_steps, self.skipped_steps = int(state["global_steps"]), int(state["skipped_steps"])
+        self.global_samples = int(state["global_samples"])
+        self.micro_steps = self.global_steps * self.accumulation
+        self.backwards = 0
+        self.last_step_applied = self.last_step_skipped = False
 
 
 @torch.no_grad()
@@ -118,22 +127,37 @@ def _place_the_rest(module: nn.Module, placed: list[nn.Parameter], device: torch
 
 
 class Engine(nn.Module):
-    """A model wrapped for ZeRO data-parallel training. Build it with `zero.initialize`."""
+    """A model wrapped for ZeRO data-parallel training, on any (pp, dp, tp) mesh; see [Note: one
+    engine, any mesh]. Build it with `zero.initialize`.
 
-    def __init__(
-        self,
-        module: nn.Module,
-        config: ZeroConfig,
-        model_parameters=None,
-        optimizer: torch.optim.Optimizer | None = None,
-        lr_scheduler=None,
-        comm: Comm | None = None,
-    ):
+    Args:
+        module: the model (a zero.pipe.PipelineModule to train with pipeline stages).
+        config: the validated config (`zero.load_config`).
+        mesh: the mesh of a run with pipeline stages or tensor slices (zero/mesh.py); None for
+            data parallelism over the whole world.
+        model_parameters: parameters or param groups to train (default: the module's).
+        optimizer: a torch optimizer whose hyperparameters and param groups are used.
+        lr_scheduler: a scheduler, or a callable building one from the optimizer.
+    """
+
+    def __init__(self, module: nn.Module, config: ZeroConfig, mesh: ParallelMesh | None = None, model_parameters=None,
+                 optimizer: torch.optim.Optimizer | None = None, lr_scheduler=None):
         super().__init__()
+        from zero.pipe.module import PipelineModule
+
+        pipelined = isinstance(module, PipelineModule)
+        if pipelined:
+            from zero.pipe.schedule import check_pipeline_module
+
+            if mesh is None:
+                raise ValueError("a PipelineModule trains on a mesh: build the engine with zero.initialize")
+            check_pipeline_module(module, config)
         self.config = config
-        self.comm = comm if comm is not None else Comm()  # the data-parallel group (the world without a mesh)
+        self.mesh = mesh
+        # the data-parallel group (the world without a mesh)
+        self.comm = Comm(mesh.group("dp")) if mesh is not None and dist.is_initialized() else Comm()
         self.comm.engine = next_engine_number()
-        self.device = _compute_device(self.comm)
+        self.device = compute_device(self.comm)
         defaults = _optimizer_defaults(config, optimizer)
         groups = _param_groups(module, model_parameters if optimizer is None else optimizer.param_groups, defaults)
         check_param_groups(groups, "Check model_parameters / the optimizer's param groups.")
@@ -145,36 +169,55 @@ class Engine(nn.Module):
         _refuse_foreign_parameters(module, groups, config)
         check_ranks_agree(module, config, self.comm)  # before the first broadcast
         self.module = module
-        self.optimizer = build_optimizer(module, groups, config, self.comm, self.device)
-        client, client_defaults = _client_optimizer(config, optimizer)
-        if client is not None:
-            if self.optimizer.offload is not None:
-                raise ValueError(f"optimizer offload runs zero's CPU Adam; a {client.__name__} optimizer cannot be "
-                                 f"offloaded (remove offload_optimizer or use Adam/AdamW)")
-            self.optimizer.client_class = client  # see [Note: other optimizers on shards]
-            self.optimizer.client_defaults = client_defaults
+        if pipelined:
+            from zero.pipe.schedule import tie_initial_values
+
+            tie_initial_values(module, mesh)  # before ZeRO takes the parameters (it broadcasts over dp)
+        self.optimizer = build_optimizer(module, groups, config, self.comm, self.device,
+                                         client=client_step(config, optimizer),
+                                         model_parallel=ModelParallelNorm.of(module, mesh) if mesh is not None else None)
         _claim(module, self.optimizer, config.zero_optimization.stage)  # whose hooks take the gradients now
         self._trainable = [(n, p, p.requires_grad) for n, p in module.named_parameters()]
-        self._backwards = 0  # backward passes since the last optimizer step (ranks must agree)
+        self.progress = TrainingProgress(accumulation=config.gradient_accumulation_steps)
         self._warned_count = False
+        self._counted_task = -1  # the backward whose first output gradient was counted last
+        self._scaled_task = -1  # the backward that last passed through a loss from engine.scale
         self._pending_save = None  # an asynchronous checkpoint save being written
         self.training_dataloader = None  # the loader initialize(training_data=...) made
-        self._step_applied = False
+        self._repeating = None  # it, repeated, for train_batch() without data_iter
         _place_the_rest(module, self.optimizer.params, self.device, config.dtype, self.comm)
         self.optimizer.at_boundary = config.gradient_accumulation_steps == 1
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
-        self.micro_steps = 0
-        self.global_steps = 0
-        self.skipped_steps = 0
-        self.global_samples = 0
         self._last_comm: dict = {}
         self._in_no_sync = False
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        self.pipeline = None
+        if pipelined:
+            from zero.pipe.schedule import PipelineSchedule
+
+            self.pipeline = PipelineSchedule(module, config, mesh, self.device, self.optimizer.storage,
+                                             self.optimizer.loss_scaler)
+        self.traffic = None if mesh is None else MeshTraffic(
+            module, mesh, module.parts if pipelined else [], sum(slot[1].numel() for slot in self.optimizer.slots()))
+        self.agg_train_loss: torch.Tensor | None = None  # the last train_batch's mean loss
+        self.agg_eval_loss: torch.Tensor | None = None
+        this = weakref.proxy(self)  # the model does not keep its engine alive
+        module.register_forward_hook(lambda m, a, out: this._hook_outputs(out), prepend=True)  # see [Note: backward
+        # from PyTorch]
         if config.dump_state and self.comm.rank == 0:
             print(f"zero: engine state\n  config: {config.model_dump_json(exclude_defaults=True)}\n"
                   f"  device: {self.device}  world size: {self.comm.world_size}\n"
                   f"  trainable params: {sum(p.numel() for p in self.optimizer.params):,}\n"
                   f"  memory: {self.memory_report()}", flush=True)
+
+    def _build_scheduler(self, lr_scheduler):
+        if lr_scheduler is not None:
+            return lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else lr_scheduler
+        if self.config.scheduler is None:
+            return None
+        from zero.lr_schedules import build_scheduler
+
+        return build_scheduler(self.config.scheduler.type, dict(self.config.scheduler.params), self.optimizer)
 
     @contextlib.contextmanager
     def _timed(self, what: str):
@@ -192,24 +235,138 @@ class Engine(nn.Module):
                 torch.cuda.synchronize()
             self._times[what] += time.perf_counter() - start
 
-    def _build_scheduler(self, lr_scheduler):
-        if lr_scheduler is not None:
-            return lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else lr_scheduler
-        if self.config.scheduler is None:
-            return None
-        from zero.lr_schedules import build_scheduler
-
-        return build_scheduler(self.config.scheduler.type, dict(self.config.scheduler.params), self.optimizer)
-
     # -- training loop ----------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._refuse_with_pipeline("engine(...)")
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             cast = lambda t: t.to(torch.float16) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
             args = tuple(cast(a) for a in args)
             kwargs = {k: cast(v) for k, v in kwargs.items()}
         with self._timed("forward"):
             return self.module(*args, **kwargs)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` times the fp16 loss scale, to call `.backward()` on yourself
+        (`engine.scale(loss).backward()`); without fp16, `loss` itself. See [Note: backward from
+        PyTorch]."""
+        if not isinstance(loss, torch.Tensor):
+            hint = " (pass the loss inside it, e.g. outputs[0] or outputs.loss)" if isinstance(loss, (tuple, list, dict)) \
+                or hasattr(loss, "loss") else ""
+            raise TypeError(f"engine.backward(loss) and engine.scale(loss) take the scalar loss tensor, got a "
+                            f"{type(loss).__name__}{hint}")
+        if not self.config.fp16.enabled:
+            return loss
+        scaled = loss.float() * self.optimizer.loss_scaler.scale
+        if scaled.requires_grad:
+            this = weakref.proxy(self)
+            scaled.register_hook(lambda grad: this._mark_scaled(grad))
+        return scaled
+
+    def _mark_scaled(self, grad: torch.Tensor) -> torch.Tensor:
+        self._scaled_task = torch._C._current_graph_task_id()
+        return grad
+
+    def _hook_outputs(self, output: Any) -> None:
+        """Hook the model's outputs so that each backward is counted (and, under fp16, checked)
+        at its first output gradient; see [Note: backward from PyTorch]."""
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:  # no backward, or a recompute
+            return
+        this = weakref.proxy(self)
+        for t in tensors_in(output):
+            if t.requires_grad:
+                t.register_hook(lambda grad: this._output_grad(grad))
+
+    def _output_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        task = torch._C._current_graph_task_id()
+        if task == self._counted_task:
+            return grad
+        if self.config.fp16.enabled and task != self._scaled_task:
+            raise RuntimeError(
+                "zero: backward of a loss without the fp16 loss scale: with fp16, gradients of the unscaled loss "
+                "underflow. Call engine.backward(loss), or engine.scale(loss).backward(), instead of loss.backward(). "
+                "No gradient of this backward was taken.")
+        self._counted_task = task
+        self.progress.backwards += 1
+        return grad
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backward of `loss` times the fp16 loss scale (the loss itself without fp16); gradients
+        flow into the partitioned buffers through hooks, and the step divides by the accumulation
+        steps. The same as `engine.scale(loss).backward()`; without fp16 as `loss.backward()`.
+        Returns the loss it was given."""
+        self._refuse_with_pipeline("engine.backward")
+        scaled = self.scale(loss)
+        counted = self.progress.backwards
+        with self._timed("backward"):
+            scaled.backward(retain_graph=retain_graph)
+        if self.progress.backwards == counted:  # the model's outputs hid from the hook: count it here
+            self.progress.backwards += 1
+        return loss
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the next `step()` call will update the weights."""
+        return (self.progress.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def step(self) -> None:
+        """Call after every micro-batch's backward; updates weights only at the boundary."""
+        self._refuse_with_pipeline("engine.step")
+        if self._in_no_sync:
+            raise RuntimeError("engine.step() was called inside no_sync(): the gradients of the steps inside are not "
+                               "reduced across ranks, so stepping now would update each rank with its own gradient "
+                               "and the ranks would diverge. Leave the no_sync() context before calling step().")
+        boundary = self.is_gradient_accumulation_boundary()
+        updated = self._update() if boundary else False
+        self._advance(1)
+        if boundary:
+            self._after_update(updated)
+
+    def _update(self) -> bool:
+        """The optimizer step at an accumulation boundary; nothing of the engine changes if it raises."""
+        self._check_trainable_unchanged()  # requires_grad flipped since initialize
+        # every rank at this step after the same number of backward passes (a rank that skipped
+        # one would contribute stale or zero gradients), before its collectives
+        steps, backwards = self.progress.global_steps + 1, self.progress.backwards
+        self.comm.agree(Tag.STEP, steps, backwards, f"optimizer step {steps}")
+        if not backwards and not self._warned_count:
+            self._warned_count = True
+            warnings.warn(
+                f"zero: optimizer step {steps} comes after no backward pass: it applies weight decay and Adam's "
+                f"momentum without new gradients. Call loss.backward() or engine.backward(loss) before "
+                f"engine.step() (warned once)", stacklevel=3)
+        with self._timed("step"):
+            return self.optimizer.step()  # checks its hyperparameters and takes in-place edits first
+
+    def _advance(self, micro_steps: int) -> None:
+        """Count `micro_steps` micro-batches done."""
+        p = self.progress
+        p.micro_steps += micro_steps
+        p.global_samples += self.config.train_micro_batch_size_per_gpu * self.comm.world_size * micro_steps
+        p.last_step_applied = p.last_step_skipped = False
+        self.optimizer.at_boundary = self.is_gradient_accumulation_boundary()  # for the next backward
+
+    def _after_update(self, updated: bool) -> None:
+        """The bookkeeping of a boundary step: buffers, scheduler, counters, reports."""
+        p = self.progress
+        p.backwards = 0
+        if self.comm.world_size > 1 and self.module.training:
+            self._sync_buffers()
+        if updated:
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        else:
+            p.skipped_steps += 1
+        p.global_steps += 1
+        p.last_step_applied, p.last_step_skipped = updated, not updated
+        if not updated:
+            self._report_skip()
+        self._last_comm = self.comm.report()
+        self.comm.reset_counts()
+        if self.traffic is not None:
+            self.traffic.close_window()
+        every = self.config.steps_per_print
+        if every and p.global_steps % every == 0 and self.comm.rank == 0:
+            self._print_progress(every)
 
     @torch.no_grad()
     def _sync_buffers(self) -> None:
@@ -224,68 +381,88 @@ class Engine(nn.Module):
                     b.div_(self.comm.world_size)
                 self.comm.broadcast(m.num_batches_tracked, src=0)
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Backward of `loss / gradient_accumulation_steps * loss_scale`; gradients flow into the
-        partitioned buffers through hooks. Returns the loss it was given."""
-        if not isinstance(loss, torch.Tensor):
-            hint = " (pass the loss inside it, e.g. outputs[0] or outputs.loss)" if isinstance(loss, (tuple, list, dict)) \
-                or hasattr(loss, "loss") else ""
-            raise TypeError(f"engine.backward(loss) takes the scalar loss tensor, got a {type(loss).__name__}{hint}")
-        scaled = loss.float() * (self.optimizer.loss_scaler.scale / self.config.gradient_accumulation_steps)
-        with self._timed("backward"):
-            scaled.backward(retain_graph=retain_graph)
-        self._backwards += 1
-        return loss
+    # -- the pipeline schedule (a PipelineModule's engine) --------------------------------------------
 
-    def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the next `step()` call will update the weights."""
-        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+    def _refuse_with_pipeline(self, what: str) -> None:
+        if self.pipeline is not None:
+            raise RuntimeError(f"{what}: a pipeline engine runs whole batches, forward and backward interleaved over "
+                               f"the micro-batches: call engine.train_batch(data_iter) (or eval_batch)")
 
-    def step(self) -> None:
-        """Call after every micro-batch's backward; updates weights only at the boundary."""
-        if self._in_no_sync:
-            raise RuntimeError("engine.step() was called inside no_sync(): the gradients of the steps inside are not "
-                               "reduced across ranks, so stepping now would update each rank with its own gradient "
-                               "and the ranks would diverge. Leave the no_sync() context before calling step().")
-        boundary = self.is_gradient_accumulation_boundary()
-        if boundary:  # refused before anything changes:
-            self.optimizer.check_hyperparameters()  # a bad lr
-            self._check_trainable_unchanged()  # requires_grad flipped since initialize
-            self.optimizer.adopt_edits()  # parameters changed in place since the last step
-            # every rank at this step after the same number of backward passes (a rank that
-            # skipped one would contribute stale or zero gradients), before its collectives
-            self.comm.agree([4, self.global_steps + 1, self._backwards], f"optimizer step {self.global_steps + 1}")
-            if not self._backwards and not self._warned_count:
-                self._warned_count = True
-                warnings.warn(
-                    f"zero: optimizer step {self.global_steps + 1} comes after no engine.backward() call: it applies "
-                    f"weight decay and Adam's momentum without new gradients. Call engine.backward(loss) (not "
-                    f"loss.backward()) before engine.step() (warned once)", stacklevel=2)
-            self._backwards = 0
-        self.micro_steps += 1
-        self._step_applied = False
-        self.optimizer.at_boundary = self.is_gradient_accumulation_boundary()  # for the next backward
-        self.global_samples += self.config.train_micro_batch_size_per_gpu * self.comm.world_size
-        if not boundary:
-            return
-        with self._timed("step"):
-            updated = self.optimizer.step()
-        if self.comm.world_size > 1 and self.module.training:
-            self._sync_buffers()
-        if updated:
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-        else:
-            self.skipped_steps += 1
-        self.global_steps += 1
-        self._step_applied = bool(updated)
-        if not updated:
-            self._report_skip()
-        self._last_comm = self.comm.report()
-        self.comm.reset_counts()
-        every = self.config.steps_per_print
-        if every and self.global_steps % every == 0 and self.comm.rank == 0:
-            self._print_progress(every)
+    def _schedule(self, what: str):
+        if self.pipeline is None:
+            raise RuntimeError(f"engine.{what} runs a pipeline schedule, which this engine does not have: build the "
+                               f"model as a zero.pipe.PipelineModule (docs/parallelism.md), or train with engine(...), "
+                               f"engine.backward(loss) and engine.step()")
+        return self.pipeline
+
+    def _data(self, data_iter: Iterator | None) -> Iterator | None:
+        """DeepSpeed's train_batch() without data_iter: the loader of initialize(training_data=...),
+        repeated."""
+        if data_iter is not None or self.training_dataloader is None:
+            return data_iter
+        if self._repeating is None:
+            from zero.data import RepeatingLoader
+
+            self._repeating = RepeatingLoader(self.training_dataloader)
+        return self._repeating
+
+    def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
+        """One optimizer step over `pipeline.micro_batches` micro-batches drawn from `data_iter`
+        (each an (inputs, labels) pair; the first and last stages need it, the others may pass
+        None). Returns the mean loss, the same on every rank. See [Note: a pipelined step] in
+        zero/pipe/schedule.py."""
+        pipe = self._schedule("train_batch")
+        m = self.config.gradient_accumulation_steps
+        self.optimizer.at_boundary = False  # offload's copies to the host wait for the step: every micro-batch adds
+        with self._timed("forward"):  # forward and backward are interleaved: one figure for both
+            pipe.train(self._data(data_iter))
+        self.progress.backwards = m
+        updated = self._update()
+        self._advance(m)
+        self._after_update(updated)
+        self.agg_train_loss = pipe.mean_loss(self.comm)
+        return self.agg_train_loss
+
+    def eval_batch(self, data_iter: Iterator | None = None, return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: str | None = "avg", num_micro_batches: int | None = None) -> Any:
+        """Forward only over the micro-batches of one batch; returns the mean loss on every rank
+        (and, with `return_logits`, the last stage's outputs on the last stage's ranks)."""
+        pipe = self._schedule("eval_batch")
+        if reduce_output not in ("avg", None):
+            raise ValueError(f"reduce_output must be 'avg' or None, got {reduce_output!r}")
+        outputs = pipe.evaluate(data_iter, num_micro_batches)
+        self.agg_eval_loss = pipe.mean_loss(self.comm) if compute_loss else None
+        if return_logits:
+            return self.agg_eval_loss, outputs
+        return self.agg_eval_loss
+
+    def is_first_stage(self) -> bool:
+        """This rank runs the first pipeline stage (it reads the inputs)."""
+        return self._schedule("is_first_stage()").first
+
+    def is_last_stage(self) -> bool:
+        """This rank runs the last pipeline stage (it reads the labels and computes the loss)."""
+        return self._schedule("is_last_stage()").last
+
+    # -- state ---------------------------------------------------------------------------------
+
+    @property
+    def micro_steps(self) -> int:
+        return self.progress.micro_steps
+
+    @property
+    def global_steps(self) -> int:
+        return self.progress.global_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.progress.skipped_steps
+
+    @property
+    def global_samples(self) -> int:
+        return self.progress.global_samples
+
+    # -- checks and reports of a step ----------------------------------------------------------
 
     def _check_trainable_unchanged(self) -> None:
         changed = [(n, p.requires_grad) for n, p, was in self._trainable if p.requires_grad != was]
@@ -388,15 +565,15 @@ class Engine(nn.Module):
     def was_step_applied(self) -> bool:
         """Whether the last `step()` updated the weights (False inside an accumulation window and on
         a skipped (overflowed) step)."""
-        return self._step_applied
+        return self.progress.last_step_applied
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Make the coming `step()` an accumulation boundary (True) or not (False), whatever the
         micro-step count says (DeepSpeed's manual override)."""
         ga = self.config.gradient_accumulation_steps
-        at = self.micro_steps % ga == ga - 1
+        at = self.progress.micro_steps % ga == ga - 1
         if is_boundary and not at:
-            self.micro_steps += ga - 1 - self.micro_steps % ga
+            self.progress.micro_steps += ga - 1 - self.progress.micro_steps % ga
         elif not is_boundary and at:
             raise ValueError("set_gradient_accumulation_boundary(False) at the last micro-step of a window: "
                              "raise gradient_accumulation_steps instead")
@@ -405,7 +582,7 @@ class Engine(nn.Module):
     def get_mom(self) -> list:
         """Per param group, Adam's betas, or the momentum of an optimizer that has one (SGD,
         RMSprop), or None (DeepSpeed's momentum accessor)."""
-        client = self.optimizer.client_defaults if self.optimizer.client_class is not None else None
+        client = self.optimizer.client.defaults if self.optimizer.client is not None else None
         if client is None:
             return [tuple(g["betas"]) for g in self.optimizer.param_groups]
         key = "momentum" if "momentum" in client else "betas" if "betas" in client else None
@@ -424,9 +601,13 @@ class Engine(nn.Module):
         (gradient buffers being filled or reduced, now and at most). Stage 3 adds
         `gathered_bytes` and `gathered_peak` (gathered full parameters now and at most, persistent
         ones excluded), `gather_buffers_peak` (all-gather outputs before they are copied into
-        units) and `persistent_params` (elements kept whole on every rank).
+        units) and `persistent_params` (elements kept whole on every rank). With a mesh, `mesh`:
+        its shape, this rank's coordinates and how it divides the parameters (see MeshTraffic).
         """
-        return self.optimizer.memory_report()
+        report = self.optimizer.memory_report()
+        if self.traffic is not None:
+            report["mesh"] = self.traffic.memory()
+        return report
 
     # -- saving -----------------------------------------------------------------------------
 
@@ -435,6 +616,7 @@ class Engine(nn.Module):
         Under stage 3 parameters are gathered one at a time."""
         from zero.checkpoint import consolidated_state_dict
 
+        refuse_whole_model_save(self.mesh, "consolidated_16bit_state_dict")
         return consolidated_state_dict(self.module, self.comm, exclude_frozen_parameters)
 
     _zero3_consolidated_16bit_state_dict = consolidated_16bit_state_dict  # DeepSpeed's name (accelerate calls it)
@@ -454,6 +636,7 @@ class Engine(nn.Module):
         """
         from zero.checkpoint import atomic_save, checked_save_path
 
+        refuse_whole_model_save(self.mesh, "save_16bit_model")
         save_path = checked_save_path(save_dir, save_filename)  # on every rank, before any gather or write
         if self.config.zero_optimization.stage == 3 and not self.config.zero_optimization.gather_16bit_weights_on_model_save:
             warnings.warn("save_16bit_model: stage3_gather_16bit_weights_on_model_save is false, nothing saved "
@@ -544,94 +727,9 @@ class Engine(nn.Module):
 
     def comm_report(self) -> dict[str, dict[str, int]]:
         """Logical calls/elements/bytes per collective during the last optimizer step's window
-        (from the previous step's end to this step's end). See [Note: logical counts]."""
-        return self._last_comm
-
-
-def initialize(
-    args=None,
-    model: nn.Module | None = None,
-    optimizer: torch.optim.Optimizer | Callable | None = None,
-    model_parameters: Iterable | None = None,
-    training_data=None,
-    lr_scheduler=None,
-    collate_fn: Callable | None = None,
-    config: dict | str | os.PathLike | None = None,
-    config_params: dict | None = None,
-    dist_init_required: bool | None = None,
-):
-    """Wrap `model` for ZeRO training; DeepSpeed's `deepspeed.initialize` signature and result.
-
-    Args:
-        args: unused (DeepSpeed reads `args.deepspeed_config`; pass `config` instead).
-        model: the torch module to train.
-        optimizer: a torch.optim.Adam/AdamW whose hyperparameters and param groups are used, or
-            None to build Adam/AdamW from the config's `optimizer` section.
-        model_parameters: parameters or param groups to train (default: model.parameters()).
-        training_data: a torch Dataset; a distributed DataLoader over it is returned.
-        lr_scheduler: a scheduler object, or a callable taking the optimizer and returning one;
-            None builds the config's `scheduler` if any.
-        collate_fn: collate function of the returned DataLoader.
-        config: a DeepSpeed-style config dict or path to a JSON file.
-        config_params: DeepSpeed's older name for `config`.
-        dist_init_required: join torchrun's process group if not yet joined (default: yes).
-
-    Returns:
-        (engine, optimizer, training_dataloader or None, lr_scheduler or None)
-    """
-    if model is None:
-        raise ValueError("initialize() needs model=")
-    config = config if config is not None else config_params
-    if config is None:
-        raise ValueError("initialize() needs config= (a dict or a JSON path)")
-    if dist_init_required is not False:
-        init_distributed()
-    elif not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise RuntimeError(
-            f"zero.initialize(dist_init_required=False): WORLD_SIZE={os.environ['WORLD_SIZE']} says this process is "
-            f"one of several ranks, but no torch.distributed process group exists, so every rank would train alone. "
-            f"Call torch.distributed.init_process_group() first, or leave dist_init_required unset.")
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    from zero.pipe.module import PipelineModule
-
-    pipelined = isinstance(model, PipelineModule)
-    # every config error is raised here, first
-    cfg = load_config(config, world_size=world_size, pipeline_stages=model.num_stages if pipelined else None)
-    if cfg.pipeline.stages > 1 and not pipelined:
-        raise ValueError(f"pipeline.stages is {cfg.pipeline.stages}: the model must be a zero.pipe.PipelineModule "
-                         f"(a list of layers each stage builds its own part of), not a {type(model).__name__}")
-    auto_plan = None
-    if cfg.tensor_parallel.size > 1:
-        from zero.tp.plans import auto_plan_for
-
-        auto_plan = auto_plan_for(model, cfg.tensor_parallel.size)
-    mesh = None
-    if pipelined or cfg.tensor_parallel.size > 1:
-        from zero.mesh import build_mesh
-
-        mesh = build_mesh(cfg.pipeline.stages, world_size // (cfg.pipeline.stages * cfg.tensor_parallel.size),
-                          cfg.tensor_parallel.size, _compute_device(Comm()))
-        if auto_plan is not None:  # an HF model nobody sliced: its plan (DeepSpeed's AutoTP)
-            from zero.tp import parallelize_for_initialize
-
-            model_parameters = parallelize_for_initialize(model, mesh, auto_plan, model_parameters, optimizer)
-    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = optimizer(model.parameters() if model_parameters is None else model_parameters)
-    if pipelined:
-        from zero.pipe.engine import PipelineEngine
-
-        engine = PipelineEngine(model, cfg, mesh, model_parameters, optimizer, lr_scheduler)
-    elif mesh is not None:
-        from zero.tp import TensorParallelEngine
-
-        engine = TensorParallelEngine(model, cfg, mesh, model_parameters, optimizer, lr_scheduler)
-    else:
-        engine = Engine(model, cfg, model_parameters, optimizer, lr_scheduler)
-    loader = None
-    if training_data is not None:  # its position in the epoch goes into checkpoints
-        from zero.data import ResumableLoader
-
-        loader = engine.training_dataloader = ResumableLoader(
-            training_data, batch_size=cfg.train_micro_batch_size_per_gpu, num_replicas=engine.comm.world_size,
-            rank=engine.comm.rank, collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last)
-    return engine, engine.optimizer, loader, engine.lr_scheduler
+        (from the previous step's end to this step's end). See [Note: logical counts]. With a
+        mesh: {"dp": that, "pp": the activations and gradients sent between stages, "tp": the
+        tensor-parallel collectives} (see MeshTraffic)."""
+        if self.traffic is None:
+            return self._last_comm
+        return {"dp": self._last_comm, **{d: dict(v) for d, v in self.traffic.last.items()}}

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from zero.comm import Comm, RankDivergenceError
+from zero.comm import Comm, RankDivergenceError, Tag
 from zero.config import ZeroConfig
 
 _ENGINE_NUMBERS = itertools.count(1)  # engines of this process, in the order built (see [Note: rank-agreement tags])
@@ -55,7 +55,7 @@ def check_ranks_agree(module: nn.Module, config: ZeroConfig, comm: Comm) -> None
     lines = _what_ranks_must_share(module, config, comm.world_size)
     digest = hashlib.sha256("\n".join(lines).encode()).digest()
     words = [int.from_bytes(digest[i : i + 8], "little", signed=True) for i in (0, 8)]
-    work, tags = comm.start_tag([8, *words])
+    work, tags = comm.start_tag(Tag.INITIALIZE, *words)
     rows = comm.check_tags(work, tags, "zero.initialize", key=lambda row: row[0])
     # the engine number of these collectives: the same on every rank from here on, even if a rank
     # built an engine the others did not (one that failed, say)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-from zero.comm import Comm
+from zero.comm import Comm, Tag
 from zero.partition.layout import local_tensor
 from zero.partition.shards import ShardedParam, ZeroParamStatus, gather_param, mark_ds, shard_numel, take_shard
 
@@ -129,11 +129,12 @@ class Init:
                 continue
             self.comm.broadcast(p.data, src=0)  # every rank starts from rank 0's values
             shard = take_shard(p.data, self.comm.rank, self.comm.world_size)
-            if self.remote_device == "cpu":
-                host = torch.empty(shard.shape, dtype=shard.dtype, pin_memory=self.pin_memory and torch.cuda.is_available())
+            dtype = self.dtype or shard.dtype
+            if self.remote_device == "cpu":  # cast while copying into the host tensor that is kept, pinned
+                host = torch.empty(shard.shape, dtype=dtype, pin_memory=self.pin_memory and torch.cuda.is_available())
                 shard = host.copy_(shard)  # pinned directly: no second copy (see [Note: page-locked host memory])
-            if self.dtype is not None:
-                shard = shard.to(self.dtype)
+            else:
+                shard = shard.to(dtype)
             p._zero = ShardedParam(p.shape, p.numel(), shard_numel(p.numel(), self.comm.world_size), local=shard)
             p.data = shard[:0]
             mark_ds(p, p._zero, shard)
@@ -169,7 +170,8 @@ class GatheredParameters:
             return self
         self.comm = self.params[0]._zero.comm()  # the group the parameters are sharded over
         # every rank must enter with the same parameters (see [Note: rank-agreement tags])
-        self.comm.agree([5, len(self.params), sum(p._zero.numel for p in self.params)], "GatheredParameters")
+        self.comm.agree(Tag.GATHERED_PARAMETERS, len(self.params), sum(p._zero.numel for p in self.params),
+                        "GatheredParameters")
         with torch.no_grad():
             for p in self.params:
                 info: ShardedParam = p._zero
@@ -241,6 +243,30 @@ def set_z3_leaf_modules(model: nn.Module, leaf_module_classes: Sequence[type]) -
     for m in marked:
         m._zero_unit = True
     return marked
+
+
+def unset_z3_leaf_modules(model: nn.Module, leaf_module_classes: Sequence[type]) -> list[nn.Module]:
+    """Undo `set_z3_leaf_modules` for these classes (before `zero.initialize`).
+
+    Returns:
+        The modules that were unmarked.
+    """
+    refuse_after_initialize(model, "unset_z3_leaf_modules")
+    classes = tuple(leaf_module_classes)
+    marked = [m for m in model.modules() if isinstance(m, classes) and getattr(m, "_zero_unit", False)]
+    for m in marked:
+        m._zero_unit = False
+    return marked
+
+
+def get_z3_leaf_modules(model: nn.Module) -> list[nn.Module]:
+    """The submodules of `model` (itself included) marked as stage-3 leaves."""
+    return [m for m in model.modules() if getattr(m, "_zero_unit", False)]
+
+
+def z3_leaf_module(model: nn.Module) -> bool:
+    """Whether `model` is marked as a stage-3 leaf."""
+    return bool(getattr(model, "_zero_unit", False))
 
 
 def refuse_after_initialize(model: nn.Module, what: str) -> None:

@@ -112,61 +112,73 @@ class ModelParallelNorm:
         self.world = world
         self.copies = {p: c for p, c in copies.items() if c > 1}
 
-    def reduce(self, optimizer, total: torch.Tensor) -> None:
-        """Turn `total` (this rank's sum of squares, float64) into the world's, in place."""
+    @classmethod
+    def of(cls, module: torch.nn.Module, mesh: ParallelMesh) -> ModelParallelNorm:
+        """The norm of `module` on `mesh`: copies from tensor replication and, for a PipelineModule,
+        from tied modules held on several stages."""
+        copies = replica_counts(module, mesh)
+        tied = getattr(module, "tied_modules", None)
+        for key, shared in (tied.items() if tied is not None else []):
+            for q in shared.parameters():
+                copies[q] = copies.get(q, 1) * len(module.tied_stages(key))
+        return cls(Comm(), copies)
+
+    def reduce(self, storage, total: torch.Tensor) -> None:
+        """Turn `total` (this rank's sum of squares over `storage`'s slots, float64) into the
+        world's, in place."""
         for p, c in self.copies.items():
-            piece = optimizer.owned_grad(p)
+            piece = storage.owned_grad(p)
             if piece is not None and piece.numel():
                 total -= (1 - 1 / c) * torch.linalg.vector_norm(piece, dtype=torch.float64).to(total.device) ** 2
-        if not optimizer.norm_is_partitioned():
-            total /= optimizer.comm.world_size
+        if not storage.norm_is_partitioned():
+            total /= storage.comm.world_size
         self.world.all_reduce(total, "sum")
 
 
-class WholeModelSaveRefusal:
-    """The whole-model savers of the pipeline and tensor-parallel engines, refused with the way to
-    get the same file: no rank holds the whole model (its stages and slices are on other ranks), and
-    a training checkpoint (`save_checkpoint`, which 3D runs support) turns into a plain state dict
+def refuse_whole_model_save(mesh: ParallelMesh | None, what: str) -> None:
+    """The whole-model savers with pipeline stages or tensor slices, refused with the way to get the
+    same file: no rank holds the whole model (its stages and slices are on other ranks), and a
+    training checkpoint (`save_checkpoint`, which 3D runs support) turns into a plain state dict
     with `python -m zero.checkpoint to-fp32`."""
-
-    def _refuse(self, what: str):
+    if mesh is not None and (mesh.pp > 1 or mesh.tp > 1):
         raise NotImplementedError(
             f"engine.{what} with pipeline stages or tensor slices is not implemented: no rank holds the whole model. "
             f"Nothing was written. Save with engine.save_checkpoint(dir) and write the weights with "
             f"`python -m zero.checkpoint to-fp32 dir out --dtype bf16` (or zero.checkpoint.consolidate.get_fp32_state_dict(dir))")
 
-    def save_16bit_model(self, *args, **kwargs):
-        self._refuse("save_16bit_model")
 
-    def consolidated_16bit_state_dict(self, *args, **kwargs):
-        self._refuse("consolidated_16bit_state_dict")
+class MeshTraffic:
+    """The pipeline and tensor-parallel traffic of a 3D-parallel model, counted per step, and how
+    the mesh divides its parameters: the engine's comm_report() and memory_report() add these.
 
+    - Communication, per step: "pp" the activations sent to the next stage and the gradients sent
+      back (each part's outputs and inputs, counted by hooks); "tp" the tensor-parallel
+      collectives inside the sliced layers (a column-sliced layer all-reduces its input's gradient
+      in backward, a row-sliced one its output in forward; an output gathered whole counts its
+      size), counted by hooks as logical bytes like the data-parallel group's ("dp").
+    - Memory: the mesh's shape, this rank's coordinates, and how each dimension divides the
+      parameters: the whole model's count, this pipeline stage's, what this rank stores (its
+      tensor slices) and what its optimizer shard covers (the data-parallel partition).
 
-class MeshReports:
-    """memory_report() and comm_report() of the 3D engines, split by mesh dimension.
-
-    - Memory: the base report (this rank's bytes, measured), plus under "mesh" the mesh's shape,
-      this rank's coordinates, and how each dimension divides the parameters: the whole model's
-      count, this pipeline stage's, what this rank stores (its tensor slices) and what its
-      optimizer shard covers (the data-parallel partition).
-    - Communication, per step: "dp" is the ZeRO group's counted collectives (as without a mesh);
-      "pp" the activations sent to the next stage and the gradients sent back (each part's
-      outputs and inputs, counted by hooks); "tp" the tensor-parallel collectives inside the
-      sliced layers (a column-sliced layer all-reduces its input's gradient in backward, a
-      row-sliced one its output in forward; an output gathered whole counts its size), counted
-      by hooks as logical bytes like "dp"'s.
+    Args:
+        module: the model.
+        mesh: the mesh.
+        stage_modules: this rank's pipeline parts (a PipelineModule's `parts`; none without a pipeline).
+        optimizer_numel: elements of this rank's optimizer shard.
     """
 
-    def _init_mesh_reports(self, stage_modules: list[torch.nn.Module]) -> None:
+    def __init__(self, module: torch.nn.Module, mesh: ParallelMesh, stage_modules: list[torch.nn.Module],
+                 optimizer_numel: int):
+        self.mesh = mesh
         self._traffic: dict[str, dict[str, dict[str, int]]] = {"pp": {}, "tp": {}}
-        self._last_traffic: dict[str, dict[str, dict[str, int]]] = {"pp": {}, "tp": {}}
+        self.last: dict[str, dict[str, dict[str, int]]] = {"pp": {}, "tp": {}}
 
         def count(dim: str, name: str, tensors) -> None:
             entry = self._traffic[dim].setdefault(name, {"calls": 0, "bytes": 0})
             entry["calls"] += 1
             entry["bytes"] += sum(t.numel() * t.element_size() for t in tensors)
 
-        last = self.mesh.pp * getattr(self.module, "virtual_stages", 1) - 1
+        last = mesh.pp * getattr(module, "virtual_stages", 1) - 1
         for part in stage_modules:
             index = getattr(part, "index", 0)
             if index < last:
@@ -174,49 +186,43 @@ class MeshReports:
             if index > 0:
                 part.register_forward_pre_hook(lambda m, args: count("pp", "gradients", [
                     t for t in _floats(args) if t.requires_grad]) if torch.is_grad_enabled() else None)
-        for module in self.module.modules():
-            sliced = _sliced_direction(module)
+        for sub in module.modules():
+            sliced = _sliced_direction(sub)
             if sliced is None:
                 continue
             direction, width = sliced
             if direction == "column":
-                module.register_forward_pre_hook(lambda m, args: count("tp", "all_reduce", needs) if (
+                sub.register_forward_pre_hook(lambda m, args: count("tp", "all_reduce", needs) if (
                     needs := [t for t in _floats(args) if t.requires_grad]) and torch.is_grad_enabled() else None)
                 # an output that comes back with all the columns was gathered
-                module.register_forward_hook(lambda m, a, out, width=width: count("tp", "all_gather", gathered) if (
+                sub.register_forward_hook(lambda m, a, out, width=width: count("tp", "all_gather", gathered) if (
                     gathered := [t for t in _floats(out) if t.shape[-1] == width]) and width > 1 else None)
             else:
-                module.register_forward_hook(lambda m, a, out: count("tp", "all_reduce", _floats(out)))
-        world = Comm()
-        params = {id(p): p for p in self.module.parameters()}.values()
+                sub.register_forward_hook(lambda m, a, out: count("tp", "all_reduce", _floats(out)))
+        params = {id(p): p for p in module.parameters()}.values()
         local = sum(_stored_numel(p) for p in params)
         whole = sum(_whole_numel(p) for p in params)  # global shapes: this stage's parameters, unsliced
-        tied = getattr(self.module, "tied_modules", None)
-        stages_of = {id(q): len(self.module.tied_stages(k)) for k, m in (tied.items() if tied is not None else [])
+        tied = getattr(module, "tied_modules", None)
+        stages_of = {id(q): len(module.tied_stages(k)) for k, m in (tied.items() if tied is not None else [])
                      for q in m.parameters()}
         share = torch.tensor([sum(_whole_numel(p) / stages_of.get(id(p), 1) for p in params)], dtype=torch.float64)
-        if self.mesh.tp > 1:  # every tensor rank of a stage holds the same global shapes
-            share /= self.mesh.tp
-        share /= self.mesh.dp
-        world.all_reduce(share, "sum")
-        self._mesh_params = {"model": int(round(share.item())), "stage": whole, "rank": local,
-                             "optimizer_shard": sum(slot[1].numel() for slot in self.optimizer.slots())
-                             if hasattr(self.optimizer, "slots") else local}
+        if mesh.tp > 1:  # every tensor rank of a stage holds the same global shapes
+            share /= mesh.tp
+        share /= mesh.dp
+        Comm().all_reduce(share, "sum")
+        self.parameters = {"model": int(round(share.item())), "stage": whole, "rank": local,
+                           "optimizer_shard": optimizer_numel}
 
-    def memory_report(self) -> dict:
-        report = super().memory_report()
-        report["mesh"] = {"shape": {"pp": self.mesh.pp, "dp": self.mesh.dp, "tp": self.mesh.tp},
-                          "coordinate": {d: self.mesh.coordinate(d) for d in ("pp", "dp", "tp")},
-                          "parameters": dict(self._mesh_params)}
-        return report
-
-    def comm_report(self) -> dict:
-        return {"dp": super().comm_report(), **{d: dict(v) for d, v in self._last_traffic.items()}}
-
-    def _close_traffic_window(self) -> None:
+    def close_window(self) -> None:
         """At the end of a step: this step's pipeline and tensor traffic becomes the report's."""
-        self._last_traffic = self._traffic
+        self.last = self._traffic
         self._traffic = {"pp": {}, "tp": {}}
+
+    def memory(self) -> dict:
+        """The "mesh" entry of the engine's memory report."""
+        return {"shape": {"pp": self.mesh.pp, "dp": self.mesh.dp, "tp": self.mesh.tp},
+                "coordinate": {d: self.mesh.coordinate(d) for d in ("pp", "dp", "tp")},
+                "parameters": dict(self.parameters)}
 
 
 def _stored_numel(p: torch.Tensor) -> int:

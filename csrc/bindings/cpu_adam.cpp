@@ -1,10 +1,9 @@
 // torch entry points for the CPU Adam kernel (csrc/adam/cpu_adam.c).
 // zero/ops/cpu_adam.py validates the arguments; see bindings/tensor_args.h.
 #include <optional>
-#include <string>
-#include <vector>
 
 #include "adam/cpu_adam.h"
+#include "bindings/simd_args.h"
 #include "bindings/tensor_args.h"
 
 namespace {
@@ -21,17 +20,7 @@ void adam_step(at::Tensor param, const at::Tensor& grad, at::Tensor exp_avg, at:
                                     exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
                                     out16 ? out16->data_ptr() : nullptr, out16 ? zero_dtype_of(*out16) : ZERO_F32,
                                     &cfg, (int)simd, (int)num_threads);
-  TORCH_CHECK(rc != ZERO_ADAM_SIMD_UNAVAILABLE, "SIMD level ", zero_cpu_adam_simd_name((int)simd),
-              " is not available on this CPU");
-  TORCH_CHECK(rc == ZERO_ADAM_OK, "zero_cpu_adam_step rejected its arguments (code ", rc, ")");
-}
-
-// Available levels, best first, by name ("avx512", "avx2", "scalar").
-std::vector<std::string> simd_levels() {
-  std::vector<std::string> names;
-  for (int level = ZERO_SIMD_LEVELS - 1; level >= ZERO_SIMD_SCALAR; level--)
-    if (zero_cpu_adam_simd_available(level)) names.emplace_back(zero_cpu_adam_simd_name(level));
-  return names;
+  zero_check_kernel(rc, "zero_cpu_adam_step", simd);
 }
 
 }  // namespace
@@ -41,5 +30,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("out16"), py::arg("lr"),
         py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale"),
         py::arg("step"), py::arg("adamw_mode"), py::arg("bias_correction"), py::arg("simd"), py::arg("num_threads"));
-  m.def("simd_levels", &simd_levels, "SIMD levels this CPU runs, best first");
+  m.def("simd_levels", &zero_simd_level_names, "SIMD levels this CPU runs, best first");
 }

@@ -1,7 +1,6 @@
 // torch entry points for the 1-bit pack/unpack kernels (csrc/onebit/onebit.c).
 // zero/ops/onebit.py validates the arguments.
-#include "adam/cpu_adam.h"
-#include "bindings/tensor_args.h"
+#include "bindings/simd_args.h"
 #include "onebit/onebit.h"
 
 namespace {
@@ -11,7 +10,7 @@ void pack(const at::Tensor& x, at::Tensor err, at::Tensor bits, at::Tensor scale
           int64_t num_threads) {
   const int rc = zero_onebit_pack(x.numel(), x.data_ptr<float>(), err.data_ptr<float>(), block,
                                   bits.data_ptr<uint8_t>(), scales.data_ptr<float>(), (int)simd, (int)num_threads);
-  TORCH_CHECK(rc == ZERO_ADAM_OK, "zero_onebit_pack rejected its arguments (code ", rc, ")");
+  zero_check_kernel(rc, "zero_onebit_pack", simd);
 }
 
 // bits: (k, ceil(n/8)) uint8; scales: (k, ceil(n/block)) fp32; out: n fp32; all contiguous CPU tensors.
@@ -19,7 +18,7 @@ void unpack_mean(const at::Tensor& bits, const at::Tensor& scales, at::Tensor ou
                  int64_t num_threads) {
   const int rc = zero_onebit_unpack_mean(bits.size(0), out.numel(), bits.data_ptr<uint8_t>(), scales.data_ptr<float>(),
                                          block, out.data_ptr<float>(), (int)simd, (int)num_threads);
-  TORCH_CHECK(rc == ZERO_ADAM_OK, "zero_onebit_unpack_mean rejected its arguments (code ", rc, ")");
+  zero_check_kernel(rc, "zero_onebit_unpack_mean", simd);
 }
 
 }  // namespace
@@ -29,4 +28,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scales"), py::arg("block"), py::arg("simd"), py::arg("num_threads"));
   m.def("unpack_mean", &unpack_mean, "mean of k 1-bit messages", py::arg("bits"), py::arg("scales"), py::arg("out"),
         py::arg("block"), py::arg("simd"), py::arg("num_threads"));
+  m.def("simd_levels", &zero_simd_level_names, "SIMD levels this CPU runs, best first");
 }

@@ -3,7 +3,7 @@
 // allocated here with torch's allocator, so memory measurements see them.
 #include <vector>
 
-#include "adam/cpu_adam.h"
+#include "bindings/simd_args.h"
 #include "bindings/sparse_attention_args.h"
 
 namespace {
@@ -28,7 +28,7 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   const int rc = zero_sparse_attention_forward(&p, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                                                lse.data_ptr<float>(), ws.data_ptr<float>(), (int)simd,
                                                (int)num_threads);
-  TORCH_CHECK(rc == ZERO_ADAM_OK, "zero_sparse_attention_forward rejected its arguments (code ", rc, ")");
+  zero_check_kernel(rc, "zero_sparse_attention_forward", simd);
   return {out, lse};
 }
 
@@ -47,7 +47,7 @@ std::vector<at::Tensor> backward(const at::Tensor& q, const at::Tensor& k, const
   const int rc = zero_sparse_attention_backward(&p, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                                                 dout.data_ptr(), lse.data_ptr<float>(), dq.data_ptr(), dk.data_ptr(),
                                                 dv.data_ptr(), ws.data_ptr<float>(), (int)simd, (int)num_threads);
-  TORCH_CHECK(rc == ZERO_ADAM_OK, "zero_sparse_attention_backward rejected its arguments (code ", rc, ")");
+  zero_check_kernel(rc, "zero_sparse_attention_backward", simd);
   return {dq, dk, dv};
 }
 
@@ -61,4 +61,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("dout"), py::arg("lse"), py::arg("col_ptr"), py::arg("row_idx"), py::arg("block"),
         py::arg("causal"), py::arg("scale"), py::arg("key_bias"), py::arg("attn_bias"), py::arg("simd"),
         py::arg("num_threads"));
+  m.def("simd_levels", &zero_simd_level_names, "SIMD levels this CPU runs, best first");
 }

@@ -5,8 +5,9 @@
  *   ceil(n / 8) bytes (the unused high bits of the last byte are 0); scales: ceil(n / block) floats.
  * zero_onebit_unpack_mean: out[i] = mean over r < k of (bit_r(i) ? s_r : -s_r), s_r the scale of i's
  *   block in message r; bits: k rows of ceil(n / 8) bytes, scales: k rows of ceil(n / block).
- * block must be a positive multiple of 16. simd: a ZERO_SIMD_* level of adam/cpu_adam.h
- * (ZERO_SIMD_BEST for the best available). Returns 0, or a ZERO_ADAM_* error code. */
+ * block must be a positive multiple of 16. simd: a ZERO_SIMD_* level of common/simd.h
+ * (ZERO_SIMD_BEST for the best available); num_threads <= 0 means the OpenMP default. Returns
+ * ZERO_OK (0), or a negative code of common/simd.h before anything is written. */
 #ifndef ZERO_ONEBIT_H
 #define ZERO_ONEBIT_H
 

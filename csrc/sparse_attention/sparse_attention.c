@@ -22,15 +22,16 @@
  * Every product is one `gemm` call C (+)= A B with A read through (row, column) strides, so
  * A^T costs nothing. The portable path is plain loops; the AVX2 and AVX-512 paths are
  * register-blocked micro-kernels (6 rows x 16 or 32 columns of C in registers, a broadcast of A
- * and a row of B per step) plus a vector exp, chosen at run time. */
+ * and a row of B per step) plus a vector exp, one body (sparse_attention_body.h) compiled per
+ * width, chosen at run time (common/simd.h). */
 #include "sparse_attention/sparse_attention.h"
 
 #include <math.h>
 #include <stddef.h>
 #include <string.h>
 
-#include "adam/cpu_adam.h"
 #include "common/dtypes.h"
+#include "common/simd.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -39,14 +40,6 @@
 #else
 #define THREAD_ID() 0
 #define TEAM_SIZE() 1
-#endif
-
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) && \
-    !defined(ZERO_NO_X86_SIMD)
-#define SPARSE_X86 1
-#include <immintrin.h>
-#else
-#define SPARSE_X86 0
 #endif
 
 /* The vector operations one SIMD level provides; the drivers below are written once over them. */
@@ -103,282 +96,34 @@ static void ds_row_scalar(int64_t n, float *dp, const float *p, float delta) {
     for (int64_t j = 0; j < n; j++) dp[j] = p[j] * (dp[j] - delta);
 }
 
-static const vec_ops OPS_SCALAR = {gemm_scalar, row_max_scalar, exp_sub_sum_scalar, scale_row_scalar, ds_row_scalar};
+static const vec_ops ops_scalar = {gemm_scalar, row_max_scalar, exp_sub_sum_scalar, scale_row_scalar, ds_row_scalar};
 
-#if SPARSE_X86
-/* exp(x) for x <= 88: x = n ln2 + r with |r| <= ln2/2 (ln2 in two parts, so r is exact to fp32),
- * exp(r) by its degree-7 Taylor polynomial (relative error < 1e-8 on that interval), times 2^n
- * built in the exponent bits. Below ln(FLT_MIN) (and for -inf) the result is 0. */
+#if ZERO_HAVE_X86_SIMD
+/* The constants of the vector exp: see its comment in sparse_attention_body.h. */
 #define EXP_LO (-87.33654475f)
 #define EXP_HI 88.0f
 #define EXP_LN2_HI 0.693145751953125f
 #define EXP_LN2_LO 1.428606765330187045e-06f
 #define EXP_LOG2E 1.44269504088896341f
 
-/* ------------------------------------------------------------------------------ AVX2 */
-#define TARGET_AVX2 __attribute__((target("avx2,fma")))
-#define INLINE_AVX2 TARGET_AVX2 static inline __attribute__((always_inline))
-
-INLINE_AVX2 __m256 exp_avx2(__m256 x) {
-    const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LO), _CMP_LT_OQ);
-    /* operands in this order: max/min return their second operand when either is NaN, so a NaN
-       score stays NaN (as in the scalar path) instead of becoming a clamp bound */
-    x = _mm256_min_ps(_mm256_set1_ps(EXP_HI), _mm256_max_ps(_mm256_set1_ps(EXP_LO), x));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
-    __m256 y = _mm256_set1_ps(1.0f / 5040);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 720));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 120));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 24));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 6));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(0.5f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
-}
-
-/* mr rows x (16 if wide else 8) columns of C, kept in registers over the whole K loop. */
-INLINE_AVX2 void tile_avx2(const int mr, const int wide, int64_t K, const float *A, int64_t a_rs, int64_t a_cs,
-                           const float *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
-    __m256 c0[6], c1[6];
-    for (int r = 0; r < mr; r++) {
-        c0[r] = accumulate ? _mm256_loadu_ps(C + r * ldc) : _mm256_setzero_ps();
-        c1[r] = (accumulate && wide) ? _mm256_loadu_ps(C + r * ldc + 8) : _mm256_setzero_ps();
-    }
-    for (int64_t k = 0; k < K; k++) {
-        const float *b = B + k * ldb, *a = A + k * a_cs;
-        const __m256 b0 = _mm256_loadu_ps(b);
-        const __m256 b1 = wide ? _mm256_loadu_ps(b + 8) : b0;
-        for (int r = 0; r < mr; r++) {
-            const __m256 x = _mm256_broadcast_ss(a + r * a_rs);
-            c0[r] = _mm256_fmadd_ps(x, b0, c0[r]);
-            if (wide) c1[r] = _mm256_fmadd_ps(x, b1, c1[r]);
-        }
-    }
-    for (int r = 0; r < mr; r++) {
-        _mm256_storeu_ps(C + r * ldc, c0[r]);
-        if (wide) _mm256_storeu_ps(C + r * ldc + 8, c1[r]);
-    }
-}
-
-/* Rows i .. i+mr of C: 16-column tiles, an 8-column tile, then a scalar tail. */
-INLINE_AVX2 void panel_avx2(const int mr, int64_t N, int64_t K, const float *A, int64_t a_rs, int64_t a_cs,
-                            const float *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
-    int64_t j = 0;
-    for (; j + 16 <= N; j += 16) tile_avx2(mr, 1, K, A, a_rs, a_cs, B + j, ldb, C + j, ldc, accumulate);
-    if (j + 8 <= N) {
-        tile_avx2(mr, 0, K, A, a_rs, a_cs, B + j, ldb, C + j, ldc, accumulate);
-        j += 8;
-    }
-    if (j < N) gemm_scalar(mr, N - j, K, A, a_rs, a_cs, B + j, ldb, C + j, ldc, accumulate);
-}
-
-TARGET_AVX2 static void gemm_avx2(int64_t M, int64_t N, int64_t K, const float *A, int64_t a_rs, int64_t a_cs,
-                                  const float *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
-    int64_t i = 0;
-    for (; i + 6 <= M; i += 6) panel_avx2(6, N, K, A + i * a_rs, a_rs, a_cs, B, ldb, C + i * ldc, ldc, accumulate);
-    if (i + 4 <= M) {
-        panel_avx2(4, N, K, A + i * a_rs, a_rs, a_cs, B, ldb, C + i * ldc, ldc, accumulate);
-        i += 4;
-    }
-    if (i + 2 <= M) {
-        panel_avx2(2, N, K, A + i * a_rs, a_rs, a_cs, B, ldb, C + i * ldc, ldc, accumulate);
-        i += 2;
-    }
-    if (i < M) panel_avx2(1, N, K, A + i * a_rs, a_rs, a_cs, B, ldb, C + i * ldc, ldc, accumulate);
-}
-
-INLINE_AVX2 float hsum_avx2(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-TARGET_AVX2 static float row_max_avx2(int64_t n, const float *x) {
-    __m256 m = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        const __m256 v = _mm256_loadu_ps(x + j);
-        m = _mm256_max_ps(m, v);
-        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    }
-    if (_mm256_movemask_ps(nan)) return NAN;
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_movehdup_ps(h));
-    float r = _mm_cvtss_f32(h);
-    for (; j < n; j++) r = nan_max(r, x[j]);
-    return r;
-}
-
-TARGET_AVX2 static float exp_sub_sum_avx2(int64_t n, float *x, float sub) {
-    const __m256 s = _mm256_set1_ps(sub);
-    __m256 acc = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + j), s));
-        _mm256_storeu_ps(x + j, e);
-        acc = _mm256_add_ps(acc, e);
-    }
-    return hsum_avx2(acc) + exp_sub_sum_scalar(n - j, x + j, sub);
-}
-
-TARGET_AVX2 static void scale_row_avx2(int64_t n, float *x, float a) {
-    const __m256 va = _mm256_set1_ps(a);
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(x + j, _mm256_mul_ps(_mm256_loadu_ps(x + j), va));
-    scale_row_scalar(n - j, x + j, a);
-}
-
-TARGET_AVX2 static void ds_row_avx2(int64_t n, float *dp, const float *p, float delta) {
-    const __m256 d = _mm256_set1_ps(delta);
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8)
-        _mm256_storeu_ps(dp + j, _mm256_mul_ps(_mm256_loadu_ps(p + j), _mm256_sub_ps(_mm256_loadu_ps(dp + j), d)));
-    ds_row_scalar(n - j, dp + j, p + j, delta);
-}
-
-static const vec_ops OPS_AVX2 = {gemm_avx2, row_max_avx2, exp_sub_sum_avx2, scale_row_avx2, ds_row_avx2};
-
-/* ------------------------------------------------------------------------------ AVX-512 */
-/* The AVX2 path with 16 lanes: tiles of 6 rows x 32 columns (12 accumulators of the 32
- * registers), then 16 columns, then 8 columns as a masked 16-lane tile. */
-#define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx2,fma")))
-#define INLINE_AVX512 TARGET_AVX512 static inline __attribute__((always_inline))
-
-INLINE_AVX512 __m512 exp_avx512(__m512 x) {
-    const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_LO), _CMP_LT_OQ);
-    x = _mm512_min_ps(_mm512_set1_ps(EXP_HI), _mm512_max_ps(_mm512_set1_ps(EXP_LO), x)); /* NaN stays: see AVX2 */
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
-    __m512 y = _mm512_set1_ps(1.0f / 5040);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 720));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 120));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 24));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 6));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mov_ps((__mmask16)~under, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
-}
-
-/* mr rows x (32 if wide, else the lanes of `lanes`) columns of C. */
-INLINE_AVX512 void tile_avx512(const int mr, const int wide, const __mmask16 lanes, int64_t K, const float *A,
-                               int64_t a_rs, int64_t a_cs, const float *B, int64_t ldb, float *C, int64_t ldc,
-                               int accumulate) {
-    __m512 c0[6], c1[6];
-    for (int r = 0; r < mr; r++) {
-        c0[r] = accumulate ? _mm512_maskz_loadu_ps(lanes, C + r * ldc) : _mm512_setzero_ps();
-        c1[r] = (accumulate && wide) ? _mm512_loadu_ps(C + r * ldc + 16) : _mm512_setzero_ps();
-    }
-    for (int64_t k = 0; k < K; k++) {
-        const float *b = B + k * ldb, *a = A + k * a_cs;
-        const __m512 b0 = _mm512_maskz_loadu_ps(lanes, b);
-        const __m512 b1 = wide ? _mm512_loadu_ps(b + 16) : b0;
-        for (int r = 0; r < mr; r++) {
-            const __m512 x = _mm512_set1_ps(a[r * a_rs]);
-            c0[r] = _mm512_fmadd_ps(x, b0, c0[r]);
-            if (wide) c1[r] = _mm512_fmadd_ps(x, b1, c1[r]);
-        }
-    }
-    for (int r = 0; r < mr; r++) {
-        _mm512_mask_storeu_ps(C + r * ldc, lanes, c0[r]);
-        if (wide) _mm512_storeu_ps(C + r * ldc + 16, c1[r]);
-    }
-}
-
-INLINE_AVX512 void panel_avx512(const int mr, int64_t N, int64_t K, const float *A, int64_t a_rs, int64_t a_cs,
-                                const float *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
-    int64_t j = 0;
-    for (; j + 32 <= N; j += 32)
-        tile_avx512(mr, 1, (__mmask16)0xffff, K, A, a_rs, a_cs, B + j, ldb, C + j, ldc, accumulate);
-    if (j + 16 <= N) {
-        tile_avx512(mr, 0, (__mmask16)0xffff, K, A, a_rs, a_cs, B + j, ldb, C + j, ldc, accumulate);
-        j += 16;
-    }
-    if (j + 8 <= N) {
-        tile_avx512(mr, 0, (__mmask16)0x00ff, K, A, a_rs, a_cs, B + j, ldb, C + j, ldc, accumulate);
-        j += 8;
-    }
-    if (j < N) gemm_scalar(mr, N - j, K, A, a_rs, a_cs, B + j, ldb, C + j, ldc, accumulate);
-}
-
-TARGET_AVX512 static void gemm_avx512(int64_t M, int64_t N, int64_t K, const float *A, int64_t a_rs, int64_t a_cs,
-                                      const float *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
-    int64_t i = 0;
-    for (; i + 6 <= M; i += 6) panel_avx512(6, N, K, A + i * a_rs, a_rs, a_cs, B, ldb, C + i * ldc, ldc, accumulate);
-    if (i + 4 <= M) {
-        panel_avx512(4, N, K, A + i * a_rs, a_rs, a_cs, B, ldb, C + i * ldc, ldc, accumulate);
-        i += 4;
-    }
-    if (i + 2 <= M) {
-        panel_avx512(2, N, K, A + i * a_rs, a_rs, a_cs, B, ldb, C + i * ldc, ldc, accumulate);
-        i += 2;
-    }
-    if (i < M) panel_avx512(1, N, K, A + i * a_rs, a_rs, a_cs, B, ldb, C + i * ldc, ldc, accumulate);
-}
-
-TARGET_AVX512 static float row_max_avx512(int64_t n, const float *x) {
-    __m512 m = _mm512_set1_ps(-INFINITY);
-    __mmask16 nan = 0;
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16) {
-        const __m512 v = _mm512_loadu_ps(x + j);
-        m = _mm512_max_ps(m, v);
-        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    }
-    if (nan) return NAN;
-    float r = _mm512_reduce_max_ps(m);
-    for (; j < n; j++) r = nan_max(r, x[j]);
-    return r;
-}
-
-TARGET_AVX512 static float exp_sub_sum_avx512(int64_t n, float *x, float sub) {
-    const __m512 s = _mm512_set1_ps(sub);
-    __m512 acc = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16) {
-        const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(x + j), s));
-        _mm512_storeu_ps(x + j, e);
-        acc = _mm512_add_ps(acc, e);
-    }
-    return _mm512_reduce_add_ps(acc) + exp_sub_sum_scalar(n - j, x + j, sub);
-}
-
-TARGET_AVX512 static void scale_row_avx512(int64_t n, float *x, float a) {
-    const __m512 va = _mm512_set1_ps(a);
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16) _mm512_storeu_ps(x + j, _mm512_mul_ps(_mm512_loadu_ps(x + j), va));
-    scale_row_scalar(n - j, x + j, a);
-}
-
-TARGET_AVX512 static void ds_row_avx512(int64_t n, float *dp, const float *p, float delta) {
-    const __m512 d = _mm512_set1_ps(delta);
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16)
-        _mm512_storeu_ps(dp + j, _mm512_mul_ps(_mm512_loadu_ps(p + j), _mm512_sub_ps(_mm512_loadu_ps(dp + j), d)));
-    ds_row_scalar(n - j, dp + j, p + j, delta);
-}
-
-static const vec_ops OPS_AVX512 = {gemm_avx512, row_max_avx512, exp_sub_sum_avx512, scale_row_avx512,
-                                   ds_row_avx512};
-#endif /* SPARSE_X86 */
+/* ------------------------------------------------------------------------------ AVX2, AVX-512 */
+#include "common/simd_width.h"
+#define ZV_BITS 256
+#include "sparse_attention/sparse_attention_body.h" /* ops_avx2 */
+#undef ZV_BITS
+#define ZV_BITS 512
+#include "sparse_attention/sparse_attention_body.h" /* ops_avx512 */
+#undef ZV_BITS
+#endif /* ZERO_HAVE_X86_SIMD */
 
 static const vec_ops *pick_ops(int simd) {
-    int level = simd == ZERO_SIMD_BEST ? zero_cpu_adam_best_simd() : simd;
-    if (level < ZERO_SIMD_SCALAR || level >= ZERO_SIMD_LEVELS || !zero_cpu_adam_simd_available(level)) return NULL;
-#if SPARSE_X86
-    if (level == ZERO_SIMD_AVX512) return &OPS_AVX512;
-    if (level == ZERO_SIMD_AVX2) return &OPS_AVX2;
+    const int level = zero_simd_resolve(simd);
+    if (level < 0) return NULL;
+#if ZERO_HAVE_X86_SIMD
+    if (level == ZERO_SIMD_AVX512) return &ops_avx512;
+    if (level == ZERO_SIMD_AVX2) return &ops_avx2;
 #endif
-    return &OPS_SCALAR;
+    return &ops_scalar;
 }
 
 /* ------------------------------------------------------------------------------ shared pieces */
@@ -501,12 +246,12 @@ int64_t zero_sparse_attention_forward_workspace(const zero_sparse_attention_prob
 
 int zero_sparse_attention_forward(const zero_sparse_attention_problem *p, const void *q, const void *k, const void *v,
                                   void *out, float *lse, float *workspace, int simd, int num_threads) {
-    if (!zero_sparse_attention_valid(p) || !p->row_ptr || !p->col_idx) return ZERO_ADAM_BAD_ARGUMENT;
+    if (!zero_sparse_attention_valid(p) || !p->row_ptr || !p->col_idx) return ZERO_BAD_ARGUMENT;
     const int64_t units = p->batch * p->heads;
-    if (units == 0 || p->seq == 0) return ZERO_ADAM_OK;
-    if (!q || !k || !v || !out || !lse || !workspace) return ZERO_ADAM_BAD_ARGUMENT;
+    if (units == 0 || p->seq == 0) return ZERO_OK;
+    if (!q || !k || !v || !out || !lse || !workspace) return ZERO_BAD_ARGUMENT;
     const vec_ops *ops = pick_ops(simd);
-    if (!ops) return ZERO_ADAM_SIMD_UNAVAILABLE;
+    if (!ops) return ZERO_SIMD_UNAVAILABLE;
     const int64_t bs = p->block, D = p->head_dim, D8 = round_up(D, 8), T = p->seq, nb = T / bs;
     const int64_t head = forward_head_floats(p), group = group_heads(units, head), kt_floats = round_up(T * D, 16);
     const int64_t stride = T * D * zero_dtype_size(p->dtype); /* bytes of one (batch, head) */
@@ -538,7 +283,7 @@ int zero_sparse_attention_forward(const zero_sparse_attention_problem *p, const 
             }
         }
     }
-    return ZERO_ADAM_OK;
+    return ZERO_OK;
 }
 
 /* ------------------------------------------------------------------------------ backward */
@@ -603,12 +348,12 @@ int64_t zero_sparse_attention_backward_workspace(const zero_sparse_attention_pro
 int zero_sparse_attention_backward(const zero_sparse_attention_problem *p, const void *q, const void *k,
                                    const void *v, const void *out, const void *dout, const float *lse, void *dq,
                                    void *dk, void *dv, float *workspace, int simd, int num_threads) {
-    if (!zero_sparse_attention_valid(p) || !p->col_ptr || !p->row_idx) return ZERO_ADAM_BAD_ARGUMENT;
+    if (!zero_sparse_attention_valid(p) || !p->col_ptr || !p->row_idx) return ZERO_BAD_ARGUMENT;
     const int64_t units = p->batch * p->heads;
-    if (units == 0 || p->seq == 0) return ZERO_ADAM_OK;
-    if (!q || !k || !v || !out || !dout || !lse || !dq || !dk || !dv || !workspace) return ZERO_ADAM_BAD_ARGUMENT;
+    if (units == 0 || p->seq == 0) return ZERO_OK;
+    if (!q || !k || !v || !out || !dout || !lse || !dq || !dk || !dv || !workspace) return ZERO_BAD_ARGUMENT;
     const vec_ops *ops = pick_ops(simd);
-    if (!ops) return ZERO_ADAM_SIMD_UNAVAILABLE;
+    if (!ops) return ZERO_SIMD_UNAVAILABLE;
     const int64_t bs = p->block, D = p->head_dim, D8 = round_up(D, 8), T = p->seq, nb = T / bs;
     const int threads = zero_cpu_thread_count(num_threads);
     const int64_t head = backward_head_floats(p), group = backward_group(p, threads);
@@ -665,5 +410,5 @@ int zero_sparse_attention_backward(const zero_sparse_attention_problem *p, const
             }
         }
     }
-    return ZERO_ADAM_OK;
+    return ZERO_OK;
 }

@@ -22,9 +22,9 @@
  *
  * Work space. The caller allocates `*_workspace(p, num_threads)` floats (the kernels allocate
  * nothing, so a caller's allocator sees every byte) and passes the same num_threads.
- * simd: a ZERO_SIMD_* level of adam/cpu_adam.h or ZERO_SIMD_BEST; num_threads <= 0 means the
- * OpenMP default. Every entry point returns ZERO_ADAM_OK or a negative ZERO_ADAM_* code before
- * writing anything. */
+ * simd: a ZERO_SIMD_* level of common/simd.h or ZERO_SIMD_BEST; num_threads <= 0 means the
+ * OpenMP default. Every entry point returns ZERO_OK, or a negative code of common/simd.h
+ * (ZERO_BAD_ARGUMENT, ZERO_SIMD_UNAVAILABLE) before writing anything. */
 #ifndef ZERO_SPARSE_ATTENTION_H
 #define ZERO_SPARSE_ATTENTION_H
 

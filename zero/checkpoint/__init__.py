@@ -22,7 +22,7 @@ from pathlib import Path, PurePath
 import torch
 import torch.nn as nn
 
-from zero.comm import Comm
+from zero.comm import Comm, Tag
 
 # An orphaned temporary file whose writer cannot be checked (another host, or no pid in its name)
 # is removed once it has not been written to for this long. See [Note: atomic checkpoint writes].
@@ -190,7 +190,7 @@ def consolidated_state_dict(module: nn.Module, comm: Comm, exclude_frozen_parame
     """
     from zero.init import GatheredParameters
 
-    comm.agree([6, 0, 0], "saving the 16-bit model")  # every rank, or none (see [Note: rank-agreement tags])
+    comm.agree(Tag.SAVE_16BIT_MODEL, 0, 0, "saving the 16-bit model")  # every rank, or none (see [Note: rank-agreement tags])
     out: dict[str, torch.Tensor] = {}
     done: dict[int, torch.Tensor] = {}
     for name, value in module.state_dict(keep_vars=True).items():

@@ -4,8 +4,10 @@
     save_dir/
       latest                      the last complete tag (written last, atomically)
       global_step100/             one tag
-        zero_checkpoint.json      format, world size, stage, counters, loss scaler, lr scheduler,
-                                  param groups, every parameter's shape/dtype, client_state
+        zero_checkpoint.json      format, world size, stage, the engine's counters
+                                  (engine.progress.state_dict()), the optimizer's step count, param
+                                  groups and loss scale (engine.optimizer.state_dict()), the lr
+                                  scheduler, every parameter's shape/dtype, client_state
         tensors/*.safetensors     model/master/exp_avg/exp_avg_sq as chunked global 1-D tensors,
                                   one file per saving rank (see [Note: checkpoint chunks])
         rng/rank<r>.safetensors   each rank's torch (CPU and CUDA), numpy and python RNG states
@@ -38,10 +40,11 @@ import torch.nn as nn
 
 from zero.checkpoint.chunks import Chunk, load_chunks, save_chunks, saved_tensors
 from zero.checkpoint.placement import Placement, from_whole, layout_of, piece_offset, to_whole
+from zero.comm import Tag
 from zero.errors import ZeroRuntimeError
 
 FORMAT = "zero-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: the optimizer's and the engine's own state_dict()s
 STATE_FILE = "zero_checkpoint.json"
 OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -83,7 +86,7 @@ def _chunks(engine, place: Placement, saving: bool, kinds: tuple[str, ...] = ("m
         if is_param:
             if exclude_frozen and not t.requires_grad:
                 continue
-            pieces = opt.param_chunks(t, saving)
+            pieces = opt.storage.param_chunks(t, saving)
         else:  # buffers are replicated: data rank 0 writes them, every rank reads them
             if not t.is_contiguous():
                 raise CheckpointError(f"buffer {name!r} is not contiguous; zero checkpoints store buffers flat")
@@ -152,8 +155,8 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
     """See Engine.save_checkpoint. Returns the tag's path, or with `async_save` a PendingSave."""
     place = Placement(engine)
     comm = place.world
-    if engine.optimizer.client_class is not None:
-        raise CheckpointError(f"save_checkpoint with a {engine.optimizer.client_class.__name__} client optimizer is not "
+    if engine.optimizer.client is not None:
+        raise CheckpointError(f"save_checkpoint with a {engine.optimizer.client.cls.__name__} client optimizer is not "
                               f"implemented yet (zero checkpoints hold Adam's state); save the model with "
                               f"save_16bit_model, or train with Adam/AdamW")
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
@@ -165,20 +168,17 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
     state = {
         "format": FORMAT, "version": VERSION, "world_size": comm.world_size, "mesh": place.mesh_shape(),
         "stage": engine.config.zero_optimization.stage, "dtype": str(engine.config.dtype),
-        "global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
-        "micro_steps": engine.micro_steps, "global_samples": engine.global_samples,
-        "optimizer_step": engine.optimizer.step_count,
-        "loss_scaler": _json_or_error(engine.optimizer.loss_scaler.state_dict(), "the loss scaler's state"),
+        **engine.progress.state_dict(), "micro_steps": engine.micro_steps,
+        "optimizer": _json_or_error(engine.optimizer.state_dict(), "the optimizer's state (its param groups)"),
         "lr_scheduler": _json_or_error(scheduler.state_dict(), "the lr scheduler's state_dict()")
         if scheduler is not None and hasattr(scheduler, "state_dict") else None,
-        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
         "tensors": _tensor_entries(engine),
         "client_state": _json_or_error(dict(client_state or {}), "client_state"),
         "tied": _tied_aliases(engine.module),
         "dataloader": engine.training_dataloader.state_dict() if engine.training_dataloader is not None else None,
     }
     # every rank, or none, with the same tag (see [Note: rank-agreement tags])
-    comm.agree([6, 1, zlib.crc32(tag.encode())], f"save_checkpoint({str(root)!r}, tag={tag!r})")
+    comm.agree(Tag.SAVE_CHECKPOINT, 0, zlib.crc32(tag.encode()), f"save_checkpoint({str(root)!r}, tag={tag!r})")
     if place.mesh is not None:  # each pipeline stage knows its own tensors: the JSON lists all of them
         state["tensors"] = {n: e for entries in place.gather(state["tensors"]) for n, e in entries.items()}
     if engine.micro_steps % engine.config.gradient_accumulation_steps:
@@ -434,6 +434,11 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
         if io.any_rank(bool(absent), f"checking checkpoint {path}"):
             raise CheckpointError(f"{path}: the checkpoint lacks optimizer states ({absent[:4]}...); load with "
                                   f"load_optimizer_states=False to take the model only")
+        groups = len(state["optimizer"]["param_groups"])
+        if groups != len(engine.optimizer.param_groups):
+            raise CheckpointError(f"{path}: the checkpoint's optimizer has {groups} param group(s), this engine's "
+                                  f"{len(engine.optimizer.param_groups)}: build the engine with the same param groups "
+                                  f"(model_parameters), or load with load_optimizer_states=False")
     kinds = ("model", *OPTIMIZER_KINDS) if with_optimizer else ("model",)
     targets = [c for c in _chunks(engine, place, saving=False, kinds=kinds) if c.name in stored]
     if not with_optimizer:  # the master follows the loaded model
@@ -477,26 +482,20 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
             else:  # this rank's own state, over what rank 0 saved for everyone (see ShardedAdam.rank_state)
                 for key, t in engine.optimizer.rank_state().items():
                     t.copy_(own[key])
-    engine.optimizer.after_checkpoint_load()
-    engine.optimizer.edits_seen(engine.module.parameters())
+    engine.optimizer.storage.after_checkpoint_load()
+    engine.optimizer.storage.edits_seen(engine.module.parameters())
     if load_module_only:
         return str(path), state["client_state"]
     if with_optimizer:
-        engine.optimizer.step_count = state["optimizer_step"]
-        for group, saved_group in zip(engine.optimizer.param_groups, state["param_groups"]):
-            group.update({k: tuple(v) if k == "betas" else v for k, v in saved_group.items()})
-        engine.optimizer.loss_scaler.load_progress(state["loss_scaler"])
+        engine.optimizer.load_state_dict(state["optimizer"])
 
     if load_lr_scheduler_states and state["lr_scheduler"] is not None and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    for key in ("global_steps", "skipped_steps", "global_samples"):
-        setattr(engine, key, state[key])
-    # a window of accumulated micro-batches is not in a checkpoint: start at its beginning
-    engine.micro_steps = state["global_steps"] * engine.config.gradient_accumulation_steps
+    engine.progress.load_state_dict(state)  # a window of accumulated micro-batches is not in a checkpoint:
+    # it starts at the window's beginning
     if state.get("dataloader") is not None and engine.training_dataloader is not None:
         engine.training_dataloader.load_state_dict(state["dataloader"])
     engine.optimizer.at_boundary = engine.is_gradient_accumulation_boundary()
-    engine._backwards = 0
     rng = path / "rng" / f"rank{place.world.rank}.safetensors"
     if rng.is_file():
         with safe_open(str(rng), framework="pt") as f:

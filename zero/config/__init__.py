@@ -10,13 +10,18 @@ we do not implement). Everything is checked here, before any model or process gr
 - a bad value is a `ConfigError` naming its path and the expected type or range;
 - a DeepSpeed key we do not read is a `ConfigError` if setting it would change the results, and a
   `ConfigWarning` if it would not (see `UNIMPLEMENTED_FEATURES` and [Note: what zero does with a
-  DeepSpeed key] in zero/config/features.py); no accepted key is silently ignored.
+  DeepSpeed key] in zero/config/features.py); no accepted key is silently ignored;
+- settings that cannot go together, with each other or with the caller's model and optimizer
+  object (`load_config(..., model_is_pipeline=, client_optimizer=)`), are a `ConfigError` naming
+  the key to change (see [Note: rules that combine settings] in zero/config/rules.py).
 
 "auto" values: see [Note: "auto" values] in zero/config/loading.py.
 
 The package, one concern a file: `errors.py` (ConfigError, readable messages from pydantic's),
-`sections.py` (the section models), `model.py` (`ZeroConfig`, the root), `features.py` (the keys we
-refuse or warn about), `loading.py` (`load_config`, `resolve_auto`, the batch rule).
+`sections.py`, `optimizer.py` and `parallel.py` (the section models), `model.py` (`ZeroConfig`, the
+root), `features.py` (the keys we refuse or warn about, one row each, from which the section models
+get their fields), `rules.py` (settings that cannot go together), `loading.py` (`load_config`,
+`resolve_auto`, the batch rule).
 """
 from zero.config.errors import ConfigError, ConfigWarning
 from zero.config.features import UNIMPLEMENTED_FEATURES, UnimplementedFeature

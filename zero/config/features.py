@@ -1,40 +1,77 @@
-"""The DeepSpeed keys `zero` accepts but does not read: each refused or warned about, with its reason."""
+"""The DeepSpeed keys `zero` accepts but does not read: each refused or warned about, with its
+reason, and each given its pydantic field here, from its row."""
 from __future__ import annotations
 
 import json
+import pathlib
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Optional, TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, create_model
 
 from zero.config.errors import _raise, _warn
-from zero.config.model import ZeroConfig
+
+if TYPE_CHECKING:
+    from zero.config.model import ZeroConfig
 
 # ---------------------------------------------------------------------------------------------
 # [Note: what zero does with a DeepSpeed key]
 # Every key `zero` accepts is one of three kinds; none is accepted and silently ignored.
 #
-# - READ: it changes what zero does. These are the typed fields of the section models that the
-#   engine reads. A value zero cannot honour is refused by that field's validator, with the key's
-#   path (offload `device: "nvme"`, `offload_optimizer.ratio` < 1, `amsgrad`, an optimizer type
-#   other than Adam/AdamW). A READ key that cannot matter in some combination of settings warns
-#   from `ZeroOptimizationConfig`'s validator (`offload_param` below stage 3, `sub_group_size`
-#   without optimizer offload, `pin_memory` with `device: "none"`).
+# - READ: it changes what zero does. These are the typed fields of the section models, and code
+#   outside zero/config/ reads them (tests/test_config.py::test_every_key_is_read_refused_or_warned
+#   checks this in the source, not against a list). A value zero cannot honour is refused by that
+#   field's validator, with the key's path (offload `device: "nvme"`, an unknown optimizer type);
+#   a key whose only accepted value is its default (`offload_optimizer.ratio`, `amsgrad`) is not
+#   read, just refused when set otherwise. A READ key that cannot matter in some combination of
+#   settings warns from `ZeroOptimizationConfig`'s validator (`offload_param` below stage 3,
+#   `sub_group_size` without optimizer offload, `pin_memory` with `device: "none"`); settings that
+#   cannot go together are refused by `ZeroConfig`'s (see [Note: rules that combine settings] in
+#   zero/config/rules.py).
 # - REFUSED: zero does not implement it and setting it would change what training computes:
 #   a `ConfigError`.
 # - WARNED: zero does not implement it and results are unaffected (logging, monitoring,
 #   profiling, DeepSpeed's own memory and speed knobs, training checkpoints): a `ConfigWarning`.
 #
-# REFUSED and WARNED keys are the rows of `UNIMPLEMENTED_FEATURES`, one row per key with its
-# reason, and nowhere else. A row fires only when the key is set to a value that would matter: by
-# default, a value other than DeepSpeed's default, so a config that spells out the defaults loads
-# quietly. `load_config` checks the table after validation, before any model or process group is
-# touched. tests/test_config.py::test_every_key_is_read_refused_or_warned keeps this complete: a
-# new field must be added to its READ list or to this table.
+# REFUSED and WARNED keys are the rows of `UNIMPLEMENTED_FEATURES`, one row per key, and nowhere
+# else: a row holds the key's reason and its field (type, default, description), and the section
+# models get their placeholder fields from the rows (`with_placeholders`). A row fires only when the
+# key is set to a value that would matter: by default, a value other than DeepSpeed's default, so
+# a config that spells out the defaults loads quietly. `load_config` checks the table after
+# validation, before any model or process group is touched. docs/config.md reproduces the table
+# (a test compares them row by row).
 # ---------------------------------------------------------------------------------------------
 
 Predicate = Callable[[Any], bool]
+RawSection = Optional[dict[str, Any]]  # a DeepSpeed section we do not model: its sub-keys are DeepSpeed's
+
+
+@dataclass(frozen=True)
+class Placeholder:
+    """The pydantic field an unimplemented key gets: DeepSpeed's type and default, and a description.
+
+    `raw`: the key lies inside a DeepSpeed section zero does not model (`amp.enabled`); the field
+    is that whole section, at the root, typed `RawSection`.
+    """
+
+    annotation: Any
+    default: Any
+    description: str
+    constraints: dict[str, Any] = field(default_factory=dict)
+    raw: bool = False
+
+
+def _flag(default: bool, description: str) -> Placeholder:
+    return Placeholder(bool, default, description)
+
+
+def _key(annotation: Any, default: Any, description: str, **constraints: Any) -> Placeholder:
+    return Placeholder(annotation, default, description, constraints)
+
+
+def _raw(description: str) -> Placeholder:
+    return Placeholder(RawSection, None, description, raw=True)
 
 
 @dataclass(frozen=True)
@@ -48,20 +85,32 @@ class UnimplementedFeature:
         is_set: whether a value counts as set. None: it differs from the field's default. Given
             for keys inside raw DeepSpeed sections (no model, so no default) and where only some
             non-default values matter (`zero_hpz_partition_size` > 1).
+        placeholder: the field that accepts the key (see `with_placeholders`).
     """
 
     path: str
     kind: Literal["error", "warning"]
     reason: str
     is_set: Optional[Predicate] = None
+    placeholder: Optional[Placeholder] = None
+
+    @property
+    def field_at(self) -> tuple[str, str]:
+        """(dotted path of the section, key) where the placeholder field goes; "" is the root."""
+        if self.placeholder is not None and self.placeholder.raw:
+            return "", self.path.split(".")[0]
+        section, _, key = self.path.rpartition(".")
+        return section, key
 
 
-def _refused(path: str, reason: str, is_set: Optional[Predicate] = None) -> UnimplementedFeature:
-    return UnimplementedFeature(path, "error", reason, is_set)
+def _refused(path: str, placeholder: Placeholder, reason: str, is_set: Optional[Predicate] = None
+             ) -> UnimplementedFeature:
+    return UnimplementedFeature(path, "error", reason, is_set, placeholder)
 
 
-def _warned(path: str, reason: str, is_set: Optional[Predicate] = None) -> UnimplementedFeature:
-    return UnimplementedFeature(path, "warning", reason, is_set)
+def _warned(path: str, placeholder: Placeholder, reason: str, is_set: Optional[Predicate] = None
+            ) -> UnimplementedFeature:
+    return UnimplementedFeature(path, "warning", reason, is_set, placeholder)
 
 
 def _present(section: Any) -> bool:
@@ -86,105 +135,249 @@ def _above(limit: int) -> Predicate:
     return lambda v: int(v) > limit
 
 
+def _other_than(value: Any) -> Predicate:
+    return lambda v: v != value
+
+
 _NVME_ONLY = "only NVMe offload uses it, and zero offloads to the CPU only"
 _NO_CHECKPOINTS = "zero's training checkpoints do not use it (see docs/checkpoint.md)"
 _NOT_MONITORED = "zero has no monitoring backends; log from your training loop"
+_MONITORING = _raw("Monitoring (ignored with a warning).")
 
 UNIMPLEMENTED_FEATURES: tuple[UnimplementedFeature, ...] = (
     # --- changes the math or the training procedure: ConfigError ---------------------------------
-    _refused("amp.enabled", "Apex AMP; use fp16 or bf16", bool),
-    _refused("torch_autocast.enabled", "torch.autocast mixed precision; use fp16 or bf16", bool),
-    _refused("sparse_gradients", "gradients are always dense"),
-    _refused("sparse_attention", "sparse attention is a model layer in zero (zero.sparse_attention."
-             "SparseSelfAttention with a SparsityConfig; docs/sparse_attention.md), not a config section", _present),
-    _refused("progressive_layer_drop.enabled", "layers would be skipped during training", bool),
-    _refused("curriculum_learning.enabled", "the data order and sequence lengths would change", bool),
-    _refused("data_efficiency.enabled", "data sampling and routing would change", bool),
-    _refused("compression_training", "compression changes the weights or activations", _any_enabled),
-    _refused("quantize_training.enabled", "MoQ quantizes the weights during training", bool),
-    _refused("eigenvalue.enabled", "the eigenvalue schedule of MoQ", bool),
-    _refused("elasticity.enabled", "elastic batch sizes; set the batch keys explicitly", bool),
-    _refused("hybrid_engine.enabled", "the RLHF hybrid engine", bool),
-    _refused("weight_quantization", "quantized weights", _present),
-    _refused("compile.deepcompile", "DeepCompile; call torch.compile on the model yourself", bool),
-    _refused("nebula.enabled", "checkpoints would not go where you expect", bool),
-    _refused("datastates.enabled", "checkpoints would not go where you expect", bool),
-    _refused("sequence_parallel_size", "Ulysses sequence parallelism; zero is data-parallel only"),
-    _refused("use_data_before_expert_parallelism", "zero has no expert parallelism"),
-    _refused("managed_gradient_accumulation", "zero always tracks the accumulation boundary itself"),
-    _refused("gradient_allreduce_op", "gradients are always averaged across ranks"),
-    _refused("data_types.grad_accum_dtype", "zero chooses the gradient accumulation dtype itself"),
-    _refused("checkpoint.load_universal", "zero cannot read DeepSpeed's universal checkpoints"),
-    _refused("fp16.fp16_master_weights_and_grads", "master weights and their gradients are fp32"),
-    _refused("bf16.bf16_master_weights_and_grads", "master weights and their gradients are fp32"),
-    _refused("bf16.bf16_optimizer_states", "Adam moments are fp32"),
-    _refused("zero_optimization.legacy_stage1", "DeepSpeed's old stage-1 code; use stage 1"),
-    _refused("zero_optimization.zero_hpz_partition_size", "ZeRO++ hierarchical partitioning (hpZ)", _above(1)),
-    _refused("zero_optimization.zero_quantized_weights", "ZeRO++ quantized weights (qwZ)"),
-    _refused("zero_optimization.zero_quantized_nontrainable_weights", "ZeRO++ quantized frozen weights"),
-    _refused("zero_optimization.zero_quantized_gradients", "ZeRO++ quantized gradients (qgZ)"),
-    _refused("zero_optimization.zeropp_loco_param", "LoCo-ZeRO++ error feedback"),
-    _refused("zero_optimization.mics_shard_size", "MiCS shard groups", _above(0)),
-    _refused("zero_optimization.mics_hierarchical_params_gather", "MiCS"),
-    _refused("zero_optimization.zenflow", "ZenFlow's asynchronous updates"),
-    _refused("zero_optimization.offload_optimizer.super_offload", "SuperOffload"),
+    _refused("amp.enabled", _raw("NVIDIA Apex AMP (not implemented)."), "Apex AMP; use fp16 or bf16", bool),
+    _refused("torch_autocast.enabled", _raw("torch.autocast mixed precision (not implemented)."),
+             "torch.autocast mixed precision; use fp16 or bf16", bool),
+    _refused("sparse_gradients", _flag(False, "CSR gradients for embeddings (not implemented)."),
+             "gradients are always dense"),
+    _refused("sparse_attention", _raw("Sparse attention (not implemented)."),
+             "sparse attention is a model layer in zero (zero.sparse_attention.SparseSelfAttention with a "
+             "SparsityConfig; docs/sparse_attention.md), not a config section", _present),
+    _refused("progressive_layer_drop.enabled", _raw("Not implemented."), "layers would be skipped during training",
+             bool),
+    _refused("curriculum_learning.enabled", _raw("Not implemented."),
+             "the data order and sequence lengths would change", bool),
+    _refused("data_efficiency.enabled", _raw("Not implemented."), "data sampling and routing would change", bool),
+    _refused("compression_training", _raw("Not implemented."), "compression changes the weights or activations",
+             _any_enabled),
+    _refused("quantize_training.enabled", _raw("MoQ (not implemented)."), "MoQ quantizes the weights during training",
+             bool),
+    _refused("eigenvalue.enabled", _raw("Not implemented."), "the eigenvalue schedule of MoQ", bool),
+    _refused("elasticity.enabled", _raw("Not implemented."), "elastic batch sizes; set the batch keys explicitly",
+             bool),
+    _refused("hybrid_engine.enabled", _raw("Not implemented."), "the RLHF hybrid engine", bool),
+    _refused("weight_quantization", _raw("Not implemented."), "quantized weights", _present),
+    _refused("compile.deepcompile", _raw("DeepCompile (not implemented)."),
+             "DeepCompile; call torch.compile on the model yourself", bool),
+    _refused("nebula.enabled", _raw("Nebula checkpoint service (not implemented)."),
+             "checkpoints would not go where you expect", bool),
+    _refused("datastates.enabled", _raw("DataStates checkpointing (not implemented)."),
+             "checkpoints would not go where you expect", bool),
+    _refused("sequence_parallel_size", _key(int, 1, "Ulysses sequence parallelism (> 1 not implemented).", ge=1),
+             "Ulysses sequence parallelism; zero is data-parallel only"),
+    _refused("use_data_before_expert_parallelism", _flag(False, "MoE topology (not implemented)."),
+             "zero has no expert parallelism"),
+    _refused("managed_gradient_accumulation",
+             _flag(True, "Engine tracks accumulation boundaries (false is not implemented)."),
+             "zero always tracks the accumulation boundary itself"),
+    _refused("gradient_allreduce_op",
+             _key(Literal["mean", "sum"], "mean", "Average or sum grads across ranks ('sum' not implemented)."),
+             "gradients are always averaged across ranks"),
+    _refused("data_types.grad_accum_dtype",
+             _key(Optional[str], None, "Gradient accumulation dtype (only the default, matching the params, "
+                  "is implemented)."),
+             "zero chooses the gradient accumulation dtype itself"),
+    _refused("checkpoint.load_universal", _flag(False, "Load a DeepSpeed universal checkpoint (not implemented)."),
+             "zero cannot read DeepSpeed's universal checkpoints"),
+    _refused("fp16.fp16_master_weights_and_grads", _flag(False, "Keep master weights in fp16 (not implemented)."),
+             "master weights and their gradients are fp32"),
+    _refused("bf16.bf16_master_weights_and_grads", _flag(False, "Keep master weights in bf16 (not implemented)."),
+             "master weights and their gradients are fp32"),
+    _refused("bf16.bf16_optimizer_states", _flag(False, "Keep Adam m/v in bf16 (not implemented)."),
+             "Adam moments are fp32"),
+    _refused("zero_optimization.legacy_stage1", _flag(False, "DeepSpeed's old stage 1 (not implemented)."),
+             "DeepSpeed's old stage-1 code; use stage 1"),
+    _refused("zero_optimization.zero_hpz_partition_size",
+             _key(int, 1, "ZeRO++ hpZ group size (> 1 not implemented).", ge=0),
+             "ZeRO++ hierarchical partitioning (hpZ)", _above(1)),
+    _refused("zero_optimization.zero_quantized_weights", _flag(False, "ZeRO++ qwZ (not implemented)."),
+             "ZeRO++ quantized weights (qwZ)"),
+    _refused("zero_optimization.zero_quantized_nontrainable_weights", _flag(False, "ZeRO++ (not implemented)."),
+             "ZeRO++ quantized frozen weights"),
+    _refused("zero_optimization.zero_quantized_gradients", _flag(False, "ZeRO++ qgZ (not implemented)."),
+             "ZeRO++ quantized gradients (qgZ)"),
+    _refused("zero_optimization.zeropp_loco_param",
+             _key(Optional[dict[str, Any]], None, "LoCo-ZeRO++ (not implemented)."), "LoCo-ZeRO++ error feedback"),
+    _refused("zero_optimization.mics_shard_size", _key(int, -1, "MiCS shard size; > 0 not implemented."),
+             "MiCS shard groups", _above(0)),
+    _refused("zero_optimization.mics_hierarchical_params_gather", _flag(False, "MiCS (not implemented)."), "MiCS"),
+    _refused("zero_optimization.zenflow", _key(Optional[dict[str, Any]], None, "ZenFlow (not implemented)."),
+             "ZenFlow's asynchronous updates"),
+    _refused("zero_optimization.offload_optimizer.super_offload",
+             _flag(False, "DeepSpeed SuperOffload (not implemented)."), "SuperOffload"),
     # --- logging, monitoring, profiling: ConfigWarning --------------------------------------------
-    _warned("tensorboard.enabled", _NOT_MONITORED, bool),
-    _warned("wandb.enabled", _NOT_MONITORED, bool),
-    _warned("csv_monitor.enabled", _NOT_MONITORED, bool),
-    _warned("comet.enabled", _NOT_MONITORED, bool),
-    _warned("flops_profiler.enabled", "use torch.profiler", bool),
-    _warned("comms_logger.enabled", "the engine counts communicated bytes itself", bool),
-    _warned("autotuning.enabled", "zero has no autotuner", bool),
-    _warned("timers", "wall_clock_breakdown times forward, backward and step", _any_enabled),
-    _warned("activation_checkpointing", "zero.deepspeed.checkpointing.checkpoint (torch's checkpoint) recomputes "
-                                        "activations; partitioned, CPU and contiguous activation memory are not "
-                                        "implemented", _any_true),
-    _warned("aio", _NVME_ONLY, _present),
-    _warned("graph_harvesting", "zero does not capture CUDA graphs"),
-    _warned("vocabulary_size", "DeepSpeed only checks it for tensor-core alignment; zero does not"),
+    _warned("tensorboard.enabled", _MONITORING, _NOT_MONITORED, bool),
+    _warned("wandb.enabled", _MONITORING, _NOT_MONITORED, bool),
+    _warned("csv_monitor.enabled", _MONITORING, _NOT_MONITORED, bool),
+    _warned("comet.enabled", _MONITORING, _NOT_MONITORED, bool),
+    _warned("flops_profiler.enabled", _raw("Profiling (ignored with a warning)."), "use torch.profiler", bool),
+    _warned("comms_logger.enabled", _raw("Communication logging (ignored with a warning)."),
+            "the engine counts communicated bytes itself", bool),
+    _warned("autotuning.enabled", _raw("Autotuner (ignored with a warning)."), "zero has no autotuner", bool),
+    _warned("timers", _raw("Throughput timers (ignored with a warning)."),
+            "wall_clock_breakdown times forward, backward and step", _any_enabled),
+    _warned("activation_checkpointing",
+            _raw("deepspeed.checkpointing options (ignored with a warning; use torch.utils.checkpoint)."),
+            "zero.deepspeed.checkpointing.checkpoint (torch's checkpoint) recomputes activations; partitioned, CPU "
+            "and contiguous activation memory are not implemented", _any_true),
+    _warned("aio", _raw("Async I/O for NVMe offload (ignored with a warning)."), _NVME_ONLY, _present),
+    _warned("graph_harvesting", _flag(False, "CUDA graph harvesting (ignored with a warning)."),
+            "zero does not capture CUDA graphs"),
+    _warned("vocabulary_size",
+            _key(Optional[int], None, "DeepSpeed checks it for tensor-core alignment; no effect in zero "
+                 "(set: warns).", gt=0),
+            "DeepSpeed only checks it for tensor-core alignment; zero does not"),
     # --- DeepSpeed's own memory and speed knobs: ConfigWarning ------------------------------------
-    _warned("disable_allgather", "updated shards are always all-gathered"),
-    _warned("zero_allow_untested_optimizer", "zero implements Adam and AdamW only, and refuses any other "
-                                             "optimizer whatever this says"),
-    _warned("zero_force_ds_cpu_optimizer", "with optimizer offload, zero always steps with its own CPU Adam"),
-    _warned("optimizer.legacy_fusion", "a switch of DeepSpeed's fp16 optimizer; zero has one fp16 path"),
-    _warned("optimizer.params.torch_adam", "the engine always steps with its own Adam kernels"),
-    _warned("optimizer.params.cuda_aware", "zero's 1-bit exchange goes through torch.distributed (NCCL or gloo), "
-                                           "not MPI", _any_true),
-    _warned("bf16.check_grad_overflow", "zero always skips a step whose gradients hold inf or NaN, in every "
-                                        "precision (see docs/engine.md)"),
-    _warned("bf16.immediate_grad_update", "a scheduling knob of DeepSpeed's bf16 optimizer; zero's "
-                                          "updates do not depend on it"),
-    _warned("zero_optimization.contiguous_gradients", "gradients are always reduced from contiguous buckets"),
-    _warned("zero_optimization.allgather_partitions", "updated shards are always all-gathered"),
+    _warned("disable_allgather", _flag(False, "Legacy DeepSpeed knob; no effect in zero (true warns)."),
+            "updated shards are always all-gathered"),
+    _warned("zero_allow_untested_optimizer",
+            _flag(False, "DeepSpeed: allow a client optimizer it has not tested. zero decides by the optimizer "
+                  "itself (true warns)."),
+            "zero runs Adam and AdamW with its own kernels, SGD, Adagrad, Lion and any element-wise client "
+            "optimizer on the shards (one it does not know with a warning), and refuses one that needs whole "
+            "tensors (Lamb, LBFGS, Adafactor, ...), whatever this says"),
+    _warned("zero_force_ds_cpu_optimizer",
+            _flag(True, "DeepSpeed: with offload, require its CPU Adam. zero always uses its own (false warns)."),
+            "with optimizer offload, zero always steps with its own CPU Adam"),
+    _warned("optimizer.legacy_fusion",
+            _flag(False, "DeepSpeed legacy fp16 optimizer switch; no effect in zero (true warns)."),
+            "a switch of DeepSpeed's fp16 optimizer; zero has one fp16 path"),
+    _warned("optimizer.params.torch_adam",
+            _flag(False, "DeepSpeed: use torch.optim.Adam/AdamW instead of its fused kernel. zero always uses its "
+                  "own Adam kernels (true warns)."),
+            "the engine always steps with its own Adam kernels"),
+    _warned("optimizer.params.comm_backend_name",
+            _key(Optional[Literal["nccl", "mpi", "gloo", "compressed", "hccl"]], None,
+                 "OneBitAdam and ZeroOneAdam: DeepSpeed's transport for the 1-bit exchange. zero uses the "
+                 "torch.distributed process group's backend whatever this says (other than \"nccl\": warns)."),
+            "zero's 1-bit exchange always goes through the torch.distributed process group, with that group's "
+            "backend (NCCL or gloo)", _other_than("nccl")),
+    _warned("optimizer.params.cuda_aware",
+            _key(Optional[bool], None, "OneBitAdam: DeepSpeed's MPI switch; no effect in zero (true warns)."),
+            "zero's 1-bit exchange goes through torch.distributed (NCCL or gloo), not MPI", _any_true),
+    _warned("bf16.check_grad_overflow", _flag(False, "No effect in zero, which always checks (true warns)."),
+            "zero always skips a step whose gradients hold inf or NaN, in every precision (see docs/engine.md)"),
+    _warned("bf16.immediate_grad_update",
+            _flag(False, "DeepSpeed bf16 optimizer knob; no effect in zero (true warns)."),
+            "a scheduling knob of DeepSpeed's bf16 optimizer; zero's updates do not depend on it"),
+    _warned("zero_optimization.contiguous_gradients",
+            _flag(True, "Copy grads into one contiguous buffer. zero always reduces from contiguous buckets "
+                  "(false warns)."),
+            "gradients are always reduced from contiguous buckets"),
+    _warned("zero_optimization.allgather_partitions",
+            _flag(True, "All-gather updated params (vs broadcasts). zero always all-gathers (false warns)."),
+            "updated shards are always all-gathered"),
     _warned("zero_optimization.use_multi_rank_bucket_allreduce",
+            _flag(True, "DeepSpeed perf knob; no effect in zero (false warns)."),
             "how DeepSpeed schedules its bucket all-reduce; zero's reduction does not depend on it"),
-    _warned("zero_optimization.round_robin_gradients", "gradient shards are already contiguous per bucket"),
+    _warned("zero_optimization.round_robin_gradients",
+            _flag(False, "Offload perf knob for stage 1/2; no effect in zero (true warns)."),
+            "gradient shards are already contiguous per bucket"),
     _warned("zero_optimization.stage3_use_all_reduce_for_fetch_params",
+            _flag(False, "Stage 3: fetch params with all-reduce. zero fetches a unit with one all-gather "
+                  "(true warns)."),
             "stage 3 always fetches a unit with one all-gather"),
-    _warned("zero_optimization.stage3_allgather_sequential", "stage 3 always fetches a unit with one all-gather"),
+    _warned("zero_optimization.stage3_allgather_sequential",
+            _flag(False, "Stage 3: gather params one by one, unbucketed. zero fetches a unit with one all-gather "
+                  "(true warns)."),
+            "stage 3 always fetches a unit with one all-gather"),
     _warned("zero_optimization.memory_efficient_linear",
+            _flag(True, "Stage 3: do not keep gathered linear weights for backward. zero never does (false warns)."),
             "stage 3 frees what autograd saves of a gathered weight anyway"),
-    _warned("zero_optimization.cpu_offload_use_pin_memory", "deprecated, without effect in DeepSpeed too; "
-                                                             "set pin_memory in offload_optimizer / offload_param"),
-    _warned("zero_optimization.offload_optimizer.nvme_path", _NVME_ONLY),
-    _warned("zero_optimization.offload_optimizer.buffer_count", _NVME_ONLY),
-    _warned("zero_optimization.offload_optimizer.pipeline_read", _NVME_ONLY),
-    _warned("zero_optimization.offload_optimizer.pipeline_write", _NVME_ONLY),
-    _warned("zero_optimization.offload_optimizer.fast_init", _NVME_ONLY),
-    _warned("zero_optimization.offload_param.nvme_path", _NVME_ONLY),
-    _warned("zero_optimization.offload_param.buffer_count", _NVME_ONLY),
-    _warned("zero_optimization.offload_param.buffer_size", _NVME_ONLY),
-    _warned("zero_optimization.offload_param.max_in_cpu", _NVME_ONLY),
+    _warned("zero_optimization.cpu_offload_use_pin_memory",
+            _key(Optional[bool], None, "Deprecated; no effect, as in DeepSpeed (set: warns)."),
+            "deprecated, without effect in DeepSpeed too; set pin_memory in offload_optimizer / offload_param"),
+    _warned("zero_optimization.offload_optimizer.nvme_path",
+            _key(Optional[pathlib.Path], None, "NVMe only: directory to swap to (set: warns)."), _NVME_ONLY),
+    _warned("zero_optimization.offload_optimizer.buffer_count",
+            _key(int, 4, "NVMe only: swap buffers (changed: warns).", ge=0), _NVME_ONLY),
+    _warned("zero_optimization.offload_optimizer.pipeline_read",
+            _flag(False, "NVMe only: overlap reading the next tile (true warns)."), _NVME_ONLY),
+    _warned("zero_optimization.offload_optimizer.pipeline_write",
+            _flag(False, "NVMe only: overlap writing the previous tile (true warns)."), _NVME_ONLY),
+    _warned("zero_optimization.offload_optimizer.fast_init",
+            _flag(False, "NVMe only: fast optimizer initialization (true warns)."), _NVME_ONLY),
+    _warned("zero_optimization.offload_param.nvme_path",
+            _key(Optional[pathlib.Path], None, "NVMe only: directory to swap to (set: warns)."), _NVME_ONLY),
+    _warned("zero_optimization.offload_param.buffer_count",
+            _key(int, 5, "NVMe only: swap buffers (changed: warns).", ge=0), _NVME_ONLY),
+    _warned("zero_optimization.offload_param.buffer_size",
+            _key(int, 100_000_000, "NVMe only: swap buffer size in elements (changed: warns).", ge=0), _NVME_ONLY),
+    _warned("zero_optimization.offload_param.max_in_cpu",
+            _key(int, 1_000_000_000, "NVMe only: elements kept in CPU memory (changed: warns).", ge=0), _NVME_ONLY),
     # --- training checkpoints: ConfigWarning --------------------------------------------------------
-    _warned("zero_optimization.load_from_fp32_weights", _NO_CHECKPOINTS),
-    _warned("zero_optimization.elastic_checkpoint", _NO_CHECKPOINTS),
-    _warned("zero_optimization.pipeline_loading_checkpoint", _NO_CHECKPOINTS),
-    _warned("checkpoint.tag_validation", _NO_CHECKPOINTS),
-    _warned("checkpoint.use_node_local_storage", _NO_CHECKPOINTS),
-    _warned("checkpoint.parallel_write.pipeline_stage", _NO_CHECKPOINTS),
+    _warned("zero_optimization.load_from_fp32_weights",
+            _flag(True, "Restore fp32 master weights from training checkpoints; zero's checkpoints always do "
+                  "(false warns)."),
+            _NO_CHECKPOINTS),
+    _warned("zero_optimization.elastic_checkpoint",
+            _flag(False, "Legacy elastic training checkpoints; zero's load at any world size anyway (true warns)."),
+            _NO_CHECKPOINTS),
+    _warned("zero_optimization.pipeline_loading_checkpoint",
+            _flag(False, "Stage 3 pipelined checkpoint loading; zero loads with DCP instead (true warns)."),
+            _NO_CHECKPOINTS),
+    _warned("checkpoint.tag_validation",
+            _key(Literal["Ignore", "Warn", "Fail"], "Warn", "DeepSpeed: check that all ranks save/load the same "
+                 "tag (case-insensitive). No effect in zero (changed: warns)."),
+            _NO_CHECKPOINTS),
+    _warned("checkpoint.use_node_local_storage",
+            _flag(False, "DeepSpeed: each node writes to its own storage. No effect in zero (true warns)."),
+            _NO_CHECKPOINTS),
+    _warned("checkpoint.parallel_write.pipeline_stage",
+            _flag(False, "DeepSpeed: each pipeline stage writes its own part. No effect in zero, whose checkpoints "
+                  "DCP writes from every rank anyway (true warns)."),
+            _NO_CHECKPOINTS),
 )
+
+
+# ---------------------------------------------------------------------------------------------
+# Placeholder fields, from the rows
+# ---------------------------------------------------------------------------------------------
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def with_placeholders(section: str) -> Callable[[type[M]], type[M]]:
+    """Class decorator: the section model plus one field for each row whose key lies in `section`.
+
+    Args:
+        section: the section's dotted path ("zero_optimization.offload_param"; "" for the root).
+
+    The decorated class's own fields are the keys zero reads; the returned class (a subclass of
+    the same name, built by pydantic's `create_model`) adds the rows' placeholders, so a config may
+    set them and `load_config` can refuse or warn about them. As in DeepSpeed's models, a
+    `stage3_x` key is stored under its short name `x`, with the long one as its alias.
+    """
+
+    def build(cls: type[M]) -> type[M]:
+        fields: dict[str, Any] = {}
+        for row in UNIMPLEMENTED_FEATURES:
+            where, key = row.field_at
+            if where != section or row.placeholder is None:
+                continue
+            name = key.removeprefix("stage3_")
+            if name in cls.model_fields or (name in fields and not row.placeholder.raw):
+                raise TypeError(f"UNIMPLEMENTED_FEATURES row {row.path!r}: {cls.__name__} already has a field "
+                                f"{name!r} (a key is either read or in the table, not both)")
+            p = row.placeholder
+            fields[name] = (p.annotation, Field(p.default, alias=key if name != key else None,
+                                                description=p.description, **p.constraints))
+        built = create_model(cls.__name__, __base__=cls, __module__=cls.__module__, **fields)
+        built.__doc__, built.__qualname__ = cls.__doc__, cls.__qualname__
+        return built
+
+    return build
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,8 +388,8 @@ _ABSENT = object()  # the key is not there: a section above it is not given, or 
 
 
 def _field_name(cls: type, key: str) -> Optional[str]:
-    for name, field in cls.model_fields.items():
-        if key in (name, field.alias):
+    for name, info in cls.model_fields.items():
+        if key in (name, info.alias):
             return name
     return None
 

@@ -20,14 +20,12 @@ from pydantic import ValidationError
 from zero.config.errors import ConfigError, _issues_from, _raise
 from zero.config.features import _check_unimplemented
 from zero.config.model import MAX_BATCH, ZeroConfig
+from zero.config.rules import Caller
 from zero.config.sections import AUTO
 
 # ---------------------------------------------------------------------------------------------
 # "auto" values (see [Note: "auto" values])
 # ---------------------------------------------------------------------------------------------
-
-_HIDDEN_SIZE_KEYS = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "prefetch_bucket_size",
-                     "stage3_param_persistence_threshold", "param_persistence_threshold")
 
 
 def resolve_auto(config: Mapping[str, Any], values: Optional[Mapping[str, Any]] = None) -> dict:
@@ -165,7 +163,8 @@ def _read(config: Union[Mapping[str, Any], str, pathlib.Path]) -> tuple[dict, st
 
 
 def load_config(config: Union[Mapping[str, Any], str, pathlib.Path], world_size: int = 1, *,
-                auto_values: Optional[Mapping[str, Any]] = None, pipeline_stages: Optional[int] = None) -> ZeroConfig:
+                auto_values: Optional[Mapping[str, Any]] = None, pipeline_stages: Optional[int] = None,
+                model_is_pipeline: Optional[bool] = None, client_optimizer: Optional[type] = None) -> ZeroConfig:
     """Parse, validate and resolve a DeepSpeed-style config.
 
     Args:
@@ -176,24 +175,41 @@ def load_config(config: Union[Mapping[str, Any], str, pathlib.Path], world_size:
             counts those.
         auto_values: values for "auto" keys, by dotted path (see `resolve_auto`).
         pipeline_stages: the model's own stage count (a PipelineModule's num_stages): taken when
-            pipeline.stages is not given; an explicit different value is an error.
+            pipeline.stages is not given; an explicit different value is an error. Given, the model
+            is a PipelineModule.
+        model_is_pipeline: whether the model is a zero.pipe.PipelineModule; None (not known, as for
+            `zero.tp.mesh`): the rules about the model are skipped (pipeline.stages > 1 needs one).
+        client_optimizer: the class of the optimizer object passed to `zero.initialize`
+            (`type(optimizer)`), or None when none is passed (or it is not built yet). Checked
+            against the config's optimizer and offload (see [Note: rules that combine settings] in
+            zero/config/rules.py).
 
     Returns:
         A frozen `ZeroConfig` whose three batch keys, pipeline.stages and pipeline.micro_batches
         are all set.
 
     Raises:
-        ConfigError: unknown key, bad value, inconsistent batch sizes, or a DeepSpeed key that zero
+        ConfigError: unknown key, bad value, inconsistent batch sizes, settings that cannot go together
+            (with each other, the model or the optimizer object), or a DeepSpeed key that zero
             does not implement and that is set to a value that would change results. A
             `ConfigWarning` is issued for each key set to a value that has no effect in zero, and for
             deprecated spellings (see [Note: what zero does with a DeepSpeed key]).
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
+    if client_optimizer is not None and not isinstance(client_optimizer, type):
+        raise TypeError(f"client_optimizer is the optimizer's class, type(optimizer), got a "
+                        f"{type(client_optimizer).__name__}")
+    if pipeline_stages is not None:
+        if model_is_pipeline is False:
+            raise ValueError("pipeline_stages is the stage count of a PipelineModule, but model_is_pipeline is False")
+        model_is_pipeline = True
+    caller = Caller(pipeline_stages=pipeline_stages, model_is_pipeline=model_is_pipeline,
+                    client_optimizer=client_optimizer)
     data, source = _read(config)
     data = resolve_auto(data, auto_values)
     try:
-        cfg = ZeroConfig.model_validate(data)
+        cfg = ZeroConfig.model_validate(data, context={"caller": caller})
     except ValidationError as err:
         _raise(_issues_from(err, ZeroConfig), source)
     _check_unimplemented(cfg)

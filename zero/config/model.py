@@ -1,14 +1,16 @@
 """`ZeroConfig`: the whole config, its top-level keys and the sections under them."""
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 import torch
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from zero.config.errors import _fmt, _NestedIssues, _warn
+from zero.config.features import with_placeholders
 from zero.config.optimizer import OptimizerConfig
 from zero.config.parallel import PipelineConfig, TensorParallelConfig
+from zero.config.rules import Caller, combination_issues
 from zero.config.sections import (
     BF16Config,
     CheckpointConfig,
@@ -38,13 +40,12 @@ def _dtype_name(v: Any) -> Any:
     raise ValueError(f"expected one of 'fp32', 'fp16', 'bf16' (or null), got {_fmt(v)}")
 
 
-_Section_ = Optional[dict[str, Any]]  # an accepted-but-unimplemented DeepSpeed section
-
 # The batch keys count samples (or micro-batches): 2**31 or more is a typo or an overflow upstream,
 # not a batch, and would overflow any int32 that holds it later. DeepSpeed sets no bound.
 MAX_BATCH = 2**31
 
 
+@with_placeholders("")
 class ZeroConfig(_Section):
     """The whole config. Build it with `load_config` (which also resolves the batch sizes)."""
 
@@ -53,20 +54,14 @@ class ZeroConfig(_Section):
     train_micro_batch_size_per_gpu: Optional[int] = Field(None, gt=0, description="Samples per forward "
                                                           "on one rank.")
     gradient_accumulation_steps: Optional[int] = Field(None, gt=0, description="Micro-batches per step.")
-    managed_gradient_accumulation: bool = Field(True, description="Engine tracks accumulation boundaries "
-                                                "(false is not implemented).")
     # training
     gradient_clipping: float = Field(0.0, ge=0, allow_inf_nan=False, description="Clip the global grad "
                                      "norm to this value; 0 disables clipping.")
     prescale_gradients: bool = Field(False, description="Divide grads by world size before reducing.")
     gradient_predivide_factor: float = Field(1.0, description="Divide grads by this before the "
                                              "reduction and by world_size/factor after.")
-    gradient_allreduce_op: Literal["mean", "sum"] = Field("mean", description="Average or sum grads "
-                                                          "across ranks ('sum' not implemented).")
     communication_data_type: Optional[str] = Field(None, description="dtype of gradient communication: "
                                                    "fp32, fp16, bf16; null = the training dtype.")
-    sparse_gradients: bool = Field(False, description="CSR gradients for embeddings (not implemented).")
-    disable_allgather: bool = Field(False, description="Legacy DeepSpeed knob; no effect in zero (true warns).")
     fp16: FP16Config = Field(default_factory=FP16Config, description="fp16 mixed precision.")
     bf16: BF16Config = Field(default_factory=BF16Config, description="bf16 mixed precision "
                              "(old name: bfloat16).")
@@ -75,54 +70,18 @@ class ZeroConfig(_Section):
     scheduler: Optional[SchedulerConfig] = Field(None, description="LR scheduler to build.")
     zero_optimization: ZeroOptimizationConfig = Field(default_factory=ZeroOptimizationConfig,
                                                       description="ZeRO stage and its knobs.")
-    zero_allow_untested_optimizer: bool = Field(False, description="DeepSpeed: allow a client optimizer "
-                                                "that is not Adam/AdamW. zero refuses one anyway (true warns).")
-    zero_force_ds_cpu_optimizer: bool = Field(True, description="DeepSpeed: with offload, require its CPU Adam. "
-                                              "zero always uses its own (false warns).")
     # logging / io
     steps_per_print: Optional[int] = Field(None, ge=0, description="Log progress every N steps; null = never.")
     wall_clock_breakdown: bool = Field(False, description="Time forward/backward/step.")
     memory_breakdown: bool = Field(False, description="Log memory use.")
     dump_state: bool = Field(False, description="Print the engine state after initialization.")
     dataloader_drop_last: bool = Field(False, description="Drop the last incomplete batch.")
-    vocabulary_size: Optional[int] = Field(None, gt=0, description="DeepSpeed checks it for tensor-core "
-                                           "alignment; no effect in zero (set: warns).")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoint options.")
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig, description="Extra dtypes.")
-    # DeepSpeed features we accept only to refuse them or warn: see UNIMPLEMENTED_FEATURES
-    amp: _Section_ = Field(None, description="NVIDIA Apex AMP (not implemented).")
-    torch_autocast: _Section_ = Field(None, description="torch.autocast mixed precision (not implemented).")
-    sparse_attention: _Section_ = Field(None, description="Sparse attention (not implemented).")
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Pipeline parallelism "
                                      "(see docs/parallelism.md).")
-    progressive_layer_drop: _Section_ = Field(None, description="Not implemented.")
-    curriculum_learning: _Section_ = Field(None, description="Not implemented.")
-    data_efficiency: _Section_ = Field(None, description="Not implemented.")
-    compression_training: _Section_ = Field(None, description="Not implemented.")
-    quantize_training: _Section_ = Field(None, description="MoQ (not implemented).")
-    eigenvalue: _Section_ = Field(None, description="Not implemented.")
-    elasticity: _Section_ = Field(None, description="Not implemented.")
-    hybrid_engine: _Section_ = Field(None, description="Not implemented.")
-    weight_quantization: _Section_ = Field(None, description="Not implemented.")
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig,
                                                   description="Tensor slicing (see docs/parallelism.md).")
-    compile: _Section_ = Field(None, description="DeepCompile (not implemented).")
-    nebula: _Section_ = Field(None, description="Nebula checkpoint service (not implemented).")
-    datastates: _Section_ = Field(None, description="DataStates checkpointing (not implemented).")
-    sequence_parallel_size: int = Field(1, ge=1, description="Ulysses sequence parallelism (> 1 not implemented).")
-    use_data_before_expert_parallelism: bool = Field(False, description="MoE topology (not implemented).")
-    tensorboard: _Section_ = Field(None, description="Monitoring (ignored with a warning).")
-    wandb: _Section_ = Field(None, description="Monitoring (ignored with a warning).")
-    csv_monitor: _Section_ = Field(None, description="Monitoring (ignored with a warning).")
-    comet: _Section_ = Field(None, description="Monitoring (ignored with a warning).")
-    flops_profiler: _Section_ = Field(None, description="Profiling (ignored with a warning).")
-    comms_logger: _Section_ = Field(None, description="Communication logging (ignored with a warning).")
-    autotuning: _Section_ = Field(None, description="Autotuner (ignored with a warning).")
-    timers: _Section_ = Field(None, description="Throughput timers (ignored with a warning).")
-    activation_checkpointing: _Section_ = Field(None, description="deepspeed.checkpointing options "
-                                                "(ignored with a warning; use torch.utils.checkpoint).")
-    aio: _Section_ = Field(None, description="Async I/O for NVMe offload (ignored with a warning).")
-    graph_harvesting: bool = Field(False, description="CUDA graph harvesting (ignored with a warning).")
 
     @model_validator(mode="before")
     @classmethod
@@ -160,10 +119,16 @@ class ZeroConfig(_Section):
         return v
 
     @model_validator(mode="after")
-    def _precision(self) -> ZeroConfig:
+    def _combinations(self, info: ValidationInfo) -> ZeroConfig:
+        """Settings that cannot go together, here or with the caller's model and optimizer (see
+        [Note: rules that combine settings] in zero/config/rules.py)."""
+        issues = []
         if self.fp16.enabled and self.bf16.enabled:
-            raise _NestedIssues([(("bf16", "enabled"), "fp16.enabled and bf16.enabled are both true; "
-                                                        "enable at most one")])
+            issues.append((("bf16", "enabled"), "fp16.enabled and bf16.enabled are both true; enable at most one"))
+        caller = (info.context or {}).get("caller") or Caller()
+        issues += combination_issues(self, caller)
+        if issues:
+            raise _NestedIssues(issues)
         return self
 
     @property

@@ -4,22 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 from pydantic import Field, field_validator, model_validator
 
 from zero.config.errors import _fmt
+from zero.config.features import with_placeholders
 from zero.config.sections import _lr, _Section
 
 SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "Lion", "OneBitAdam", "ZeroOneAdam")
-NOT_YET: dict[str, str] = {}
 CLIENT_OPTIMIZERS = ("SGD", "Adagrad", "Lion")  # run as element-wise optimizers on the shards; params as their own
 NOT_ON_SHARDS = {"Lamb": "LAMB's trust ratio needs each parameter's whole norm, which a shard does not have",
                  "OneBitLamb": "LAMB's trust ratio needs each parameter's whole norm, which a shard does not have"}
-_DEEPSPEED_ONLY_OPTIMIZERS = ("adagrad", "lamb", "onebitadam", "zerooneadam", "onebitlamb", "muadam",
-                              "muadamw", "musgd", "lion", "muon")
 
 
+@with_placeholders("optimizer.params")
 class AdamParams(_Section):
     """`optimizer.params` for Adam/AdamW (DeepSpeed FusedAdam / DeepSpeedCPUAdam defaults)."""
 
@@ -31,17 +30,10 @@ class AdamParams(_Section):
     bias_correction: bool = Field(True, description="Apply Adam's bias correction to m and v.")
     adam_w_mode: bool = Field(True, description="Decoupled weight decay (AdamW). DeepSpeed's default is "
                               "true, so type Adam means AdamW unless this is set to false.")
-    torch_adam: bool = Field(False, description="DeepSpeed: use torch.optim.Adam/AdamW instead of its fused "
-                             "kernel. zero always uses its own Adam kernels (true warns).")
     amsgrad: bool = Field(False, description="Not supported (DeepSpeed's fused Adam rejects it too).")
     freeze_step: Optional[int] = Field(None, ge=1, description="OneBitAdam: steps of exact Adam before the variance "
                                        "freezes and gradients are exchanged 1-bit compressed (default 100000; at "
                                        "least 1: the variance must have a value to freeze).")
-    comm_backend_name: Optional[Literal["nccl", "mpi", "gloo", "compressed", "hccl"]] = Field(
-        None, description="OneBitAdam: DeepSpeed's transport choice; zero exchanges through torch.distributed's "
-        "group (NCCL or gloo) whatever this says.")
-    cuda_aware: Optional[bool] = Field(None, description="OneBitAdam: DeepSpeed's MPI switch; no effect in zero "
-                                       "(true warns).")
     compress_param_gather: Optional[bool] = Field(
         None, description="OneBitAdam at ZeRO stages 1 and 2 (zero's own key): after freeze_step, all-gather "
         "each owner's parameter change 1-bit compressed instead of the updated 16-bit parameters (see "
@@ -132,6 +124,7 @@ class OneBit:
     compress_param_gather: bool = False
 
 
+@with_placeholders("optimizer")
 class OptimizerConfig(_Section):
     """`optimizer`: which optimizer the engine builds when the caller passes none."""
 
@@ -140,8 +133,6 @@ class OptimizerConfig(_Section):
     params: AdamParams = Field(default_factory=AdamParams, description="Constructor arguments.")
     other_params: dict[str, Any] = Field(default_factory=dict, description="For SGD, Adagrad and Lion: their "
                                          "constructor arguments (written as `params`).")
-    legacy_fusion: bool = Field(False, description="DeepSpeed legacy fp16 optimizer switch; no effect in zero "
-                                "(true warns).")
 
     @model_validator(mode="before")
     @classmethod
@@ -151,10 +142,6 @@ class OptimizerConfig(_Section):
             if kind is not None:  # its own constructor's arguments, checked against it
                 data = {**data, "type": kind, "other_params": _client_params(kind, data.get("params") or {})}
                 data.pop("params", None)
-        if isinstance(data, dict) and isinstance(data.get("type"), str):
-            why = next((w for name, w in NOT_YET.items() if name.lower() == data["type"].lower()), None)
-            if why is not None:  # before its params are checked as Adam's
-                raise ValueError(f"optimizer type {data['type']!r}: {why}")
         if isinstance(data, dict):
             for key in ("adam_w_mode", "torch_adam", "lr", "betas", "eps", "weight_decay"):
                 if key in data:
@@ -169,9 +156,6 @@ class OptimizerConfig(_Section):
         for name, why in NOT_ON_SHARDS.items():
             if v.lower() == name.lower():
                 raise ValueError(f"optimizer type {v!r} cannot run on ZeRO's partitioned shards: {why}")
-        for name, why in NOT_YET.items():
-            if v.lower() == name.lower():
-                raise ValueError(f"optimizer type {v!r}: {why}")
         for name in SUPPORTED_OPTIMIZERS:
             if v.lower() == name.lower():
                 return name

@@ -18,8 +18,6 @@ from pydantic import Field, field_validator, model_validator
 
 from zero.config.sections import _Section
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
-
 
 class PipelineConfig(_Section):
     """`pipeline`: pipeline parallelism over `stages` groups of consecutive layers (a

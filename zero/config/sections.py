@@ -9,7 +9,6 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
-import pathlib
 import sys
 import typing
 from typing import Any, Literal, Optional, Union
@@ -18,6 +17,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from zero.config.errors import _fmt, _keys_of, _NestedIssues, _suggest, _validate_nested, _warn
+from zero.config.features import with_placeholders
 from zero.lr_schedules.build import mistyped_params
 
 AUTO = "auto"
@@ -113,6 +113,7 @@ class _Section(BaseModel):
 MAX_LOSS_SCALE_POWER = 63
 
 
+@with_placeholders("fp16")
 class FP16Config(_Section):
     """`fp16`: fp16 mixed precision with (dynamic) loss scaling."""
 
@@ -126,7 +127,6 @@ class FP16Config(_Section):
     hysteresis: int = Field(2, ge=1, description="Overflows tolerated before the scale is lowered.")
     consecutive_hysteresis: bool = Field(False, description="Refill hysteresis after a step without overflow.")
     min_loss_scale: float = Field(1.0, ge=0, description="Lower bound of the dynamic loss scale.")
-    fp16_master_weights_and_grads: bool = Field(False, description="Keep master weights in fp16 (not implemented).")
 
     @field_validator("initial_scale_power")
     @classmethod
@@ -146,15 +146,11 @@ class FP16Config(_Section):
         return v
 
 
+@with_placeholders("bf16")
 class BF16Config(_Section):
     """`bf16` (old name `bfloat16`): bf16 mixed precision, no loss scaling."""
 
     enabled: bool = Field(False, description="Train with bf16 params/grads and fp32 master weights.")
-    immediate_grad_update: bool = Field(False, description="DeepSpeed bf16 optimizer knob; no effect in zero "
-                                        "(true warns).")
-    check_grad_overflow: bool = Field(False, description="No effect in zero, which always checks (true warns).")
-    bf16_master_weights_and_grads: bool = Field(False, description="Keep master weights in bf16 (not implemented).")
-    bf16_optimizer_states: bool = Field(False, description="Keep Adam m/v in bf16 (not implemented).")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,20 +326,15 @@ def _no_nvme(v: str) -> str:
     return v
 
 
+@with_placeholders("zero_optimization.offload_optimizer")
 class OffloadOptimizerConfig(_Section):
     """`zero_optimization.offload_optimizer`: fp32 master weights, Adam state and step on the CPU."""
 
     device: Literal["none", "cpu", "nvme"] = Field("none", description="Where optimizer state lives: none or "
                                                    "cpu ('nvme' is refused).")
-    nvme_path: Optional[pathlib.Path] = Field(None, description="NVMe only: directory to swap to (set: warns).")
-    buffer_count: int = Field(4, ge=0, description="NVMe only: swap buffers (changed: warns).")
     pin_memory: bool = Field(False, description="Page-locked CPU buffers for faster copies.")
-    pipeline_read: bool = Field(False, description="NVMe only: overlap reading the next tile (true warns).")
-    pipeline_write: bool = Field(False, description="NVMe only: overlap writing the previous tile (true warns).")
-    fast_init: bool = Field(False, description="NVMe only: fast optimizer initialization (true warns).")
     ratio: float = Field(1.0, ge=0, le=1, description="Fraction of optimizer state offloaded; only 1 (all) "
                          "is implemented, < 1 is refused.")
-    super_offload: bool = Field(False, description="DeepSpeed SuperOffload (not implemented).")
 
     _check_device = field_validator("device")(_no_nvme)
 
@@ -356,17 +347,12 @@ class OffloadOptimizerConfig(_Section):
         return v
 
 
+@with_placeholders("zero_optimization.offload_param")
 class OffloadParamConfig(_Section):
     """`zero_optimization.offload_param`: stage-3 parameter shards on the CPU."""
 
     device: Literal["none", "cpu", "nvme"] = Field("none", description="Where parameter shards live: none or "
                                                    "cpu ('nvme' is refused).")
-    nvme_path: Optional[pathlib.Path] = Field(None, description="NVMe only: directory to swap to (set: warns).")
-    buffer_count: int = Field(5, ge=0, description="NVMe only: swap buffers (changed: warns).")
-    buffer_size: int = Field(100_000_000, ge=0, description="NVMe only: swap buffer size in elements "
-                             "(changed: warns).")
-    max_in_cpu: int = Field(1_000_000_000, ge=0, description="NVMe only: elements kept in CPU memory "
-                            "(changed: warns).")
     pin_memory: bool = Field(False, description="Page-locked CPU buffers for faster copies.")
 
     _check_device = field_validator("device")(_no_nvme)
@@ -387,34 +373,23 @@ def _stage(v: Any) -> Any:
     return v
 
 
+@with_placeholders("zero_optimization")
 class ZeroOptimizationConfig(_Section):
     """`zero_optimization`: what is partitioned across data-parallel ranks, and how."""
 
     stage: int = Field(0, description="0: off; 1: optimizer state; 2: + gradients; 3: + parameters.")
-    contiguous_gradients: bool = Field(True, description="Copy grads into one contiguous buffer. zero always "
-                                       "reduces from contiguous buckets (false warns).")
     reduce_scatter: bool = Field(True, description="Stages 1/2: reduce gradients with reduce-scatter; false "
                                  "all-reduces whole buckets (same numbers, twice the traffic).")
     reduce_bucket_size: int = Field(500_000_000, ge=0, description="Elements reduced at a time.")
-    use_multi_rank_bucket_allreduce: bool = Field(True, description="DeepSpeed perf knob; no effect in zero "
-                                                  "(false warns).")
-    allgather_partitions: bool = Field(True, description="All-gather updated params (vs broadcasts). zero "
-                                       "always all-gathers (false warns).")
     allgather_bucket_size: int = Field(500_000_000, ge=0, description="Elements all-gathered at a time.")
     overlap_comm: Optional[bool] = Field(None, description="Overlap reduction with backward; "
                                          "default true for stage 3, false otherwise.")
-    load_from_fp32_weights: bool = Field(True, description="Restore fp32 master weights from training "
-                                         "checkpoints; zero's checkpoints always do (false warns).")
-    elastic_checkpoint: bool = Field(False, description="Legacy elastic training checkpoints; zero's load at any "
-                                     "world size anyway (true warns).")
     offload_param: Optional[OffloadParamConfig] = Field(None, description="Stage-3 parameter offload.")
     offload_optimizer: Optional[OffloadOptimizerConfig] = Field(None, description="Optimizer offload.")
     sub_group_size: int = Field(1_000_000_000, ge=0, description="With offload_optimizer: elements per CPU "
                                 "Adam tile (the engine caps it). Without it: no effect (changed: warns).")
     cpu_offload: Optional[bool] = Field(None, description="Deprecated: offload_optimizer.device=cpu.")
     cpu_offload_param: Optional[bool] = Field(None, description="Deprecated: offload_param.device=cpu.")
-    cpu_offload_use_pin_memory: Optional[bool] = Field(None, description="Deprecated; no effect, as in "
-                                                       "DeepSpeed (set: warns).")
     prefetch_bucket_size: int = Field(50_000_000, ge=0, alias="stage3_prefetch_bucket_size",
                                       description="Stage 3: elements prefetched ahead of use.")
     param_persistence_threshold: int = Field(100_000, ge=0, alias="stage3_param_persistence_threshold",
@@ -432,34 +407,13 @@ class ZeroOptimizationConfig(_Section):
         None, description="Deprecated name of stage3_gather_16bit_weights_on_model_save.")
     module_granularity_threshold: int = Field(0, ge=0, alias="stage3_module_granularity_threshold",
                                               description="Stage 3: fetch fine-grained modules as a unit.")
-    use_all_reduce_for_fetch_params: bool = Field(False, alias="stage3_use_all_reduce_for_fetch_params",
-                                                  description="Stage 3: fetch params with all-reduce. zero "
-                                                  "fetches a unit with one all-gather (true warns).")
-    allgather_sequential: bool = Field(False, alias="stage3_allgather_sequential",
-                                       description="Stage 3: gather params one by one, unbucketed. zero "
-                                       "fetches a unit with one all-gather (true warns).")
     ignore_unused_parameters: bool = Field(True, description="Allow trainable params that get no gradient; "
                                            "false makes one an error at the end of backward.")
-    legacy_stage1: bool = Field(False, description="DeepSpeed's old stage 1 (not implemented).")
-    round_robin_gradients: bool = Field(False, description="Offload perf knob for stage 1/2; no effect in "
-                                        "zero (true warns).")
-    zero_hpz_partition_size: int = Field(1, ge=0, description="ZeRO++ hpZ group size (> 1 not implemented).")
-    zero_quantized_weights: bool = Field(False, description="ZeRO++ qwZ (not implemented).")
-    zero_quantized_nontrainable_weights: bool = Field(False, description="ZeRO++ (not implemented).")
-    zero_quantized_gradients: bool = Field(False, description="ZeRO++ qgZ (not implemented).")
-    zeropp_loco_param: Optional[dict[str, Any]] = Field(None, description="LoCo-ZeRO++ (not implemented).")
-    mics_shard_size: int = Field(-1, description="MiCS shard size; > 0 not implemented.")
-    mics_hierarchical_params_gather: bool = Field(False, description="MiCS (not implemented).")
-    memory_efficient_linear: bool = Field(True, description="Stage 3: do not keep gathered linear weights "
-                                          "for backward. zero never does (false warns).")
-    pipeline_loading_checkpoint: bool = Field(False, description="Stage 3 pipelined checkpoint loading; zero "
-                                              "loads with DCP instead (true warns).")
     override_module_apply: bool = Field(True, description="Stage 3: module.apply(fn) sees gathered parameters.")
     log_trace_cache_warnings: bool = Field(False, description="Stage 3: warn when the recorded order of units "
                                            "changes.")
     enable_sanity_checks: bool = Field(False, description="Stage 3: check every collective's rank-divergence "
                                        "tag before issuing it (one synchronisation per collective).")
-    zenflow: Optional[dict[str, Any]] = Field(None, description="ZenFlow (not implemented).")
 
     _check_stage = field_validator("stage")(_stage)
 
@@ -541,34 +495,27 @@ class ZeroOptimizationConfig(_Section):
 # Other sections
 # ---------------------------------------------------------------------------------------------
 
+@with_placeholders("checkpoint.parallel_write")
 class ParallelWriteConfig(_Section):
-    """`checkpoint.parallel_write`."""
-
-    pipeline_stage: bool = Field(False, description="Pipeline-parallel checkpoint writing; zero has no "
-                                 "pipeline parallelism yet (true warns).")
+    """`checkpoint.parallel_write`: DeepSpeed's keys only (see UNIMPLEMENTED_FEATURES)."""
 
 
+@with_placeholders("checkpoint")
 class CheckpointConfig(_Section):
     """`checkpoint`: training-checkpoint options (see docs/checkpoint.md). `async_save` is zero's;
     DeepSpeed's other keys change nothing here and warn (`load_universal` is refused)."""
 
     async_save: bool = Field(False, description="save_checkpoint snapshots the state to host memory and writes it in "
                              "the background while training goes on.")
-    tag_validation: Literal["Ignore", "Warn", "Fail"] = Field("Warn", description="Check that all ranks "
-                                                               "save/load the same tag (case-insensitive).")
-    load_universal: bool = Field(False, description="Load a DeepSpeed universal checkpoint (not implemented).")
-    use_node_local_storage: bool = Field(False, description="Each node writes to its own storage.")
     parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig,
                                                 description="Parallel write options.")
 
-    @field_validator("tag_validation", mode="before")
+    @field_validator("tag_validation", mode="before", check_fields=False)  # a placeholder (UNIMPLEMENTED_FEATURES)
     @classmethod
     def _tag(cls, v: Any) -> Any:
         return v.capitalize() if isinstance(v, str) else v
 
 
+@with_placeholders("data_types")
 class DataTypesConfig(_Section):
-    """`data_types`."""
-
-    grad_accum_dtype: Optional[str] = Field(None, description="Gradient accumulation dtype "
-                                            "(only the default, matching the params, is implemented).")
+    """`data_types`: DeepSpeed's keys only (see UNIMPLEMENTED_FEATURES)."""

@@ -49,13 +49,20 @@ ABSENT_PACKAGES = {
 ABSENT_NAMES = {
     "deepspeed.init_inference": "inference engines are not implemented; use the model directly (under stage 3, "
                                 "with zero.integrations.hf.from_pretrained and model.generate)",
-    "deepspeed.runtime.zero.partition_parameters.ZeroParamType": "zero's stage-3 parameters tell their state by "
-                                                                 "ds_status; there are no remote parameters",
-    **{f"deepspeed.{m}.{name}": reason for m in ("zero", "runtime.zero") for name, reason in (
-        ("TiledLinear", "TiledLinear is not implemented; stage 3 gathers one module at a time (split a huge "
-                        "Linear into several modules)"),
-        ("TiledLinearReturnBias", "TiledLinear is not implemented"),
-        ("MiCS_Init", "MiCS is not implemented; use zero.Init with stage 3"))},
+    # deepspeed.zero is deepspeed.runtime.zero (zero/deepspeed/zero.py): its names are listed once
+    **{f"deepspeed.runtime.zero.{where}ZeroParamType": "zero's stage-3 parameters tell their state by ds_status; "
+                                                       "there are no remote parameters"
+       for where in ("", "partition_parameters.")},
+    "deepspeed.runtime.zero.TiledLinear": "TiledLinear is not implemented; stage 3 gathers one module at a time "
+                                          "(split a huge Linear into several modules)",
+    "deepspeed.runtime.zero.TiledLinearReturnBias": "TiledLinear is not implemented",
+    "deepspeed.runtime.zero.DeepSpeedZeRoOffload": "stage 3's parameter gathering and offload belong to the engine "
+                                                   "zero.initialize builds (there is no separate object); to gather "
+                                                   "the whole model for generation use "
+                                                   "deepspeed.zero.unwrap_model_for_generation",
+    "deepspeed.runtime.zero.DeepSpeedTensorOverride": "zero.Init does not wrap torch's tensor constructors: "
+                                                      "parameters are made with the dtype and device they ask for, "
+                                                      "and zero.Init(dtype=...) casts the shards",
     "deepspeed.runtime.fp16.onebit.adam.OnebitAdam": "1-bit Adam runs inside the engine: set \"optimizer\": "
                                                     "{\"type\": \"OneBitAdam\"} in the config (docs/onebit.md)",
     "deepspeed.runtime.fp16.onebit.zoadam.ZeroOneAdam": "0/1 Adam runs inside the engine: set \"optimizer\": "

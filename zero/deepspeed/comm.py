@@ -6,7 +6,7 @@ import os
 import torch.distributed as _dist
 
 from zero.deepspeed._missing import missing
-from zero.engine import init_distributed as _init_distributed
+from zero.launch import init_distributed as _init_distributed
 
 ReduceOp = _dist.ReduceOp
 

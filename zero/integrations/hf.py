@@ -135,7 +135,7 @@ class _OptimizerView:
 
     @property
     def step_was_skipped(self) -> bool:  # read by accelerate's optimizer_step_was_skipped
-        return self.engine._last_step_skipped
+        return self.engine.progress.last_step_skipped
 
     def step(self, closure=None) -> None:
         pass
@@ -206,7 +206,6 @@ class ZeroTrainer(Trainer):
             # no optimizer section: Trainer's AdamW, with Trainer's no-decay group
             groups = self._trainer_param_groups() if "optimizer" not in _raw(self.zero_config) else None
             self.engine, *_ = zero.initialize(model=self.model, model_parameters=groups, config=cfg)
-            self.engine._last_step_skipped = False
             _sync_generate(self.model, self.engine)
         if cfg.get("scheduler") is not None:
             from zero.lr_schedules import build_scheduler
@@ -272,14 +271,12 @@ class ZeroTrainer(Trainer):
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         scaled_for_ga = self.loss_is_scaled_for_ga if self.loss_is_scaled_for_ga is not None else \
             (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None
-        skipped_before = self.engine.skipped_steps
         # the engine divides by `ga`; Trainer by the micro-batches of this window (fewer in a short one),
         # or not at all when the loss is normalised by the items of the whole window
         self.engine.backward(loss * (ga if scaled_for_ga else ga / self.current_gradient_accumulation_steps))
         if self.engine.is_gradient_accumulation_boundary():
             self._lr_of_step = self.engine.get_lr()[0]  # Trainer logs the lr the update used
         self.engine.step()
-        self.engine._last_step_skipped = self.engine.skipped_steps != skipped_before
         return (loss if scaled_for_ga else loss / self.current_gradient_accumulation_steps).detach()
 
     def _clip_grad_norm(self, model):

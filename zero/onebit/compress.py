@@ -12,11 +12,15 @@ of the inputs by the current e alone. A receiver of k such messages for the same
 mean of s_r * sign_r. Per element that is 1 + 32/1024 bits. `pack_reference` and
 `unpack_mean_reference` define it in torch; `pack` and `unpack_mean` use the native kernels
 (csrc/onebit/onebit.c, AVX-512 / AVX2 / portable, and csrc/onebit/onebit.cu), which the tests hold
-to the references (bitwise for the bits, 1e-6 for the scales, errors and means).
+to the references (bitwise for the bits, 1e-6 for the scales, errors and means), and fall back to
+the references where the kernels cannot be built (see [Note: native-op fallback] in
+zero/ops/fallback.py).
 """
 from __future__ import annotations
 
 import torch
+
+from zero.ops.fallback import run_native
 
 _WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
@@ -34,26 +38,19 @@ def scale_count(n: int, block: int = BLOCK) -> int:
     return max(1, -(-n // block))
 
 
-_NATIVE: dict[str, bool] = {}  # op -> usable, once tried
-
-
-def _native(device: torch.device) -> bool:
-    """Whether the native kernels for `device` build here (tried once; the torch reference otherwise)."""
-    op = "onebit_cuda" if device.type == "cuda" else "onebit" if device.type == "cpu" else None
-    if op is None:
-        return False
-    if op not in _NATIVE:
-        from zero.ops.builder import missing
-
-        _NATIVE[op] = missing(op) is None
-    return _NATIVE[op]
+_OPS = {"cpu": "onebit", "cuda": "onebit_cuda"}  # the native op for tensors on each device type
 
 
 @torch.no_grad()
 def pack(x: torch.Tensor, error: torch.Tensor, out: torch.Tensor | None = None,
          block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """As `pack_reference`, by the native kernel for CPU tensors when it builds."""
-    if error.is_contiguous() and (out is None or out.is_contiguous()) and _native(x.device):
+    """As `pack_reference`, by the native kernel for CPU and CUDA tensors; by `pack_reference`
+    itself where that kernel cannot be built (warned once) or for other devices and layouts."""
+    op = _OPS.get(x.device.type)
+    if op is None or not error.is_contiguous() or (out is not None and not out.is_contiguous()):
+        return pack_reference(x, error, out, block)
+
+    def native() -> tuple[torch.Tensor, torch.Tensor]:
         from zero.ops.onebit import pack_into, pack_into_cuda
 
         n = x.numel()
@@ -61,20 +58,28 @@ def pack(x: torch.Tensor, error: torch.Tensor, out: torch.Tensor | None = None,
         scales = torch.empty(scale_count(n, block), dtype=torch.float32, device=x.device)
         (pack_into_cuda if x.is_cuda else pack_into)(x.float().contiguous(), error, bits, scales, block)
         return bits, scales
-    return pack_reference(x, error, out, block)
+
+    return run_native(op, native, lambda: pack_reference(x, error, out, block), what="1-bit pack")
 
 
 @torch.no_grad()
 def unpack_mean(bits: torch.Tensor, scales: torch.Tensor, n: int, block: int = BLOCK) -> torch.Tensor:
-    """As `unpack_mean_reference`, by the native kernel for CPU tensors when it builds."""
-    if _native(bits.device):
+    """As `unpack_mean_reference`, by the native kernel for CPU and CUDA tensors; by
+    `unpack_mean_reference` itself where that kernel cannot be built (warned once) or for other
+    devices."""
+    op = _OPS.get(bits.device.type)
+    if op is None:
+        return unpack_mean_reference(bits, scales, n, block)
+
+    def native() -> torch.Tensor:
         from zero.ops.onebit import unpack_mean_into, unpack_mean_into_cuda
 
         out = torch.empty(n, dtype=torch.float32, device=bits.device)
         (unpack_mean_into_cuda if bits.is_cuda else unpack_mean_into)(
             bits.contiguous(), scales.reshape(bits.shape[0], -1).contiguous(), out, block)
         return out
-    return unpack_mean_reference(bits, scales, n, block)
+
+    return run_native(op, native, lambda: unpack_mean_reference(bits, scales, n, block), what="1-bit unpack-mean")
 
 
 @torch.no_grad()

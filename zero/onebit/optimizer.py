@@ -27,12 +27,66 @@ from __future__ import annotations
 import torch
 
 from zero.onebit.exchange import CompressedExchange, gather_changes
-from zero.stages.buckets import ZeroOptimizer
+from zero.precision import LossScaler
+from zero.stages.adam import ShardedAdam
+from zero.stages.buckets import FlatParams
 
 
-class OneBitAdam(ZeroOptimizer):
+class OneBitParams(FlatParams):
+    """The flat storage of stages 0-2 whose bucket reductions (and, with `compress_param_gather`,
+    parameter all-gathers) are compressed after `freeze_step` (see [Note: 1-bit Adam on shards]).
+    Arguments as FlatParams, plus:
+
+    Args:
+        freeze_step: steps of exact Adam before compression starts.
+        loss_scaler: the fp16 loss scale, which the error buffers follow.
+    """
+
+    def __init__(self, *args, freeze_step: int, loss_scaler: LossScaler, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.freeze_step = freeze_step
+        self.loss_scaler = loss_scaler
+        self.before: list[torch.Tensor] | None = None  # owned slices before this step (compressed gather)
+        numels = [b.numel for b in self.layout.buckets] if self.comm.world_size > 1 else []  # one rank: no exchange
+        self.exchange = CompressedExchange(self.comm, numels, full_result=self.stage == 0, device=self.flat.device)
+        # the loss scale the error buffers are in (fp16), kept with them in checkpoints
+        self.error_scale = torch.tensor([self.loss_scaler.scale], dtype=torch.float64)
+
+    @property
+    def compressing(self) -> bool:
+        """The gradients being reduced now are for a step after `freeze_step`."""
+        return self.step_number() > self.freeze_step and self.comm.world_size > 1
+
+    def reduce_bucket(self, bucket, buf: torch.Tensor, async_op: bool):
+        if not self.compressing:
+            return super().reduce_bucket(bucket, buf, async_op)
+        if self.predivide != 1.0:
+            buf.div_(self.predivide)
+        if self.loss_scaler.scale != self.error_scale.item():  # fp16: the errors follow the gradients' scale
+            for t in self.exchange.tensors().values():
+                t.mul_(self.loss_scaler.scale / self.error_scale.item())
+            self.error_scale.fill_(self.loss_scaler.scale)
+        lo, hi = self.own(bucket)
+        self.exchange.reduce(bucket.index, buf, (lo - bucket.start, hi - bucket.start))
+        return None
+
+    def publish(self) -> None:
+        if self.before is None:  # before the freeze, and every publish outside a step (loads): exact
+            return super().publish()
+        for bucket, before in zip(self.layout.buckets, self.before):
+            gather_changes(self.comm, self.flat[bucket.start : bucket.start + bucket.numel], before, self.rank)
+
+    def memory_extras(self, report: dict[str, int]) -> None:
+        """`compression_errors`: the error buffers (on the device, beside the model states: a full
+        fp32 copy of the trainable parameters per rank, 1/N more at stage 0)."""
+        errors = sum(t.untyped_storage().nbytes() for t in self.exchange.tensors().values())
+        report["compression_errors"] = errors
+        report["device_bytes"] += errors
+
+
+class OneBitAdam(ShardedAdam):
     """ZeRO stages 0-2 with 1-bit compressed gradient exchange after `freeze_step` (see
-    [Note: 1-bit Adam on shards]). Arguments as ZeroOptimizer, plus:
+    [Note: 1-bit Adam on shards]). Arguments as ShardedAdam (its storage a OneBitParams), plus:
 
     Args:
         freeze_step: steps of exact Adam before the variance freezes and compression starts.
@@ -41,75 +95,41 @@ class OneBitAdam(ZeroOptimizer):
     """
 
     def __init__(self, *args, freeze_step: int, compress_param_gather: bool = False, **kwargs):
-        self.compress_param_gather = compress_param_gather  # read by master_is_params, during the base's __init__
         super().__init__(*args, **kwargs)
         self.freeze_step = freeze_step
-        self._before: list[torch.Tensor] | None = None  # owned slices before this step (compressed gather)
-        numels = [b.numel for b in self.layout.buckets] if self.comm.world_size > 1 else []  # one rank: no exchange
-        self.exchange = CompressedExchange(self.comm, numels, full_result=self.stage == 0, device=self.flat.device)
-        # the loss scale the error buffers are in (fp16), kept with them in checkpoints
-        self._error_scale = torch.tensor([self.loss_scaler.scale], dtype=torch.float64)
-
-    @property
-    def compressing(self) -> bool:
-        """The gradients being reduced now are for a step after `freeze_step`."""
-        return self.step_count >= self.freeze_step and self.comm.world_size > 1
-
-    def master_is_params(self) -> bool:
-        return super().master_is_params() and not (self.compress_param_gather and self.comm.world_size > 1)
+        self.compress_param_gather = compress_param_gather
 
     def step(self, closure=None) -> bool:
-        if self.compress_param_gather and self.compressing and self.partitions > 1:
-            self._before = [self.flat[slice(*self._own(b))].clone() for b in self.layout.buckets]
-            self.gauges.gather_buffers.add(sum(t.untyped_storage().nbytes() for t in self._before))
+        s = self.storage
+        if self.compress_param_gather and s.compressing and s.partitions > 1:
+            s.before = [s.flat[slice(*s.own(b))].clone() for b in s.layout.buckets]
+            self.gauges.gather_buffers.add(sum(t.untyped_storage().nbytes() for t in s.before))
         try:
             return super().step(closure)
         finally:
-            if self._before is not None:
-                self.gauges.gather_buffers.sub(sum(t.untyped_storage().nbytes() for t in self._before))
-                self._before = None
-
-    def publish(self) -> None:
-        if self._before is None:  # before the freeze, and every publish outside a step (loads): exact
-            return super().publish()
-        for bucket, before in zip(self.layout.buckets, self._before):
-            gather_changes(self.comm, self.flat[bucket.start : bucket.start + bucket.numel], before, self.rank)
-
-    def _reduce_bucket(self, bucket, buf: torch.Tensor, async_op: bool):
-        if not self.compressing:
-            return super()._reduce_bucket(bucket, buf, async_op)
-        if self.options.predivide != 1.0:
-            buf.div_(self.options.predivide)
-        if self.loss_scaler.scale != self._error_scale.item():  # fp16: the errors follow the gradients' scale
-            for t in self.exchange.tensors().values():
-                t.mul_(self.loss_scaler.scale / self._error_scale.item())
-            self._error_scale.fill_(self.loss_scaler.scale)
-        lo, hi = self._own(bucket)
-        self.exchange.reduce(bucket.index, buf, (lo - bucket.start, hi - bucket.start))
-        return None
+            if s.before is not None:
+                self.gauges.gather_buffers.sub(sum(t.untyped_storage().nbytes() for t in s.before))
+                s.before = None
 
     def rank_state(self) -> dict[str, torch.Tensor]:
         """The error buffers and the loss scale they are in (see [Note: 1-bit Adam in checkpoints])."""
-        return {**self.exchange.tensors(), "error_loss_scale": self._error_scale}
+        return {**self.storage.exchange.tensors(), "error_loss_scale": self.storage.error_scale}
 
     def reset_rank_state(self) -> None:
-        self.exchange.reset()
-        self._error_scale.fill_(self.loss_scaler.scale)
+        self.storage.exchange.reset()
+        self.storage.error_scale.fill_(self.loss_scaler.scale)
 
     def memory_report(self) -> dict:
-        """As ZeroOptimizer's, plus `compression_errors`: the error buffers (on the device, beside the
-        model states: a full fp32 copy of the trainable parameters per rank, 1/N more at stage 0)."""
+        """As ShardedAdam's, plus `compression_errors` (see OneBitParams.memory_extras) and, with the
+        compressed gather, its buffers' peak."""
         report = super().memory_report()
-        errors = sum(t.untyped_storage().nbytes() for t in self.exchange.tensors().values())
-        report["compression_errors"] = errors
-        report["device_bytes"] += errors
         if self.compress_param_gather:
             report["gather_buffers_peak"] = self.gauges.gather_buffers.peak
         return report
 
     def _skip(self, norm: float) -> None:
         super()._skip(norm)
-        self.exchange.reset()
+        self.storage.exchange.reset()
 
     @torch.no_grad()
     def _adam(self, group, master, grad, exp_avg, exp_avg_sq, grad_scale: float, out16, num_threads=None) -> None:

@@ -30,21 +30,17 @@ from __future__ import annotations
 import torch
 
 from zero.onebit.exchange import CompressedExchange
-from zero.stages.buckets import ZeroOptimizer
+from zero.stages.adam import ShardedAdam
+from zero.stages.buckets import FlatParams
 
 
-class ZeroOneAdam(ZeroOptimizer):
-    """ZeRO stage 0 with 0/1 Adam's variance freezing, local steps and 1-bit syncs (see
-    [Note: 0/1 Adam]). Arguments as ZeroOptimizer, plus the schedule's four numbers."""
+class ZeroOneParams(FlatParams):
+    """The flat storage of stage 0 with 0/1 Adam's per-rank state beside each bucket's: the local
+    accumulator u, the anchor (the parameters at the last sync), the accumulators since the sync,
+    and the compression error buffers (see [Note: 0/1 Adam]). Arguments as FlatParams."""
 
-    def __init__(self, *args, var_freeze_step: int, var_update_scaler: int, local_step_scaler: int,
-                 local_step_clipper: int, **kwargs):
+    def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.stage != 0:
-            raise ValueError("ZeroOneAdam runs at ZeRO stage 0 only (its local steps update every parameter on "
-                             "every rank); use OneBitAdam at stages 1 and 2")
-        self.var_freeze_step, self.var_update_scaler = var_freeze_step, var_update_scaler
-        self.local_step_scaler, self.local_step_clipper = local_step_scaler, local_step_clipper
         n = self.comm.world_size
         numels = [b.numel for b in self.layout.buckets] if n > 1 else []
         self.exchange = CompressedExchange(self.comm, numels, full_result=True, device=self.flat.device)
@@ -52,12 +48,65 @@ class ZeroOneAdam(ZeroOptimizer):
         self.anchor = [m.detach().clone() for m in self.master]
         # per slot: [sum of c_t since the sync, product of decay factors since the sync]
         self.since_sync = [torch.tensor([0.0, 1.0], dtype=torch.float64) for _ in self.master]
+        self.slot_of = {m.data_ptr(): b for b, m in enumerate(self.master)}
+        self.watch_edits(self.params)  # fp32 too: an edit must move the anchor (see rebase)
+
+    def rebase(self, param, value: torch.Tensor | None = None) -> None:
+        """A parameter set from outside (load_state_dict, an in-place edit) takes its new value as
+        its anchor, and its local progress since the sync is dropped: the next sync keeps it."""
+        i = self._index.get(param)
+        if i is None:
+            return
+        bucket = self.layout.buckets[self.layout.bucket_of[i]]
+        lo, _ = self.own(bucket)
+        a = self.layout.offsets[i] - lo
+        n = self.layout.numels[i]
+        b = bucket.index
+        with torch.no_grad():
+            new = value.detach().reshape(-1).to(self.anchor[b].device, torch.float32) if value is not None \
+                else self.master[b][a : a + n]
+            self.anchor[b][a : a + n].copy_(new)
+            self.u[b][a : a + n].zero_()
+
+    def load_param(self, param, value: torch.Tensor) -> None:
+        super().load_param(param, value)
+        self.rebase(param, value)
+
+    def adopt_edit(self, param) -> None:
+        super().adopt_edit(param)
+        self.rebase(param)
+
+    def after_checkpoint_load(self) -> None:
+        """The 16-bit parameters follow this rank's master (restored with its own state)."""
+        for b, bucket in enumerate(self.layout.buckets):
+            lo, hi = self.own(bucket)
+            if self.master[b].data_ptr() != self.flat[lo:hi].data_ptr():
+                self.flat[lo:hi].copy_(self.master[b])
+        super().after_checkpoint_load()
+
+    def memory_extras(self, report: dict[str, int]) -> None:
+        """`compression_errors` (the error buffers) and `local_step_state` (u and the anchor: two fp32
+        copies of the trainable parameters), both on the device."""
+        errors = sum(t.untyped_storage().nbytes() for t in self.exchange.tensors().values())
+        local = sum(t.untyped_storage().nbytes() for t in (*self.u, *self.anchor))
+        report.update(compression_errors=errors, local_step_state=local)
+        report["device_bytes"] += errors + local
+
+
+class ZeroOneAdam(ShardedAdam):
+    """ZeRO stage 0 with 0/1 Adam's variance freezing, local steps and 1-bit syncs (see
+    [Note: 0/1 Adam]). Arguments as ShardedAdam (its storage a ZeroOneParams), plus the
+    schedule's four numbers."""
+
+    def __init__(self, *args, var_freeze_step: int, var_update_scaler: int, local_step_scaler: int,
+                 local_step_clipper: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.var_freeze_step, self.var_update_scaler = var_freeze_step, var_update_scaler
+        self.local_step_scaler, self.local_step_clipper = local_step_scaler, local_step_clipper
         # the schedule: var_interval, var_counter, var_updates, local_interval, local_counter, steps since
         # sync, and the step count it belongs to (a function of the step count: replayed when they differ)
         self.schedule = torch.tensor([1, 0, 0, 1, 0, 0, 0], dtype=torch.int64)
-        self._slot = {m.data_ptr(): b for b, m in enumerate(self.master)}
         self._plan: tuple[bool, bool] = (True, True)
-        self.watch_edits(self.params)  # fp32 too: an edit must move the anchor (see _rebase)
 
     # -- the schedule --------------------------------------------------------------------------
 
@@ -95,15 +144,13 @@ class ZeroOneAdam(ZeroOptimizer):
 
     def reduce_gradients(self) -> None:
         self._plan = self._next()
-        if self._plan[0]:  # a variance update: the exact all-reduce
-            super().reduce_gradients()
-        elif not self.reduce.ignore_unused_parameters:
-            self._seen.clear()
+        self.storage.grads.reduce(communicate=self._plan[0])  # a variance update: the exact all-reduce
 
     def grad_divisor(self, reduced: bool) -> float:
         if not reduced or self._plan[0]:  # safe_get_full_grad's sum over ranks, or a variance update
             return super().grad_divisor(reduced)
-        return self.loss_scaler.scale  # this rank's own gradient: no sum over ranks, no predivide
+        return self.options.accumulation * self.loss_scaler.scale  # this rank's own gradient: no sum over ranks,
+        # no predivide
 
     def _grad_norm(self, slots) -> float:
         norm = super()._grad_norm(slots)
@@ -122,7 +169,8 @@ class ZeroOneAdam(ZeroOptimizer):
 
     @torch.no_grad()
     def _adam(self, group, master, grad, exp_avg, exp_avg_sq, grad_scale: float, out16, num_threads=None) -> None:
-        b = self._slot[master.data_ptr()]
+        s = self.storage
+        b = s.slot_of[master.data_ptr()]
         var_update, sync = self._plan
         t = self.step_count
         lr, (beta1, beta2), eps, wd = float(group["lr"]), tuple(group["betas"]), group["eps"], group["weight_decay"]
@@ -141,91 +189,48 @@ class ZeroOneAdam(ZeroOptimizer):
         c = lr / bc1
         master.mul_(decay).addcdiv_(exp_avg, denom, value=-c)
         if var_update:  # every rank took the same step: a sync point
-            self.anchor[b].copy_(master)
-            self.u[b].zero_()
-            self.since_sync[b].copy_(torch.tensor([0.0, 1.0], dtype=torch.float64))
+            s.anchor[b].copy_(master)
+            s.u[b].zero_()
+            s.since_sync[b].copy_(torch.tensor([0.0, 1.0], dtype=torch.float64))
         else:
-            self.u[b].add_(exp_avg, alpha=c)
-            acc = self.since_sync[b]
+            s.u[b].add_(exp_avg, alpha=c)
+            acc = s.since_sync[b]
             acc[0] += c
             acc[1] *= decay
             if sync:
-                mean = self.u[b].clone()
+                mean = s.u[b].clone()
                 if self.comm.world_size > 1:
-                    lo, hi = self._own(self.layout.buckets[b])
-                    self.exchange.reduce(b, mean, (0, hi - lo))
+                    lo, hi = s.own(s.layout.buckets[b])
+                    s.exchange.reduce(b, mean, (0, hi - lo))
                     mean.div_(self.comm.world_size)
-                torch.addcdiv(self.anchor[b] * float(acc[1]), mean, denom, value=-1.0, out=master)
+                torch.addcdiv(s.anchor[b] * float(acc[1]), mean, denom, value=-1.0, out=master)
                 if acc[0] > 0:  # lr 0 since the sync: the momentum stays as it is
                     exp_avg.copy_(mean / float(acc[0]))
-                self.anchor[b].copy_(master)
-                self.u[b].zero_()
+                s.anchor[b].copy_(master)
+                s.u[b].zero_()
                 acc.copy_(torch.tensor([0.0, 1.0], dtype=torch.float64))
         if out16 is not None:
             out16.copy_(master)
-
-    # -- edits from outside ----------------------------------------------------------------------
-
-    def _rebase(self, param, value: torch.Tensor | None = None) -> None:
-        """A parameter set from outside (load_state_dict, an in-place edit) takes its new value as
-        its anchor, and its local progress since the sync is dropped: the next sync keeps it."""
-        i = self._index.get(param)
-        if i is None:
-            return
-        bucket = self.layout.buckets[self.layout.bucket_of[i]]
-        lo, _ = self._own(bucket)
-        a = self.layout.offsets[i] - lo
-        n = self.layout.numels[i]
-        b = bucket.index
-        with torch.no_grad():
-            new = value.detach().reshape(-1).to(self.anchor[b].device, torch.float32) if value is not None \
-                else self.master[b][a : a + n]
-            self.anchor[b][a : a + n].copy_(new)
-            self.u[b][a : a + n].zero_()
-
-    def load_param(self, param, value: torch.Tensor) -> None:
-        super().load_param(param, value)
-        self._rebase(param, value)
-
-    def adopt_edit(self, param) -> None:
-        super().adopt_edit(param)
-        self._rebase(param)
 
     # -- state ---------------------------------------------------------------------------------
 
     def rank_state(self) -> dict[str, torch.Tensor]:
         """This rank's own state (see [Note: 0/1 Adam]): error buffers, u, anchor, the accumulators,
         the schedule, and its own parameters and momentum."""
-        out = dict(self.exchange.tensors())
-        for b in range(len(self.master)):
-            out.update({f"u.{b}": self.u[b], f"anchor.{b}": self.anchor[b], f"since_sync.{b}": self.since_sync[b],
-                        f"master.{b}": self.master[b], f"exp_avg.{b}": self.exp_avg[b]})
+        s = self.storage
+        out = dict(s.exchange.tensors())
+        for b in range(len(s.master)):
+            out.update({f"u.{b}": s.u[b], f"anchor.{b}": s.anchor[b], f"since_sync.{b}": s.since_sync[b],
+                        f"master.{b}": s.master[b], f"exp_avg.{b}": s.exp_avg[b]})
         out["schedule"] = self.schedule
         return out
 
     def reset_rank_state(self) -> None:
         """A checkpoint from another world size: start a sync interval from the loaded values."""
-        self.exchange.reset()
-        for b, m in enumerate(self.master):
-            self.u[b].zero_()
-            self.anchor[b].copy_(m)
-            self.since_sync[b].copy_(torch.tensor([0.0, 1.0], dtype=torch.float64))
+        s = self.storage
+        s.exchange.reset()
+        for b, m in enumerate(s.master):
+            s.u[b].zero_()
+            s.anchor[b].copy_(m)
+            s.since_sync[b].copy_(torch.tensor([0.0, 1.0], dtype=torch.float64))
         self.schedule[6] = -1  # replayed from the step count at the next step
-
-    def memory_report(self) -> dict:
-        """As ZeroOptimizer's, plus `compression_errors` (the error buffers) and `local_step_state`
-        (u and the anchor: two fp32 copies of the trainable parameters), both on the device."""
-        report = super().memory_report()
-        errors = sum(t.untyped_storage().nbytes() for t in self.exchange.tensors().values())
-        local = sum(t.untyped_storage().nbytes() for t in (*self.u, *self.anchor))
-        report.update(compression_errors=errors, local_step_state=local)
-        report["device_bytes"] += errors + local
-        return report
-
-    def after_checkpoint_load(self) -> None:
-        """The 16-bit parameters follow this rank's master (restored with its own state)."""
-        for b, bucket in enumerate(self.layout.buckets):
-            lo, hi = self._own(bucket)
-            if self.master[b].data_ptr() != self.flat[lo:hi].data_ptr():
-                self.flat[lo:hi].copy_(self.master[b])
-        super().after_checkpoint_load()

@@ -6,8 +6,10 @@ csrc/bindings/ turn tensors into pointers. An op is built at its first use, neve
 `import zero` and never at `pip install` (so installing needs no torch and no compiler):
 
 1. The C files are compiled by the system C compiler as real C11 (`cc -std=c11 -O3 -fopenmp`).
-   No `-march=native`: SIMD paths carry their own `target` attributes and are picked at run time,
-   so one build runs on any x86-64 host (and on ARM, where only the portable path is compiled).
+   No `-march=native`: SIMD paths carry their own `target` attributes and are picked at run time
+   by the one detection in csrc/common/simd.c, which every CPU op links (see [Note: SIMD levels]
+   in csrc/common/simd.h), so one build runs on any x86-64 host (and on ARM, where only the
+   portable path is compiled). A CPU op never compiles another op's kernel.
 2. The bindings (and any .cu files) are compiled and linked with the C objects by
    `torch.utils.cpp_extension.load`, which uses ninja and nvcc.
    The bindings use torch's own C++ standard (c++20 in torch 2.13).
@@ -82,13 +84,13 @@ OPS: dict[str, OpSpec] = {
         OpSpec(
             "cpu_adam",
             "CPU Adam/AdamW (AVX-512 / AVX2 / portable C, OpenMP)",
-            c_sources=("adam/cpu_adam.c",),
+            c_sources=("adam/cpu_adam.c", "common/simd.c"),
             cpp_sources=("bindings/cpu_adam.cpp",),
         ),
         OpSpec(
             "onebit",
             "1-bit pack with error feedback and unpack-mean (AVX-512 / AVX2 / portable C, OpenMP)",
-            c_sources=("onebit/onebit.c", "adam/cpu_adam.c"),
+            c_sources=("onebit/onebit.c", "common/simd.c"),
             cpp_sources=("bindings/onebit.cpp",),
         ),
         OpSpec(
@@ -106,7 +108,7 @@ OPS: dict[str, OpSpec] = {
         OpSpec(
             "sparse_attention",
             "block-sparse attention forward/backward (AVX-512 / AVX2 / portable C, OpenMP)",
-            c_sources=("sparse_attention/sparse_attention.c", "adam/cpu_adam.c"),
+            c_sources=("sparse_attention/sparse_attention.c", "common/simd.c"),
             cpp_sources=("bindings/sparse_attention.cpp",),
         ),
         OpSpec(

@@ -13,7 +13,8 @@ Every argument is checked, with a ValueError naming the offending one, before an
 written. `cpu_adam_step_unchecked` skips those checks, for callers (the engine's hot path) whose
 arguments are valid by construction. The kernel picks AVX-512, AVX2 or portable C at run time;
 `simd_levels()` lists what this CPU runs and `simd=` forces one (every level computes the same
-bits; the tests run each against torch).
+bits; the tests run each against torch). zero.ops.simd reads `simd=` and `num_threads=` for
+every CPU op.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from zero.ops import simd as _simd
 from zero.ops.adam_common import (
     GRAD_DTYPES,
     OUT16_DTYPES,
@@ -34,38 +36,16 @@ from zero.ops.adam_common import (
 )
 from zero.ops.builder import load
 
-# SIMD level names in the kernel's numbering (ZERO_SIMD_SCALAR = 0, ...; csrc/adam/cpu_adam.h).
-SIMD_NAMES = ("scalar", "avx2", "avx512")
-_BEST = -1
-_SIMD_CODES: dict[str | None, int] = {None: _BEST, **{name: code for code, name in enumerate(SIMD_NAMES)}}
+_OP = "cpu_adam"
 
 
 def _op():
-    return load("cpu_adam")
+    return load(_OP)
 
 
 def simd_levels() -> list[str]:
     """SIMD levels the kernel can run on this CPU, best first (e.g. ["avx512", "avx2", "scalar"])."""
-    return list(_op().simd_levels())
-
-
-def _simd_code(simd: str | None, what: str = "simd") -> int:
-    if simd is None:
-        return _BEST
-    if simd not in SIMD_NAMES:
-        raise ValueError(f"{what} must be None (best available) or one of {list(SIMD_NAMES)}, got {simd!r}")
-    available = simd_levels()
-    if simd not in available:
-        raise ValueError(f"{what}={simd!r} is not available on this CPU; available: {available}")
-    return SIMD_NAMES.index(simd)
-
-
-def _num_threads(num_threads: int | None, what: str = "num_threads") -> int:
-    if num_threads is None:
-        return torch.get_num_threads()
-    if isinstance(num_threads, bool) or not isinstance(num_threads, int):
-        raise ValueError(f"{what} must be an int or None, got {num_threads!r}")
-    return num_threads
+    return _simd.simd_levels(_OP)
 
 
 def _check_tensor(
@@ -136,8 +116,8 @@ def cpu_adam_step(
     check_step_number(step)
     check_adam_hyperparameters(lr, betas, eps, weight_decay)
     check_grad_scale(grad_scale)
-    _simd_code(simd)
-    _num_threads(num_threads)
+    _simd.simd_code(simd, _OP)
+    _simd.num_threads(num_threads)
     cpu_adam_step_unchecked(
         param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
         adamw_mode=adamw_mode, bias_correction=bias_correction, grad_scale=grad_scale, out16=out16, simd=simd,
@@ -178,7 +158,7 @@ def cpu_adam_step_unchecked(
     _op().adam_step(
         param, grad, exp_avg, exp_avg_sq, out16,
         float(lr), float(betas[0]), float(betas[1]), float(eps), float(weight_decay), float(grad_scale),
-        int(step), bool(adamw_mode), bool(bias_correction), _SIMD_CODES[simd],
+        int(step), bool(adamw_mode), bool(bias_correction), _simd.SIMD_CODES[simd],
         torch.get_num_threads() if num_threads is None else num_threads,
     )  # fmt: skip
     bump_versions((param, exp_avg, exp_avg_sq, out16))
@@ -228,8 +208,8 @@ class CPUAdam(AdamOptimizerBase):
         super().__init__(params, lr, betas, eps, weight_decay, adamw_mode, bias_correction, amsgrad)
 
     def _check_options(self) -> None:
-        self._simd_code = _simd_code(self.simd)
-        _num_threads(self.num_threads)  # validate now, resolve at each step (torch's thread count may change)
+        self._simd_code = _simd.simd_code(self.simd, _OP)
+        _simd.num_threads(self.num_threads)  # validate now, resolve at each step (torch's thread count may change)
 
     def _check_param(self, p: Any, name: str) -> None:
         if not isinstance(p, torch.Tensor):
@@ -248,7 +228,7 @@ class CPUAdam(AdamOptimizerBase):
         _check_tensor(t, name, dtypes, param.numel(), contiguous=contiguous)
 
     def _update(self, work: list[tuple[dict, list]]) -> None:
-        threads = _num_threads(self.num_threads)
+        threads = _simd.num_threads(self.num_threads)
         op = _op() if work else None  # built (or found missing) before any state changes
         for group, items in work:
             for p, target in items:

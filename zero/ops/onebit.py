@@ -9,7 +9,8 @@ import torch
 
 from zero.ops.adam_common import check_tensor
 from zero.ops.builder import load
-from zero.ops.cpu_adam import _num_threads, _simd_code
+from zero.ops.simd import num_threads as _threads
+from zero.ops.simd import simd_code
 
 
 def _check_pack(x, error, bits, scales, block: int, device_type: str) -> None:
@@ -38,16 +39,20 @@ def _check_unpack(bits, scales, out, block: int, device_type: str) -> None:
 def pack_into(x: torch.Tensor, error: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor, block: int,
               simd: str | None = None, num_threads: int | None = None) -> None:
     """x, error: contiguous fp32 CPU tensors of n elements (error updated); bits: ceil(n/8) uint8;
-    scales: ceil(n/block) fp32. Raises OpUnavailable if the op cannot be built."""
+    scales: ceil(n/block) fp32; simd, num_threads: as for zero.ops.simd. Raises OpUnavailable,
+    before anything is written, if the op cannot be built."""
     _check_pack(x, error, bits, scales, block, "cpu")
-    load("onebit").pack(x, error, bits, scales, block, _simd_code(simd), _num_threads(num_threads))
+    op = load("onebit")
+    op.pack(x, error, bits, scales, block, simd_code(simd, "onebit"), _threads(num_threads))
 
 
 def unpack_mean_into(bits: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block: int,
                      simd: str | None = None, num_threads: int | None = None) -> None:
-    """bits: (k, ceil(n/8)) uint8; scales: (k, ceil(n/block)) fp32; out: n fp32 (all contiguous, CPU)."""
+    """bits: (k, ceil(n/8)) uint8; scales: (k, ceil(n/block)) fp32; out: n fp32 (all contiguous, CPU).
+    Raises OpUnavailable, before anything is written, if the op cannot be built."""
     _check_unpack(bits, scales, out, block, "cpu")
-    load("onebit").unpack_mean(bits, scales, out, block, _simd_code(simd), _num_threads(num_threads))
+    op = load("onebit")
+    op.unpack_mean(bits, scales, out, block, simd_code(simd, "onebit"), _threads(num_threads))
 
 
 def pack_into_cuda(x: torch.Tensor, error: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor, block: int) -> None:

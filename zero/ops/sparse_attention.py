@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from zero.ops import simd as _simd
 from zero.ops.builder import load
 
 DTYPES_CPU = (torch.float32, torch.bfloat16, torch.float16)
@@ -215,10 +216,14 @@ def _check_inputs(q, k, v, index: BlockSparseIndex, scale: float, key_bias, attn
                              f"1 <= L <= {seq}, got {_describe(attn_bias)}")
 
 
-def _threads(simd: str | None, num_threads: int | None) -> tuple[int, int]:
-    from zero.ops.cpu_adam import _num_threads, _simd_code
+def op_for(device: torch.device) -> str:
+    """The native op that computes for tensors on `device`: "sparse_attention" (CPU) or
+    "sparse_attention_cuda"."""
+    return "sparse_attention_cuda" if device.type == "cuda" else "sparse_attention"
 
-    return _simd_code(simd), _num_threads(num_threads)
+
+def _threads(simd: str | None, num_threads: int | None) -> tuple[int, int]:
+    return _simd.simd_code(simd, "sparse_attention"), _simd.num_threads(num_threads)
 
 
 # ----------------------------------------------------------------------------- calls
@@ -240,14 +245,19 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: BlockSpars
 
     Returns:
         (out like q, lse: (batch, heads, seq) float32, the log-sum-exp of each query's scores).
+
+    Raises:
+        ValueError: an argument is invalid (the message names it).
+        OpUnavailable: the op for q's device (`op_for`) cannot be built here; nothing was computed.
     """
     _check_inputs(q, k, v, index, scale, key_bias, attn_bias)
+    op = load(op_for(q.device))
     if q.device.type == "cuda":
-        return tuple(load("sparse_attention_cuda").forward(q, k, v, index.row_ptr, index.col_idx, index.block,
-                                                           index.causal, float(scale), key_bias, attn_bias))
+        return tuple(op.forward(q, k, v, index.row_ptr, index.col_idx, index.block, index.causal, float(scale),
+                                key_bias, attn_bias))
     simd_code, threads = _threads(simd, num_threads)
-    return tuple(load("sparse_attention").forward(q, k, v, index.row_ptr, index.col_idx, index.block, index.causal,
-                                                  float(scale), key_bias, attn_bias, simd_code, threads))
+    return tuple(op.forward(q, k, v, index.row_ptr, index.col_idx, index.block, index.causal, float(scale), key_bias,
+                            attn_bias, simd_code, threads))
 
 
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
@@ -265,10 +275,10 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
     if (not isinstance(lse, torch.Tensor) or tuple(lse.shape) != tuple(q.shape[:3]) or lse.dtype != torch.float32
             or lse.device != q.device or not lse.is_contiguous()):
         raise ValueError(f"lse must be a contiguous {tuple(q.shape[:3])} float32 tensor on {q.device}, got {_describe(lse)}")
+    op = load(op_for(q.device))
     if q.device.type == "cuda":
-        return tuple(load("sparse_attention_cuda").backward(q, k, v, out, dout, lse, index.row_ptr, index.col_idx,
-                                                            index.col_ptr, index.row_idx, index.block, index.causal,
-                                                            float(scale), key_bias, attn_bias))
+        return tuple(op.backward(q, k, v, out, dout, lse, index.row_ptr, index.col_idx, index.col_ptr, index.row_idx,
+                                 index.block, index.causal, float(scale), key_bias, attn_bias))
     simd_code, threads = _threads(simd, num_threads)
-    return tuple(load("sparse_attention").backward(q, k, v, out, dout, lse, index.col_ptr, index.row_idx, index.block,
-                                                   index.causal, float(scale), key_bias, attn_bias, simd_code, threads))
+    return tuple(op.backward(q, k, v, out, dout, lse, index.col_ptr, index.row_idx, index.block, index.causal,
+                             float(scale), key_bias, attn_bias, simd_code, threads))

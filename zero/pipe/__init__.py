@@ -7,12 +7,4 @@ composed with ZeRO over each stage's data-parallel group (see docs/parallelism.m
 """
 from zero.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
 
-__all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec", "PipelineEngine"]
-
-
-def __getattr__(name: str):
-    if name == "PipelineEngine":  # torch.distributed.pipelining is imported only when used
-        from zero.pipe.engine import PipelineEngine
-
-        return PipelineEngine
-    raise AttributeError(f"module 'zero.pipe' has no attribute {name!r}")
+__all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec"]

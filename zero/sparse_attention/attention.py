@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from zero.ops import sparse_attention as ops
+from zero.ops.fallback import run_native
 from zero.ops.sparse_attention import BLOCK_SIZES, BlockSparseIndex
 from zero.sparse_attention.sparsity_config import SparsityConfig
 
@@ -38,8 +39,10 @@ class BlockSparseAttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, index: BlockSparseIndex, scale: float, key_bias, attn_bias, simd, num_threads):
         seq, padded = q.shape[2], index.num_blocks * index.block
         qp, kp, vp = (_pad_rows(x, padded) for x in (q, k, v))
-        out, lse = ops.forward(qp, kp, vp, index, scale=scale, key_bias=key_bias, attn_bias=attn_bias, simd=simd,
-                               num_threads=num_threads)
+        # no torch fallback: a dense one would form the seq^2 scores this exists to avoid
+        out, lse = run_native(ops.op_for(q.device), lambda: ops.forward(
+            qp, kp, vp, index, scale=scale, key_bias=key_bias, attn_bias=attn_bias, simd=simd,
+            num_threads=num_threads), what="block-sparse attention (forward)")
         ctx.save_for_backward(qp, kp, vp, out, lse)
         ctx.args = (index, scale, key_bias, attn_bias, simd, num_threads, seq)
         return out if padded == seq else out[:, :, :seq].contiguous()
@@ -50,8 +53,9 @@ class BlockSparseAttentionFunction(torch.autograd.Function):
         qp, kp, vp, out, lse = ctx.saved_tensors
         index, scale, key_bias, attn_bias, simd, num_threads, seq = ctx.args
         doutp = _pad_rows(dout.to(out.dtype), out.shape[2])
-        dq, dk, dv = ops.backward(qp, kp, vp, out, doutp, lse, index, scale=scale, key_bias=key_bias,
-                                  attn_bias=attn_bias, simd=simd, num_threads=num_threads)
+        dq, dk, dv = run_native(ops.op_for(out.device), lambda: ops.backward(
+            qp, kp, vp, out, doutp, lse, index, scale=scale, key_bias=key_bias, attn_bias=attn_bias, simd=simd,
+            num_threads=num_threads), what="block-sparse attention (backward)")
         if out.shape[2] != seq:
             dq, dk, dv = (g[:, :, :seq] for g in (dq, dk, dv))
         return dq, dk, dv, None, None, None, None, None, None

@@ -46,7 +46,7 @@ def replace_self_attention(model: nn.Module, sparsity_config: SparsityConfig, *,
     Raises:
         ValueError: nothing in `model` is a supported attention, or the head counts differ.
     """
-    from zero.testing.models import Block
+    from zero.models import Block
 
     swapped = 0
     for name, module in model.named_modules():

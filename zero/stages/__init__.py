@@ -5,6 +5,8 @@
 Rooms: `policies.py` (what the config asks, decided once), `adam.py` (the step every stage
 shares), `readiness.py` (when gradients are final, stages 2 and 3), `buckets.py` (stages 0-2),
 `unit.py`, `planning.py` and `stage3.py` (stage 3).
+`storage.py` is what the step sees of a stage's storage (FlatParams for stages 0-2, UnitParams
+for stage 3).
 """
 from __future__ import annotations
 
@@ -15,22 +17,26 @@ import torch.nn as nn
 
 from zero.comm import Comm
 from zero.config import ZeroConfig
+from zero.memory_report import Gauges
 from zero.offload import cpu_adam_threads
 from zero.precision import LossScaler
 from zero.stages.adam import ShardedAdam
-from zero.stages.buckets import ZeroOptimizer
+from zero.stages.buckets import FlatParams
+from zero.stages.choice import ClientStep
 from zero.stages.policies import options_from_config
-from zero.stages.stage3 import RankDivergenceError, Stage3Optimizer
+from zero.stages.stage3 import RankDivergenceError, UnitParams
+from zero.stages.storage import ParamStorage
 
-__all__ = ["build_optimizer", "ShardedAdam", "ZeroOptimizer", "Stage3Optimizer", "RankDivergenceError"]
+__all__ = ["build_optimizer", "ShardedAdam", "ParamStorage", "FlatParams", "UnitParams", "RankDivergenceError"]
 
 
 def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], config: ZeroConfig, comm: Comm,
-                    device: torch.device) -> ShardedAdam:
+                    device: torch.device, *, client: ClientStep | None = None, model_parallel=None) -> ShardedAdam:
     """The partitioned optimizer the config's ZeRO stage asks for, owning `module`'s parameters.
 
-    Trainable parameters (all parameters under stage 3) move into the optimizer's storage one at
-    a time, taking rank 0's values; the module is not moved or cast as a whole.
+    Trainable parameters (all parameters under stage 3) move into the stage's storage one at a
+    time, taking rank 0's values; the module is not moved or cast as a whole. Which optimizer
+    types and offload options go with which stage is checked by the config (`load_config`).
 
     Args:
         module: the model.
@@ -38,44 +44,46 @@ def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], confi
         config: the validated config.
         comm: the data-parallel group.
         device: where the model computes.
+        client: another element-wise optimizer to run on the shards instead of Adam (see
+            [Note: other optimizers on shards] in zero/stages/choice.py).
+        model_parallel: the global-norm reduction of a model split over pipeline stages or tensor
+            slices (zero/mesh.py's ModelParallelNorm).
     """
     precision, step, reduce, stage3 = options_from_config(config, comm.world_size, cpu_adam_threads())
+    comm.defer_tags = comm.uses_nccl and not reduce.strict_checks  # see [Note: rank-agreement tags]
     f = config.fp16
     scaler = LossScaler(f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis,
                         f.consecutive_hysteresis, f.min_loss_scale) if f.enabled else LossScaler.disabled()
     stage = config.zero_optimization.stage
-    zeroone = config.optimizer.zeroone if config.optimizer is not None else None
-    if zeroone is not None:
-        if stage != 0:
-            raise ValueError(f"optimizer type ZeroOneAdam needs ZeRO stage 0, not {stage}: its local steps update "
-                             f"every parameter on every rank, while stages 1-3 give each rank its shard of the "
-                             f"optimizer state alone (use OneBitAdam at stages 1 and 2; see docs/onebit.md)")
-        if step.offload is not None:
-            raise ValueError("optimizer type ZeroOneAdam with offload_optimizer is not supported; its local steps "
-                             "run on the device (remove zero_optimization.offload_optimizer)")
-        from zero.onebit.zero_one import ZeroOneAdam
+    params = [p for g in param_groups for p in g["params"]]
+    groups = [gi for gi, g in enumerate(param_groups) for _ in g["params"]]
+    gauges = Gauges()
+    common = dict(comm=comm, precision=precision, step=step, loss_scaler=scaler, client=client,
+                  model_parallel=model_parallel)
+    flat = dict(stage=stage, comm=comm, precision=precision, offload=step.offload, gauges=gauges, reduce=reduce,
+                predivide=step.predivide, device=device)
+    fp32_in_place = precision.param == torch.float32 and step.offload is None  # the parameters are the master
+    kind = config.optimizer.type if config.optimizer is not None else None
+    if kind == "ZeroOneAdam":
+        from zero.onebit.zero_one import ZeroOneAdam, ZeroOneParams
 
-        return ZeroOneAdam(module, param_groups, stage=stage, comm=comm, precision=precision, step=step,
-                           reduce=reduce, device=device, loss_scaler=scaler, var_freeze_step=zeroone.var_freeze_step,
-                           var_update_scaler=zeroone.var_update_scaler, local_step_scaler=zeroone.local_step_scaler,
-                           local_step_clipper=zeroone.local_step_clipper)
-    onebit = config.optimizer.onebit if config.optimizer is not None else None
-    if onebit is not None:
-        if stage == 3:
-            raise ValueError("optimizer type OneBitAdam needs ZeRO stage 0, 1 or 2: under stage 3 the gradient "
-                             "reduction is per unit of gathered parameters and its compressed exchange is not "
-                             "implemented (see docs/onebit.md)")
-        if onebit.compress_param_gather and stage == 0:
-            raise ValueError("optimizer.params.compress_param_gather applies to ZeRO stages 1 and 2: stage 0 has no "
-                             "parameter all-gather (every rank updates every parameter, and its gradient exchange is "
-                             "already compressed both ways); remove the key or set zero_optimization.stage to 1 or 2")
-        from zero.onebit.optimizer import OneBitAdam
+        z = config.optimizer.zeroone
+        storage = ZeroOneParams(module, params, groups, master_is_params=fp32_in_place, **flat)
+        return ZeroOneAdam(param_groups, storage, var_freeze_step=z.var_freeze_step,
+                           var_update_scaler=z.var_update_scaler, local_step_scaler=z.local_step_scaler,
+                           local_step_clipper=z.local_step_clipper, **common)
+    if kind == "OneBitAdam":
+        from zero.onebit.optimizer import OneBitAdam, OneBitParams
 
-        return OneBitAdam(module, param_groups, stage=stage, comm=comm, precision=precision, step=step, reduce=reduce,
-                          device=device, loss_scaler=scaler, freeze_step=onebit.freeze_step,
-                          compress_param_gather=onebit.compress_param_gather)
+        o = config.optimizer.onebit
+        gathered = o.compress_param_gather and comm.world_size > 1  # the parameters' changes need the master apart
+        storage = OneBitParams(module, params, groups, master_is_params=fp32_in_place and not gathered,
+                               freeze_step=o.freeze_step, loss_scaler=scaler, **flat)
+        return OneBitAdam(param_groups, storage, freeze_step=o.freeze_step,
+                          compress_param_gather=o.compress_param_gather, **common)
     if stage == 3:
-        return Stage3Optimizer(module, param_groups, comm=comm, precision=precision, step=step, reduce=reduce,
-                               options=stage3, device=device, loss_scaler=scaler)
-    return ZeroOptimizer(module, param_groups, stage=stage, comm=comm, precision=precision, step=step, reduce=reduce,
-                         device=device, loss_scaler=scaler)
+        storage = UnitParams(module, params, groups, comm=comm, precision=precision, offload=step.offload,
+                             gauges=gauges, reduce=reduce, options=stage3, predivide=step.predivide, device=device)
+    else:
+        storage = FlatParams(module, params, groups, master_is_params=fp32_in_place, **flat)
+    return ShardedAdam(param_groups, storage, **common)

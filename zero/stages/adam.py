@@ -1,89 +1,82 @@
 """The optimizer step every stage shares: norm, overflow check, clipping and Adam on this rank's shards.
 
 [Note: one divisor]
-Gradients reach the shard as sums over ranks (and micro-batches, each already divided by the
-accumulation steps in `Engine.backward`), multiplied by the loss scale. The mean gradient is
-`sum / (world_size / predivide) / loss_scale`, and clipping multiplies it by `clip_coef`. All of
-that is one number, `grad_scale = world_size / predivide * loss_scale / clip_coef`, which the
-Adam kernel divides by in the same pass that updates the weights: no separate unscale, average
-or clip pass over the gradients. The norm is computed from the shard in one pass per slot and one
-all-reduce; an inf or NaN anywhere makes the norm non-finite, which is also the overflow test
-(see [Note: norm without overflow]).
+Gradients reach the shard as sums over ranks and micro-batches, multiplied by the loss scale. The
+mean gradient is `sum / (world_size / predivide) / accumulation_steps / loss_scale`, and clipping
+multiplies it by `clip_coef`. All of that is one number, `grad_scale = world_size / predivide *
+accumulation_steps * loss_scale / clip_coef`, which the Adam kernel divides by in the same pass
+that updates the weights: no separate unscale, average or clip pass over the gradients, and no
+division of the loss either, so `loss.backward()` and `engine.backward(loss)` give the same
+gradients. The norm is computed from the shard in one pass per slot and one all-reduce; an inf or
+NaN anywhere makes the norm non-finite, which is also the overflow test (see [Note: norm without
+overflow]).
 """
 from __future__ import annotations
 
-import abc
-import functools
 import math
 import warnings
-from typing import Any
 
 import torch
 from torch.autograd.profiler import record_function
 
 from zero.comm import Comm
-from zero.memory_report import Gauges, measure_kinds
-from zero.offload import HostAdam, HostMemory
+from zero.memory_report import measure_kinds
+from zero.offload import HostAdam
 from zero.precision import LossScaler
 from zero.stages.policies import Precision, StepOptions
+from zero.stages.storage import ParamStorage, Slot
 
 _FP32_MAX = float(torch.finfo(torch.float32).max)
 ADAM_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bias_correction=True, adamw_mode=True)
 
-Slot = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
 
-
-class ShardedAdam(torch.optim.Optimizer, abc.ABC):
-    """Adam/AdamW over this rank's shards: the step shared by every stage.
+class ShardedAdam(torch.optim.Optimizer):
+    """Adam/AdamW over this rank's shards: the step every stage shares.
 
     Behaves as a torch optimizer for schedulers and user code (`param_groups` with `lr`, `betas`,
     ... per group), but `step()` is meant to be called by the engine at the accumulation
-    boundary. Subclasses say where the shards are (`slots`), how gradients reach them
-    (`reduce_gradients`), and how updated 16-bit shards reach the model (`publish`).
+    boundary. Where the shards are, how gradients reach them and how updated shards reach the
+    model is the storage's business (`storage`: zero/stages/storage.py).
 
     Args:
         param_groups: torch-style groups of trainable parameters with Adam hyperparameters.
+        storage: the stage's parameters, optimizer state and gradient shards.
         comm: the data-parallel group.
         precision: the run's dtypes.
-        step: clipping, predivide, overflow checks and optimizer offload (see StepOptions).
+        step: clipping, predivide, accumulation and optimizer offload (see StepOptions).
+        loss_scaler: fp16's dynamic loss scale (None: no scaling).
+        client: another element-wise optimizer run on the shards instead of Adam (see
+            [Note: other optimizers on shards] in zero/stages/choice.py), or None.
+        model_parallel: the global norm over pipeline stages and tensor slices (zero/mesh.py's
+            ModelParallelNorm), or None for a data-parallel model.
     """
 
-    offload_param = False  # stage 3 with parameter offload says otherwise
-
-    def __init__(self, param_groups, *, comm: Comm, precision: Precision, step: StepOptions,
-                 loss_scaler: LossScaler | None = None):
+    def __init__(self, param_groups, storage: ParamStorage, *, comm: Comm, precision: Precision, step: StepOptions,
+                 loss_scaler: LossScaler | None = None, client=None, model_parallel=None):
         super().__init__(param_groups, dict(ADAM_DEFAULTS))
+        self.storage = storage
         self.comm = comm
         self.precision = precision
         self.options = step
         self.offload = step.offload
         self.loss_scaler = loss_scaler or LossScaler.disabled()
+        self.client = client
+        self.model_parallel = model_parallel
         self.at_boundary = True  # the engine says whether the coming backward ends an accumulation
         self.params = [p for g in self.param_groups for p in g["params"]]
         self.step_count = 0
         self.global_grad_norm: float | None = None
         self.skipped: tuple[float, float, float] | None = None  # the last skipped step: (norm, scale before, after)
-        self.host_memory = HostMemory(self)
-        self.gauges = Gauges()  # communication and gathered buffers, measured as they come and go
+        self.gauges = storage.gauges
         self._host: HostAdam | None = None
         self._warned_fallback = False
-        self.client_class: type | None = None  # a non-Adam client optimizer (see [Note: other optimizers on shards])
-        self.client_defaults: dict = {}
-        self._client = None
-        self.model_parallel = None  # a ModelParallelNorm when the model is split over stages or slices (zero/mesh.py)
+        storage.grad_final = self.grad_final
+        storage.step_number = lambda: self.step_count + 1
 
-    # -- where optimizer state lives -------------------------------------------------------------
-
-    def new_state(self, like: torch.Tensor, compute_device: torch.device) -> torch.Tensor:
-        """A zero fp32 optimizer-state tensor shaped like `like`: in host memory when offloaded
-        (page-locked if asked), else on the compute device."""
-        if self.offload is not None:
-            t = self.host_memory.empty(like.shape, torch.float32, self.offload.pin_memory)
-            return t.zero_()
-        return torch.zeros(like.shape, dtype=torch.float32, device=compute_device)
+    # -- optimizer offload ------------------------------------------------------------------------
 
     def grad_final(self, grad: torch.Tensor) -> None:
-        """Reducers call this when a gradient shard holds its final value for the step; with
+        """The storage calls this when a gradient shard holds its final value for the step; with
         offload its copy to the host starts now, overlapping the rest of backward."""
         if self.offload is not None and self.at_boundary:
             self._host_adam().grad_ready(grad)
@@ -95,144 +88,30 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
 
     def _host_adam(self) -> HostAdam:
         if self._host is None:
-            self._host = HostAdam(self.slots(), self.offload, self.host_memory)
+            self._host = HostAdam(self.slots(), self.offload, self.storage.host_memory)
         return self._host
 
-    def out16_on_host(self) -> list[bool]:
-        """Per slot: does its 16-bit output live in host memory (stage 3 with offload_param)?"""
-        return [False] * len(self.slots())
+    # -- the storage's view -----------------------------------------------------------------------
 
-    # -- this rank's optimizer state, wherever it lives -------------------------------------------
+    def slots(self) -> list[Slot]:
+        """(group index, fp32 master, gradient shard, exp_avg, exp_avg_sq, 16-bit output or None)."""
+        return self.storage.slots()
 
-    def shard_state(self) -> list[dict[str, Any]]:
-        """This rank's optimizer state, slot by slot, as host fp32 tensors: {"group", "master",
-        "exp_avg", "exp_avg_sq"} plus the step count. The layout is the same whether the state lives
-        on the device or (offloaded) on the host, so the state moves between the two."""
-        return [{"group": g, "step": self.step_count, "master": m.detach().to("cpu", copy=True),
-                 "exp_avg": ea.detach().to("cpu", copy=True), "exp_avg_sq": eas.detach().to("cpu", copy=True)}
-                for g, m, _, ea, eas, _ in self.slots()]
+    def reduce_gradients(self) -> None:
+        """Finish any gradient reduction still owed at the accumulation boundary."""
+        self.storage.reduce_gradients()
 
-    @torch.no_grad()
-    def load_shard_state(self, state: list[dict[str, Any]]) -> None:
-        """Load what `shard_state` returned (from this or an offloaded/non-offloaded twin) and
-        refresh the model's 16-bit parameters from the loaded master."""
-        slots = self.slots()
-        if len(state) != len(slots):
-            raise ValueError(f"shard state has {len(state)} slots, this optimizer has {len(slots)}")
-        tensors = ("master", "exp_avg", "exp_avg_sq")
-        for i, ((g, master, _, _, _, _), saved) in enumerate(zip(slots, state)):  # all checked before any is loaded
-            absent = [k for k in ("group", "step", *tensors) if not isinstance(saved, dict) or k not in saved]
-            if absent:
-                raise ValueError(f"shard state slot {i} lacks {', '.join(map(repr, absent))}; load_shard_state takes "
-                                 f"what shard_state() returned: per slot a dict with 'group', 'step', "
-                                 f"{', '.join(map(repr, tensors))}")
-            for key in tensors:
-                value = saved[key]
-                if not isinstance(value, torch.Tensor) or saved["group"] != g or value.shape != master.shape:
-                    shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                    raise ValueError(f"shard state slot {i}: {key!r} of group {saved['group']} / shape {shape} "
-                                     f"does not match group {g} / shape {tuple(master.shape)}")
-                if not bool(torch.isfinite(value).all()):
-                    raise ValueError(f"shard state slot {i}: {key!r} holds non-finite values (inf or NaN); "
-                                     f"refusing to load them into the optimizer")
-        for (_, master, _, ea, eas, out16), saved in zip(slots, state):
-            master.copy_(saved["master"])
-            ea.copy_(saved["exp_avg"])
-            eas.copy_(saved["exp_avg_sq"])
-            if out16 is not None:
-                out16.copy_(master)
-        self.step_count = state[0]["step"] if state else 0
-        self.publish()
+    def publish(self) -> None:
+        """Make the updated shards visible to the model."""
+        self.storage.publish()
 
-    # -- model.load_state_dict after initialize ---------------------------------------------------
-
-    # -- in-place edits of parameters between steps ------------------------------------------------
-
-    def watch_edits(self, params: list[torch.nn.Parameter]) -> None:
-        """[Note: in-place edits]
-        A parameter changed in place between steps (`with torch.no_grad(): p.mul_(0.5)`, an
-        init function) changes only the model's copy: in 16-bit training the next step would
-        overwrite it from the fp32 master, and under stage 3 a released parameter has no values
-        to change. Every in-place op bumps the parameter's autograd version counter (zero's own
-        writes go through the buffers the parameters view, which leaves it alone), so at each step
-        `adopt_edits` finds the parameters whose version moved: the optimizer takes their new
-        values into its own copies (`adopt_edit`), or, for a released stage-3 parameter, raises.
-        Edits through `p.data` bypass the counter and are not seen."""
-        self._watched = list(params)
-        self.edits_seen(self._watched)
-
-    @staticmethod
-    def edits_seen(params) -> None:
-        """Forget in-place changes of `params` so far (their values are already where they belong)."""
-        for p in params:
-            p._zero_version = p._version
-
-    def adopt_edits(self) -> None:
-        """See [Note: in-place edits]."""
-        for p in getattr(self, "_watched", ()):
-            if p._version != p._zero_version:
-                self.adopt_edit(p)
-                p._zero_version = p._version
-
-    def adopt_edit(self, param: torch.nn.Parameter) -> None:
-        """Take `param`'s current (edited) values into the optimizer's copies."""
-
-    def hook_state_dict_loads(self, module: torch.nn.Module) -> None:
-        """[Note: load_state_dict after initialize]
-        `model.load_state_dict(sd)` after `zero.initialize` writes the model's (16-bit, or under
-        stage 3 released and empty) parameters; left alone, the next step would overwrite them
-        from the stale fp32 master. A pre-hook on every module with parameters of its own hands
-        each incoming value to `load_param` first, which puts it where this optimizer keeps it
-        (the master's exact fp32 values, stage 3's shard), then lets torch finish."""
-        for m in module.modules():  # bound methods, not lambdas: the model stays picklable
-            own = list(m.named_parameters(recurse=False))
-            if own:
-                m.register_load_state_dict_pre_hook(functools.partial(self._before_load, own))
-                m.register_load_state_dict_post_hook(functools.partial(self._after_load, own))
-
-    def _after_load(self, own: list, module, incompatible_keys) -> None:
-        self.edits_seen(p for _, p in own)
-
-    @torch.no_grad()
-    def _before_load(self, own: list, module, state_dict: dict, prefix: str, local_metadata: dict, strict, missing,
-                     unexpected, errors: list[str]) -> None:
-        if local_metadata.get("assign_to_params_buffers"):
-            errors.append("load_state_dict(assign=True) after zero.initialize would replace the parameters the "
-                          "engine trains (their gradients would never reach it); load without assign=True")
-            return
-        for name, p in own:
-            key = prefix + name
-            value = state_dict.get(key)
-            if not isinstance(value, torch.Tensor):
-                continue
-            if getattr(p, "_zero", None) is not None and hasattr(p, "_local_tensor"):
-                errors.append(f"{key}: load_state_dict into a tensor-sliced parameter under ZeRO stage 3 is not "
-                              f"implemented; load the state dict before zero.initialize, or use "
-                              f"engine.load_checkpoint")
-                state_dict.pop(key)
-                continue
-            shape = p._zero.shape if getattr(p, "_zero", None) is not None else p.shape
-            if value.shape != shape:
-                errors.append(f"size mismatch for {key}: copying a param with shape {value.shape} from checkpoint, "
-                              f"the shape in current model is {shape}.")
-                state_dict[key] = p.data  # torch's own message would show a released parameter's empty shape
-                continue
-            replacement = self.load_param(p, value)
-            if replacement is not None:
-                state_dict[key] = replacement
-
-    def load_param(self, param: torch.nn.Parameter, value: torch.Tensor) -> torch.Tensor | None:
-        """Take `value` (the full, correctly shaped new value of `param`) into the optimizer's own
-        copies; return what torch should copy into `param.data` instead of `value`, if anything."""
-        return None
-
-    # -- checkpoints (see [Note: checkpoint chunks] in zero/checkpoint/chunks.py) -----------------
-
-    @abc.abstractmethod
-    def param_chunks(self, param: torch.nn.Parameter, saving: bool) -> list[tuple[str, int, torch.Tensor]]:
-        """(kind, offset, local 1-D view) of `param`'s global tensors this rank writes (`saving`)
-        or reads: kind "model" (the parameter in the training dtype), and for a trainable
-        parameter "master", "exp_avg" and "exp_avg_sq" (fp32)."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget this step's gradients (the engine does this after every step)."""
+        if self._host is not None:
+            self._host.discard()
+        self.storage.zero_grads()
+        for p in self.params:
+            p.grad = None
 
     def rank_state(self) -> dict[str, torch.Tensor]:
         """Optimizer state that belongs to this rank alone, not to any parameter's shard (1-bit
@@ -244,53 +123,33 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
         for t in self.rank_state().values():
             t.zero_()
 
-    @abc.abstractmethod
-    def grad_piece(self, param: torch.nn.Parameter) -> tuple[int, torch.Tensor, bool]:
-        """Where `param`'s gradient is on this rank: (offset into the flattened parameter, 1-D
-        view, reduced). A reduced piece (stages 2 and 3, once its reduction finished) is this
-        rank's part of the sum over ranks; an unreduced one (stages 0 and 1 until the step reduces
-        the flat gradient) is this rank's own gradient, whole."""
+    def state_dict(self) -> dict:
+        """The optimizer's own state besides its tensors (which checkpoints read and write through
+        the storage's `param_chunks`): the step count, each group's hyperparameters and the loss
+        scaler's progress. Plain values, JSON-serialisable."""
+        return {"step": self.step_count, "loss_scaler": self.loss_scaler.state_dict(),
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}
 
-    def grad_divisor(self, reduced: bool) -> float:
-        """What a gradient piece is divided by to give the mean gradient the step applies (before
-        clipping); see [Note: one divisor]."""
-        divisor = self.comm.world_size / self.options.predivide * self.loss_scaler.scale
-        return divisor if reduced else divisor * self.options.predivide
+    def load_state_dict(self, state: dict) -> None:
+        """Take what `state_dict` returned: the step count, the groups' hyperparameters (the same
+        number of groups) and a dynamic loss scale's progress (this run's scaler settings stay)."""
+        if not isinstance(state, dict) or set(state) != {"step", "loss_scaler", "param_groups"}:
+            raise ValueError(f"{type(self).__name__}.load_state_dict takes what its state_dict() returned "
+                             f"({{'step', 'loss_scaler', 'param_groups'}}), got {type(state).__name__} "
+                             f"{sorted(state) if isinstance(state, dict) else ''}")
+        if len(state["param_groups"]) != len(self.param_groups):
+            raise ValueError(f"the state has {len(state['param_groups'])} param groups, this optimizer "
+                             f"{len(self.param_groups)}")
+        self.step_count = int(state["step"])
+        for group, saved in zip(self.param_groups, state["param_groups"]):
+            group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
+        self.loss_scaler.load_progress(state["loss_scaler"])
 
-    def after_checkpoint_load(self) -> None:
-        """Make the loaded values visible to the model (16-bit copies, gathered units)."""
-        self.publish()
-
-    # -- what subclasses provide --------------------------------------------------------------
-
-    @abc.abstractmethod
-    def slots(self) -> list[Slot]:
-        """(group index, fp32 master, gradient shard, exp_avg, exp_avg_sq, 16-bit output or None)."""
-
-    def reduce_gradients(self) -> None:
-        """Finish any gradient reduction still owed at the accumulation boundary."""
-
-    def norm_is_partitioned(self) -> bool:
-        """True when each rank holds a different part of the gradient (so norms are summed)."""
-        return self.comm.world_size > 1
-
-    def publish(self) -> None:
-        """Make the updated 16-bit shards visible to the model (e.g. all-gather them)."""
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget this step's gradients (subclasses also clear their shards)."""
-        if self._host is not None:
-            self._host.discard()
-        for p in self.params:
-            p.grad = None
-
-    @abc.abstractmethod
     def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds for model states, by kind, and its communication buffers."""
-
-    def _measure(self, parts: dict[str, list[torch.Tensor]], host_kinds: set[str]) -> dict[str, int]:
-        """`parts` measured by storage (see zero/memory_report.py), plus the host staging of
-        offload, the reduce buffers alive now and at most, and the device/host split."""
+        """Bytes this rank holds for model states, by kind (measured from the storages: see
+        zero/memory_report.py), its host staging (offload), and the reduce buffers alive now and
+        at most."""
+        parts, host_kinds = self.storage.memory_parts()
         parts["host_staging"] = self._host.host_tensors() if self._host is not None else []
         if self.offload is not None:
             host_kinds = host_kinds | {"fp32_master", "optimizer_states"}
@@ -299,7 +158,14 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
         report["reduce_buffers"] = g.reduce_buffers.now
         report["reduce_buffers_peak"] = g.reduce_buffers.peak
         report["device_bytes"] += g.reduce_buffers.now + g.gather_buffers.now
+        self.storage.memory_extras(report)
         return report
+
+    def grad_divisor(self, reduced: bool) -> float:
+        """What a gradient piece is divided by to give the mean gradient the step applies (before
+        clipping); see [Note: one divisor]. An unreduced piece was not predivided."""
+        divisor = self.comm.world_size / self.options.predivide * self.options.accumulation * self.loss_scaler.scale
+        return divisor if reduced else divisor * self.options.predivide
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -341,13 +207,9 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
         """This rank's sum of squares -> the whole model's (over data shards, and with a
         ModelParallelNorm over pipeline stages and tensor slices too)."""
         if self.model_parallel is not None:
-            self.model_parallel.reduce(self, total)
-        elif self.norm_is_partitioned():
+            self.model_parallel.reduce(self.storage, total)
+        elif self.storage.norm_is_partitioned():
             self.comm.all_reduce(total, "sum")
-
-    def owned_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
-        """The part of `param`'s reduced gradient in this rank's slots (for the norm), or None."""
-        return None
 
     @staticmethod
     def _sum_squares(norms: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -370,8 +232,8 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
         """
         if closure is not None:
             raise ValueError(f"{type(self).__name__}.step does not take a closure")
-        self.check_hyperparameters()
-        self.adopt_edits()
+        self.check_hyperparameters()  # before anything changes
+        self.storage.adopt_edits()
         with record_function("zero::reduce_gradients"):
             self.reduce_gradients()
         slots = self.slots()
@@ -395,13 +257,13 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
                 grad.div_(grad_scale / 1e30)
             grad_scale = 1e30
         with record_function("zero::adam"):
-            if self.client_class is not None:
-                self._client_step(slots, grad_scale)
+            if self.client is not None:
+                self.client.step(self.param_groups, slots, grad_scale)
             elif self.offload is not None:
                 threads = self.offload.num_threads
                 self._host_adam().step(
                     slots, lambda g, *t: self._adam(self.param_groups[g], *t[:4], grad_scale, t[4], threads),
-                    self.out16_on_host())
+                    self.storage.out16_on_host())
             else:
                 for group_index, master, grad, exp_avg, exp_avg_sq, out16 in slots:
                     self._adam(self.param_groups[group_index], master, grad, exp_avg, exp_avg_sq, grad_scale, out16)
@@ -410,38 +272,6 @@ class ShardedAdam(torch.optim.Optimizer, abc.ABC):
         self.loss_scaler.update(overflow=False)
         self.zero_grad()
         return True
-
-    @torch.no_grad()
-    def _client_step(self, slots: list[Slot], grad_scale: float) -> None:
-        """See [Note: other optimizers on shards] in zero/stages/choice.py: the client optimizer's class
-        steps on the fp32 master pieces (as parameters sharing their storage), with its state
-        sized like the shards."""
-        if self._client is None:
-            by_group: dict[int, list] = {}
-            self._client_params = []
-            for gi, master, *_ in slots:
-                p = torch.nn.Parameter(master, requires_grad=False)  # shares the master's storage
-                by_group.setdefault(gi, []).append(p)
-                self._client_params.append(p)
-            self._client_groups = list(by_group)
-            groups = [{**self._hyper(gi), "params": ps} for gi, ps in by_group.items()]
-            self._client = self.client_class(groups, **self.client_defaults)  # torch optimizers' defaults are their
-            # constructor's keyword arguments
-        for group, gi in zip(self._client.param_groups, self._client_groups):  # the scheduler's lr, etc.
-            group.update(self._hyper(gi))
-        for p, (_, _, grad, _, _, _) in zip(self._client_params, slots):
-            p.grad = grad.float() / grad_scale
-        self._client.step()
-        for p, (_, master, _, _, _, out16) in zip(self._client_params, slots):
-            p.grad = None
-            if out16 is not None:
-                out16.copy_(master)
-
-    def _hyper(self, gi: int) -> dict:
-        """Group `gi`'s hyperparameters for the client optimizer: without the Adam keys every group
-        carries (unless the client optimizer has them too)."""
-        return {k: v for k, v in self.param_groups[gi].items()
-                if k != "params" and (k not in ADAM_DEFAULTS or k in self.client_defaults)}
 
     def _skip(self, norm: float) -> None:
         """Skip this step: its gradient is inf or NaN on some rank (the engine logs it)."""

@@ -49,19 +49,67 @@ _WHOLE_TENSOR = {"LBFGS": "its line search needs the whole model in one closure"
                  "parameter's whole norm", "Shampoo": "its preconditioners need whole matrices"}
 
 
-def _client_optimizer(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None) -> tuple[type | None, dict]:
-    """The optimizer class to run on the shards instead of zero's Adam, and its defaults; (None, {})
-    for Adam/AdamW. See [Note: other optimizers on shards]."""
+class ClientStep:
+    """The update of a client optimizer class on this rank's shards (see [Note: other optimizers on
+    shards]): it steps on the fp32 master pieces, as parameters sharing their storage, with its
+    state sized like the shards. Built once, from the first step's slots.
+
+    Args:
+        cls: the torch optimizer class.
+        defaults: its constructor's keyword arguments (a torch optimizer's `defaults`).
+    """
+
+    def __init__(self, cls: type, defaults: dict):
+        self.cls, self.defaults = cls, defaults
+        self._optimizer = None
+        self._params: list[nn.Parameter] = []
+        self._groups: list[int] = []
+
+    def hyperparameters(self, group: dict) -> dict:
+        """A zero param group's hyperparameters for the client optimizer: without the Adam keys
+        every group carries (unless the client optimizer has them too)."""
+        from zero.stages.adam import ADAM_DEFAULTS
+
+        return {k: v for k, v in group.items() if k != "params" and (k not in ADAM_DEFAULTS or k in self.defaults)}
+
+    @torch.no_grad()
+    def step(self, param_groups: list[dict], slots: list, grad_scale: float) -> None:
+        """One step of the client optimizer on `slots` (see ShardedAdam.slots), gradients divided by
+        `grad_scale` (see [Note: one divisor]); the 16-bit outputs are written from the masters."""
+        if self._optimizer is None:
+            by_group: dict[int, list] = {}
+            for gi, master, *_ in slots:
+                p = nn.Parameter(master, requires_grad=False)  # shares the master's storage
+                by_group.setdefault(gi, []).append(p)
+                self._params.append(p)
+            self._groups = list(by_group)
+            groups = [{**self.hyperparameters(param_groups[gi]), "params": ps} for gi, ps in by_group.items()]
+            self._optimizer = self.cls(groups, **self.defaults)  # torch optimizers' defaults are their
+            # constructor's keyword arguments
+        for group, gi in zip(self._optimizer.param_groups, self._groups):  # the scheduler's lr, etc.
+            group.update(self.hyperparameters(param_groups[gi]))
+        for p, (_, _, grad, _, _, _) in zip(self._params, slots):
+            p.grad = grad.float() / grad_scale
+        self._optimizer.step()
+        for p, (_, master, _, _, _, out16) in zip(self._params, slots):
+            p.grad = None
+            if out16 is not None:
+                out16.copy_(master)
+
+
+def client_step(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None) -> ClientStep | None:
+    """The client optimizer to run on the shards instead of zero's Adam, or None for Adam/AdamW.
+    See [Note: other optimizers on shards]."""
     if optimizer is not None:
         if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-            return None, {}
-        return type(optimizer), dict(optimizer.defaults)
+            return None
+        return ClientStep(type(optimizer), dict(optimizer.defaults))
     from zero.config.optimizer import CLIENT_OPTIMIZERS, optimizer_class
 
     if cfg.optimizer is not None and cfg.optimizer.type in CLIENT_OPTIMIZERS:
         cls = optimizer_class(cfg.optimizer.type)
-        return cls, dict(cls([torch.nn.Parameter(torch.zeros(1))], **cfg.optimizer.other_params).defaults)
-    return None, {}
+        return ClientStep(cls, dict(cls([torch.nn.Parameter(torch.zeros(1))], **cfg.optimizer.other_params).defaults))
+    return None
 
 
 def _check_elementwise(optimizer: torch.optim.Optimizer) -> None:
@@ -95,9 +143,9 @@ def _optimizer_defaults(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None
                     bias_correction=True, adamw_mode=adamw)
     if cfg.optimizer is None:
         raise ValueError("no optimizer: add an 'optimizer' section to the config or pass initialize(optimizer=...)")
-    client, defaults = _client_optimizer(cfg, None)
+    client = client_step(cfg, None)
     if client is not None:
-        return defaults
+        return client.defaults
     p = cfg.optimizer.params
     return dict(lr=p.lr, betas=tuple(p.betas), eps=p.eps, weight_decay=p.weight_decay,
                 bias_correction=p.bias_correction, adamw_mode=cfg.optimizer.adamw)

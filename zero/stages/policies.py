@@ -60,11 +60,14 @@ class StepOptions:
     Args:
         clipping: clip the global gradient norm to this; 0 = off.
         predivide: gradients are divided by this before the reduction.
+        accumulation: micro-batches whose gradients are summed into one step (the step divides by
+            it: see [Note: one divisor] in zero/stages/adam.py).
         offload: optimizer offload, or None to keep optimizer state with the model.
     """
 
     clipping: float = 0.0
     predivide: float = 1.0
+    accumulation: int = 1
     offload: OffloadOptions | None = None
 
 
@@ -136,7 +139,8 @@ def options_from_config(cfg: ZeroConfig, world_size: int, num_threads: int
         offload = OffloadOptions(pin_memory=zc.offload_optimizer.pin_memory,
                                  tile_elements=max(1, min(zc.sub_group_size, 1 << 22)), num_threads=num_threads)
     predivide = float(world_size) if cfg.prescale_gradients else cfg.gradient_predivide_factor
-    step = StepOptions(clipping=cfg.gradient_clipping, predivide=predivide, offload=offload)
+    step = StepOptions(clipping=cfg.gradient_clipping, predivide=predivide, accumulation=cfg.gradient_accumulation_steps,
+                       offload=offload)
     reduce = ReduceOptions(overlap_comm=bool(zc.overlap_comm), reduce_scatter=zc.reduce_scatter,
                            bucket_elements=max(1, min(zc.reduce_bucket_size, zc.allgather_bucket_size)),
                            ignore_unused_parameters=zc.ignore_unused_parameters,

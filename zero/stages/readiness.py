@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.profiler import record_function
 
-from zero.comm import Comm
+from zero.comm import Comm, Tag
 from zero.errors import ZeroRuntimeError
 
 
@@ -79,7 +79,7 @@ class GradReadiness:
     """
 
     def __init__(self, groups: Sequence[Sequence[nn.Parameter]], *, take: Callable[[int, nn.Parameter], None],
-                 launch: Callable[[int], int], finish: Callable[[int], None], comm: Comm, ordered: bool,
+                 launch: Callable[[int], None], finish: Callable[[int], None], comm: Comm, ordered: bool,
                  overlap: bool, names: Mapping[nn.Parameter, str], ignore_unused: bool = True,
                  on_end: Callable[[], None] | None = None):
         self.groups = [list(g) for g in groups]
@@ -176,7 +176,7 @@ class GradReadiness:
         """The groups any rank has late gradients for: every rank re-sends the same groups."""
         if self._comm.world_size == 1:
             return sorted(self._late)
-        work, tags = self._comm.start_tag([7, len(self._late), len(self.groups)])  # one tag exchange per backward
+        work, tags = self._comm.start_tag(Tag.END_OF_BACKWARD, len(self._late), len(self.groups))  # one tag exchange per backward
         rows = self._comm.check_tags(work, tags, "the end of a backward pass", key=lambda row: (row[0], row[2], row[3]))
         if not any(row[1] for row in rows):
             return []
@@ -198,6 +198,7 @@ class GradReadiness:
             if self.ordered:
                 self._expected = [{p for p in g if p in self._arrived} for g in self.groups]
             self._reset()
+            self._comm.check_deferred()  # the tags of this backward's collectives (NCCL)
             if self._on_end is not None:
                 self._on_end()
         if unused:
@@ -219,6 +220,7 @@ class GradReadiness:
             return False
         self._finish_all()
         self._reset()
+        self._comm.check_deferred()
         return True
 
 

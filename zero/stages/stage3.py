@@ -1,4 +1,4 @@
-"""ZeRO stage 3: the runtime that gathers and frees units around their use, and its optimizer.
+"""ZeRO stage 3: the runtime that gathers and frees units around their use, and its storage.
 
 [Note: stage 3 hooks]
 - A forward pre-hook on a unit's module gathers the unit (waiting for a prefetch if one is in
@@ -54,22 +54,21 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn as nn
 
-from zero.comm import Comm, RankDivergenceError  # noqa: F401 - RankDivergenceError: its old home
+from zero.comm import Comm, RankDivergenceError, Tag  # noqa: F401 - RankDivergenceError: its old home
+from zero.memory_report import Gauges
 from zero.partition.layout import local_tensor
-from zero.precision import LossScaler
-from zero.stages.adam import ShardedAdam
 from zero.stages.planning import describe_shard, plan_units, take_local_shard
-from zero.stages.policies import Precision, ReduceOptions, Stage3Options, StepOptions
+from zero.stages.policies import OffloadOptions, Precision, ReduceOptions, Stage3Options
 from zero.stages.readiness import GradReadiness, in_backward, tensors_in
+from zero.stages.storage import ParamStorage, Slot
 from zero.stages.unit import ParamUnit, ShardedState
 
 FORWARD, BACKWARD, REDUCE = "forward", "backward", "reduce"  # what a unit collective is for
-_PHASE_CODE = {FORWARD: 0, BACKWARD: 1, REDUCE: 2}  # in its rank-divergence tag
+_PHASE_TAG = {FORWARD: Tag.UNIT_FORWARD, BACKWARD: Tag.UNIT_BACKWARD, REDUCE: Tag.UNIT_REDUCE}
 
 
 class _PostBackward(torch.autograd.Function):
@@ -116,11 +115,7 @@ class Stage3Runtime:
         self._pos = 0
         self._following = False
         self._reuse: dict[bool, dict[int, float]] = {}  # see _reuse_distances
-        self._unchecked: list[tuple[Any, torch.Tensor, str]] = []
         self._control = comm.control()  # tags travel on their own (gloo, host) group
-        # a tag is checked before its data collective on gloo (where mismatched sizes abort the
-        # process) and in strict mode; on NCCL otherwise at the end of the pass
-        self._check_at_once = not comm.uses_nccl or reduce.strict_checks
         self._reducible = [u for u in units if u.trainable]
         self.readiness = GradReadiness(
             [u.trainable for u in self._reducible], take=lambda gi, p: None, launch=self._launch_reduce,
@@ -229,28 +224,14 @@ class Stage3Runtime:
 
     def _exchange_tag(self, unit: ParamUnit, phase: str) -> None:
         """See [Note: rank-divergent control flow]."""
-        if self.comm.world_size == 1:
-            return
-        work, tags = self.comm.start_tag([_PHASE_CODE[phase], unit.index, 0])
-        what = f"ZeRO-3 step {self._step()}, {self._describe(unit, phase)}"
-        if not self._check_at_once:
-            self._unchecked.append((work, tags, what))
-            if len(self._unchecked) > 4096:  # forwards with grad but no backward: do not pile up
-                self._check_deferred_tags()
-            return
-        self._verify(work, tags, what)
+        step = self._step()
+        self.comm.tagged(_PHASE_TAG[phase], unit.index, 0,
+                         lambda: f"ZeRO-3 step {step}, {self._describe(unit, phase)}", self._unit_label,
+                         advice=" (rank-dependent branches, early exits or a different number of forward passes "
+                                "cause this; for generation pass synced_gpus=True)")
 
-    def _check_deferred_tags(self) -> None:
-        pending, self._unchecked = self._unchecked, []
-        for work, tags, what in pending:  # host tensors on the control group: no GPU synchronisation
-            self._verify(work, tags, what)
-
-    def _verify(self, work, tags: torch.Tensor, what: str) -> None:
-        def label(i: int) -> str:
-            return self.units[i].label if 0 <= i < len(self.units) else f"#{i}"
-
-        self.comm.check_tags(work, tags, what, label, advice=" (rank-dependent branches, early exits or a different "
-                             "number of forward passes cause this; for generation pass synced_gpus=True)")
+    def _unit_label(self, i: int) -> str:
+        return self.units[i].label if 0 <= i < len(self.units) else f"#{i}"
 
     def _wait(self, work, what: str, comm: Comm | None = None) -> None:
         """Wait for a collective of `comm` (default: the data group); see Comm.wait_for."""
@@ -381,7 +362,7 @@ class Stage3Runtime:
             for unit in self.units:
                 if unit.state is ShardedState.GATHERED and self._idle(unit):
                     self._release(unit)
-            self._check_deferred_tags()
+            self.comm.check_deferred()
         self._end_pass()
 
     # -- backward ---------------------------------------------------------------------------------------
@@ -426,35 +407,38 @@ class Stage3Runtime:
     def _end_backward(self) -> None:
         """Runs once at the end of each backward, after every reduction finished."""
         self.release_all()
-        self._check_deferred_tags()
+        self.comm.check_deferred()
         self._end_pass()
 
     def recover(self) -> None:
         """Drop what a backward that raised left behind (see [Note: gradient readiness])."""
         if self.readiness.recover():
             self.release_all()
-            self._unchecked.clear()
+            self.comm.check_deferred()
             self._pass = None
 
 
-class Stage3Optimizer(ShardedAdam):
-    """Adam over stage-3 unit shards; the runtime around them lives in `self.runtime`.
+class UnitParams(ParamStorage):
+    """The storage of stage 3: parameter units (see [Note: parameter units] in zero/stages/unit.py);
+    the runtime that gathers and frees them around their use lives in `self.runtime`.
 
     Args:
         module: the model; its parameters become shards in units.
-        param_groups, comm, precision, step, loss_scaler: see ShardedAdam.
+        params: the trainable parameters, in param-group order.
+        groups: the param-group index of each trainable parameter.
+        comm, precision, offload, gauges: see ParamStorage.
         reduce: gradient-reduction policies.
         options: stage-3 policies.
+        predivide: gradients are divided by this before their reduction.
         device: where the model computes.
     """
 
-    def __init__(self, module: nn.Module, param_groups: list[dict[str, Any]], *, comm: Comm, precision: Precision,
-                 step: StepOptions, reduce: ReduceOptions, options: Stage3Options, device: torch.device,
-                 loss_scaler: LossScaler | None = None):
-        super().__init__(param_groups, comm=comm, precision=precision, step=step, loss_scaler=loss_scaler)
+    def __init__(self, module: nn.Module, params: list[nn.Parameter], groups: list[int], *, comm: Comm,
+                 precision: Precision, offload: OffloadOptions | None, gauges: Gauges, reduce: ReduceOptions,
+                 options: Stage3Options, predivide: float, device: torch.device):
+        super().__init__(params, {p: n for n, p in module.named_parameters()}, comm, precision, offload, gauges)
         self.offload_param = options.offload_param
-        group_of = {p: gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
-        names = {p: n for n, p in module.named_parameters()}
+        group_of = dict(zip(params, groups))
         for p in module.parameters():
             describe_shard(p, comm.world_size)
         planned, persistent = plan_units(module, options.persistence_threshold, options.unit_elements,
@@ -463,18 +447,18 @@ class Stage3Optimizer(ShardedAdam):
         self.units: list[ParamUnit] = []
         unit_modules: list[nn.Module | None] = []
         host_empty = self.host_memory.empty if options.pin_memory else self.host_memory.empty_pageable
-        for path, params in planned + ([("<persistent>", persistent)] if persistent else []):
-            unit = ParamUnit(len(self.units), path, params, [group_of.get(p, -1) for p in params], comm, precision,
-                             device, lambda p: take_local_shard(p, comm), lambda like: self.new_state(like, device),
-                             alias_master=precision.param == torch.float32 and step.offload is None and not options.offload_param,
+        alias = precision.param == torch.float32 and offload is None and not options.offload_param
+        for path, unit_params in planned + ([("<persistent>", persistent)] if persistent else []):
+            unit = ParamUnit(len(self.units), path, unit_params, [group_of.get(p, -1) for p in unit_params], comm,
+                             precision, device, lambda p: take_local_shard(p, comm),
+                             lambda like: self.new_state(like, device), alias_master=alias,
                              persistent=path == "<persistent>", offload_param=options.offload_param,
-                             host_empty=host_empty, gauges=self.gauges)
+                             host_empty=host_empty, gauges=gauges)
             self.units.append(unit)
             unit_modules.append(None if unit.persistent else modules.get(path))
         self.hook_state_dict_loads(module)
-        self.names = names
-        self.runtime = Stage3Runtime(module, self.units, unit_modules, comm, options, reduce, step.predivide, names,
-                                     lambda: self.step_count + 1, self.grad_final)
+        self.runtime = Stage3Runtime(module, self.units, unit_modules, comm, options, reduce, predivide, self.names,
+                                     lambda: self.step_number(), lambda grad: self.grad_final(grad))
         for unit in self.units:
             if unit.persistent:
                 unit.refresh(lambda work: work.wait())
@@ -482,7 +466,7 @@ class Stage3Optimizer(ShardedAdam):
             _gather_on_apply(module)
         self.watch_edits([p for unit in self.units for p in unit.params])
 
-    def slots(self):
+    def slots(self) -> list[Slot]:
         out = []
         for unit in self.units:
             for r in unit.ranges:
@@ -498,8 +482,7 @@ class Stage3Optimizer(ShardedAdam):
         return param._zero.unit.grad_piece(param)
 
     def owned_grad(self, param: nn.Parameter) -> torch.Tensor | None:
-        z = getattr(param, "_zero", None)  # a frozen parameter's piece is empty
-        return None if z is None or z.unit is None else z.unit.grad_piece(param)[1]
+        return param._zero.unit.grad_piece(param)[1]
 
     def load_param(self, param: nn.Parameter, value: torch.Tensor) -> torch.Tensor | None:
         z = getattr(param, "_zero", None)
@@ -525,21 +508,21 @@ class Stage3Optimizer(ShardedAdam):
             if unit.persistent:
                 unit.refresh(lambda work: work.wait())
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grads(self) -> None:
         self.runtime.recover()
-        super().zero_grad()
         for unit in self.units:
             unit.zero_grads()
 
-    def memory_report(self) -> dict[str, int]:
-        parts = {
+    def memory_parts(self) -> tuple[dict[str, list[torch.Tensor]], set[str]]:
+        return {
             "params": [u.shard for u in self.units],
             "persistent_full": [u.full for u in self.units if u.persistent],
             "grads": [r.grad for u in self.units for r in u.ranges],
             "fp32_master": [r.master for u in self.units for r in u.ranges],
             "optimizer_states": [t for u in self.units for r in u.ranges for t in (r.exp_avg, r.exp_avg_sq)],
-        }
-        report = self._measure(parts, {"params"} if self.offload_param else set())
+        }, {"params"} if self.offload_param else set()
+
+    def memory_extras(self, report: dict[str, int]) -> None:
         persistent = report.pop("persistent_full")  # full copies, on the device, counted as parameters
         report["params"] += persistent
         report["model_states_total"] += persistent
@@ -547,7 +530,6 @@ class Stage3Optimizer(ShardedAdam):
         report["gathered_peak"] = self.gauges.gathered.peak
         report["gather_buffers_peak"] = self.gauges.gather_buffers.peak
         report["persistent_params"] = sum(u.full_numel for u in self.units if u.persistent)
-        return report
 
 
 def _gather_on_apply(module: nn.Module) -> None:

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from zero.tp.plans import PLANS
 
-__all__ = ["mesh", "parallelize", "PLANS", "TensorParallelEngine"]
+__all__ = ["mesh", "parallelize", "PLANS"]
 
 
 def mesh(config: Any, world_size: int | None = None):
@@ -30,16 +30,16 @@ def mesh(config: Any, world_size: int | None = None):
     joining torchrun's process group if needed. `zero.initialize` reuses the same mesh."""
     import torch.distributed as dist
 
-    from zero.comm import Comm
+    from zero.comm import Comm, compute_device
     from zero.config import load_config
-    from zero.engine import _compute_device, init_distributed
+    from zero.launch import init_distributed
     from zero.mesh import build_mesh
 
     init_distributed()
     world = world_size or (dist.get_world_size() if dist.is_initialized() else 1)
     cfg = load_config(config, world_size=world)
     p, t = cfg.pipeline.stages, cfg.tensor_parallel.size
-    return build_mesh(p, world // (p * t), t, _compute_device(Comm()))
+    return build_mesh(p, world // (p * t), t, compute_device(Comm()))
 
 
 def parallelize(model: nn.Module, mesh: Any, plan: dict[str, Any] | str) -> nn.Module:
@@ -133,10 +133,3 @@ def _retie(model: nn.Module, ties: list[list[tuple[nn.Module, str]]]) -> None:
                                  f"them")
             setattr(module, name, kept)
 
-
-def __getattr__(name: str):
-    if name == "TensorParallelEngine":
-        from zero.tp.engine import TensorParallelEngine
-
-        return TensorParallelEngine
-    raise AttributeError(f"module 'zero.tp' has no attribute {name!r}")

@@ -15,7 +15,7 @@ def _gpt_plan(model: nn.Module, size: int) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from zero.testing.models import GPT, Block
+    from zero.models import GPT, Block
 
     blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, Block)]
     if not blocks:

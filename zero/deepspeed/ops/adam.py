@@ -2,7 +2,7 @@
 
 Both are torch.optim.AdamW/Adam objects carrying the hyperparameters: the engine's partitioned
 optimizer steps with zero's own CPU Adam or fused CUDA Adam kernels (optimizer offload picks the CPU
-one), so the name decides nothing but Adam versus AdamW.
+one), so the name decides nothing but Adam versus AdamW. Every argument is honoured or refused.
 """
 from __future__ import annotations
 
@@ -11,32 +11,65 @@ import torch
 from zero.deepspeed._missing import missing
 
 
-def _adam(params, lr, bias_correction, betas, eps, weight_decay, adamw_mode, amsgrad):
+class _ZeroGradInPlace:
+    """zero_grad() zeroes the gradients in place unless told otherwise: FusedAdam(set_grad_none=False)."""
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        super().zero_grad(set_to_none)
+
+
+class _AdamZeroingGrads(_ZeroGradInPlace, torch.optim.Adam):
+    pass
+
+
+class _AdamWZeroingGrads(_ZeroGradInPlace, torch.optim.AdamW):
+    pass
+
+
+def _adam(params, lr, bias_correction, betas, eps, weight_decay, adamw_mode, amsgrad, set_grad_none=True):
     if amsgrad:
         raise ValueError("amsgrad is not supported by zero's partitioned Adam")
     if not bias_correction:
         raise ValueError("bias_correction=False: set \"bias_correction\": false in the config's optimizer params "
                          "instead of on the client optimizer")
-    cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+    if set_grad_none:
+        cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+    else:
+        cls = _AdamWZeroingGrads if adamw_mode else _AdamZeroingGrads
     return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
 class DeepSpeedCPUAdam:
     """`DeepSpeedCPUAdam(params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
-    weight_decay=0, amsgrad=False, adamw_mode=True)`: a client optimizer for zero.initialize."""
+    weight_decay=0, amsgrad=False, adamw_mode=True, fp32_optimizer_states=True)`: a client optimizer
+    for zero.initialize.
+
+    `fp32_optimizer_states=False` (DeepSpeed keeps the moments in the parameters' dtype) is refused:
+    zero's Adam moments are fp32.
+    """
 
     def __new__(cls, model_params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                 amsgrad=False, adamw_mode=True, fp32_optimizer_states=True):
+        if not fp32_optimizer_states:
+            raise ValueError("DeepSpeedCPUAdam(fp32_optimizer_states=False): DeepSpeed would keep exp_avg and "
+                             "exp_avg_sq in the parameters' dtype, but zero keeps Adam's moments in fp32 (low-precision "
+                             "optimizer state is not implemented yet, as the config's bf16.bf16_optimizer_states); "
+                             "drop the argument to train with fp32 moments")
         return _adam(model_params, lr, bias_correction, betas, eps, weight_decay, adamw_mode, amsgrad)
 
 
 class FusedAdam:
     """`FusedAdam(params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
-    weight_decay=0, amsgrad=False)`: a client optimizer for zero.initialize."""
+    weight_decay=0, amsgrad=False, set_grad_none=True)`: a client optimizer for zero.initialize.
+
+    `set_grad_none` is what the object's `zero_grad()` does: True sets the gradients to None, False
+    zeroes them in place (an explicit `zero_grad(set_to_none=...)` wins). Under zero.initialize the
+    engine owns the gradients and its own `zero_grad()` decides.
+    """
 
     def __new__(cls, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
                 weight_decay=0.0, amsgrad=False, set_grad_none=True):
-        return _adam(params, lr, bias_correction, betas, eps, weight_decay, adam_w_mode, amsgrad)
+        return _adam(params, lr, bias_correction, betas, eps, weight_decay, adam_w_mode, amsgrad, set_grad_none)
 
 
 def __getattr__(name: str):

@@ -1,23 +1,29 @@
-"""`deepspeed.utils`: logging and the safe_get_* accessors of a partitioned parameter's full values.
-
-The accessors are collective under ZeRO (every rank of the engine calls them): each rank puts in the
-part it holds and one all-reduce gives every rank the whole, as the checkpoint does (see
-ShardedAdam.param_chunks). The safe_get_* accessors answer None for a frozen parameter, as
-DeepSpeed's do; the safe_set_* ones refuse it.
-"""
+"""`deepspeed.utils`: logging, the safe_get_*/safe_set_* accessors of a trained parameter's values
+(zero/accessors.py) and the stage-3 leaf-module marks (zero/init.py)."""
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
+from zero.accessors import (  # noqa: F401
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_get_local_fp32_param,
+    safe_get_local_grad,
+    safe_get_local_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+    safe_set_local_grad,
+)
 from zero.data import RepeatingLoader  # noqa: F401
 from zero.deepspeed._missing import missing
 from zero.deepspeed.utils import zero_to_fp32  # noqa: F401
-from zero.init import refuse_after_initialize, set_z3_leaf_modules  # noqa: F401
+from zero.init import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module  # noqa: F401
 
 logger = logging.getLogger("zero")
+
 
 def log_dist(message: str, ranks=None, level: int = logging.INFO) -> None:
     """Log `message` on the given ranks (None or [-1]: every rank)."""
@@ -28,178 +34,11 @@ def log_dist(message: str, ranks=None, level: int = logging.INFO) -> None:
 
 
 def see_memory_usage(message: str, force: bool = False) -> None:
+    """Log the peak GPU memory allocated so far, on rank 0, when `force` (as DeepSpeed's, which
+    logs nothing otherwise)."""
     if force:
         peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
         log_dist(f"{message} | max allocated {peak:.2f} GB", ranks=[0])
-
-
-def _owner(param, frozen_ok: bool = True):
-    """The engine's optimizer that trains `param`; None for a frozen parameter (the safe_get_*
-    accessors then answer None, as DeepSpeed's do)."""
-    from zero.guards import _OWNERS
-
-    if not param.requires_grad:
-        if frozen_ok:
-            return None
-        raise ValueError("this parameter is frozen (requires_grad=False): zero keeps no master, optimizer state or "
-                         "gradient for it; change it with zero.GatheredParameters(param, modifier_rank=0)")
-    owner, _ = _OWNERS.get(param, (None, False))
-    optimizer = owner() if owner is not None else None
-    if optimizer is None:
-        raise ValueError("this parameter is not trained by a zero engine: its value is the parameter itself")
-    return optimizer
-
-
-def _full(param, kind: str) -> torch.Tensor | None:
-    optimizer = _owner(param)
-    if optimizer is None:
-        return None
-    _no_client_state(optimizer, kind)
-    z = getattr(param, "_zero", None)
-    shape = z.shape if z is not None else param.shape
-    numel = z.numel if z is not None else param.numel()
-    full = torch.zeros(numel, dtype=torch.float32)
-    for k, offset, view in optimizer.param_chunks(param, saving=True):  # each element from one rank
-        if k == kind:
-            full[offset : offset + view.numel()] = view.detach().float().cpu()
-    optimizer.comm.all_reduce(full, "sum")  # host tensor: staged through the GPU under NCCL by Comm
-    return full.view(shape)
-
-
-def _no_client_state(optimizer, kind: str) -> None:
-    if kind != "master" and optimizer.client_class is not None:
-        raise ValueError(f"the state of a {optimizer.client_class.__name__} client optimizer is kept per shard by "
-                         f"that optimizer; safe_get_*_optimizer_state reads zero's Adam state only")
-
-
-def _local(param, kind: str) -> torch.Tensor | None:
-    optimizer = _owner(param)
-    if optimizer is None:
-        return None
-    _no_client_state(optimizer, kind)
-    pieces = [v for k, _, v in optimizer.param_chunks(param, saving=False) if k == kind]
-    return torch.cat([p.detach().reshape(-1) for p in pieces]) if pieces else torch.empty(0)
-
-
-def _check_state_key(key: str) -> None:
-    if key not in ("exp_avg", "exp_avg_sq"):
-        raise ValueError(f"optimizer state {key!r}: zero's Adam keeps 'exp_avg' and 'exp_avg_sq'")
-
-
-def safe_get_full_fp32_param(param) -> torch.Tensor | None:
-    """The full fp32 master value of `param` (collective: every rank calls it)."""
-    return _full(param, "master")
-
-
-def safe_get_full_optimizer_state(param, optim_state_key: str) -> torch.Tensor | None:
-    """The full Adam state `optim_state_key` ("exp_avg" or "exp_avg_sq") of `param` (collective)."""
-    _check_state_key(optim_state_key)
-    return _full(param, optim_state_key)
-
-
-def safe_get_local_fp32_param(param) -> torch.Tensor | None:
-    """This rank's part of the fp32 master of `param`, flat (not collective)."""
-    return _local(param, "master")
-
-
-def safe_get_local_optimizer_state(param, optim_state_key: str) -> torch.Tensor | None:
-    """This rank's part of `param`'s Adam state `optim_state_key`, flat (not collective)."""
-    _check_state_key(optim_state_key)
-    return _local(param, optim_state_key)
-
-
-def safe_get_full_grad(param) -> torch.Tensor | None:
-    """The full mean gradient of `param` that the coming step applies (before clipping), fp32
-    (collective). Call it after the backward of an accumulation boundary, before `step()`."""
-    optimizer = _owner(param)
-    if optimizer is None:
-        return None
-    offset, piece, reduced = optimizer.grad_piece(param)
-    z = getattr(param, "_zero", None)
-    shape = z.shape if z is not None else param.shape
-    full = torch.zeros(math.prod(shape), dtype=torch.float32)
-    full[offset : offset + piece.numel()] = piece.detach().float().cpu()
-    optimizer.comm.all_reduce(full, "sum")  # reduced pieces are disjoint; unreduced ones sum as the step would
-    return full.div_(optimizer.grad_divisor(reduced)).view(shape)
-
-
-def _reduced_piece(param, frozen_ok: bool) -> tuple:
-    optimizer = _owner(param, frozen_ok)
-    if optimizer is None:
-        return None, None
-    _, piece, reduced = optimizer.grad_piece(param)
-    if not reduced:
-        raise ValueError(f"safe_get_local_grad/safe_set_local_grad: at stage {optimizer.stage} gradients are "
-                         "reduced inside step(), so before it no rank holds a part of the reduced gradient; use "
-                         "stage 2 or 3, or safe_get_full_grad (collective)")
-    return optimizer, piece
-
-
-def safe_get_local_grad(param) -> torch.Tensor | None:
-    """This rank's part of `param`'s mean gradient (as safe_get_full_grad, flat, fp32; stages 2, 3)."""
-    optimizer, piece = _reduced_piece(param, frozen_ok=True)
-    return None if optimizer is None else piece.detach().float() / optimizer.grad_divisor(True)
-
-
-def safe_set_local_grad(param, value: torch.Tensor) -> None:
-    """Replace this rank's part of `param`'s gradient by `value` (shaped as safe_get_local_grad's
-    answer); the coming step applies it."""
-    optimizer, piece = _reduced_piece(param, frozen_ok=False)
-    if not isinstance(value, torch.Tensor) or value.numel() != piece.numel():
-        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise ValueError(f"safe_set_local_grad: this rank holds {piece.numel()} elements of the gradient of a "
-                         f"parameter of shape {tuple(getattr(param, 'ds_shape', param.shape))}; got {got}")
-    if optimizer.host_adam is not None:  # offload: copies of the old values may be on their way to the host
-        optimizer.host_adam.discard()  # the step copies again
-    with torch.no_grad():
-        piece.copy_(value.detach().reshape(-1).to(piece.device, torch.float32) * optimizer.grad_divisor(True))
-
-
-def unset_z3_leaf_modules(model, leaf_module_classes) -> list:
-    """Undo `set_z3_leaf_modules` for these classes (before `zero.initialize`)."""
-    refuse_after_initialize(model, "unset_z3_leaf_modules")
-    classes = tuple(leaf_module_classes)
-    marked = [m for m in model.modules() if isinstance(m, classes) and getattr(m, "_zero_unit", False)]
-    for m in marked:
-        m._zero_unit = False
-    return marked
-
-
-def get_z3_leaf_modules(model) -> list:
-    """The modules marked as stage-3 leaves."""
-    return [m for m in model.modules() if getattr(m, "_zero_unit", False)]
-
-
-def z3_leaf_module(model) -> bool:
-    """Whether `model` is marked as a stage-3 leaf."""
-    return bool(getattr(model, "_zero_unit", False))
-
-
-def _set_full(param, kind: str, value: torch.Tensor) -> None:
-    optimizer = _owner(param, frozen_ok=False)
-    _no_client_state(optimizer, kind)
-    flat = value.detach().reshape(-1).float()
-    with torch.no_grad():
-        for k, offset, view in optimizer.param_chunks(param, saving=False):
-            if k == kind:
-                view.copy_(flat[offset : offset + view.numel()])
-        if kind == "master":  # the training copy follows the master
-            for k, offset, view in optimizer.param_chunks(param, saving=False):
-                if k == "model":
-                    view.copy_(flat[offset : offset + view.numel()])
-    if kind == "master":
-        optimizer.edits_seen([param])
-
-
-def safe_set_full_fp32_param(param, value: torch.Tensor) -> None:
-    """Set `param`'s fp32 master (and its training copy) to the full `value`, given on every rank."""
-    _set_full(param, "master", value)
-
-
-def safe_set_full_optimizer_state(param, value: torch.Tensor, optim_state_key: str) -> None:
-    """Set `param`'s Adam state `optim_state_key` to the full `value`, given on every rank."""
-    _check_state_key(optim_state_key)
-    _set_full(param, optim_state_key, value)
 
 
 def __getattr__(name: str):

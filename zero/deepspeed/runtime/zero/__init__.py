@@ -1,13 +1,15 @@
-"""`deepspeed.runtime.zero`."""
+"""`deepspeed.runtime.zero`, which is also `deepspeed.zero` (one module, as in DeepSpeed: see
+zero/deepspeed/zero.py)."""
 from __future__ import annotations
 
 import contextlib
 
 from zero.deepspeed._missing import missing
-from zero.init import (  # noqa: F401 - `deepspeed.zero` is this module in DeepSpeed
+from zero.init import (  # noqa: F401
     GatheredParameters,
     Init,
     register_external_parameter,
+    set_z3_leaf_modules,  # not in DeepSpeed's module (deepspeed.utils has it); kept for zero's older path
     unregister_external_parameter,
 )
 from zero.partition.shards import ZeroParamStatus  # noqa: F401

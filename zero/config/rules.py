@@ -1,0 +1,135 @@
+"""Rules that combine settings: keys of several sections, or the config and what the caller passes
+to `zero.initialize` (the model, an optimizer object). `ZeroConfig`'s validator applies them, so
+`load_config` raises them, and `zero.initialize` does before it builds a mesh or an engine or
+slices a model.
+
+[Note: rules that combine settings]
+A rule one key breaks alone lives in that field's validator; a rule between keys of one section in
+that section's validator (`PipelineConfig._fits`); a rule across sections, or between the config and
+the caller's objects, here. What the caller knows besides the config (`Caller`) reaches validation
+through pydantic's validation context, which `load_config` fills from its arguments. Where a fact is
+not known (None: `zero.tp.mesh` and `zero.estimate` load a config without a model or an optimizer)
+the rules that need it are skipped. Every rule reports (key path, message) pairs, so one
+`ConfigError` lists every problem, each naming the key to change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+from zero.config.errors import _raise
+from zero.config.optimizer import CLIENT_OPTIMIZERS
+
+if TYPE_CHECKING:
+    from zero.config.model import ZeroConfig
+
+Issues = list[tuple[tuple, str]]
+
+
+@dataclass(frozen=True)
+class Caller:
+    """What the caller of `load_config` knows besides the config; None where it does not know.
+
+    Args:
+        pipeline_stages: the model's own stage count (a `PipelineModule`'s num_stages).
+        model_is_pipeline: whether the model is a `zero.pipe.PipelineModule`.
+        client_optimizer: the class of the optimizer object passed to `zero.initialize`
+            (None: none was passed, or it is not known yet).
+    """
+
+    pipeline_stages: Optional[int] = None
+    model_is_pipeline: Optional[bool] = None
+    client_optimizer: Optional[type] = None
+
+
+def combination_issues(cfg: ZeroConfig, caller: Caller) -> Issues:
+    """Every broken rule of [Note: rules that combine settings], as (key path, message) pairs."""
+    return _onebit_and_stage(cfg) + _pipeline_and_model(cfg, caller) + _optimizer_object(cfg, caller)
+
+
+def check_optimizer_object(cfg: ZeroConfig, client_optimizer: type) -> None:
+    """The rules about an optimizer object, for one built after `load_config` (a callable passed
+    as `zero.initialize(optimizer=...)` is called once the model is sliced): the same
+    `ConfigError`, naming the key, that `load_config(..., client_optimizer=)` raises.
+
+    Args:
+        cfg: the loaded config.
+        client_optimizer: the optimizer object's class, `type(optimizer)`.
+    """
+    issues = _optimizer_object(cfg, Caller(client_optimizer=client_optimizer))
+    if issues:
+        _raise(issues)
+
+
+def _offloaded(cfg: ZeroConfig) -> bool:
+    off = cfg.zero_optimization.offload_optimizer
+    return off is not None and off.device != "none"
+
+
+def _onebit_and_stage(cfg: ZeroConfig) -> Issues:
+    """OneBitAdam and ZeroOneAdam against the ZeRO stage and optimizer offload (see docs/onebit.md)."""
+    kind = cfg.optimizer.type if cfg.optimizer is not None else None
+    stage = cfg.zero_optimization.stage
+    issues: Issues = []
+    if kind == "ZeroOneAdam":
+        if stage != 0:
+            issues.append((("zero_optimization", "stage"), f"optimizer type ZeroOneAdam needs ZeRO stage 0, not "
+                           f"{stage}: its local steps update every parameter on every rank, while stages 1-3 give "
+                           f"each rank its shard of the optimizer state alone; set zero_optimization.stage to 0 (or "
+                           f"use OneBitAdam at stages 1 and 2; see docs/onebit.md)"))
+        if _offloaded(cfg):
+            issues.append((("zero_optimization", "offload_optimizer"), "optimizer type ZeroOneAdam with "
+                           "offload_optimizer is not supported: its local steps run on the device; remove "
+                           "zero_optimization.offload_optimizer"))
+    if kind == "OneBitAdam":
+        if stage == 3:
+            issues.append((("zero_optimization", "stage"), "optimizer type OneBitAdam needs ZeRO stage 0, 1 or 2, "
+                           "not 3: under stage 3 the gradient reduction is per unit of gathered parameters, and its "
+                           "compressed exchange is not implemented; set zero_optimization.stage to 0, 1 or 2 (see "
+                           "docs/onebit.md)"))
+        if cfg.optimizer.params.compress_param_gather and stage == 0:
+            issues.append((("optimizer", "params", "compress_param_gather"), "is true at ZeRO stage 0, but "
+                           "compress_param_gather applies to ZeRO stages 1 and 2: stage 0 has no parameter all-gather "
+                           "(every rank updates every parameter, and its gradient exchange is already compressed both "
+                           "ways); remove the key or set zero_optimization.stage to 1 or 2"))
+    return issues
+
+
+def _pipeline_and_model(cfg: ZeroConfig, caller: Caller) -> Issues:
+    """A pipeline needs a PipelineModule, and does not go with ZeRO stage 3."""
+    stages = cfg.pipeline.stages or caller.pipeline_stages or 1
+    pipelined = caller.model_is_pipeline if caller.model_is_pipeline is not None else stages > 1
+    issues: Issues = []
+    if caller.model_is_pipeline is False and stages > 1:
+        issues.append((("pipeline", "stages"), f"is {stages}: the model must be a zero.pipe.PipelineModule (a list "
+                       f"of layers each stage builds its own part of); build the model as one, or leave "
+                       f"pipeline.stages out"))
+    if pipelined and cfg.zero_optimization.stage == 3:
+        issues.append((("zero_optimization", "stage"), "is 3: ZeRO stage 3 with a pipeline is not supported: each "
+                       "stage would gather its parameters again for every micro-batch's forward and backward (M times "
+                       "a step). Use stage 1 or 2, which partition optimizer states and gradients over the "
+                       "data-parallel ranks of each stage"))
+    return issues
+
+
+def _optimizer_object(cfg: ZeroConfig, caller: Caller) -> Issues:
+    """The optimizer that runs: an object passed to initialize wins over the config's `optimizer`,
+    except zero's own 1-bit optimizers, which cannot take one; optimizer offload steps zero's CPU Adam."""
+    import torch
+
+    given = caller.client_optimizer
+    kind = cfg.optimizer.type if cfg.optimizer is not None else None
+    issues: Issues = []
+    if given is not None and kind in ("OneBitAdam", "ZeroOneAdam"):
+        issues.append((("optimizer", "type"), f"the config's optimizer is {kind} but initialize() was given a "
+                       f"{given.__name__} too: it is zero's own optimizer; drop one of them"))
+        return issues
+    if given is not None:
+        client = None if issubclass(given, (torch.optim.Adam, torch.optim.AdamW)) else given.__name__
+    else:
+        client = kind if kind in CLIENT_OPTIMIZERS else None
+    if client is not None and _offloaded(cfg):
+        what = f"the optimizer object's class {client}" if given is not None else f"optimizer.type {client}"
+        issues.append((("zero_optimization", "offload_optimizer"), f"optimizer offload runs zero's CPU Adam, so "
+                       f"{what} cannot be offloaded: remove zero_optimization.offload_optimizer, or use Adam/AdamW"))
+    return issues

@@ -1,0 +1,200 @@
+"""Where a stage keeps the parameters, their optimizer state and their gradient shards.
+
+`ParamStorage` is what the optimizer's step sees of a stage (its slots, how gradients are
+finished and how updated shards reach the model), what checkpoints read and write (each
+parameter's chunks), and what happens when user code changes a parameter (an in-place edit, a
+`load_state_dict`): those hooks belong to the storage that holds the values, as FSDP2 registers
+them on its parameters. Two implementations: `FlatParams` (stages 0-2, one flat buffer in
+buckets; zero/stages/buckets.py) and `UnitParams` (stage 3, parameter units;
+zero/stages/stage3.py).
+"""
+from __future__ import annotations
+
+import abc
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from zero.comm import Comm
+from zero.memory_report import Gauges
+from zero.offload import HostMemory
+from zero.stages.policies import OffloadOptions, Precision
+
+# (group index, fp32 master, gradient shard, exp_avg, exp_avg_sq, 16-bit output or None)
+Slot = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+
+
+class ParamStorage(abc.ABC):
+    """Parameters, optimizer state and gradient shards of one stage, on this rank.
+
+    Args:
+        params: the trainable parameters, in param-group order.
+        names: parameter -> name in the model, for messages.
+        comm: the data-parallel group.
+        precision: the run's dtypes.
+        offload: optimizer offload (state in host memory), or None.
+        gauges: where communication and gathered buffers are measured.
+    """
+
+    def __init__(self, params: list[nn.Parameter], names: dict[nn.Parameter, str], comm: Comm,
+                 precision: Precision, offload: OffloadOptions | None, gauges: Gauges):
+        self.params = params
+        self.names = names
+        self.comm = comm
+        self.precision = precision
+        self.offload = offload
+        self.gauges = gauges
+        self.host_memory = HostMemory(self)
+        self._watched: list[nn.Parameter] = []
+        # set by the optimizer that steps on this storage: called with each gradient shard once it
+        # holds its final value for the step (offload starts its copy to the host then), and the
+        # number of the coming optimizer step (for messages)
+        self.grad_final: Callable[[torch.Tensor], None] = lambda grad: None
+        self.step_number: Callable[[], int] = lambda: 1
+
+    def new_state(self, like: torch.Tensor, compute_device: torch.device) -> torch.Tensor:
+        """A zero fp32 optimizer-state tensor shaped like `like`: in host memory when offloaded
+        (page-locked if asked), else on the compute device."""
+        if self.offload is not None:
+            return self.host_memory.empty(like.shape, torch.float32, self.offload.pin_memory).zero_()
+        return torch.zeros(like.shape, dtype=torch.float32, device=compute_device)
+
+    # -- what the step sees -----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def slots(self) -> list[Slot]:
+        """This rank's shards, one slot per contiguous range of one param group."""
+
+    def reduce_gradients(self) -> None:
+        """Finish any gradient reduction still owed at the accumulation boundary (none here)."""
+        return None
+
+    @abc.abstractmethod
+    def publish(self) -> None:
+        """Make the updated shards visible to the model (all-gather them, release stale copies)."""
+
+    @abc.abstractmethod
+    def zero_grads(self) -> None:
+        """Forget this step's gradients."""
+
+    def norm_is_partitioned(self) -> bool:
+        """True when each rank holds a different part of the gradient (so norms are summed)."""
+        return self.comm.world_size > 1
+
+    def owned_grad(self, param: nn.Parameter) -> torch.Tensor | None:
+        """The part of `param`'s reduced gradient in this rank's slots (for the norm), or None."""
+        return None
+
+    def out16_on_host(self) -> list[bool]:
+        """Per slot: does its 16-bit output live in host memory (stage 3 with offload_param)?"""
+        return [False] * len(self.slots())
+
+    @abc.abstractmethod
+    def memory_parts(self) -> tuple[dict[str, list[torch.Tensor]], set[str]]:
+        """(kind -> tensors holding it, kinds kept in host memory), for the memory report."""
+
+    def memory_extras(self, report: dict[str, int]) -> None:
+        """Add stage-specific entries to a measured report (none here)."""
+        return None
+
+    # -- checkpoints (see [Note: checkpoint chunks] in zero/checkpoint/chunks.py) -----------------
+
+    @abc.abstractmethod
+    def param_chunks(self, param: nn.Parameter, saving: bool) -> list[tuple[str, int, torch.Tensor]]:
+        """(kind, offset, local 1-D view) of `param`'s global tensors this rank writes (`saving`)
+        or reads: kind "model" (the parameter in the training dtype), and for a trainable
+        parameter "master", "exp_avg" and "exp_avg_sq" (fp32)."""
+
+    @abc.abstractmethod
+    def grad_piece(self, param: nn.Parameter) -> tuple[int, torch.Tensor, bool]:
+        """Where `param`'s gradient is on this rank: (offset into the flattened parameter, 1-D
+        view, reduced). A reduced piece (stages 2 and 3, once its reduction finished) is this
+        rank's part of the sum over ranks; an unreduced one (stages 0 and 1 until the step reduces
+        the flat gradient) is this rank's own gradient, whole."""
+
+    def after_checkpoint_load(self) -> None:
+        """Make the loaded values visible to the model (16-bit copies, gathered units)."""
+        self.publish()
+
+    # -- user code changing parameters --------------------------------------------------------------
+
+    def watch_edits(self, params: list[nn.Parameter]) -> None:
+        """[Note: in-place edits]
+        A parameter changed in place between steps (`with torch.no_grad(): p.mul_(0.5)`, an
+        init function) changes only the model's copy: in 16-bit training the next step would
+        overwrite it from the fp32 master, and under stage 3 a released parameter has no values
+        to change. Every in-place op bumps the parameter's autograd version counter (zero's own
+        writes go through the buffers the parameters view, which leaves it alone), so at each step
+        `adopt_edits` finds the parameters whose version moved: the storage takes their new
+        values into its own copies (`adopt_edit`), or, for a released stage-3 parameter, raises.
+        Edits through `p.data` bypass the counter and are not seen."""
+        self._watched = list(params)
+        self.edits_seen(self._watched)
+
+    @staticmethod
+    def edits_seen(params) -> None:
+        """Forget in-place changes of `params` so far (their values are already where they belong)."""
+        for p in params:
+            p._zero_version = p._version
+
+    def adopt_edits(self) -> None:
+        """See [Note: in-place edits]."""
+        for p in self._watched:
+            if p._version != p._zero_version:
+                self.adopt_edit(p)
+                p._zero_version = p._version
+
+    @abc.abstractmethod
+    def adopt_edit(self, param: nn.Parameter) -> None:
+        """Take `param`'s current (edited) values into the storage's own copies."""
+
+    @abc.abstractmethod
+    def load_param(self, param: nn.Parameter, value: torch.Tensor) -> torch.Tensor | None:
+        """Take `value` (the full, correctly shaped new value of `param`) into the storage's own
+        copies; return what torch should copy into `param.data` instead of `value`, if anything."""
+
+    def hook_state_dict_loads(self, module: nn.Module) -> None:
+        """[Note: load_state_dict after initialize]
+        `model.load_state_dict(sd)` after `zero.initialize` writes the model's (16-bit, or under
+        stage 3 released and empty) parameters; left alone, the next step would overwrite them
+        from the stale fp32 master. A pre-hook on every module with parameters of its own hands
+        each incoming value to `load_param` first, which puts it where this storage keeps it
+        (the master's exact fp32 values, stage 3's shard), then lets torch finish."""
+        for m in module.modules():  # bound methods, not lambdas: the model stays picklable
+            own = list(m.named_parameters(recurse=False))
+            if own:
+                m.register_load_state_dict_pre_hook(functools.partial(self._before_load, own))
+                m.register_load_state_dict_post_hook(functools.partial(self._after_load, own))
+
+    def _after_load(self, own: list, module, incompatible_keys) -> None:
+        self.edits_seen(p for _, p in own)
+
+    @torch.no_grad()
+    def _before_load(self, own: list, module, state_dict: dict, prefix: str, local_metadata: dict, strict, missing,
+                     unexpected, errors: list[str]) -> None:
+        if local_metadata.get("assign_to_params_buffers"):
+            errors.append("load_state_dict(assign=True) after zero.initialize would replace the parameters the "
+                          "engine trains (their gradients would never reach it); load without assign=True")
+            return
+        for name, p in own:
+            key = prefix + name
+            value = state_dict.get(key)
+            if not isinstance(value, torch.Tensor):
+                continue
+            if getattr(p, "_zero", None) is not None and hasattr(p, "_local_tensor"):
+                errors.append(f"{key}: load_state_dict into a tensor-sliced parameter under ZeRO stage 3 is not "
+                              f"implemented; load the state dict before zero.initialize, or use "
+                              f"engine.load_checkpoint")
+                state_dict.pop(key)
+                continue
+            shape = p._zero.shape if getattr(p, "_zero", None) is not None else p.shape
+            if value.shape != shape:
+                errors.append(f"size mismatch for {key}: copying a param with shape {value.shape} from checkpoint, "
+                              f"the shape in current model is {shape}.")
+                state_dict[key] = p.data  # torch's own message would show a released parameter's empty shape
+                continue
+            replacement = self.load_param(p, value)
+            if replacement is not None:
+                state_dict[key] = replacement
