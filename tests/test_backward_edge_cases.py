@@ -149,7 +149,7 @@ def lora_gathered_peak():
     for _ in range(2):
         engine.backward(engine(torch.randn(4, 8, generator=g)).square().mean())
         engine.step()
-    unit_bytes = max(u.full_numel for u in engine.optimizer.units if u.name.startswith("1")) * 4
+    unit_bytes = max(u.full_numel for u in engine.optimizer.storage.units if u.name.startswith("1")) * 4
     return engine.memory_report()["gathered_peak"] / unit_bytes
 
 

@@ -122,7 +122,8 @@ def test_accessors_answer_for_client_optimizers():
     engine, *_ = zero.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
                                  config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}})
     assert engine.get_mom() == [0.5]
-    assert engine.optimizer._hyper(0).keys() == torch.optim.SGD(model.parameters(), lr=0.1).defaults.keys()
+    hyper = engine.optimizer.client.hyperparameters(engine.optimizer.param_groups[0])
+    assert hyper.keys() == torch.optim.SGD(model.parameters(), lr=0.1).defaults.keys()
     assert torch.equal(deepspeed.utils.safe_get_full_fp32_param(model.weight), model.weight.detach())
     with pytest.raises(ValueError, match="the state of a SGD client optimizer is kept per shard"):
         deepspeed.utils.safe_get_full_optimizer_state(model.weight, "exp_avg")

@@ -182,9 +182,33 @@ def test_results_do_not_depend_on_the_thread_count():
         assert torch.equal(a, b)
 
 
-def test_empty_buffers_are_a_no_op():
+@pytest.mark.parametrize("simd", LEVELS)
+def test_empty_buffers_are_a_no_op(simd):
+    """n = 0 (torch hands the kernel null data pointers): the step succeeds and leaves the buffers
+    empty, the kernel still refuses a bad hyperparameter, and CPUAdam counts the step as
+    torch.optim.AdamW does, beside a non-empty parameter that it updates as torch does."""
     p, g, m, v = (torch.zeros(0) for _ in range(4))
-    cpu_adam_step(p, g, m, v, step=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    out = torch.zeros(0, dtype=torch.bfloat16)
+    kw = dict(step=1, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, out16=out, simd=simd)
+    cpu_adam_step(p, g, m, v, **kw)
+    assert all(t.shape == (0,) for t in (p, g, m, v, out))
+    with pytest.raises(RuntimeError, match="zero_cpu_adam_step rejected its arguments"):
+        cpu_adam_step_unchecked(p, g, m, v, **{**kw, "lr": float("nan")})  # checked before n == 0 returns
+
+    gen = torch.Generator().manual_seed(5)
+    start = torch.randn(7, generator=gen)
+    ours = [torch.zeros(0, requires_grad=True), start.clone().requires_grad_()]
+    theirs = [torch.zeros(0, requires_grad=True), start.clone().requires_grad_()]
+    opts = [CPUAdam(ours, lr=1e-2, weight_decay=0.1, simd=simd), torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1)]
+    for _ in range(3):
+        grad = torch.randn(7, generator=gen)
+        for params, opt in zip((ours, theirs), opts):
+            params[0].grad, params[1].grad = torch.zeros(0), grad.clone()
+            opt.step()
+    ours_state, theirs_state = (opt.state_dict()["state"] for opt in opts)
+    assert ours_state[0]["step"].item() == theirs_state[0]["step"].item() == 3
+    assert ours_state[0]["exp_avg"].shape == ours[0].shape == (0,)
+    assert_close_rel(ours[1].detach(), theirs[1].detach(), msg=simd)
 
 
 def test_simd_levels_are_listed_best_first_and_end_with_scalar():
@@ -527,37 +551,45 @@ SCALAR_ONLY_PROGRAM = r"""
 #include <stdio.h>
 #include "adam/cpu_adam.h"
 #include "common/dtypes.h"
+#include "common/simd.h"
+#include "onebit/onebit.h"
 int main(void) {
-    float p[37], g[37], m[37] = {0}, v[37] = {0};
+    float p[37], g[37], m[37] = {0}, v[37] = {0}, scale;
     uint16_t out[37];
+    uint8_t bits[5];
     for (int i = 0; i < 37; i++) { p[i] = (float)i / 8 - 2; g[i] = (float)(i % 5) - 2; }
     zero_adam_config cfg = {1e-2, 0.9, 0.999, 1e-8, 0.1, 1.0, 1, 1, 1};
     int forced = zero_cpu_adam_step(37, p, g, ZERO_F32, m, v, NULL, 0, &cfg, ZERO_SIMD_AVX512, 1);
     int best = zero_cpu_adam_step(37, p, g, ZERO_F32, m, v, out, ZERO_BF16, &cfg, ZERO_SIMD_BEST, 2);
     int bad_dtype = zero_cpu_adam_step(37, p, g, ZERO_BYTES, m, v, NULL, 0, &cfg, ZERO_SIMD_BEST, 1);
-    printf("%d %d %d %d %d %d %s\n", zero_cpu_adam_simd_available(ZERO_SIMD_AVX2),
-           zero_cpu_adam_simd_available(ZERO_SIMD_AVX512), forced, best, bad_dtype,
-           out[36] == zero_f32_to_bf16(p[36]), zero_cpu_adam_simd_name(zero_cpu_adam_best_simd()));
+    int onebit_forced = zero_onebit_pack(37, g, m, 64, bits, &scale, ZERO_SIMD_AVX2, 1);
+    printf("%d %d %d %d %d %d %s %d\n", zero_simd_available(ZERO_SIMD_AVX2), zero_simd_available(ZERO_SIMD_AVX512),
+           forced, best, bad_dtype, out[36] == zero_f32_to_bf16(p[36]), zero_simd_name(zero_simd_best()),
+           onebit_forced);
     return 0;
 }
 """
 
 
 def test_scalar_only_build_runs_and_refuses_forced_simd_levels(tmp_path):
-    """What an ARM build gets: only the portable path, and a clear error code when a SIMD level is
-    forced. Built here with -DZERO_NO_X86_SIMD, which compiles the file without its x86 paths."""
+    """What an ARM build gets: only the portable paths, and a clear error code when a SIMD level is
+    forced. Built here with -DZERO_NO_X86_SIMD, which compiles every CPU kernel and the shared
+    detection (common/simd.c) without their x86 paths."""
     import subprocess
 
-    from zero.ops.builder import c_compiler, source_dir
+    from zero.ops.builder import OPS, c_compiler, source_dir
 
     cc = c_compiler()
     assert cc is not None, "no C compiler: zero's CPU ops cannot be built on this machine"
     (tmp_path / "main.c").write_text(SCALAR_ONLY_PROGRAM)
     exe = tmp_path / "scalar_only"
     src = source_dir()
+    c_sources = sorted({s for spec in OPS.values() for s in spec.c_sources})
+    assert "common/simd.c" in c_sources and "adam/cpu_adam.c" in c_sources, c_sources
     cmd = [cc, "-std=c11", "-O2", "-Wall", "-Werror", "-Wno-unknown-pragmas", "-DZERO_NO_X86_SIMD", "-I", str(src),
-           str(src / "adam" / "cpu_adam.c"), str(tmp_path / "main.c"), "-lm", "-o", str(exe)]
+           *(str(src / s) for s in c_sources), str(tmp_path / "main.c"), "-lm", "-o", str(exe)]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
-    # no AVX2, no AVX-512, forced AVX-512 -> -2 (unavailable), best -> 0 (ok), unknown dtype -> -1
-    assert out == ["0", "0", "-2", "0", "-1", "1", "scalar"]
+    # no AVX2, no AVX-512, forced AVX-512 -> -2 (unavailable), best -> 0 (ok), unknown dtype -> -1,
+    # and the 1-bit kernel refuses a forced level with the same code
+    assert out == ["0", "0", "-2", "0", "-1", "1", "scalar", "-2"]

@@ -141,7 +141,7 @@ def edit_gradients(stage: int, variant: str):
         return out
     local_ok = True
     for n, p in names.items():
-        offset, _, _ = optimizer.grad_piece(p)
+        offset, _, _ = optimizer.storage.grad_piece(p)
         local = deepspeed.utils.safe_get_local_grad(p)
         local_ok &= torch.equal(local, full[n].reshape(-1)[offset : offset + local.numel()])
         edited = -local if n == "0.weight" else (torch.zeros_like(local) if n == "2.bias" else local)

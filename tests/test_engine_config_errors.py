@@ -60,6 +60,14 @@ def test_an_optimizer_object_that_does_not_fit_the_config_is_a_config_error(make
     assert storage_of(model) == before
 
 
+def test_an_optimizer_built_by_a_callable_is_checked_against_the_config_too():
+    """initialize(optimizer=callable) builds the object after load_config (once a model is sliced):
+    zero.config.rules.check_optimizer_object applies the same rule to it, before the engine exists."""
+    with pytest.raises(ConfigError, match=r"zero_optimization\.offload_optimizer: .*class SGD cannot be offloaded"):
+        zero.initialize(model=MLP(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), config={
+            "train_batch_size": 4, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+
+
 def test_pipeline_stages_without_a_pipeline_module_is_a_config_error():
     with pytest.raises(ConfigError, match=r"pipeline\.stages: is 2: the model must be a zero\.pipe\.PipelineModule"):
         zero.initialize(model=MLP(), config={"train_batch_size": 4, "optimizer": {"type": "AdamW"},

@@ -103,8 +103,8 @@ def run_and_measure(stage: int, offload: str, dtype: str, extra: dict | None = N
         logits = engine(x)
         engine.backward(F.cross_entropy(logits.float().flatten(0, 1), x.flatten()))
         engine.step()
-    pieces = len(getattr(engine.optimizer, "units", [])) + len(getattr(getattr(engine.optimizer, "layout", None),
-                                                                       "buckets", []))
+    storage = engine.optimizer.storage
+    pieces = len(storage.units) if hasattr(storage, "units") else len(storage.layout.buckets)
     return estimate, engine.memory_report(), pieces
 
 

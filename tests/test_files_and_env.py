@@ -21,6 +21,7 @@ from zero.checkpoint import CheckpointWriteError, atomic_save, checked_save_path
 from zero.comm import collective_timeout_s
 from zero.ops import builder
 from zero.testing.models import MLP
+from zero.testing.state import load_shard_state, shard_state
 from zero.testing.training import make_batch
 
 
@@ -135,20 +136,20 @@ def test_load_shard_state_names_a_missing_key_or_a_non_finite_tensor_and_loads_n
     before = [p.detach().clone() for p in engine.module.parameters()]
     masters = [m.clone() for _, m, *_ in opt.slots()]
     with pytest.raises(ValueError, match=r"slot 0 lacks 'group', 'step', 'master', 'exp_avg', 'exp_avg_sq'"):
-        opt.load_shard_state([{}] * len(opt.slots()))
-    partial = opt.shard_state()
+        load_shard_state(opt, [{}] * len(opt.slots()))
+    partial = shard_state(opt)
     del partial[-1]["exp_avg"]
     with pytest.raises(ValueError, match=f"slot {len(partial) - 1} lacks 'exp_avg';"):
-        opt.load_shard_state(partial)
+        load_shard_state(opt, partial)
     for key, bad in (("master", math.nan), ("exp_avg_sq", math.inf)):
-        state = opt.shard_state()
+        state = shard_state(opt)
         state[0]["master"] += 1.0  # a change that must not be applied either
         state[-1][key][0] = bad
         with pytest.raises(ValueError, match=f"slot {len(state) - 1}: '{key}' holds non-finite values"):
-            opt.load_shard_state(state)
+            load_shard_state(opt, state)
     assert all(torch.equal(m, s) for m, (_, s, *_) in zip(masters, opt.slots()))
     assert all(torch.equal(b, p) for b, p in zip(before, engine.module.parameters()))
-    opt.load_shard_state(opt.shard_state())  # the real thing still loads
+    load_shard_state(opt, shard_state(opt))  # the real thing still loads
 
 
 # -- the op cache -----------------------------------------------------------------------------

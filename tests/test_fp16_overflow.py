@@ -20,14 +20,14 @@ def overflow_on_rank_one(stage: int):
     engine.step()  # a normal step first
     scale_before = engine.optimizer.loss_scaler.scale
     params_before = [p.detach().clone() for p in model.parameters()]
-    master_before = [m.clone() for m in engine.optimizer.master]
+    master_before = [m.clone() for m in engine.optimizer.storage.master]
     loss = engine(x, y)
     if rank == 1:
         loss = loss * float("inf")
     engine.backward(loss)
     engine.step()
     unchanged = all(torch.equal(a, b) for a, b in zip(params_before, model.parameters()))
-    master_unchanged = all(torch.equal(a, b) for a, b in zip(master_before, engine.optimizer.master))
+    master_unchanged = all(torch.equal(a, b) for a, b in zip(master_before, engine.optimizer.storage.master))
     # and training goes on normally afterwards
     engine.backward(engine(x, y))
     engine.step()

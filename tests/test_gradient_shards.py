@@ -29,13 +29,13 @@ def shards_against_reference(model: str, stage: int, bucket: int):
 
     opt = engine.optimizer
     opt.reduce_gradients()  # stages 0/1 reduce at the boundary; stage 2 already did
-    layout = opt.layout
+    layout = opt.storage.layout
     flat_ref = torch.zeros(layout.numel)
     for p, off in zip(ref.parameters(), layout.offsets):
         flat_ref[off : off + p.numel()] = p.grad.reshape(-1)
     worst = 0.0
-    for bucket_, shard in zip(layout.buckets, opt.shards):
-        lo, hi = opt._own(bucket_)
+    for bucket_, shard in zip(layout.buckets, opt.storage.grads.shards):
+        lo, hi = opt.storage.own(bucket_)
         want = flat_ref[lo:hi]
         got = shard.float() / world
         worst = max(worst, ((got - want).abs().max() / flat_ref.abs().max()).item())

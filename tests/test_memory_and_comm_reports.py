@@ -20,7 +20,7 @@ def one_bf16_step(stage: int):
     g = torch.Generator().manual_seed(dist.get_rank())
     engine.backward(engine(*make_batch("gpt", 2, g)))
     engine.step()
-    layout = engine.optimizer.layout
+    layout = engine.optimizer.storage.layout
     return engine.memory_report(), engine.comm_report(), layout.param_numel, layout.numel, len(layout.buckets)
 
 

@@ -52,9 +52,9 @@ def reduce_buffer_peak(stage: int, bucket: int):
         engine.step()
     opt = engine.optimizer
     if stage == 3:  # a unit's send buffer: N x its trainable shard, fp32
-        groups = [u.trainable_numel * opt.comm.world_size * 4 for u in opt.units if u.trainable]
+        groups = [u.trainable_numel * opt.comm.world_size * 4 for u in opt.storage.units if u.trainable]
     else:  # a bucket's staging buffer, fp32
-        groups = [b.numel * 4 for b in opt.layout.buckets]
+        groups = [b.numel * 4 for b in opt.storage.layout.buckets]
     return engine.memory_report()["reduce_buffers_peak"], sorted(groups), total
 
 

@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zero
+from zero.testing.state import shard_state
 
 
 def _net():
@@ -111,7 +112,7 @@ def load_after_initialize(stage: int, dtype: str):
     engine.step()
     with zero.GatheredParameters(list(net.parameters())):
         got = {k: v.detach().float().clone() for k, v in net.state_dict().items()}
-    masters = [s["master"] for s in opt.shard_state()]
+    masters = [s["master"] for s in shard_state(opt)]
     return max((got[k] - new[k]).abs().max().item() for k in new), masters
 
 
@@ -147,8 +148,9 @@ def test_questionable_but_legal_use_warns():
     with pytest.warns(UserWarning, match=r"2 trainable parameter\(s\) are torch.float16 \(first: '0.weight'\) but "
                                          r"the config trains in torch.float32"):
         engine, *_ = zero.initialize(model=net, config=_config(2))
-    with pytest.warns(UserWarning, match=r"optimizer step 1 comes after no engine.backward\(\) call: it applies "
-                                         r"weight decay and Adam's momentum without new gradients"):
+    with pytest.warns(UserWarning, match=r"optimizer step 1 comes after no backward pass: it applies weight decay "
+                                         r"and Adam's momentum without new gradients. Call loss.backward\(\) or "
+                                         r"engine.backward\(loss\)"):
         engine.step()
     import warnings
 

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import zero
 from zero.offload import cpu_adam_threads
+from zero.testing.state import load_shard_state, shard_state
 from zero.testing.training import STAGE3, build_model, make_batch, train_side_by_side
 
 OFFLOAD_OPT = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
@@ -46,7 +47,7 @@ def twin_runs(stage: int, offload: dict, precision: str, steps: int = 5, accumul
             engine.backward(engine(*batches[rank]))
             engine.step()
     plain, offloaded = engines
-    states = [e.optimizer.shard_state() for e in engines]
+    states = [shard_state(e.optimizer) for e in engines]
     same_state = all(torch.equal(a[k], b[k]) for a, b in zip(*states) for k in ("master", "exp_avg", "exp_avg_sq"))
     with zero.GatheredParameters(list(plain.module.parameters())), zero.GatheredParameters(list(offloaded.module.parameters())):
         same_params = all(torch.equal(a, b) for a, b in zip(plain.module.parameters(), offloaded.module.parameters()))
@@ -78,15 +79,15 @@ def swap_state_between_twins(stage: int):
     for x, y in batches[:3]:  # train only the offloaded one
         offloaded.backward(offloaded(x, y))
         offloaded.step()
-    plain.optimizer.load_shard_state(offloaded.optimizer.shard_state())
+    load_shard_state(plain.optimizer, shard_state(offloaded.optimizer))
     for x, y in batches[3:]:  # now both continue from the same state
         for e in engines:
             e.backward(e(x, y))
             e.step()
-    back = offloaded.optimizer.shard_state()
-    offloaded.optimizer.load_shard_state(plain.optimizer.shard_state())
+    back = shard_state(offloaded.optimizer)
+    load_shard_state(offloaded.optimizer, shard_state(plain.optimizer))
     return all(torch.equal(a["master"], b["master"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
-               for a, b in zip(back, plain.optimizer.shard_state()))
+               for a, b in zip(back, shard_state(plain.optimizer)))
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -201,7 +201,7 @@ def test_the_frozen_step_against_hand_written_torch():
     engine, optimizer, *_ = zero.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1},
         "optimizer": {"type": "OneBitAdam", "params": {"lr": 0.01, "weight_decay": 0.1, "freeze_step": 2}}})
-    assert optimizer.exchange.tensors() == {}  # one rank: no error buffers
+    assert optimizer.storage.exchange.tensors() == {}  # one rank: no error buffers
     params = [p.clone() for p in w0]
     m, v = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
     b1, b2, lr, wd, eps = 0.9, 0.999, 0.01, 0.1, 1e-8
@@ -285,7 +285,7 @@ def resume_run(stage: int, path: str, steps: int, save_at: int | None, load: boo
         if save_at is not None and step + 1 == save_at:
             engine.save_checkpoint(path)
     errors = {k: v.clone() for k, v in engine.optimizer.rank_state().items()}
-    held = sum(t.untyped_storage().nbytes() for t in engine.optimizer.exchange.tensors().values())
+    held = sum(t.untyped_storage().nbytes() for t in engine.optimizer.storage.exchange.tensors().values())
     assert engine.memory_report()["compression_errors"] == held and (held > 0) == (dist.is_initialized())
     return {n: p.detach().clone() for n, p in model.named_parameters()}, errors
 
@@ -395,7 +395,7 @@ def onebit_memory(stage: int, gather: bool = False):
         engine.backward(engine(x[:, :-1], x[:, 1:]))
         engine.step()
     report = engine.memory_report()
-    return (estimate.compression_errors, report["compression_errors"], len(engine.optimizer.layout.buckets),
+    return (estimate.compression_errors, report["compression_errors"], len(engine.optimizer.storage.layout.buckets),
             estimate.fp32_master, report["fp32_master"], estimate.buffers, report.get("gather_buffers_peak", 0))
 
 

@@ -52,6 +52,37 @@ def test_changing_a_source_or_flag_means_a_new_build_directory(tmp_path, monkeyp
     assert builder.build_dir("cpu_adam") not in (first, second)
 
 
+def test_each_cpu_op_compiles_its_own_kernel_and_the_shared_simd_detection_only():
+    """The 1-bit and sparse-attention ops once compiled all of the Adam kernel to reach its SIMD
+    detection; now every CPU op links common/simd.c and no kernel of another op."""
+    cpu_ops = {name: spec for name, spec in builder.OPS.items() if spec.c_sources}
+    assert set(cpu_ops) == {"cpu_adam", "onebit", "sparse_attention"}
+    owners: dict[str, list[str]] = {}
+    for name, spec in cpu_ops.items():
+        assert "common/simd.c" in spec.c_sources, name
+        for source in spec.c_sources:
+            if not source.startswith("common/"):
+                owners.setdefault(source, []).append(name)
+    assert all(len(names) == 1 for names in owners.values()), owners
+
+
+def test_editing_the_shared_simd_code_rebuilds_every_cpu_op_and_a_kernel_body_only_its_op(tmp_path, monkeypatch):
+    src = tmp_path / "csrc"
+    shutil.copytree(builder.source_dir(), src)
+    monkeypatch.setattr(builder, "source_dir", lambda: src)
+    cpu_ops = ("cpu_adam", "onebit", "sparse_attention")
+    first = {name: builder.build_dir(name) for name in cpu_ops}
+    for edited in ("common/simd.c", "common/simd_width.h"):
+        (src / edited).write_text((src / edited).read_text() + "\n/* edited */\n")
+        now = {name: builder.build_dir(name) for name in cpu_ops}
+        assert all(now[name] != first[name] for name in cpu_ops), edited
+        first = now
+    (src / "adam" / "cpu_adam_body.h").write_text((src / "adam" / "cpu_adam_body.h").read_text() + "\n")
+    now = {name: builder.build_dir(name) for name in cpu_ops}
+    assert now["cpu_adam"] != first["cpu_adam"]
+    assert now["onebit"] == first["onebit"] and now["sparse_attention"] == first["sparse_attention"]
+
+
 def test_a_cuda_op_is_rebuilt_for_another_gpu_or_another_nvcc(monkeypatch):
     """A binary holds code for the GPUs it was built on, so a cache shared with an older GPU (or
     built by another toolkit) must not be reused."""

@@ -184,7 +184,7 @@ def train_with_a_branch_and_eval(steps: int = 6):
             with torch.no_grad():
                 eval_equal = abs(engine(xs, ys).item() - ref(xs, ys).item()) < 1e-6
             engine.train(), ref.train()
-    return relative_error(net, ref), eval_equal, engine.optimizer.runtime.traces
+    return relative_error(net, ref), eval_equal, engine.optimizer.storage.runtime.traces
 
 
 def test_parameter_unused_in_some_steps_and_eval_then_train(dist_run):

@@ -56,13 +56,13 @@ def stage3_overflow_on_rank_one():
     engine.backward(engine(x, y))
     engine.step()
     opt = engine.optimizer
-    shards = [u.shard.clone() for u in opt.units]
-    masters = [r.master.clone() for u in opt.units for r in u.ranges]
+    shards = [u.shard.clone() for u in opt.storage.units]
+    masters = [r.master.clone() for u in opt.storage.units for r in u.ranges]
     loss = engine(x, y)
     engine.backward(loss * float("inf") if rank == 1 else loss)
     engine.step()
-    unchanged = all(torch.equal(a, u.shard) for a, u in zip(shards, opt.units)) and \
-        all(torch.equal(a, r.master) for a, r in zip(masters, (r for u in opt.units for r in u.ranges)))
+    unchanged = all(torch.equal(a, u.shard) for a, u in zip(shards, opt.storage.units)) and \
+        all(torch.equal(a, r.master) for a, r in zip(masters, (r for u in opt.storage.units for r in u.ranges)))
     return opt.loss_scaler.scale, engine.skipped_steps, unchanged
 
 

@@ -19,12 +19,12 @@ def bf16_gpt_steps(steps: int, extra: dict):
         engine.step()
     opt = engine.optimizer
     psi = sum(p._zero.numel for p in opt.params)
-    persistent = sum(p._zero.numel for u in opt.units if u.persistent for p in u.params)
-    padded = sum(u.full_numel for u in opt.units)
+    persistent = sum(p._zero.numel for u in opt.storage.units if u.persistent for p in u.params)
+    padded = sum(u.full_numel for u in opt.storage.units)
     memory = engine.memory_report()
     return dict(memory=memory, comm=engine.comm_report(), psi=psi, persistent=persistent, padding=padded - psi,
-                peak_live=memory["gathered_peak"] // 2, prefetched=opt.runtime.prefetched,  # bf16: 2 bytes each
-                unit_sizes=[u.full_numel for u in opt.units if not u.persistent], traces=opt.runtime.traces)
+                peak_live=memory["gathered_peak"] // 2, prefetched=opt.storage.runtime.prefetched,  # bf16: 2 bytes each
+                unit_sizes=[u.full_numel for u in opt.storage.units if not u.persistent], traces=opt.storage.runtime.traces)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -102,7 +102,7 @@ def order_change_is_re_recorded():
         net.reverse = step >= 2
         engine.backward(engine(*make_batch("gpt", 2, g)))
         engine.step()
-        traces.append(list(engine.optimizer.runtime.traces["forward"]))
+        traces.append(list(engine.optimizer.storage.runtime.traces["forward"]))
     return traces
 
 

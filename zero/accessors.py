@@ -3,7 +3,7 @@ gradient (DeepSpeed's `safe_get_*`/`safe_set_*` accessors; zero.deepspeed.utils 
 
 The full-value accessors are collective under ZeRO (every rank of the engine calls them): each rank
 puts in the part it holds and one all-reduce gives every rank the whole, as the checkpoint does
-(the optimizer's `param_chunks`). The local ones read or write this rank's part, flat. The
+(the optimizer storage's `param_chunks`). The local ones read or write this rank's part, flat. The
 safe_get_* accessors answer None for a frozen parameter, as DeepSpeed's do; the safe_set_* ones
 refuse it.
 """
@@ -40,7 +40,7 @@ def _full(param, kind: str) -> torch.Tensor | None:
     shape = z.shape if z is not None else param.shape
     numel = z.numel if z is not None else param.numel()
     full = torch.zeros(numel, dtype=torch.float32)
-    for k, offset, view in optimizer.param_chunks(param, saving=True):  # each element from one rank
+    for k, offset, view in optimizer.storage.param_chunks(param, saving=True):  # each element from one rank
         if k == kind:
             full[offset : offset + view.numel()] = view.detach().float().cpu()
     optimizer.comm.all_reduce(full, "sum")  # host tensor: staged through the GPU under NCCL by Comm
@@ -48,8 +48,8 @@ def _full(param, kind: str) -> torch.Tensor | None:
 
 
 def _no_client_state(optimizer, kind: str) -> None:
-    if kind != "master" and optimizer.client_class is not None:
-        raise ValueError(f"the state of a {optimizer.client_class.__name__} client optimizer is kept per shard by "
+    if kind != "master" and optimizer.client is not None:
+        raise ValueError(f"the state of a {optimizer.client.cls.__name__} client optimizer is kept per shard by "
                          f"that optimizer; safe_get_*_optimizer_state reads zero's Adam state only")
 
 
@@ -58,7 +58,7 @@ def _local(param, kind: str) -> torch.Tensor | None:
     if optimizer is None:
         return None
     _no_client_state(optimizer, kind)
-    pieces = [v for k, _, v in optimizer.param_chunks(param, saving=False) if k == kind]
+    pieces = [v for k, _, v in optimizer.storage.param_chunks(param, saving=False) if k == kind]
     return torch.cat([p.detach().reshape(-1) for p in pieces]) if pieces else torch.empty(0)
 
 
@@ -95,7 +95,7 @@ def safe_get_full_grad(param) -> torch.Tensor | None:
     optimizer = _owner(param)
     if optimizer is None:
         return None
-    offset, piece, reduced = optimizer.grad_piece(param)
+    offset, piece, reduced = optimizer.storage.grad_piece(param)
     z = getattr(param, "_zero", None)
     shape = z.shape if z is not None else param.shape
     full = torch.zeros(math.prod(shape), dtype=torch.float32)
@@ -108,9 +108,9 @@ def _reduced_piece(param, frozen_ok: bool) -> tuple:
     optimizer = _owner(param, frozen_ok)
     if optimizer is None:
         return None, None
-    _, piece, reduced = optimizer.grad_piece(param)
+    _, piece, reduced = optimizer.storage.grad_piece(param)
     if not reduced:
-        raise ValueError(f"safe_get_local_grad/safe_set_local_grad: at stage {optimizer.stage} gradients are "
+        raise ValueError(f"safe_get_local_grad/safe_set_local_grad: at stage {optimizer.storage.stage} gradients are "
                          "reduced inside step(), so before it no rank holds a part of the reduced gradient; use "
                          "stage 2 or 3, or safe_get_full_grad (collective)")
     return optimizer, piece
@@ -141,15 +141,15 @@ def _set_full(param, kind: str, value: torch.Tensor) -> None:
     _no_client_state(optimizer, kind)
     flat = value.detach().reshape(-1).float()
     with torch.no_grad():
-        for k, offset, view in optimizer.param_chunks(param, saving=False):
+        for k, offset, view in optimizer.storage.param_chunks(param, saving=False):
             if k == kind:
                 view.copy_(flat[offset : offset + view.numel()])
         if kind == "master":  # the training copy follows the master
-            for k, offset, view in optimizer.param_chunks(param, saving=False):
+            for k, offset, view in optimizer.storage.param_chunks(param, saving=False):
                 if k == "model":
                     view.copy_(flat[offset : offset + view.numel()])
     if kind == "master":
-        optimizer.edits_seen([param])
+        optimizer.storage.edits_seen([param])
 
 
 def safe_set_full_fp32_param(param, value: torch.Tensor) -> None:

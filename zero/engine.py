@@ -126,6 +126,30 @@ def _place_the_rest(module: nn.Module, placed: list[nn.Parameter], device: torch
             comm.broadcast(local.data, src=0)
 
 
+def _check_loss(loss: Any, what: str) -> None:
+    if not isinstance(loss, torch.Tensor):
+        hint = " (pass the loss inside it, e.g. outputs[0] or outputs.loss)" if isinstance(loss, (tuple, list, dict)) \
+            or hasattr(loss, "loss") else ""
+        raise TypeError(f"{what} takes the scalar loss tensor, got a {type(loss).__name__}{hint}")
+
+
+class _OutputHook:
+    """The engine's forward hook on its model (see [Note: backward from PyTorch]). It holds the
+    engine weakly (the model does not keep its engine alive) and pickles as an inert hook, so
+    `torch.save(model)` keeps working."""
+
+    def __init__(self, engine: Engine):
+        self._engine = weakref.ref(engine)
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        engine = self._engine() if self._engine is not None else None
+        if engine is not None:
+            engine._hook_outputs(output)
+
+    def __getstate__(self) -> dict:
+        return {"_engine": None}
+
+
 class Engine(nn.Module):
     """A model wrapped for ZeRO data-parallel training, on any (pp, dp, tp) mesh; see [Note: one
     engine, any mesh]. Build it with `zero.initialize`.
@@ -201,9 +225,7 @@ class Engine(nn.Module):
             module, mesh, module.parts if pipelined else [], sum(slot[1].numel() for slot in self.optimizer.slots()))
         self.agg_train_loss: torch.Tensor | None = None  # the last train_batch's mean loss
         self.agg_eval_loss: torch.Tensor | None = None
-        this = weakref.proxy(self)  # the model does not keep its engine alive
-        module.register_forward_hook(lambda m, a, out: this._hook_outputs(out), prepend=True)  # see [Note: backward
-        # from PyTorch]
+        module.register_forward_hook(_OutputHook(self), prepend=True)  # see [Note: backward from PyTorch]
         if config.dump_state and self.comm.rank == 0:
             print(f"zero: engine state\n  config: {config.model_dump_json(exclude_defaults=True)}\n"
                   f"  device: {self.device}  world size: {self.comm.world_size}\n"
@@ -250,11 +272,7 @@ class Engine(nn.Module):
         """`loss` times the fp16 loss scale, to call `.backward()` on yourself
         (`engine.scale(loss).backward()`); without fp16, `loss` itself. See [Note: backward from
         PyTorch]."""
-        if not isinstance(loss, torch.Tensor):
-            hint = " (pass the loss inside it, e.g. outputs[0] or outputs.loss)" if isinstance(loss, (tuple, list, dict)) \
-                or hasattr(loss, "loss") else ""
-            raise TypeError(f"engine.backward(loss) and engine.scale(loss) take the scalar loss tensor, got a "
-                            f"{type(loss).__name__}{hint}")
+        _check_loss(loss, "engine.scale(loss)")
         if not self.config.fp16.enabled:
             return loss
         scaled = loss.float() * self.optimizer.loss_scaler.scale
@@ -296,6 +314,7 @@ class Engine(nn.Module):
         steps. The same as `engine.scale(loss).backward()`; without fp16 as `loss.backward()`.
         Returns the loss it was given."""
         self._refuse_with_pipeline("engine.backward")
+        _check_loss(loss, "engine.backward(loss)")
         scaled = self.scale(loss)
         counted = self.progress.backwards
         with self._timed("backward"):

@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from zero.comm import Comm, compute_device
 from zero.config import load_config
+from zero.config.rules import check_optimizer_object
 from zero.engine import Engine
 
 
@@ -137,6 +138,8 @@ def initialize(
             model_parameters = parallelize_for_initialize(model, mesh, auto_plan, model_parameters, optimizer)
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(model.parameters() if model_parameters is None else model_parameters)
+        if isinstance(optimizer, torch.optim.Optimizer):  # the rules load_config checks for an optimizer passed
+            check_optimizer_object(cfg, type(optimizer))
     engine = Engine(model, cfg, mesh, model_parameters=model_parameters, optimizer=optimizer, lr_scheduler=lr_scheduler)
     loader = None
     if training_data is not None:  # its position in the epoch goes into checkpoints

@@ -45,6 +45,8 @@ def _dtype_name(v: Any) -> Any:
 MAX_BATCH = 2**31
 
 
+# DeepSpeed keys zero refuses or warns about are added from their UNIMPLEMENTED_FEATURES rows, here and
+# in every section (see [Note: what zero does with a DeepSpeed key] in zero/config/features.py).
 @with_placeholders("")
 class ZeroConfig(_Section):
     """The whole config. Build it with `load_config` (which also resolves the batch sizes)."""

@@ -71,7 +71,11 @@ class ShardedAdam(torch.optim.Optimizer):
         self._host: HostAdam | None = None
         self._warned_fallback = False
         storage.grad_final = self.grad_final
-        storage.step_number = lambda: self.step_count + 1
+        storage.step_number = self.next_step_number
+
+    def next_step_number(self) -> int:
+        """The number of the coming optimizer step (1 before the first)."""
+        return self.step_count + 1
 
     # -- optimizer offload ------------------------------------------------------------------------
 

@@ -128,9 +128,6 @@ def _check_elementwise(optimizer: torch.optim.Optimizer) -> None:
 
 def _optimizer_defaults(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None) -> dict:
     """Adam hyperparameters from a client optimizer or from the config's `optimizer` section."""
-    if optimizer is not None and cfg.optimizer is not None and cfg.optimizer.type in ("OneBitAdam", "ZeroOneAdam"):
-        raise ValueError(f"the config's optimizer is {cfg.optimizer.type} but initialize() was given a "
-                         f"{type(optimizer).__name__} too: it is zero's own optimizer; drop one of them")
     if optimizer is not None:
         if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
             _check_elementwise(optimizer)

@@ -152,7 +152,7 @@ def train_side_by_side(
     return {
         "error": relative_error(net, ref),
         "frozen_unchanged": frozen_same,
-        "units": [u.name for u in getattr(engine.optimizer, "units", [])],
+        "units": [u.name for u in getattr(engine.optimizer.storage, "units", [])],
         "memory": engine.memory_report(),
         "psi": psi,  # trainable parameter elements
         "comm": engine.comm_report(),

@@ -1,7 +1,12 @@
 """`deepspeed.runtime.zero.stage3`."""
+from zero.deepspeed._kinds import kind
 from zero.deepspeed._missing import missing
 from zero.estimate import estimate_memory
-from zero.stages.stage3 import Stage3Optimizer as DeepSpeedZeroOptimizer_Stage3  # noqa: F401
+from zero.stages import ShardedAdam, UnitParams
+
+DeepSpeedZeroOptimizer_Stage3 = kind(
+    "DeepSpeedZeroOptimizer_Stage3", __name__, lambda o: isinstance(o, ShardedAdam) and isinstance(o.storage, UnitParams),
+    "the engine's optimizer at stage 3 (zero.stages.ShardedAdam over UnitParams)")
 
 
 def estimate_zero3_model_states_mem_needs_all_live(model, num_gpus_per_node: int = 1, num_nodes: int = 1,

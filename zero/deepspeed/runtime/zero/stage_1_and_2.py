@@ -1,7 +1,12 @@
 """`deepspeed.runtime.zero.stage_1_and_2`."""
+from zero.deepspeed._kinds import kind
 from zero.deepspeed._missing import missing
 from zero.estimate import estimate_memory
-from zero.stages.buckets import ZeroOptimizer as DeepSpeedZeroOptimizer  # noqa: F401
+from zero.stages import FlatParams, ShardedAdam
+
+DeepSpeedZeroOptimizer = kind(
+    "DeepSpeedZeroOptimizer", __name__, lambda o: isinstance(o, ShardedAdam) and isinstance(o.storage, FlatParams),
+    "the engine's optimizer at stages 0-2 (zero.stages.ShardedAdam over FlatParams)")
 
 
 def estimate_zero2_model_states_mem_needs_all_live(model, num_gpus_per_node: int = 1, num_nodes: int = 1,
