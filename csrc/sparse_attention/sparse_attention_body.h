@@ -6,9 +6,7 @@
  * The GEMM is a register-blocked micro-kernel: a tile of mr <= 6 rows x 2 vectors of C stays in
  * registers over the whole K loop, each step broadcasting one element of A per row against a row
  * of B (12 accumulators: AVX2 has 16 registers, AVX-512 32). Whole tiles first, then one vector,
- * then (AVX-512 only, with a lane mask) half a vector, then a scalar tail; which columns take the
- * fma path and which the scalar one depends only on the width, so a level's results do not depend
- * on the thread count or the problem's other sizes. */
+ * then (AVX-512 only, with a lane mask) half a vector, then a scalar tail. */
 
 /* exp(x) for x <= 88: x = n ln2 + r with |r| <= ln2/2 (ln2 in two parts, so r is exact to fp32),
  * exp(r) by its degree-7 Taylor polynomial (relative error < 1e-8 on that interval), times 2^n

@@ -14,7 +14,6 @@ overflow]).
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 from torch.autograd.profiler import record_function
@@ -69,7 +68,6 @@ class ShardedAdam(torch.optim.Optimizer):
         self.skipped: tuple[float, float, float] | None = None  # the last skipped step: (norm, scale before, after)
         self.gauges = storage.gauges
         self._host: HostAdam | None = None
-        self._warned_fallback = False
         storage.grad_final = self.grad_final
         storage.step_number = self.next_step_number
 
@@ -298,26 +296,20 @@ class ShardedAdam(torch.optim.Optimizer):
         kwargs = dict(step=self.step_count, lr=float(group["lr"]), betas=tuple(group["betas"]), eps=group["eps"],
                       weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
                       bias_correction=group["bias_correction"], grad_scale=grad_scale)
-        from zero.ops.builder import OpUnavailable
+        from zero.ops.fallback import run_native
 
-        try:
-            if master.device.type == "cuda":
-                from zero.ops.fused_adam import fused_adam_step_unchecked
+        if master.device.type == "cuda":
+            from zero.ops.fused_adam import fused_adam_step_unchecked
 
-                fused_adam_step_unchecked([master], [grad], [exp_avg], [exp_avg_sq],
-                                          out16=None if out16 is None else [out16], **kwargs)
-            else:
-                from zero.ops.cpu_adam import cpu_adam_step_unchecked
+            op, native = "fused_adam", lambda: fused_adam_step_unchecked(
+                [master], [grad], [exp_avg], [exp_avg_sq], out16=None if out16 is None else [out16], **kwargs)
+        else:
+            from zero.ops.cpu_adam import cpu_adam_step_unchecked
 
-                cpu_adam_step_unchecked(master, grad, exp_avg, exp_avg_sq, out16=out16, num_threads=num_threads, **kwargs)
-            return
-        except OpUnavailable as exc:  # no compiler, no nvcc: tried once (see zero/ops/builder.py)
-            reason = exc
-        if not self._warned_fallback:
-            warnings.warn(f"zero: native Adam unavailable ({reason}); using the slower torch implementation",
-                          stacklevel=3)
-            self._warned_fallback = True
-        torch_adam_step(master, grad, exp_avg, exp_avg_sq, out16=out16, **kwargs)
+            op, native = "cpu_adam", lambda: cpu_adam_step_unchecked(
+                master, grad, exp_avg, exp_avg_sq, out16=out16, num_threads=num_threads, **kwargs)
+        run_native(op, native, lambda: torch_adam_step(master, grad, exp_avg, exp_avg_sq, out16=out16, **kwargs),
+                   what="zero's Adam step")  # see [Note: native-op fallback]
 
 
 def check_param_groups(groups: list[dict], source: str) -> None:

@@ -1,0 +1,143 @@
+"""`loss.backward()` + `engine.step()` is `engine.backward(loss)` + `engine.step()`, bit for bit, at every
+stage, with accumulation, in fp32 and bf16, with Adam and with SGD (which, unlike Adam, shows a wrong
+gradient scale), also for a block that runs twice per forward and for two backward passes per
+micro-batch; fp16 refuses an unscaled backward and takes `engine.scale(loss).backward()`.
+See [Note: backward from PyTorch] in zero/engine.py."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zero
+
+
+class TwiceUsed(nn.Module):
+    """`block` runs twice in every forward (its gradient is the sum of both uses)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.block, self.out = nn.Linear(6, 12), nn.Linear(12, 12), nn.Linear(12, 3)
+
+    def forward(self, x, y):
+        h = F.gelu(self.inp(x))
+        h = F.gelu(self.block(h))
+        h = F.gelu(self.block(h))
+        return F.mse_loss(self.out(h).float(), y.float())
+
+
+def _config(stage: int, precision: str, optimizer: str) -> dict:
+    opt = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}} if optimizer == "adam" else \
+        {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "optimizer": opt,
+           "zero_optimization": {"stage": stage, **({"reduce_bucket_size": 100} if stage < 3 else {  # several buckets
+                                 "stage3_param_persistence_threshold": 10, "stage3_module_granularity_threshold": 100})}}
+    if precision != "fp32":
+        cfg[precision] = {"enabled": True}
+    return cfg
+
+
+def _batches(steps: int, world: int, precision: str):
+    g = torch.Generator().manual_seed(3)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    return [[(torch.randn(4, 6, generator=g).to(dtype), torch.randn(4, 3, generator=g))
+             for _ in range(2 * world)] for _ in range(steps)]
+
+
+def _gathered(model: nn.Module) -> list[torch.Tensor]:
+    with zero.GatheredParameters(list(model.parameters())):
+        return [p.detach().float().clone() for p in model.parameters()]
+
+
+def both_backwards(stage: int, precision: str, optimizer: str, two_passes: bool, steps: int = 3):
+    """Train one copy with engine.backward(loss), one with loss.backward(), and (fp32 SGD) the plain
+    torch reference on the whole global batch; return whether the two engines agree bit for bit,
+    the largest relative error against the reference, and every warning zero gave."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    torch.manual_seed(0)
+    base = TwiceUsed()
+    models = [copy.deepcopy(base) for _ in range(2)]
+    reference = copy.deepcopy(base)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engines = [zero.initialize(model=m, config=_config(stage, precision, optimizer))[0] for m in models]
+        for step in _batches(steps, world, precision):
+            for k in range(2):  # accumulation steps
+                x, y = step[k * world + rank]
+                for style, engine in zip(("engine", "torch"), engines):
+                    losses = [engine(x, y)] + ([engine(x.flip(0), y)] if two_passes else [])
+                    for loss in losses:
+                        engine.backward(loss) if style == "engine" else loss.backward()
+                    engine.step()
+            ref_opt.zero_grad()
+            xs, ys = (torch.cat(t) for t in zip(*step))
+            loss = reference(xs.float(), ys)
+            (loss + reference(xs.float().flip(0), ys) if two_passes else loss).backward()  # both passes' mean
+            ref_opt.step()
+    a, b = (_gathered(m) for m in models)
+    same = all(torch.equal(p, q) for p, q in zip(a, b))
+    error = max(((p - r.detach()).abs().max() / r.detach().abs().max()).item() for p, r in zip(b, reference.parameters()))
+    zero_warnings = [str(w.message) for w in caught if "zero" in str(w.message)]
+    return same, error, zero_warnings, [e.global_steps for e in engines]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_loss_backward_is_engine_backward_bit_for_bit(dist_run, stage):
+    cases = [(precision, optimizer, False) for precision in ("fp32", "bf16") for optimizer in ("adam", "sgd")]
+    cases.append(("bf16", "sgd", True))  # two backward passes per micro-batch, each using the block twice
+    for precision, optimizer, two_passes in cases:
+        for same, error, zero_warnings, steps in dist_run(2, both_backwards, stage, precision, optimizer, two_passes):
+            what = f"stage {stage} {precision} {optimizer}{' two passes' if two_passes else ''}"
+            assert same, what
+            assert steps == [3, 3], what
+            assert zero_warnings == [], (what, zero_warnings)
+            if precision == "fp32" and optimizer == "sgd":  # the gradient's scale, against plain torch
+                assert error < 1e-6, (what, error)
+
+
+def fp16_refusal(stage: int):
+    """An unscaled loss.backward() under fp16 is refused before any gradient is taken; the engine
+    then trains on as if it had not happened, and engine.scale(loss).backward() is engine.backward."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    torch.manual_seed(0)
+    base = TwiceUsed()
+    models = [copy.deepcopy(base) for _ in range(2)]
+    engines = [zero.initialize(model=m, config=_config(stage, "fp16", "adam"))[0] for m in models]
+    message = None
+    for i, step in enumerate(_batches(2, world, "fp16")):
+        for k in range(2):
+            x, y = step[k * world + rank]
+            if i == 0 and k == 1:  # a refused backward, on the second engine only
+                try:
+                    engines[1](x, y).backward()
+                except RuntimeError as exc:
+                    message = str(exc)
+            engines[0].backward(engines[0](x, y))
+            engines[1].scale(engines[1](x, y)).backward()
+            for engine in engines:
+                engine.step()
+    a, b = (_gathered(m) for m in models)
+    return message, all(torch.equal(p, q) for p, q in zip(a, b)), [e.global_steps for e in engines]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp16_refuses_an_unscaled_backward_and_scale_backward_is_engine_backward(dist_run, stage):
+    for message, same, steps in dist_run(2, fp16_refusal, stage):
+        assert message is not None and "Call engine.backward(loss), or engine.scale(loss).backward(), instead of " \
+            "loss.backward()" in message, message
+        assert same and steps == [2, 2]
+
+
+def test_scale_without_fp16_is_the_loss_itself_and_a_pipeline_engine_refuses_the_loop_methods():
+    engine, *_ = zero.initialize(model=TwiceUsed(), config=_config(2, "bf16", "adam"))
+    loss = engine(torch.randn(4, 6, dtype=torch.bfloat16), torch.randn(4, 3))
+    assert engine.scale(loss) is loss
+    with pytest.raises(TypeError, match=r"engine.scale\(loss\) takes the scalar loss tensor, got a tuple"):
+        engine.scale((loss,))
+    with pytest.raises(RuntimeError, match=r"engine.train_batch runs a pipeline schedule, which this engine does not "
+                                           r"have"):
+        engine.train_batch(iter([]))
