@@ -26,8 +26,9 @@ are then refused, since the schedule interleaves micro-batches' forward and back
 - The loss is not divided by the accumulation steps: the step divides the summed gradients by
   them (see [Note: one divisor] in zero/stages/adam.py), so an unscaled loss gives the same bits.
 - The engine counts backward passes (the step's rank-agreement tag carries the count) from a
-  hook on the model's outputs: the first output gradient of each backward counts it once.
-  `engine.backward` counts its own call when the outputs hid from the hook.
+  hook on the model's outputs (`BackwardCounter`, zero/progress.py): the first output gradient
+  of each backward counts it once. `engine.backward` counts its own call when the outputs hid
+  from the hook.
 - fp16 needs the loss multiplied by the loss scale: `engine.backward(loss)` does it, and so
   does `engine.scale(loss).backward()`. A backward that reaches the model's outputs without
   passing a scaled loss is refused at its first output gradient, before any parameter
@@ -36,12 +37,10 @@ are then refused, since the schedule interleaves micro-batches' forward and back
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import time
 import warnings
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -61,52 +60,12 @@ from zero.guards import (
 from zero.mesh import MeshTraffic, ModelParallelNorm, ParallelMesh, refuse_whole_model_save
 from zero.partition.layout import local_tensor
 from zero.precision import NonFiniteGradientError
+from zero.progress import BackwardCounter, TrainingProgress
 from zero.stages import build_optimizer
 from zero.stages.adam import check_param_groups
 from zero.stages.choice import _optimizer_defaults, _param_groups, client_step
-from zero.stages.readiness import tensors_in
 
 log = logging.getLogger("zero")
-
-
-@dataclasses.dataclass
-class TrainingProgress:
-    """Where training stands, besides tensors: the engine's counters. A DCP `Stateful`
-    (`state_dict` / `load_state_dict`), which checkpoints save and restore.
-
-    Args:
-        accumulation: micro-batches per optimizer step (the config's gradient_accumulation_steps).
-        micro_steps: `engine.step()` calls (micro-batches) so far.
-        global_steps: optimizer steps (accumulation boundaries) so far, skipped ones included.
-        skipped_steps: steps skipped for a non-finite gradient.
-        global_samples: samples seen by all data-parallel ranks together.
-        backwards: backward passes since the last optimizer step (ranks must agree).
-        last_step_applied: whether the last `step()` updated the weights.
-        last_step_skipped: whether the last boundary step was skipped.
-    """
-
-    accumulation: int = 1
-    micro_steps: int = 0
-    global_steps: int = 0
-    skipped_steps: int = 0
-    global_samples: int = 0
-    backwards: int = 0
-    last_step_applied: bool = False
-    last_step_skipped: bool = False
-
-    def state_dict(self) -> dict[str, int]:
-        """What a checkpoint keeps: the steps and samples so far (a window of accumulated
-        micro-batches is not in a checkpoint)."""
-        return {"global_steps": self.global_steps, "skipped_steps": self.skipped_steps,
-                "global_samples": self.global_samples}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from `state`, at the beginning of an accumulation window."""
-        self.global_steps, self.skipped_steps = int(state["global_steps"]), int(state["skipped_steps"])
-        self.global_samples = int(state["global_samples"])
-        self.micro_steps = self.global_steps * self.accumulation
-        self.backwards = 0
-        self.last_step_applied = self.last_step_skipped = False
 
 
 @torch.no_grad()
@@ -131,23 +90,6 @@ def _check_loss(loss: Any, what: str) -> None:
         hint = " (pass the loss inside it, e.g. outputs[0] or outputs.loss)" if isinstance(loss, (tuple, list, dict)) \
             or hasattr(loss, "loss") else ""
         raise TypeError(f"{what} takes the scalar loss tensor, got a {type(loss).__name__}{hint}")
-
-
-class _OutputHook:
-    """The engine's forward hook on its model (see [Note: backward from PyTorch]). It holds the
-    engine weakly (the model does not keep its engine alive) and pickles as an inert hook, so
-    `torch.save(model)` keeps working."""
-
-    def __init__(self, engine: Engine):
-        self._engine = weakref.ref(engine)
-
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        engine = self._engine() if self._engine is not None else None
-        if engine is not None:
-            engine._hook_outputs(output)
-
-    def __getstate__(self) -> dict:
-        return {"_engine": None}
 
 
 class Engine(nn.Module):
@@ -204,8 +146,6 @@ class Engine(nn.Module):
         self._trainable = [(n, p, p.requires_grad) for n, p in module.named_parameters()]
         self.progress = TrainingProgress(accumulation=config.gradient_accumulation_steps)
         self._warned_count = False
-        self._counted_task = -1  # the backward whose first output gradient was counted last
-        self._scaled_task = -1  # the backward that last passed through a loss from engine.scale
         self._pending_save = None  # an asynchronous checkpoint save being written
         self.training_dataloader = None  # the loader initialize(training_data=...) made
         self._repeating = None  # it, repeated, for train_batch() without data_iter
@@ -225,7 +165,8 @@ class Engine(nn.Module):
             module, mesh, module.parts if pipelined else [], sum(slot[1].numel() for slot in self.optimizer.slots()))
         self.agg_train_loss: torch.Tensor | None = None  # the last train_batch's mean loss
         self.agg_eval_loss: torch.Tensor | None = None
-        module.register_forward_hook(_OutputHook(self), prepend=True)  # see [Note: backward from PyTorch]
+        self._backward_counter = BackwardCounter(self.progress, fp16=config.fp16.enabled)
+        module.register_forward_hook(self._backward_counter, prepend=True)  # see [Note: backward from PyTorch]
         if config.dump_state and self.comm.rank == 0:
             print(f"zero: engine state\n  config: {config.model_dump_json(exclude_defaults=True)}\n"
                   f"  device: {self.device}  world size: {self.comm.world_size}\n"
@@ -276,37 +217,8 @@ class Engine(nn.Module):
         if not self.config.fp16.enabled:
             return loss
         scaled = loss.float() * self.optimizer.loss_scaler.scale
-        if scaled.requires_grad:
-            this = weakref.proxy(self)
-            scaled.register_hook(lambda grad: this._mark_scaled(grad))
+        self._backward_counter.mark_scaled(scaled)
         return scaled
-
-    def _mark_scaled(self, grad: torch.Tensor) -> torch.Tensor:
-        self._scaled_task = torch._C._current_graph_task_id()
-        return grad
-
-    def _hook_outputs(self, output: Any) -> None:
-        """Hook the model's outputs so that each backward is counted (and, under fp16, checked)
-        at its first output gradient; see [Note: backward from PyTorch]."""
-        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:  # no backward, or a recompute
-            return
-        this = weakref.proxy(self)
-        for t in tensors_in(output):
-            if t.requires_grad:
-                t.register_hook(lambda grad: this._output_grad(grad))
-
-    def _output_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        task = torch._C._current_graph_task_id()
-        if task == self._counted_task:
-            return grad
-        if self.config.fp16.enabled and task != self._scaled_task:
-            raise RuntimeError(
-                "zero: backward of a loss without the fp16 loss scale: with fp16, gradients of the unscaled loss "
-                "underflow. Call engine.backward(loss), or engine.scale(loss).backward(), instead of loss.backward(). "
-                "No gradient of this backward was taken.")
-        self._counted_task = task
-        self.progress.backwards += 1
-        return grad
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of `loss` times the fp16 loss scale (the loss itself without fp16); gradients

@@ -31,7 +31,7 @@ Sums are not divided by the world size here; see [Note: one divisor] in zero/sta
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -43,6 +43,24 @@ from zero.partition.layout import Bucket, ShardLayout, local_grad, local_tensor
 from zero.stages.policies import OffloadOptions, Precision, ReduceOptions
 from zero.stages.readiness import GradReadiness, UnusedParameterError
 from zero.stages.storage import ParamStorage, Slot
+
+
+class GradPath(Protocol):
+    """How gradients reach the shards of stages 0-2 (see [Note: gradient path of stages 0-2])."""
+
+    shards: list[torch.Tensor]  # this rank's gradient shard of each bucket
+
+    def reduce(self, communicate: bool = True) -> None:
+        """Finish the reduction owed at the step (`communicate=False`: only the bookkeeping)."""
+
+    def piece(self, i: int) -> tuple[int, torch.Tensor, bool]:
+        """Parameter i's gradient on this rank: see ParamStorage.grad_piece."""
+
+    def zero(self) -> None:
+        """Forget the step's gradients."""
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The gradient buffers it holds, for the memory report."""
 
 
 class FlatParams(ParamStorage):
@@ -78,7 +96,7 @@ class FlatParams(ParamStorage):
         if not master_is_params:
             self.watch_edits(params)  # the master is a copy (16-bit or offloaded); fp32: the parameters
         path = FlatGradients if stage < 2 else BucketGradients
-        self.grads: FlatGradients | BucketGradients = path(self, module, device)
+        self.grads: GradPath = path(self, module, device)
 
     @torch.no_grad()
     def _place_parameters(self, device: torch.device, alias: bool) -> None:

@@ -38,7 +38,7 @@ from torch.autograd.profiler import record_function
 from zero.comm import Comm
 from zero.memory_report import Gauges
 from zero.partition.layout import local_grad, local_tensor
-from zero.partition.shards import ZeroParamStatus, mark_ds
+from zero.partition.shards import ZeroParamStatus, mark_ds, take_shard
 from zero.stages.policies import Precision
 
 
@@ -280,8 +280,6 @@ class ParamUnit:
         """Set `p` to `value` (its full value): this rank's shard, its fp32 master and, while the
         unit is gathered, the full buffer. Returns the empty tensor torch should copy instead
         while the unit is released."""
-        from zero.partition.shards import take_shard
-
         i = next(i for i, q in enumerate(self.params) if q is p)
         off, n = self.offsets[i], self.split_sizes[i]
         local = take_shard(value.detach().to(self.shard.device), self.comm.rank, self.comm.world_size)
