@@ -211,3 +211,14 @@ def test_in_place_edits_between_steps_are_kept_or_refused(dist_run, stage):
         if stage == 3:
             assert message.startswith("parameter '0.weight' was changed in place while ZeRO-3 held only this rank's "
                                       "shard of it"), message
+
+
+def test_a_step_checks_the_hyperparameters_and_takes_in_place_edits_once():
+    engine, *_ = zero.initialize(model=_net(), config=_config(2))
+    calls = []
+    for owner, name in ((engine.optimizer, "check_hyperparameters"), (engine.optimizer.storage, "adopt_edits")):
+        original = getattr(owner, name)
+        setattr(owner, name, lambda original=original, name=name: (calls.append(name), original())[1])
+    engine.backward(engine(torch.randn(4, 8)).square().mean())
+    engine.step()
+    assert sorted(calls) == ["adopt_edits", "check_hyperparameters"]

@@ -89,6 +89,11 @@ def diverge(stage: int, how: str):
     try:
         for step in range(3):
             x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+            if step == 1 and how == "checkpoint on one rank, 16-bit model on the other":
+                if rank == 0:
+                    engine.save_checkpoint(os.environ["ZERO_TEST_DIR"], tag="one")
+                else:
+                    engine.save_16bit_model(os.environ["ZERO_TEST_DIR"], "model.bin")
             if step == 1 and rank == 1:
                 if how == "skip backward":
                     engine.step()
@@ -117,7 +122,7 @@ RUNTIME_CASES = [
     (1, "skip backward"), (2, "skip backward"), (3, "skip backward"),
     (2, "extra step"), (3, "extra step"),
     (2, "stall"), (3, "extra forward"),
-    (2, "save on one rank"), (3, "GatheredParameters on one rank"),
+    (2, "save on one rank"), (3, "GatheredParameters on one rank"), (2, "checkpoint on one rank, 16-bit model on the other"),
 ]
 
 
@@ -139,6 +144,8 @@ def test_ranks_that_diverge_at_run_time_raise_and_exit_within_a_bound(stage, how
         assert "within 4 s" in results[0] and float(results[0].split(" after ")[1].split(" s:")[0]) < 7, results[0]
     if how == "skip backward":
         assert "optimizer step 2 after 0 backward pass(es)" in results[1], results[1]
+    if how.startswith("checkpoint"):  # each save named as itself
+        assert "rank 0: save_checkpoint (tag checksum" in results[0] and "rank 1: saving the 16-bit model" in results[0]
     assert max(exit_s) < 10, (exit_s, results)  # not the process group's 1800 s
 
 

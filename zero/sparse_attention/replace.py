@@ -2,7 +2,7 @@
 
 `replace_self_attention(model, sparsity_config)` changes, in place:
 
-- every `zero.testing.models.Block` (the GPT of zero.testing.models, built with fused or separate
+- every `zero.models.Block` (the GPT of zero.models, built with fused or separate
   q, k, v): its attention function (`Block.attend`) becomes a causal SparseSelfAttention where it
   called dense SDPA; the layers, parameters and state_dict keys stay as they were;
 - every HuggingFace `GPT2Attention` (self-attention) and `BertSelfAttention` so that its attention
@@ -35,7 +35,7 @@ def replace_self_attention(model: nn.Module, sparsity_config: SparsityConfig, *,
     """Make every supported self-attention in `model` block-sparse with `sparsity_config`.
 
     Args:
-        model: a zero.testing.models GPT (or any module holding its Blocks), or a HuggingFace
+        model: a zero.models GPT (or any module holding its Blocks), or a HuggingFace
             GPT-2 / BERT model or block.
         sparsity_config: the layout; its num_heads must be the model's.
         max_seq_length: see SparseSelfAttention.
@@ -67,7 +67,7 @@ def replace_self_attention(model: nn.Module, sparsity_config: SparsityConfig, *,
             swapped += 1
     if not swapped:
         raise ValueError(f"no supported self-attention found in {type(model).__name__}: replace_self_attention "
-                         f"knows zero.testing.models.Block, HuggingFace GPT2Attention and BertSelfAttention")
+                         f"knows zero.models.Block, HuggingFace GPT2Attention and BertSelfAttention")
     return model
 
 

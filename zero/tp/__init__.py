@@ -7,7 +7,7 @@
 A plan is torch.distributed.tensor.parallel's: `ColwiseParallel` slices a Linear's outputs (its
 weight's rows), `RowwiseParallel` its inputs (and sums the partial outputs), an Embedding's
 RowwiseParallel slices the vocabulary. Our named plans (`PLANS`) are such dicts for the GPT of
-zero.testing.models (built with fused_qkv=False), HuggingFace Llama and GPT-2 (zero/tp/plans.py;
+zero.models (built with fused_qkv=False), HuggingFace Llama and GPT-2 (zero/tp/plans.py;
 GPT-2's Conv1D layers and fused attention take the styles of zero/tp/styles.py); see
 docs/parallelism.md.
 The engine then runs ZeRO on each rank's pieces over the "dp" group ([Note: sliced parameters]

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 
 def _gpt_plan(model: nn.Module, size: int) -> dict[str, Any]:
-    """The blocks of zero.testing.models (built with fused_qkv=False), wherever they are (a GPT,
+    """The blocks of zero.models (built with fused_qkv=False), wherever they are (a GPT,
     or the layers of a PipelineModule): heads sliced in attention, the hidden layer in the MLP;
     in a GPT also the vocabulary in the embedding and the head (the logits come back whole)."""
     from torch.distributed.tensor import Replicate
@@ -19,7 +19,7 @@ def _gpt_plan(model: nn.Module, size: int) -> dict[str, Any]:
 
     blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, Block)]
     if not blocks:
-        raise ValueError(f"plan 'gpt' slices the blocks of zero.testing.models.GPT; a {type(model).__name__} has none")
+        raise ValueError(f"plan 'gpt' slices the blocks of zero.models.GPT; a {type(model).__name__} has none")
     plan: dict[str, Any] = {}
     for name, block in blocks:
         if not hasattr(block, "q"):
