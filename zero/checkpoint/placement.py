@@ -25,6 +25,7 @@ checkpoint loads at another pipeline stage count as well.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -99,7 +100,6 @@ class Placement:
         mesh = getattr(engine, "mesh", None)
         self.mesh = mesh
         self.world = Comm() if mesh is not None else engine.comm  # every rank of the run
-        self.io = self.world.io()
         self._not_mine: set[int] = set()
         if mesh is None:
             return
@@ -110,6 +110,12 @@ class Placement:
         for key, m in (tied.items() if isinstance(tied, nn.ModuleDict) else []):
             if module.tied_stages(key)[0] != mesh.coordinate("pp"):
                 self._not_mine |= {id(t) for t in [*m.parameters(), *m.buffers()]}
+
+    @functools.cached_property
+    def io(self) -> Comm:
+        """The gloo group checkpoint files are written over (made at first use: after the ranks
+        agreed that they are all saving)."""
+        return self.world.io()
 
     def writes(self, t: torch.Tensor) -> bool:
         """This rank writes its pieces of `t` (another rank holding the same values does not)."""
