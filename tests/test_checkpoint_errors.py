@@ -126,3 +126,38 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_and_latest(tm
     engine = _engine()
     path, _ = engine.load_checkpoint(tmp_path)  # world of one: the previous checkpoint loads
     assert path.endswith("one") and engine.global_steps == 1
+
+
+def test_a_version_1_checkpoint_loads_as_before_and_other_param_groups_are_refused(tmp_path):
+    import shutil
+
+    engine = _engine()
+    engine.optimizer.param_groups[0]["lr"] = 0.0123
+    engine.save_checkpoint(tmp_path, tag="v2")
+    state = json.loads((tmp_path / "v2" / "zero_checkpoint.json").read_text())
+    assert state["version"] == 2 and state["progress"] == engine.progress.state_dict()
+    assert state["optimizer"] == json.loads(json.dumps(engine.optimizer.state_dict()))
+    v1 = {k: v for k, v in state.items() if k not in ("progress", "optimizer")}  # as version 1 wrote it
+    v1.update(state["progress"], version=1, micro_steps=1, optimizer_step=state["optimizer"]["step"],
+              param_groups=state["optimizer"]["param_groups"], loss_scaler=state["optimizer"]["loss_scaler"])
+    shutil.copytree(tmp_path / "v2", tmp_path / "v1")
+    (tmp_path / "v1" / "zero_checkpoint.json").write_text(json.dumps(v1))
+    loaded = []
+    for tag in ("v2", "v1"):
+        fresh = _engine()
+        fresh.backward(fresh(torch.randn(4, 8)).square().mean())
+        fresh.step()  # two steps in: the load must set everything back
+        fresh.load_checkpoint(tmp_path, tag=tag)
+        loaded.append((_params(fresh), fresh.global_steps, fresh.optimizer.step_count,
+                       fresh.optimizer.param_groups[0]["lr"]))
+    assert loaded[0][1:] == loaded[1][1:] == (1, 1, 0.0123)
+    assert all(torch.equal(a, b) for a, b in zip(loaded[0][0], loaded[1][0]))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    two, *_ = zero.initialize(model=net, model_parameters=[{"params": net[0].parameters()},
+                                                           {"params": net[2].parameters(), "lr": 1e-4}],
+                              config={"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW"}})
+    before = _params(two)
+    with pytest.raises(CheckpointError, match=r"the checkpoint's optimizer has 1 param group\(s\), this engine's 2"):
+        two.load_checkpoint(tmp_path, tag="v2")
+    assert all(torch.equal(a, b) for a, b in zip(before, _params(two)))

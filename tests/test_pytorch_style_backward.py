@@ -52,37 +52,55 @@ def _gathered(model: nn.Module) -> list[torch.Tensor]:
         return [p.detach().float().clone() for p in model.parameters()]
 
 
+def _reference_grads(reference: nn.Module, step, two_passes: bool) -> list[torch.Tensor]:
+    """The gradient of the whole global batch's mean loss (both passes' sum), in fp32."""
+    reference.zero_grad()
+    xs, ys = (torch.cat(t) for t in zip(*step))
+    loss = reference(xs.float(), ys)
+    if two_passes:  # the second pass flips each micro-batch's inputs
+        loss = loss + reference(torch.cat([x.flip(0) for x, _ in step]).float(), ys)
+    loss.backward()
+    return [p.grad.clone() for p in reference.parameters()]
+
+
 def both_backwards(stage: int, precision: str, optimizer: str, two_passes: bool, steps: int = 3):
-    """Train one copy with engine.backward(loss), one with loss.backward(), and (fp32 SGD) the plain
-    torch reference on the whole global batch; return whether the two engines agree bit for bit,
-    the largest relative error against the reference, and every warning zero gave."""
+    """Train one copy with engine.backward(loss) and one with loss.backward(); before the first
+    step, read both engines' gradients (safe_get_full_grad) beside plain torch's gradient of the
+    whole global batch; with SGD in fp32 also train the torch reference. Returns whether the two
+    engines agree bit for bit, the gradients' largest relative error against torch's (per
+    engine), the parameters' against the reference (fp32 SGD), every warning zero gave, and the
+    steps taken."""
+    from zero.accessors import safe_get_full_grad
+
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     torch.manual_seed(0)
     base = TwiceUsed()
     models = [copy.deepcopy(base) for _ in range(2)]
     reference = copy.deepcopy(base)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    grad_errors = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engines = [zero.initialize(model=m, config=_config(stage, precision, optimizer))[0] for m in models]
-        for step in _batches(steps, world, precision):
+        for i, step in enumerate(_batches(steps, world, precision)):
             for k in range(2):  # accumulation steps
                 x, y = step[k * world + rank]
                 for style, engine in zip(("engine", "torch"), engines):
                     losses = [engine(x, y)] + ([engine(x.flip(0), y)] if two_passes else [])
                     for loss in losses:
                         engine.backward(loss) if style == "engine" else loss.backward()
+                    if i == 0 and k == 1:  # the accumulated gradient, before the step
+                        want = _reference_grads(reference, step, two_passes)
+                        got = [safe_get_full_grad(p) for p in engine.module.parameters()]
+                        grad_errors.append(max(((g - w).norm() / w.norm()).item() for g, w in zip(got, want)))
                     engine.step()
-            ref_opt.zero_grad()
-            xs, ys = (torch.cat(t) for t in zip(*step))
-            loss = reference(xs.float(), ys)
-            (loss + reference(xs.float().flip(0), ys) if two_passes else loss).backward()  # both passes' mean
+            _reference_grads(reference, step, two_passes)
             ref_opt.step()
     a, b = (_gathered(m) for m in models)
     same = all(torch.equal(p, q) for p, q in zip(a, b))
     error = max(((p - r.detach()).abs().max() / r.detach().abs().max()).item() for p, r in zip(b, reference.parameters()))
     zero_warnings = [str(w.message) for w in caught if "zero" in str(w.message)]
-    return same, error, zero_warnings, [e.global_steps for e in engines]
+    return same, grad_errors, error, zero_warnings, [e.global_steps for e in engines]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -90,12 +108,15 @@ def test_loss_backward_is_engine_backward_bit_for_bit(dist_run, stage):
     cases = [(precision, optimizer, False) for precision in ("fp32", "bf16") for optimizer in ("adam", "sgd")]
     cases.append(("bf16", "sgd", True))  # two backward passes per micro-batch, each using the block twice
     for precision, optimizer, two_passes in cases:
-        for same, error, zero_warnings, steps in dist_run(2, both_backwards, stage, precision, optimizer, two_passes):
+        results = dist_run(2, both_backwards, stage, precision, optimizer, two_passes)
+        for same, grad_errors, error, zero_warnings, steps in results:
             what = f"stage {stage} {precision} {optimizer}{' two passes' if two_passes else ''}"
             assert same, what
             assert steps == [3, 3], what
             assert zero_warnings == [], (what, zero_warnings)
-            if precision == "fp32" and optimizer == "sgd":  # the gradient's scale, against plain torch
+            # the gradients themselves against torch's (a dropped use of the block is tens of percent)
+            assert max(grad_errors) < (1e-5 if precision == "fp32" else 2e-2), (what, grad_errors)
+            if precision == "fp32" and optimizer == "sgd":  # the parameters after 3 steps
                 assert error < 1e-6, (what, error)
 
 
@@ -124,7 +145,7 @@ def fp16_refusal(stage: int):
     return message, all(torch.equal(p, q) for p, q in zip(a, b)), [e.global_steps for e in engines]
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fp16_refuses_an_unscaled_backward_and_scale_backward_is_engine_backward(dist_run, stage):
     for message, same, steps in dist_run(2, fp16_refusal, stage):
         assert message is not None and "Call engine.backward(loss), or engine.scale(loss).backward(), instead of " \
@@ -132,12 +153,52 @@ def test_fp16_refuses_an_unscaled_backward_and_scale_backward_is_engine_backward
         assert same and steps == [2, 2]
 
 
-def test_scale_without_fp16_is_the_loss_itself_and_a_pipeline_engine_refuses_the_loop_methods():
+def two_fp16_engines(stage: int):
+    """A GAN's step under fp16: the generator's loss runs through the discriminator's model (another
+    engine), a gradient penalty takes torch.autograd.grad through it, and a regulariser on the
+    parameters alone is a backward of its own. Returns each engine's backward count, per step."""
+    torch.manual_seed(0)
+    gen, disc = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6)), nn.Sequential(nn.Linear(6, 8), nn.Tanh(),
+                                                                                        nn.Linear(8, 1))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "fp16": {"enabled": True}, "zero_optimization": {"stage": stage}}
+    g, *_ = zero.initialize(model=gen, config=cfg)
+    d, *_ = zero.initialize(model=disc, config=cfg)
+    counts = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "step without a backward" warning either
+        for _ in range(2):
+            z = torch.randn(2, 4, dtype=torch.float16)
+            fake = g(z)
+            g.backward(-d(fake).float().mean())  # through the discriminator's model: no refusal
+            g.step()
+            d.zero_grad()  # the discriminator's gradients from the generator's loss are dropped
+            real = torch.randn(2, 6, dtype=torch.float16).requires_grad_(True)
+            score = d(real)
+            grad, = torch.autograd.grad(score.float().sum(), real, create_graph=True)  # a gradient penalty
+            loss = -score.float().mean() + d(fake.detach()).float().mean() + grad.float().square().sum()
+            d.backward(loss)
+            d.backward(sum(p.float().square().sum() for p in disc.parameters()) * 1e-4)  # parameters alone
+            counts.append((g.progress.backwards, d.progress.backwards))
+            d.step()
+    return counts, g.global_steps, d.global_steps
+
+
+def test_two_fp16_engines_a_gradient_penalty_and_a_loss_on_parameters_alone(dist_run):
+    for stage in (1, 2, 3):
+        for counts, g_steps, d_steps in dist_run(2, two_fp16_engines, stage):
+            # g: its own backward (then stepped, so 0 again); d: the generator's (its gradients dropped
+            # by zero_grad, the count stays), its own and the regulariser's; autograd.grad adds none
+            assert counts == [(0, 3), (0, 3)] and g_steps == d_steps == 2, (stage, counts)
+
+
+def test_scale_without_fp16_is_the_loss_itself_and_the_pipeline_api_needs_a_schedule():
     engine, *_ = zero.initialize(model=TwiceUsed(), config=_config(2, "bf16", "adam"))
     loss = engine(torch.randn(4, 6, dtype=torch.bfloat16), torch.randn(4, 3))
     assert engine.scale(loss) is loss
     with pytest.raises(TypeError, match=r"engine.scale\(loss\) takes the scalar loss tensor, got a tuple"):
         engine.scale((loss,))
-    with pytest.raises(RuntimeError, match=r"engine.train_batch runs a pipeline schedule, which this engine does not "
-                                           r"have"):
+    assert not hasattr(engine, "train_batch") and not hasattr(engine, "is_first_stage")
+    with pytest.raises(AttributeError, match=r"'Engine' object has no attribute 'train_batch': it belongs to a "
+                                             r"pipeline schedule"):
         engine.train_batch(iter([]))

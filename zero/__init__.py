@@ -8,10 +8,14 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):  # keep `import zero` light: torch-heavy modules load on first use
-    if name in ("initialize", "init_distributed"):
-        from zero import launch
+    if name == "initialize":
+        from zero.launch import initialize
 
-        return getattr(launch, name)
+        return initialize
+    if name == "init_distributed":
+        from zero.comm import init_distributed
+
+        return init_distributed
     if name == "Engine":
         from zero.engine import Engine
 

@@ -41,7 +41,6 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -59,13 +58,16 @@ from zero.guards import (
 )
 from zero.mesh import MeshTraffic, ModelParallelNorm, ParallelMesh, refuse_whole_model_save
 from zero.partition.layout import local_tensor
+from zero.pipe.module import PipelineModule
 from zero.precision import NonFiniteGradientError
-from zero.progress import BackwardCounter, TrainingProgress
+from zero.progress import BackwardCounter, TrainingProgress, mark_scaled
 from zero.stages import build_optimizer
 from zero.stages.adam import check_param_groups
 from zero.stages.choice import _optimizer_defaults, _param_groups, client_step
+from zero.stages.policies import strict_tag_checks
 
 log = logging.getLogger("zero")
+_PIPELINE_API = ("train_batch", "eval_batch", "is_first_stage", "is_last_stage", "agg_train_loss", "agg_eval_loss")
 
 
 @torch.no_grad()
@@ -106,11 +108,12 @@ class Engine(nn.Module):
         lr_scheduler: a scheduler, or a callable building one from the optimizer.
     """
 
-    def __init__(self, module: nn.Module, config: ZeroConfig, mesh: ParallelMesh | None = None, model_parameters=None,
-                 optimizer: torch.optim.Optimizer | None = None, lr_scheduler=None):
+    def __init__(self, module: nn.Module, config: ZeroConfig, mesh: ParallelMesh | None = None, *,
+                 model_parameters=None, optimizer: torch.optim.Optimizer | None = None, lr_scheduler=None):
         super().__init__()
-        from zero.pipe.module import PipelineModule
-
+        if mesh is not None and not isinstance(mesh, ParallelMesh):
+            raise TypeError(f"Engine(mesh=...) takes a zero.mesh.ParallelMesh (zero.tp.mesh(config) builds the one a "
+                            f"config asks for), got a {type(mesh).__name__}")
         pipelined = isinstance(module, PipelineModule)
         if pipelined:
             from zero.pipe.schedule import check_pipeline_module
@@ -121,10 +124,12 @@ class Engine(nn.Module):
         self.config = config
         self.mesh = mesh
         # the data-parallel group (the world without a mesh)
-        self.comm = Comm(mesh.group("dp")) if mesh is not None and dist.is_initialized() else Comm()
+        strict = strict_tag_checks(config)
+        self.comm = Comm(mesh.group("dp"), strict) if mesh is not None and dist.is_initialized() else Comm(None, strict)
         self.comm.engine = next_engine_number()
         self.device = compute_device(self.comm)
-        defaults = _optimizer_defaults(config, optimizer)
+        client = client_step(config, optimizer)  # another optimizer than Adam, run on the shards
+        defaults = _optimizer_defaults(config, optimizer, client)
         groups = _param_groups(module, model_parameters if optimizer is None else optimizer.param_groups, defaults)
         check_param_groups(groups, "Check model_parameters / the optimizer's param groups.")
         if any(g.get("eps") == 0 for g in groups):
@@ -135,20 +140,21 @@ class Engine(nn.Module):
         _refuse_foreign_parameters(module, groups, config)
         check_ranks_agree(module, config, self.comm)  # before the first broadcast
         self.module = module
+        self.progress = TrainingProgress(accumulation=config.gradient_accumulation_steps)
         if pipelined:
             from zero.pipe.schedule import tie_initial_values
 
             tie_initial_values(module, mesh)  # before ZeRO takes the parameters (it broadcasts over dp)
-        self.optimizer = build_optimizer(module, groups, config, self.comm, self.device,
-                                         client=client_step(config, optimizer),
+        else:  # its hooks go ahead of the stage's (see [Note: backward from PyTorch]); a schedule counts its own
+            BackwardCounter(self.progress, config.fp16.enabled, {p: n for n, p in module.named_parameters()}).install(
+                module, [p for g in groups for p in g["params"]])
+        self.optimizer = build_optimizer(module, groups, config, self.comm, self.device, client=client,
                                          model_parallel=ModelParallelNorm.of(module, mesh) if mesh is not None else None)
         _claim(module, self.optimizer, config.zero_optimization.stage)  # whose hooks take the gradients now
         self._trainable = [(n, p, p.requires_grad) for n, p in module.named_parameters()]
-        self.progress = TrainingProgress(accumulation=config.gradient_accumulation_steps)
         self._warned_count = False
         self._pending_save = None  # an asynchronous checkpoint save being written
         self.training_dataloader = None  # the loader initialize(training_data=...) made
-        self._repeating = None  # it, repeated, for train_batch() without data_iter
         _place_the_rest(module, self.optimizer.params, self.device, config.dtype, self.comm)
         self.optimizer.at_boundary = config.gradient_accumulation_steps == 1
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
@@ -159,14 +165,9 @@ class Engine(nn.Module):
         if pipelined:
             from zero.pipe.schedule import PipelineSchedule
 
-            self.pipeline = PipelineSchedule(module, config, mesh, self.device, self.optimizer.storage,
-                                             self.optimizer.loss_scaler)
+            self.pipeline = PipelineSchedule(self, mesh)
         self.traffic = None if mesh is None else MeshTraffic(
             module, mesh, module.parts if pipelined else [], sum(slot[1].numel() for slot in self.optimizer.slots()))
-        self.agg_train_loss: torch.Tensor | None = None  # the last train_batch's mean loss
-        self.agg_eval_loss: torch.Tensor | None = None
-        self._backward_counter = BackwardCounter(self.progress, fp16=config.fp16.enabled)
-        module.register_forward_hook(self._backward_counter, prepend=True)  # see [Note: backward from PyTorch]
         if config.dump_state and self.comm.rank == 0:
             print(f"zero: engine state\n  config: {config.model_dump_json(exclude_defaults=True)}\n"
                   f"  device: {self.device}  world size: {self.comm.world_size}\n"
@@ -210,14 +211,14 @@ class Engine(nn.Module):
             return self.module(*args, **kwargs)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """`loss` times the fp16 loss scale, to call `.backward()` on yourself
-        (`engine.scale(loss).backward()`); without fp16, `loss` itself. See [Note: backward from
-        PyTorch]."""
+        """`loss` times the fp16 loss scale (divided by the accumulation steps, as DeepSpeed scales
+        fp16 losses), to call `.backward()` on yourself: `engine.scale(loss).backward()`; without
+        fp16, `loss` itself. See [Note: backward from PyTorch]."""
         _check_loss(loss, "engine.scale(loss)")
         if not self.config.fp16.enabled:
             return loss
-        scaled = loss.float() * self.optimizer.loss_scaler.scale
-        self._backward_counter.mark_scaled(scaled)
+        scaled = loss.float() * self.optimizer.loss_scaler.loss_factor
+        mark_scaled(scaled)
         return scaled
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
@@ -314,66 +315,29 @@ class Engine(nn.Module):
 
     # -- the pipeline schedule (a PipelineModule's engine) --------------------------------------------
 
+    def __getattr__(self, name: str) -> Any:
+        """DeepSpeed's pipeline API (`train_batch`, `eval_batch`, `is_first_stage`, `is_last_stage`,
+        `agg_train_loss`, `agg_eval_loss`) exists when the engine has a pipeline schedule."""
+        if name in _PIPELINE_API:
+            pipeline = self.__dict__.get("pipeline")
+            if pipeline is not None:
+                return getattr(pipeline, name)
+            raise AttributeError(f"'Engine' object has no attribute {name!r}: it belongs to a pipeline schedule, which "
+                                 f"an engine has when its model is a zero.pipe.PipelineModule (docs/parallelism.md); "
+                                 f"train this one with engine(...), engine.backward(loss) and engine.step()")
+        return super().__getattr__(name)
+
     def _refuse_with_pipeline(self, what: str) -> None:
         if self.pipeline is not None:
             raise RuntimeError(f"{what}: a pipeline engine runs whole batches, forward and backward interleaved over "
                                f"the micro-batches: call engine.train_batch(data_iter) (or eval_batch)")
 
-    def _schedule(self, what: str):
-        if self.pipeline is None:
-            raise RuntimeError(f"engine.{what} runs a pipeline schedule, which this engine does not have: build the "
-                               f"model as a zero.pipe.PipelineModule (docs/parallelism.md), or train with engine(...), "
-                               f"engine.backward(loss) and engine.step()")
-        return self.pipeline
-
-    def _data(self, data_iter: Iterator | None) -> Iterator | None:
-        """DeepSpeed's train_batch() without data_iter: the loader of initialize(training_data=...),
-        repeated."""
-        if data_iter is not None or self.training_dataloader is None:
-            return data_iter
-        if self._repeating is None:
-            from zero.data import RepeatingLoader
-
-            self._repeating = RepeatingLoader(self.training_dataloader)
-        return self._repeating
-
-    def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
-        """One optimizer step over `pipeline.micro_batches` micro-batches drawn from `data_iter`
-        (each an (inputs, labels) pair; the first and last stages need it, the others may pass
-        None). Returns the mean loss, the same on every rank. See [Note: a pipelined step] in
-        zero/pipe/schedule.py."""
-        pipe = self._schedule("train_batch")
-        m = self.config.gradient_accumulation_steps
-        self.optimizer.at_boundary = False  # offload's copies to the host wait for the step: every micro-batch adds
-        with self._timed("forward"):  # forward and backward are interleaved: one figure for both
-            pipe.train(self._data(data_iter))
-        self.progress.backwards = m
+    def _step_batch(self, micro_batches: int) -> None:
+        """The optimizer step after a schedule ran `micro_batches` forward and backward passes."""
+        self.progress.backwards = micro_batches
         updated = self._update()
-        self._advance(m)
+        self._advance(micro_batches)
         self._after_update(updated)
-        self.agg_train_loss = pipe.mean_loss(self.comm)
-        return self.agg_train_loss
-
-    def eval_batch(self, data_iter: Iterator | None = None, return_logits: bool = False, compute_loss: bool = True,
-                   reduce_output: str | None = "avg", num_micro_batches: int | None = None) -> Any:
-        """Forward only over the micro-batches of one batch; returns the mean loss on every rank
-        (and, with `return_logits`, the last stage's outputs on the last stage's ranks)."""
-        pipe = self._schedule("eval_batch")
-        if reduce_output not in ("avg", None):
-            raise ValueError(f"reduce_output must be 'avg' or None, got {reduce_output!r}")
-        outputs = pipe.evaluate(data_iter, num_micro_batches)
-        self.agg_eval_loss = pipe.mean_loss(self.comm) if compute_loss else None
-        if return_logits:
-            return self.agg_eval_loss, outputs
-        return self.agg_eval_loss
-
-    def is_first_stage(self) -> bool:
-        """This rank runs the first pipeline stage (it reads the inputs)."""
-        return self._schedule("is_first_stage()").first
-
-    def is_last_stage(self) -> bool:
-        """This rank runs the last pipeline stage (it reads the labels and computes the loss)."""
-        return self._schedule("is_last_stage()").last
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -631,12 +595,15 @@ class Engine(nn.Module):
         from zero.checkpoint.training import load_checkpoint
 
         self.wait_for_checkpoint()
-        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                               load_lr_scheduler_states, load_module_only)
+        loaded = load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                                 load_lr_scheduler_states, load_module_only)
+        self.optimizer.at_boundary = self.is_gradient_accumulation_boundary()  # for the next backward
+        return loaded
 
     def wall_clock_report(self, reset: bool = False) -> dict[str, float]:
         """Seconds spent in forward, backward and step since the last reset (with
-        `wall_clock_breakdown: true`); `communication_wait`, the part of them the host spent
+        `wall_clock_breakdown: true`; backward is what `engine.backward` took: a plain
+        `loss.backward()` is not timed); `communication_wait`, the part of them the host spent
         waiting for collectives (measured on gloo; under NCCL the waits are on the GPU's streams
         and this stays 0); and, with optimizer offload, inside the step: waiting for gradient
         copies, in CPU Adam, waiting for parameter copies.

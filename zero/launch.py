@@ -1,5 +1,4 @@
-"""Starting training: join the process group a launcher describes (`init_distributed`) and wrap a
-model in an engine (`initialize`, DeepSpeed's one call).
+"""Starting training: wrap a model in an engine (`initialize`, DeepSpeed's one call).
 
     engine, optimizer, loader, scheduler = zero.initialize(model=model, config="ds_config.json")
 
@@ -11,7 +10,6 @@ would shadow the function `zero.initialize` once imported.)
 """
 from __future__ import annotations
 
-import atexit
 import os
 from collections.abc import Callable, Iterable
 
@@ -19,54 +17,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zero.comm import Comm, compute_device
+from zero.comm import Comm, compute_device, init_distributed
 from zero.config import load_config
 from zero.config.rules import check_optimizer_object
 from zero.engine import Engine
-
-
-def init_distributed(dist_backend: str | None = None, timeout_s: float | None = None) -> None:
-    """Join the torch.distributed group that torchrun (or a similar launcher) describes.
-
-    Does nothing if a group is already initialised or no launcher environment is present (a
-    world of one). The backend is NCCL when CUDA is available, gloo otherwise.
-
-    Args:
-        dist_backend: override the backend ("nccl", "gloo").
-        timeout_s: the process group's collective timeout in seconds (default: ZERO_COLLECTIVE_TIMEOUT,
-            1800), after which NCCL's watchdog ends a hung collective; see [Note: bounded waits].
-    """
-    if dist.is_initialized() or "WORLD_SIZE" not in os.environ or "MASTER_ADDR" not in os.environ:
-        return
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    kwargs = {}
-    if "nccl" in backend:  # bind the rank to its GPU up front (no device guessing, eager communicator)
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        kwargs["device_id"] = device
-    from datetime import timedelta
-
-    if timeout_s is None:
-        from zero.comm import collective_timeout_s
-
-        timeout_s = collective_timeout_s()
-    dist.init_process_group(backend=backend, init_method="env://", timeout=timedelta(seconds=timeout_s), **kwargs)
-    atexit.register(_destroy_process_group)
-
-
-def _destroy_process_group() -> None:
-    """[Note: gloo at exit]
-    A gloo group still alive when the interpreter shuts down can abort the process from its worker
-    threads ("terminate called without an active exception", pytorch/pytorch#190489): measured on
-    torch 2.13, 2 ranks exiting after a few collectives abort in about half the runs once a torch
-    optimizer exists. `destroy_process_group()` alone is not enough there, because a reference
-    cycle keeps the group alive; destroying it and then collecting garbage, while the interpreter
-    is still whole, brings it to 0 in 12 runs. So the group zero created, zero also takes down."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-        import gc
-
-        gc.collect()
 
 
 def initialize(

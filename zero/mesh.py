@@ -257,6 +257,6 @@ def _sliced_direction(module: torch.nn.Module) -> tuple[str, int] | None:
 
 
 def _floats(obj) -> list[torch.Tensor]:
-    from zero.stages.readiness import tensors_in
+    from zero.graph import tensors_in
 
     return [t for t in tensors_in(obj) if t.is_floating_point()]

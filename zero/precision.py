@@ -23,6 +23,9 @@ class LossScaler:
         hysteresis: overflows tolerated before the scale is halved.
         consecutive_hysteresis: refill the hysteresis counter on every good step.
         min_scale: lower bound of the dynamic scale.
+        accumulation: micro-batches per optimizer step: the loss is multiplied by scale /
+            accumulation (`loss_factor`), as DeepSpeed scales fp16 losses, so fp16 gradients keep
+            the headroom a DeepSpeed run has and a static scale tuned there behaves the same.
     """
 
     def __init__(
@@ -33,6 +36,7 @@ class LossScaler:
         hysteresis: int = 2,
         consecutive_hysteresis: bool = False,
         min_scale: float = 1.0,
+        accumulation: int = 1,
     ):
         self.dynamic = static_scale == 0
         self.scale = float(2**initial_scale_power) if self.dynamic else float(static_scale)
@@ -44,6 +48,12 @@ class LossScaler:
         self._iteration = 0
         self._last_overflow = -1
         self.exhausted = False  # an overflow came when the scale could not be lowered any more
+        self.accumulation = accumulation
+
+    @property
+    def loss_factor(self) -> float:
+        """What a micro-batch's loss is multiplied by before backward: scale / accumulation."""
+        return self.scale / self.accumulation
 
     @classmethod
     def disabled(cls) -> LossScaler:

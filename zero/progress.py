@@ -1,18 +1,20 @@
 """Where training stands: the engine's counters, and the count of backward passes.
 
 `TrainingProgress` is what a checkpoint restores besides tensors; `BackwardCounter` counts each
-backward that reaches the model's outputs, whoever calls it (see [Note: backward from PyTorch] in
-zero/engine.py).
+backward that gives the model's parameters gradients, whoever calls it (see [Note: backward from
+PyTorch] in zero/engine.py).
 """
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
 
-from zero.stages.readiness import in_backward, tensors_in
+from zero.graph import graph_outputs, in_backward
 
 
 @dataclasses.dataclass
@@ -55,48 +57,110 @@ class TrainingProgress:
         self.last_step_applied = self.last_step_skipped = False
 
 
+class _ScaledBackward:
+    """Whether a backward from a loss that carries the fp16 loss scale is running. One record for
+    every engine of the process: a GAN's generator loss runs through the discriminator's model."""
+
+    running = False
+
+    @classmethod
+    def begins(cls, grad: torch.Tensor) -> torch.Tensor:
+        """The scaled loss's own hook: the first thing its backward runs (the outermost one)."""
+        if not cls.running:
+            cls.running = True
+            torch.autograd.Variable._execution_engine.queue_callback(cls.ends)
+        return grad
+
+    @classmethod
+    def ends(cls) -> None:
+        cls.running = False
+
+
+def mark_scaled(loss: torch.Tensor) -> None:
+    """`loss` carries the fp16 loss scale: a backward from it is a scaled one (see BackwardCounter)."""
+    if loss.requires_grad:
+        loss.register_hook(_ScaledBackward.begins)
+
+
+def _gone() -> None:
+    return None
+
+
 class BackwardCounter:
-    """A forward hook on the model that counts backward passes into `progress.backwards`: each
-    backward once, at the first gradient of one of the model's outputs (a forward re-run inside
-    backward, for activation checkpointing, adds no count). With fp16 it refuses a backward that
-    did not pass through a loss from `mark_scaled` (the engine's `scale`), before any parameter
-    gradient is taken. It holds nothing but the counters, so a model pickles with it.
+    """Counts the backward passes that give a model's parameters their gradients into
+    `progress.backwards`, however backward is called (see [Note: backward from PyTorch] in
+    zero/engine.py), and with fp16 refuses one whose loss did not carry the loss scale.
+
+    - A hook on each trainable parameter, ahead of the stage's own, sees every gradient that
+      accumulates into a parameter (`torch.autograd.grad` accumulates none, so a gradient
+      penalty is neither counted nor refused). A backward is counted once, at its end, if it
+      gave a parameter a gradient.
+    - Its end is a callback queued on the backward that first reaches the model's outputs (a
+      forward hook marks them), so the nested backward passes of reentrant activation
+      checkpointing are part of it; a backward that never reaches the outputs (a loss on the
+      parameters alone, or outputs hidden in an object) is ended where its first parameter
+      gradient arrives.
+    - fp16: a parameter gradient from a backward that did not start at a loss marked by
+      `mark_scaled` (the engine's `scale`) is dropped and refused, before the stage takes it.
+
+    It holds its engine's counters weakly (once the engine is gone it does nothing) and pickles
+    inert with the model.
 
     Args:
         progress: where the count goes.
         fp16: whether losses must carry the fp16 loss scale.
+        names: parameter -> name, for messages.
     """
 
-    def __init__(self, progress: TrainingProgress, fp16: bool):
-        self.progress, self.fp16 = progress, fp16
-        self._counted = -1  # the backward (graph task) counted last
-        self._scaled = -1  # the backward that last passed through a scaled loss
+    def __init__(self, progress: TrainingProgress, fp16: bool, names: dict[nn.Parameter, str]):
+        self._progress = weakref.ref(progress)
+        self.fp16 = fp16
+        self._names = WeakIdKeyDictionary(names)
+        self._open = False  # a backward that reached this model is running
+        self._grads = False  # ... and gave one of its parameters a gradient
 
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled() or in_backward():
-            return
-        for t in tensors_in(output):
-            if t.requires_grad:
+    def install(self, module: nn.Module, params: list[nn.Parameter]) -> None:
+        """Hook `module`'s outputs and `params` (before any other gradient hook of theirs)."""
+        module.register_forward_hook(self._forward, prepend=True)
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._param_grad)
+
+    def _forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if in_backward() or self._progress() is None:  # a forward re-run inside backward (activation
+            return  # checkpointing), or the engine is gone
+        self._open = self._grads = False  # a backward that raised before its end is over
+        _ScaledBackward.running = False
+        if torch.is_grad_enabled():
+            for t in graph_outputs(output):
                 t.register_hook(self._output_grad)
 
-    def mark_scaled(self, scaled: torch.Tensor) -> None:
-        """`scaled` is a loss times the fp16 loss scale: a backward from it is a scaled one."""
-        if scaled.requires_grad:
-            scaled.register_hook(self._scaled_grad)
-
-    def _scaled_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        self._scaled = torch._C._current_graph_task_id()
-        return grad
-
     def _output_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        task = torch._C._current_graph_task_id()
-        if task == self._counted:
-            return grad
-        if self.fp16 and task != self._scaled:
-            raise RuntimeError(
-                "zero: backward of a loss without the fp16 loss scale: with fp16, gradients of the unscaled loss "
-                "underflow. Call engine.backward(loss), or engine.scale(loss).backward(), instead of loss.backward(). "
-                "No gradient of this backward was taken.")
-        self._counted = task
-        self.progress.backwards += 1
+        self._begin()
         return grad
+
+    def _begin(self) -> None:
+        if not self._open:
+            self._open, self._grads = True, False
+            torch.autograd.Variable._execution_engine.queue_callback(self._end)
+
+    def _param_grad(self, param: nn.Parameter) -> None:
+        if self._progress() is None:
+            return
+        if self.fp16 and not _ScaledBackward.running:
+            param.grad = None
+            raise RuntimeError(
+                f"zero: a backward of a loss without the fp16 loss scale reached parameter "
+                f"{self._names.get(param, '?')!r}: with fp16, gradients of the unscaled loss underflow. Call "
+                f"engine.backward(loss), or engine.scale(loss).backward(), instead of loss.backward(). No gradient "
+                f"of this backward was taken.")
+        self._begin()
+        self._grads = True
+
+    def _end(self) -> None:
+        progress = self._progress()
+        if self._grads and progress is not None:
+            progress.backwards += 1
+        self._open = self._grads = False
+
+    def __getstate__(self) -> dict:
+        return {"_progress": _gone, "fp16": False, "_names": {}, "_open": False, "_grads": False}

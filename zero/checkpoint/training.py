@@ -44,7 +44,8 @@ from zero.comm import Tag
 from zero.errors import ZeroRuntimeError
 
 FORMAT = "zero-checkpoint"
-VERSION = 2  # 2: the optimizer's and the engine's own state_dict()s
+VERSION = 2  # 2: "progress" and "optimizer" are engine.progress's and engine.optimizer's state_dict() (1: their
+# fields at the top level, still read)
 STATE_FILE = "zero_checkpoint.json"
 OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -159,7 +160,7 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
         raise CheckpointError(f"save_checkpoint with a {engine.optimizer.client.cls.__name__} client optimizer is not "
                               f"implemented yet (zero checkpoints hold Adam's state); save the model with "
                               f"save_16bit_model, or train with Adam/AdamW")
-    tag = tag if tag is not None else f"global_step{engine.global_steps}"
+    tag = tag if tag is not None else f"global_step{engine.progress.global_steps}"
     if not tag or "/" in tag or tag in (".", "..") or tag.startswith("."):
         raise CheckpointError(f"checkpoint tag {tag!r} must be a plain directory name")
     root = Path(save_dir)
@@ -168,7 +169,7 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
     state = {
         "format": FORMAT, "version": VERSION, "world_size": comm.world_size, "mesh": place.mesh_shape(),
         "stage": engine.config.zero_optimization.stage, "dtype": str(engine.config.dtype),
-        **engine.progress.state_dict(), "micro_steps": engine.micro_steps,
+        "progress": engine.progress.state_dict(),
         "optimizer": _json_or_error(engine.optimizer.state_dict(), "the optimizer's state (its param groups)"),
         "lr_scheduler": _json_or_error(scheduler.state_dict(), "the lr scheduler's state_dict()")
         if scheduler is not None and hasattr(scheduler, "state_dict") else None,
@@ -353,9 +354,14 @@ def read_state(path: Path) -> dict:
         state = json.loads((path / STATE_FILE).read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path / STATE_FILE} is not readable JSON: {exc}") from None
-    if state.get("format") != FORMAT or state.get("version") != VERSION:
+    if state.get("format") != FORMAT or state.get("version") not in (1, VERSION):
         raise CheckpointError(f"{path / STATE_FILE}: unknown format {state.get('format')!r} version "
-                              f"{state.get('version')!r} (this zero reads {FORMAT!r} version {VERSION})")
+                              f"{state.get('version')!r} (this zero reads {FORMAT!r} versions 1 and {VERSION})")
+    if state["version"] == 1:  # the engine's and the optimizer's values were fields of their own
+        state["progress"] = {k: state.pop(k) for k in ("global_steps", "skipped_steps", "global_samples")}
+        state["optimizer"] = {"step": state.pop("optimizer_step"), "param_groups": state.pop("param_groups"),
+                              "loss_scaler": state.pop("loss_scaler")}
+        state.pop("micro_steps", None)
     return state
 
 
@@ -491,11 +497,10 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
 
     if load_lr_scheduler_states and state["lr_scheduler"] is not None and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    engine.progress.load_state_dict(state)  # a window of accumulated micro-batches is not in a checkpoint:
-    # it starts at the window's beginning
+    engine.progress.load_state_dict(state["progress"])  # a window of accumulated micro-batches is not in a
+    # checkpoint: it starts at the window's beginning
     if state.get("dataloader") is not None and engine.training_dataloader is not None:
         engine.training_dataloader.load_state_dict(state["dataloader"])
-    engine.optimizer.at_boundary = engine.is_gradient_accumulation_boundary()
     rng = path / "rng" / f"rank{place.world.rank}.safetensors"
     if rng.is_file():
         with safe_open(str(rng), framework="pt") as f:

@@ -10,8 +10,8 @@ Trainer's loop runs as it is; four of its methods hand the work to a zero engine
 - `_prepare_for_training` builds the engine (once the number of steps is known, so "auto"
   scheduler values resolve) instead of letting accelerate wrap the model in DDP: the engine's
   hooks reduce gradients.
-- `training_step` runs the forward, `engine.backward` (loss scale, 1/accumulation) and
-  `engine.step()` for every micro-batch; the engine updates at the accumulation boundary, which
+- `training_step` runs the forward, `engine.backward` (the fp16 loss scale; the step divides
+  by the accumulation steps) and `engine.step()` for every micro-batch; the engine updates at the accumulation boundary, which
   Trainer's own counting reaches at the same micro-batch.
 - Trainer's `optimizer.step()` and `lr_scheduler.step()` become views that do nothing: the engine
   stepped already, and it steps the scheduler only on real (not skipped) updates. The norm

@@ -70,6 +70,18 @@ class OneBitParams(FlatParams):
         self.exchange.reduce(bucket.index, buf, (lo - bucket.start, hi - bucket.start))
         return None
 
+    def keep_owned_slices(self) -> None:
+        """Before a compressed step: this rank's slices as they are, whose change the compressed
+        gather sends (see [Note: compressed parameter gather])."""
+        if self.compressing and self.partitions > 1:
+            self.before = [self.flat[slice(*self.own(b))].clone() for b in self.layout.buckets]
+            self.gauges.gather_buffers.add(sum(t.untyped_storage().nbytes() for t in self.before))
+
+    def drop_owned_slices(self) -> None:
+        if self.before is not None:
+            self.gauges.gather_buffers.sub(sum(t.untyped_storage().nbytes() for t in self.before))
+            self.before = None
+
     def publish(self) -> None:
         if self.before is None:  # before the freeze, and every publish outside a step (loads): exact
             return super().publish()
@@ -100,16 +112,12 @@ class OneBitAdam(ShardedAdam):
         self.compress_param_gather = compress_param_gather
 
     def step(self, closure=None) -> bool:
-        s = self.storage
-        if self.compress_param_gather and s.compressing and s.partitions > 1:
-            s.before = [s.flat[slice(*s.own(b))].clone() for b in s.layout.buckets]
-            self.gauges.gather_buffers.add(sum(t.untyped_storage().nbytes() for t in s.before))
+        if self.compress_param_gather:
+            self.storage.keep_owned_slices()
         try:
             return super().step(closure)
         finally:
-            if s.before is not None:
-                self.gauges.gather_buffers.sub(sum(t.untyped_storage().nbytes() for t in s.before))
-                s.before = None
+            self.storage.drop_owned_slices()
 
     def rank_state(self) -> dict[str, torch.Tensor]:
         """The error buffers and the loss scale they are in (see [Note: 1-bit Adam in checkpoints])."""

@@ -144,7 +144,7 @@ class ZeroOneAdam(ShardedAdam):
 
     def reduce_gradients(self) -> None:
         self._plan = self._next()
-        self.storage.grads.reduce(communicate=self._plan[0])  # a variance update: the exact all-reduce
+        self.storage.reduce_gradients(communicate=self._plan[0])  # a variance update: the exact all-reduce
 
     def grad_divisor(self, reduced: bool) -> float:
         if not reduced or self._plan[0]:  # safe_get_full_grad's sum over ranks, or a variance update

@@ -7,10 +7,9 @@ which is gradient_accumulation_steps):
 1. The first stage's ranks draw M (inputs, labels) micro-batches, the last stage's ranks the same
    M (their labels); the schedule (torch's ScheduleGPipe, Schedule1F1B or
    ScheduleInterleaved1F1B over the mesh's "pp" group) runs every micro-batch's forward and
-   backward. The loss of each micro-batch is multiplied by the fp16 loss scale only; the
-   gradients add up to M times the gradient of the mean loss, and the step divides by M as it
-   does with accumulation (see [Note: one divisor] in zero/stages/adam.py); the schedule's own
-   gradient scaling is off.
+   backward. The loss of each micro-batch goes in as it is (under fp16 times the loss scale / M);
+   the gradients add up as with accumulation and the step divides as it does there (see
+   [Note: one divisor] in zero/stages/adam.py); the schedule's own gradient scaling is off.
 2. Gradients reach the ZeRO optimizer through its hooks exactly as with accumulation: at stages
    0 and 1 into the flat gradient, at stage 2 reduce-scattered over the "dp" group after each
    micro-batch's backward (the interleaved schedule's backwards each cover one part, so each one
@@ -25,6 +24,7 @@ which is gradient_accumulation_steps):
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,7 +37,6 @@ from zero.config import ZeroConfig
 from zero.mesh import ParallelMesh, group_of
 from zero.partition.layout import local_tensor
 from zero.pipe.module import PipelineModule
-from zero.precision import LossScaler
 
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -78,43 +77,58 @@ def tie_initial_values(module: PipelineModule, mesh: ParallelMesh) -> None:
 
 class PipelineSchedule:
     """One rank's stages of a PipelineModule and the schedule that runs them (see [Note: a
-    pipelined step]). The engine that owns it steps the optimizer.
+    pipelined step]): the pipeline API of the engine that owns it (`engine.train_batch`, ...).
 
     Args:
-        module: the PipelineModule.
-        config: the validated config (its `pipeline` section).
+        engine: the engine whose model is the PipelineModule (held weakly); it steps the optimizer.
         mesh: the (pp, dp, tp) mesh.
-        device: where the model computes.
-        storage: the ZeRO storage of this rank's parameters (where tied gradients are summed).
-        loss_scaler: the fp16 loss scale.
     """
 
-    def __init__(self, module: PipelineModule, config: ZeroConfig, mesh: ParallelMesh, device: torch.device,
-                 storage, loss_scaler: LossScaler):
+    def __init__(self, engine, mesh: ParallelMesh):
+        module, config = engine.module, engine.config
         p = config.pipeline
-        self.module, self.mesh, self.device = module, mesh, device
-        self.storage, self.loss_scaler = storage, loss_scaler
+        self._engine = weakref.proxy(engine)
+        self.module, self.mesh, self.device = module, mesh, engine.device
+        self.storage, self.loss_scaler = engine.optimizer.storage, engine.optimizer.loss_scaler
         self.micro_batches = config.gradient_accumulation_steps
         self.first, self.last = mesh.coordinate("pp") == 0, mesh.coordinate("pp") == mesh.pp - 1
         self._tied = [(key, q) for key, tied in module.tied_modules.items() if len(module.tied_stages(key)) > 1
                       for q in tied.parameters() if q.requires_grad]
         parts = module.num_stages * module.virtual_stages
-        self._stages = [PipelineStage(part, part.index, parts, device, group=mesh.group("pp")) for part in module.parts]
+        self._stages = [PipelineStage(part, part.index, parts, self.device, group=mesh.group("pp"))
+                        for part in module.parts]
         stage = self._stages if p.schedule == "interleaved_1f1b" else self._stages[0]
         self._schedule = _SCHEDULES[p.schedule](stage, p.micro_batches, loss_fn=self._loss, scale_grads=False)
         self._losses: list[torch.Tensor] = []
+        self._repeating = None  # initialize(training_data=...)'s loader, repeated, for train_batch()
+        self.agg_train_loss: torch.Tensor | None = None  # the last train_batch's mean loss
+        self.agg_eval_loss: torch.Tensor | None = None
 
-    def train(self, data_iter: Iterator | None) -> None:
-        """Every micro-batch's forward and backward; the tied parameters' gradients summed over the
-        stages that hold them."""
-        inputs, labels = self._draw(data_iter, self.micro_batches)
+    # -- DeepSpeed's pipeline API ----------------------------------------------------------------
+
+    def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
+        """One optimizer step over `pipeline.micro_batches` micro-batches drawn from `data_iter`
+        (each an (inputs, labels) pair; the first and last stages need it, the others may pass
+        None; default: the loader of initialize(training_data=...), repeated). Returns the mean
+        loss, the same on every rank. See [Note: a pipelined step]."""
+        engine = self._engine
+        inputs, labels = self._draw(self._data(data_iter), self.micro_batches)
+        engine.optimizer.at_boundary = False  # offload's copies to the host wait for the step: every micro-batch adds
         self.module.train()
         self._losses = []
-        self._run(inputs, labels, backward=True)
+        with engine._timed("forward"):  # forward and backward are interleaved: one figure for both
+            self._run(inputs, labels, backward=True)
         self._sum_tied_gradients()
+        engine._step_batch(self.micro_batches)
+        self.agg_train_loss = self._mean_loss(engine.comm)
+        return self.agg_train_loss
 
-    def evaluate(self, data_iter: Iterator | None, num_micro_batches: int | None) -> Any:
-        """Forward only over the micro-batches of one batch; the last stage's outputs."""
+    def eval_batch(self, data_iter: Iterator | None = None, return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: str | None = "avg", num_micro_batches: int | None = None) -> Any:
+        """Forward only over the micro-batches of one batch; returns the mean loss on every rank
+        (and, with `return_logits`, the last stage's outputs on the last stage's ranks)."""
+        if reduce_output not in ("avg", None):
+            raise ValueError(f"reduce_output must be 'avg' or None, got {reduce_output!r}")
         m = num_micro_batches or self.micro_batches
         if m != self.micro_batches:
             raise ValueError(f"eval_batch(num_micro_batches={m}): the schedule was built for "
@@ -125,11 +139,33 @@ class PipelineSchedule:
         self._losses = []
         try:
             with torch.no_grad():
-                return self._run(inputs, labels, backward=False)
+                outputs = self._run(inputs, labels, backward=False)
         finally:
             self.module.train(was_training)
+        self.agg_eval_loss = self._mean_loss(self._engine.comm) if compute_loss else None
+        if return_logits:
+            return self.agg_eval_loss, outputs
+        return self.agg_eval_loss
 
-    def mean_loss(self, comm: Comm) -> torch.Tensor:
+    def is_first_stage(self) -> bool:
+        """This rank runs the first pipeline stage (it reads the inputs)."""
+        return self.first
+
+    def is_last_stage(self) -> bool:
+        """This rank runs the last pipeline stage (it reads the labels and computes the loss)."""
+        return self.last
+
+    def _data(self, data_iter: Iterator | None) -> Iterator | None:
+        loader = self._engine.training_dataloader
+        if data_iter is not None or loader is None:
+            return data_iter
+        if self._repeating is None:
+            from zero.data import RepeatingLoader
+
+            self._repeating = RepeatingLoader(loader)
+        return self._repeating
+
+    def _mean_loss(self, comm: Comm) -> torch.Tensor:
         """The micro-batches' mean loss, from the last stage to every rank, averaged over dp (`comm`)."""
         last = self.mesh.pp - 1
         loss = torch.stack(self._losses).mean() if self._losses else torch.zeros(())
@@ -148,8 +184,8 @@ class PipelineSchedule:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"the PipelineModule's loss_fn must return a scalar tensor, got "
                             f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}")
-        scale = self.loss_scaler.scale
-        return loss.float() * scale if scale != 1.0 else loss.float()
+        factor = self.loss_scaler.loss_factor  # fp16; 1 otherwise (see [Note: one divisor])
+        return loss.float() * factor if factor != 1.0 else loss.float()
 
     def _draw(self, data_iter: Iterator | None, m: int) -> tuple[Any, Any]:
         """The M micro-batches as one batch of inputs and one of labels (the schedule splits them
@@ -179,7 +215,7 @@ class PipelineSchedule:
         kwargs = {"target": target if self.last else None, "losses": losses if self.last else None}
         run = self._schedule.step if backward else self._schedule.eval
         out = run(*args, **kwargs)
-        unscale = 1.0 / self.loss_scaler.scale
+        unscale = 1.0 / self.loss_scaler.loss_factor
         self._losses = [loss.detach().float() * unscale for loss in losses]
         return out
 

@@ -10,6 +10,7 @@ for stage 3).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -50,10 +51,10 @@ def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], confi
             slices (zero/mesh.py's ModelParallelNorm).
     """
     precision, step, reduce, stage3 = options_from_config(config, comm.world_size, cpu_adam_threads())
-    comm.defer_tags = comm.uses_nccl and not reduce.strict_checks  # see [Note: rank-agreement tags]
     f = config.fp16
     scaler = LossScaler(f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis,
-                        f.consecutive_hysteresis, f.min_loss_scale) if f.enabled else LossScaler.disabled()
+                        f.consecutive_hysteresis, f.min_loss_scale,
+                        accumulation=config.gradient_accumulation_steps) if f.enabled else LossScaler.disabled()
     stage = config.zero_optimization.stage
     params = [p for g in param_groups for p in g["params"]]
     groups = [gi for gi, g in enumerate(param_groups) for _ in g["params"]]
@@ -68,7 +69,7 @@ def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], confi
         from zero.onebit.zero_one import ZeroOneAdam, ZeroOneParams
 
         z = config.optimizer.zeroone
-        storage = ZeroOneParams(module, params, groups, master_is_params=fp32_in_place, **flat)
+        storage = functools.partial(ZeroOneParams, module, params, groups, master_is_params=fp32_in_place, **flat)
         return ZeroOneAdam(param_groups, storage, var_freeze_step=z.var_freeze_step,
                            var_update_scaler=z.var_update_scaler, local_step_scaler=z.local_step_scaler,
                            local_step_clipper=z.local_step_clipper, **common)
@@ -77,13 +78,14 @@ def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], confi
 
         o = config.optimizer.onebit
         gathered = o.compress_param_gather and comm.world_size > 1  # the parameters' changes need the master apart
-        storage = OneBitParams(module, params, groups, master_is_params=fp32_in_place and not gathered,
-                               freeze_step=o.freeze_step, loss_scaler=scaler, **flat)
+        storage = functools.partial(OneBitParams, module, params, groups, master_is_params=fp32_in_place and not gathered,
+                                    freeze_step=o.freeze_step, loss_scaler=scaler, **flat)
         return OneBitAdam(param_groups, storage, freeze_step=o.freeze_step,
                           compress_param_gather=o.compress_param_gather, **common)
     if stage == 3:
-        storage = UnitParams(module, params, groups, comm=comm, precision=precision, offload=step.offload,
-                             gauges=gauges, reduce=reduce, options=stage3, predivide=step.predivide, device=device)
+        storage = functools.partial(UnitParams, module, params, groups, comm=comm, precision=precision,
+                                    offload=step.offload, gauges=gauges, reduce=reduce, options=stage3,
+                                    predivide=step.predivide, device=device)
     else:
-        storage = FlatParams(module, params, groups, master_is_params=fp32_in_place, **flat)
+        storage = functools.partial(FlatParams, module, params, groups, master_is_params=fp32_in_place, **flat)
     return ShardedAdam(param_groups, storage, **common)

@@ -1,19 +1,22 @@
 """The optimizer step every stage shares: norm, overflow check, clipping and Adam on this rank's shards.
 
 [Note: one divisor]
-Gradients reach the shard as sums over ranks and micro-batches, multiplied by the loss scale. The
-mean gradient is `sum / (world_size / predivide) / accumulation_steps / loss_scale`, and clipping
-multiplies it by `clip_coef`. All of that is one number, `grad_scale = world_size / predivide *
-accumulation_steps * loss_scale / clip_coef`, which the Adam kernel divides by in the same pass
-that updates the weights: no separate unscale, average or clip pass over the gradients, and no
-division of the loss either, so `loss.backward()` and `engine.backward(loss)` give the same
-gradients. The norm is computed from the shard in one pass per slot and one all-reduce; an inf or
-NaN anywhere makes the norm non-finite, which is also the overflow test (see [Note: norm without
-overflow]).
+Gradients reach the shard as sums over ranks and micro-batches. The mean gradient is
+`sum / (world_size / predivide) / accumulation_steps`, and clipping multiplies it by `clip_coef`.
+All of that is one number, `grad_scale = world_size / predivide * accumulation_steps / clip_coef`,
+which the Adam kernel divides by in the same pass that updates the weights: no separate unscale,
+average or clip pass over the gradients. In fp32 and bf16 the loss is not divided by anything,
+so `loss.backward()` and `engine.backward(loss)` give the same gradients. Under fp16 the loss is
+multiplied by `loss_scale / accumulation_steps` (DeepSpeed's scaling, which keeps fp16 gradients'
+headroom the same as there), so there the divisor holds `loss_scale` in place of
+`accumulation_steps` (`StepOptions.accumulation` is 1). The norm is computed from the shard in one
+pass per slot and one all-reduce; an inf or NaN anywhere makes the norm non-finite, which is also
+the overflow test (see [Note: norm without overflow]).
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch.autograd.profiler import record_function
@@ -39,7 +42,9 @@ class ShardedAdam(torch.optim.Optimizer):
 
     Args:
         param_groups: torch-style groups of trainable parameters with Adam hyperparameters.
-        storage: the stage's parameters, optimizer state and gradient shards.
+        storage: builds the stage's storage of parameters, optimizer state and gradient shards,
+            given the optimizer's `grad_final` and `step_number` callbacks (ParamStorage's
+            arguments of those names).
         comm: the data-parallel group.
         precision: the run's dtypes.
         step: clipping, predivide, accumulation and optimizer offload (see StepOptions).
@@ -50,10 +55,9 @@ class ShardedAdam(torch.optim.Optimizer):
             ModelParallelNorm), or None for a data-parallel model.
     """
 
-    def __init__(self, param_groups, storage: ParamStorage, *, comm: Comm, precision: Precision, step: StepOptions,
-                 loss_scaler: LossScaler | None = None, client=None, model_parallel=None):
+    def __init__(self, param_groups, storage: Callable[..., ParamStorage], *, comm: Comm, precision: Precision,
+                 step: StepOptions, loss_scaler: LossScaler | None = None, client=None, model_parallel=None):
         super().__init__(param_groups, dict(ADAM_DEFAULTS))
-        self.storage = storage
         self.comm = comm
         self.precision = precision
         self.options = step
@@ -66,10 +70,9 @@ class ShardedAdam(torch.optim.Optimizer):
         self.step_count = 0
         self.global_grad_norm: float | None = None
         self.skipped: tuple[float, float, float] | None = None  # the last skipped step: (norm, scale before, after)
-        self.gauges = storage.gauges
         self._host: HostAdam | None = None
-        storage.grad_final = self.grad_final
-        storage.step_number = self.next_step_number
+        self.storage = storage(grad_final=self.grad_final, step_number=self.next_step_number)
+        self.gauges = self.storage.gauges
 
     def next_step_number(self) -> int:
         """The number of the coming optimizer step (1 before the first)."""

@@ -31,6 +31,7 @@ Sums are not divided by the world size here; see [Note: one divisor] in zero/sta
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -77,12 +78,15 @@ class FlatParams(ParamStorage):
         predivide: gradients are divided by this before their reduction.
         device: where the model computes.
         master_is_params: keep no separate fp32 master (fp32 training without offload).
+        grad_final, step_number: see ParamStorage.
     """
 
     def __init__(self, module: nn.Module, params: list[nn.Parameter], groups: list[int], *, stage: int, comm: Comm,
                  precision: Precision, offload: OffloadOptions | None, gauges: Gauges, reduce: ReduceOptions,
-                 predivide: float, device: torch.device, master_is_params: bool):
-        super().__init__(params, {p: n for n, p in module.named_parameters()}, comm, precision, offload, gauges)
+                 predivide: float, device: torch.device, master_is_params: bool,
+                 grad_final: Callable[[torch.Tensor], None], step_number: Callable[[], int]):
+        super().__init__(params, {p: n for n, p in module.named_parameters()}, comm, precision, offload, gauges,
+                         grad_final=grad_final, step_number=step_number)
         self.stage = stage
         self.reduce = reduce
         self.predivide = predivide
@@ -156,11 +160,15 @@ class FlatParams(ParamStorage):
             out.append((bucket.group, self.master[b], self.grads.shards[b], self.exp_avg[b], self.exp_avg_sq[b], out16))
         return out
 
-    def reduce_gradients(self) -> None:
-        self.grads.reduce()
+    def reduce_gradients(self, communicate: bool = True) -> None:
+        """See GradPath.reduce."""
+        self.grads.reduce(communicate)
 
     def norm_is_partitioned(self) -> bool:
         return self.partitions > 1
+
+    def out16_on_host(self) -> list[bool]:
+        return [False] * len(self.layout.buckets)
 
     def publish(self) -> None:
         if self.partitions > 1:
@@ -236,6 +244,9 @@ class FlatGradients:
         self.shards = [self.flat[slice(*storage.own(b))] for b in layout.buckets]
         self._seen: set[nn.Parameter] = set()
         self._handles = [p.register_post_accumulate_grad_hook(self._accumulate) for p in storage.params]
+
+    def __getstate__(self) -> dict:
+        return {}  # see ParamStorage.__getstate__
 
     def _accumulate(self, param: nn.Parameter) -> None:
         grad, param.grad = local_grad(param), None

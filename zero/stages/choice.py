@@ -126,8 +126,9 @@ def _check_elementwise(optimizer: torch.optim.Optimizer) -> None:
                       f"from unpartitioned training", stacklevel=4)
 
 
-def _optimizer_defaults(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None) -> dict:
-    """Adam hyperparameters from a client optimizer or from the config's `optimizer` section."""
+def _optimizer_defaults(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None, client: ClientStep | None) -> dict:
+    """The hyperparameters of every param group: a client optimizer's (`client`, from
+    `client_step`), or Adam's from the optimizer passed or the config's `optimizer` section."""
     if optimizer is not None:
         if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
             _check_elementwise(optimizer)
@@ -140,7 +141,6 @@ def _optimizer_defaults(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None
                     bias_correction=True, adamw_mode=adamw)
     if cfg.optimizer is None:
         raise ValueError("no optimizer: add an 'optimizer' section to the config or pass initialize(optimizer=...)")
-    client = client_step(cfg, None)
     if client is not None:
         return client.defaults
     p = cfg.optimizer.params

@@ -60,8 +60,9 @@ class StepOptions:
     Args:
         clipping: clip the global gradient norm to this; 0 = off.
         predivide: gradients are divided by this before the reduction.
-        accumulation: micro-batches whose gradients are summed into one step (the step divides by
-            it: see [Note: one divisor] in zero/stages/adam.py).
+        accumulation: what the step divides the gradients summed over micro-batches by, besides the
+            loss scale: the accumulation steps, except under fp16, whose loss scale already
+            divides each loss by them (see [Note: one divisor] in zero/stages/adam.py).
         offload: optimizer offload, or None to keep optimizer state with the model.
     """
 
@@ -81,16 +82,12 @@ class ReduceOptions:
             DeepSpeed's `reduce_scatter: false`; twice the traffic, same numbers).
         bucket_elements: stages 0-2: elements per bucket.
         ignore_unused_parameters: False makes a trainable parameter without a gradient an error.
-        strict_checks: check every collective's rank-divergence tag before issuing it, also on
-            NCCL (one synchronisation per collective; `enable_sanity_checks` or
-            TORCH_DISTRIBUTED_DEBUG=DETAIL).
     """
 
     overlap_comm: bool = False
     reduce_scatter: bool = True
     bucket_elements: int = 500_000_000
     ignore_unused_parameters: bool = True
-    strict_checks: bool = False
 
 
 @dataclass(frozen=True)
@@ -124,6 +121,13 @@ class Stage3Options:
     gather_on_apply: bool = True
 
 
+def strict_tag_checks(cfg: ZeroConfig) -> bool:
+    """Check every collective's rank-agreement tag before issuing it, also on NCCL (one host
+    synchronisation per collective): `enable_sanity_checks` or TORCH_DISTRIBUTED_DEBUG=DETAIL.
+    See [Note: rank-agreement tags] in zero/comm.py."""
+    return cfg.zero_optimization.enable_sanity_checks or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
+
+
 def options_from_config(cfg: ZeroConfig, world_size: int, num_threads: int
                         ) -> tuple[Precision, StepOptions, ReduceOptions, Stage3Options]:
     """Every policy of the core, from a validated config.
@@ -139,13 +143,11 @@ def options_from_config(cfg: ZeroConfig, world_size: int, num_threads: int
         offload = OffloadOptions(pin_memory=zc.offload_optimizer.pin_memory,
                                  tile_elements=max(1, min(zc.sub_group_size, 1 << 22)), num_threads=num_threads)
     predivide = float(world_size) if cfg.prescale_gradients else cfg.gradient_predivide_factor
-    step = StepOptions(clipping=cfg.gradient_clipping, predivide=predivide, accumulation=cfg.gradient_accumulation_steps,
-                       offload=offload)
+    step = StepOptions(clipping=cfg.gradient_clipping, predivide=predivide,
+                       accumulation=1 if cfg.fp16.enabled else cfg.gradient_accumulation_steps, offload=offload)
     reduce = ReduceOptions(overlap_comm=bool(zc.overlap_comm), reduce_scatter=zc.reduce_scatter,
                            bucket_elements=max(1, min(zc.reduce_bucket_size, zc.allgather_bucket_size)),
-                           ignore_unused_parameters=zc.ignore_unused_parameters,
-                           strict_checks=zc.enable_sanity_checks or
-                           os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL")
+                           ignore_unused_parameters=zc.ignore_unused_parameters)
     offload_param = zc.offload_param is not None and zc.offload_param.device == "cpu"
     stage3 = Stage3Options(
         unit_elements=zc.module_granularity_threshold or DEFAULT_UNIT_ELEMENTS,

@@ -34,7 +34,6 @@ unit):
 """
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -45,15 +44,11 @@ from torch.autograd.profiler import record_function
 
 from zero.comm import Comm, Tag
 from zero.errors import ZeroRuntimeError
+from zero.graph import graph_outputs, in_backward
 
 
 class UnusedParameterError(ZeroRuntimeError):
     """A trainable parameter got no gradient while `ignore_unused_parameters` is false."""
-
-
-def in_backward() -> bool:
-    """True while the autograd engine runs a backward on this thread."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class GradReadiness:
@@ -121,7 +116,7 @@ class GradReadiness:
         """Begin the backward from a hook on the model's outputs: the first thing any backward of
         them reaches, so the end-of-backward callback lands on that backward, not on a nested one
         (reentrant activation checkpointing runs backward passes inside it)."""
-        tensors = [t for t in tensors_in(output) if t.requires_grad] if torch.is_grad_enabled() else []
+        tensors = graph_outputs(output) if torch.is_grad_enabled() else []
         if tensors:
             this = weakref.proxy(self)
             for t in tensors:
@@ -222,16 +217,3 @@ class GradReadiness:
         self._reset()
         self._comm.check_deferred()
         return True
-
-
-def tensors_in(obj) -> list[torch.Tensor]:
-    """Tensors inside a module output: a tensor, tuples/lists/dicts of them (HF outputs), dataclasses."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for x in obj for t in tensors_in(x)]
-    if isinstance(obj, dict):
-        return [t for x in obj.values() for t in tensors_in(x)]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [t for f in dataclasses.fields(obj) for t in tensors_in(getattr(obj, f.name))]
-    return []

@@ -59,11 +59,12 @@ import torch
 import torch.nn as nn
 
 from zero.comm import Comm, RankDivergenceError, Tag  # noqa: F401 - RankDivergenceError: its old home
+from zero.graph import graph_outputs, in_backward
 from zero.memory_report import Gauges
 from zero.partition.layout import local_tensor
 from zero.stages.planning import describe_shard, plan_units, take_local_shard
 from zero.stages.policies import OffloadOptions, Precision, ReduceOptions, Stage3Options
-from zero.stages.readiness import GradReadiness, in_backward, tensors_in
+from zero.stages.readiness import GradReadiness
 from zero.stages.storage import ParamStorage, Slot
 from zero.stages.unit import ParamUnit, ShardedState
 
@@ -321,7 +322,7 @@ class Stage3Runtime:
 
     def _post_forward(self, units: list[ParamUnit], output):
         grad = torch.is_grad_enabled()
-        hooked = [t for t in tensors_in(output) if t.requires_grad] if grad else []
+        hooked = graph_outputs(output) if grad else []
         recompute = in_backward()
         for unit in units:
             unit.forward_uses -= 1
@@ -412,9 +413,8 @@ class Stage3Runtime:
 
     def recover(self) -> None:
         """Drop what a backward that raised left behind (see [Note: gradient readiness])."""
-        if self.readiness.recover():
+        if self.readiness.recover():  # which checked the deferred tags
             self.release_all()
-            self.comm.check_deferred()
             self._pass = None
 
 
@@ -431,12 +431,15 @@ class UnitParams(ParamStorage):
         options: stage-3 policies.
         predivide: gradients are divided by this before their reduction.
         device: where the model computes.
+        grad_final, step_number: see ParamStorage.
     """
 
     def __init__(self, module: nn.Module, params: list[nn.Parameter], groups: list[int], *, comm: Comm,
                  precision: Precision, offload: OffloadOptions | None, gauges: Gauges, reduce: ReduceOptions,
-                 options: Stage3Options, predivide: float, device: torch.device):
-        super().__init__(params, {p: n for n, p in module.named_parameters()}, comm, precision, offload, gauges)
+                 options: Stage3Options, predivide: float, device: torch.device,
+                 grad_final: Callable[[torch.Tensor], None], step_number: Callable[[], int]):
+        super().__init__(params, {p: n for n, p in module.named_parameters()}, comm, precision, offload, gauges,
+                         grad_final=grad_final, step_number=step_number)
         self.offload_param = options.offload_param
         group_of = dict(zip(params, groups))
         for p in module.parameters():
@@ -458,7 +461,7 @@ class UnitParams(ParamStorage):
             unit_modules.append(None if unit.persistent else modules.get(path))
         self.hook_state_dict_loads(module)
         self.runtime = Stage3Runtime(module, self.units, unit_modules, comm, options, reduce, predivide, self.names,
-                                     lambda: self.step_number(), lambda grad: self.grad_final(grad))
+                                     step_number, grad_final)
         for unit in self.units:
             if unit.persistent:
                 unit.refresh(lambda work: work.wait())

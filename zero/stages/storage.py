@@ -36,10 +36,14 @@ class ParamStorage(abc.ABC):
         precision: the run's dtypes.
         offload: optimizer offload (state in host memory), or None.
         gauges: where communication and gathered buffers are measured.
+        grad_final: called with each gradient shard once it holds its final value for the step
+            (offload starts its copy to the host then); given by the optimizer that steps on it.
+        step_number: the number of the coming optimizer step (for messages and schedules).
     """
 
     def __init__(self, params: list[nn.Parameter], names: dict[nn.Parameter, str], comm: Comm,
-                 precision: Precision, offload: OffloadOptions | None, gauges: Gauges):
+                 precision: Precision, offload: OffloadOptions | None, gauges: Gauges, *,
+                 grad_final: Callable[[torch.Tensor], None], step_number: Callable[[], int]):
         self.params = params
         self.names = names
         self.comm = comm
@@ -48,11 +52,13 @@ class ParamStorage(abc.ABC):
         self.gauges = gauges
         self.host_memory = HostMemory(self)
         self._watched: list[nn.Parameter] = []
-        # set by the optimizer that steps on this storage: called with each gradient shard once it
-        # holds its final value for the step (offload starts its copy to the host then), and the
-        # number of the coming optimizer step (for messages)
-        self.grad_final: Callable[[torch.Tensor], None] = lambda grad: None
-        self.step_number: Callable[[], int] = lambda: 1
+        self.grad_final = grad_final
+        self.step_number = step_number
+
+    def __getstate__(self) -> dict:
+        """Nothing: the model's hooks hold the storage, and `torch.save(model)` must not write the
+        optimizer state (or a process group) with the model; an unpickled storage is inert."""
+        return {}
 
     def new_state(self, like: torch.Tensor, compute_device: torch.device) -> torch.Tensor:
         """A zero fp32 optimizer-state tensor shaped like `like`: in host memory when offloaded
@@ -87,9 +93,9 @@ class ParamStorage(abc.ABC):
         """The part of `param`'s reduced gradient in this rank's slots (for the norm), or None."""
         return None
 
+    @abc.abstractmethod
     def out16_on_host(self) -> list[bool]:
         """Per slot: does its 16-bit output live in host memory (stage 3 with offload_param)?"""
-        return [False] * len(self.slots())
 
     @abc.abstractmethod
     def memory_parts(self) -> tuple[dict[str, list[torch.Tensor]], set[str]]:

@@ -30,9 +30,8 @@ def mesh(config: Any, world_size: int | None = None):
     joining torchrun's process group if needed. `zero.initialize` reuses the same mesh."""
     import torch.distributed as dist
 
-    from zero.comm import Comm, compute_device
+    from zero.comm import Comm, compute_device, init_distributed
     from zero.config import load_config
-    from zero.launch import init_distributed
     from zero.mesh import build_mesh
 
     init_distributed()
