@@ -90,7 +90,7 @@ def test_resuming_from_a_checkpoint_equals_never_stopping(dist_run, tmp_path, va
     files = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert all(f.endswith((".json", ".safetensors")) or f == "latest" for f in files), files
     state = json.loads((tmp_path / "global_step5" / "zero_checkpoint.json").read_text())
-    assert state["global_steps"] == 5 and state["world_size"] == 2
+    assert state["progress"]["global_steps"] == 5 and state["world_size"] == 2
 
 
 def loader_resumes(path: str):
