@@ -222,3 +222,32 @@ def test_a_step_checks_the_hyperparameters_and_takes_in_place_edits_once():
     engine.backward(engine(torch.randn(4, 8)).square().mean())
     engine.step()
     assert sorted(calls) == ["adopt_edits", "check_hyperparameters"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_pickled_or_deep_copied_model_is_plain_torch_and_leaves_the_engine_alone(stage):
+    """torch.save(model) of a trained model, or a deepcopy for an EMA copy: the copy carries no
+    optimizer state, loads state dicts and trains as plain torch, and the engine does not notice."""
+    import io
+    import pickle
+
+    def saved_bytes(model: nn.Module) -> int:
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        return len(buffer.getvalue())
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+    plain = saved_bytes(net)  # fp32
+    engine, *_ = zero.initialize(model=net, config=_config(stage, bf16={"enabled": True}))
+    engine.backward(engine(torch.randn(4, 64, dtype=torch.bfloat16)).float().square().mean())
+    engine.step()
+    assert saved_bytes(net) < 0.75 * plain  # its bf16 parameters: no fp32 master, no Adam state
+    for copied in (pickle.loads(pickle.dumps(net)), copy.deepcopy(net)):
+        copied.load_state_dict(net.state_dict())
+        copied(torch.randn(4, 64, dtype=torch.bfloat16)).float().square().mean().backward()
+        assert all(p.grad is not None for p in copied.parameters())  # plain torch: the gradients stay
+    assert engine.progress.backwards == 0
+    engine.backward(engine(torch.randn(4, 64, dtype=torch.bfloat16)).float().square().mean())
+    engine.step()
+    assert engine.global_steps == 2

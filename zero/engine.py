@@ -20,19 +20,20 @@ the parameters (`MeshTraffic`), and a PipelineModule gives the engine a schedule
 are then refused, since the schedule interleaves micro-batches' forward and backward passes.
 
 [Note: backward from PyTorch]
-`loss.backward()` followed by `engine.step()` is exactly `engine.backward(loss)` + `engine.step()`:
+`loss.backward()` followed by `engine.step()` is exactly `engine.backward(loss)` + `engine.step()`
+in fp32 and bf16:
 - Gradients reach the stage's buckets and units through hooks on the parameters, whoever calls
   backward.
 - The loss is not divided by the accumulation steps: the step divides the summed gradients by
-  them (see [Note: one divisor] in zero/stages/adam.py), so an unscaled loss gives the same bits.
-- The engine counts backward passes (the step's rank-agreement tag carries the count) from a
-  hook on the model's outputs (`BackwardCounter`, zero/progress.py): the first output gradient
-  of each backward counts it once. `engine.backward` counts its own call when the outputs hid
-  from the hook.
-- fp16 needs the loss multiplied by the loss scale: `engine.backward(loss)` does it, and so
-  does `engine.scale(loss).backward()`. A backward that reaches the model's outputs without
-  passing a scaled loss is refused at its first output gradient, before any parameter
-  gradient is taken.
+  them (see [Note: one divisor] in zero/stages/adam.py), so the loss as it is gives the same bits.
+- The engine counts backward passes (the step's rank-agreement tag carries the count) with
+  `BackwardCounter` (zero/progress.py): hooks on the parameters, ahead of the stage's, count
+  each backward that gives a parameter a gradient once, at its end. `engine.backward` counts
+  its own call when no parameter got a gradient.
+- fp16 needs the loss multiplied by the loss scale, and, as DeepSpeed does, divided by the
+  accumulation steps (which keeps fp16 gradients' headroom): `engine.backward(loss)` does it,
+  and so does `engine.scale(loss).backward()`. A backward whose loss did not pass through
+  `scale` is refused at its first parameter gradient, before the stage takes any.
 """
 from __future__ import annotations
 
@@ -222,9 +223,9 @@ class Engine(nn.Module):
         return scaled
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Backward of `loss` times the fp16 loss scale (the loss itself without fp16); gradients
-        flow into the partitioned buffers through hooks, and the step divides by the accumulation
-        steps. The same as `engine.scale(loss).backward()`; without fp16 as `loss.backward()`.
+        """Backward of `engine.scale(loss)`: under fp16 the loss times the loss scale / the
+        accumulation steps, otherwise the loss itself (as `loss.backward()`; the step divides by
+        the accumulation steps). Gradients flow into the partitioned buffers through hooks.
         Returns the loss it was given."""
         self._refuse_with_pipeline("engine.backward")
         _check_loss(loss, "engine.backward(loss)")
@@ -232,7 +233,7 @@ class Engine(nn.Module):
         counted = self.progress.backwards
         with self._timed("backward"):
             scaled.backward(retain_graph=retain_graph)
-        if self.progress.backwards == counted:  # the model's outputs hid from the hook: count it here
+        if self.progress.backwards == counted:  # no parameter got a gradient: it is still a backward
             self.progress.backwards += 1
         return loss
 

@@ -11,16 +11,21 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def tensors_in(obj) -> list[torch.Tensor]:
-    """Tensors inside a module output: a tensor, tuples/lists/dicts of them (HF outputs), dataclasses."""
+def tensors_in(obj, depth: int = 4) -> list[torch.Tensor]:
+    """Tensors inside a module output: a tensor, tuples/lists/dicts of them (HF outputs),
+    dataclasses, and the attributes of a plain object holding them; `depth` levels down."""
     if isinstance(obj, torch.Tensor):
         return [obj]
+    if depth == 0 or isinstance(obj, (str, bytes, int, float, bool, type, torch.nn.Module)) or obj is None:
+        return []
     if isinstance(obj, (tuple, list)):
-        return [t for x in obj for t in tensors_in(x)]
+        return [t for x in obj for t in tensors_in(x, depth - 1)]
     if isinstance(obj, dict):
-        return [t for x in obj.values() for t in tensors_in(x)]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [t for f in dataclasses.fields(obj) for t in tensors_in(getattr(obj, f.name))]
+        return [t for x in obj.values() for t in tensors_in(x, depth - 1)]
+    if dataclasses.is_dataclass(obj):
+        return [t for f in dataclasses.fields(obj) for t in tensors_in(getattr(obj, f.name), depth - 1)]
+    if hasattr(obj, "__dict__") and not callable(obj):  # a plain object of the model's own
+        return [t for x in vars(obj).values() for t in tensors_in(x, depth - 1)]
     return []
 
 

@@ -7,7 +7,9 @@ PyTorch] in zero/engine.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,23 +59,49 @@ class TrainingProgress:
         self.last_step_applied = self.last_step_skipped = False
 
 
+class _Window:
+    """The lifetime of one backward pass, as an object: the callback queued at its end holds it.
+    When the backward ends the callback runs; when it raises, autograd drops its callbacks unrun
+    and the window goes with them. So a weak reference to it says whether that backward is still
+    running, with nothing to reset after a failure."""
+
+    __slots__ = ("grads", "__weakref__")
+
+    def __init__(self) -> None:
+        self.grads = False  # the backward gave a parameter a gradient
+
+
+def _open(on_end: Callable[[_Window], None]) -> weakref.ref:
+    """A window on the running backward (queue `on_end(window)` at its end); a weak reference to it."""
+    window = _Window()
+    torch.autograd.Variable._execution_engine.queue_callback(functools.partial(on_end, window))
+    return weakref.ref(window)
+
+
+def _alive(ref: weakref.ref | None) -> _Window | None:
+    return ref() if ref is not None else None
+
+
 class _ScaledBackward:
-    """Whether a backward from a loss that carries the fp16 loss scale is running. One record for
+    """The backward from a loss that carries the fp16 loss scale, while it runs. One record for
     every engine of the process: a GAN's generator loss runs through the discriminator's model."""
 
-    running = False
+    window: weakref.ref | None = None
+
+    @classmethod
+    def running(cls) -> bool:
+        return _alive(cls.window) is not None
 
     @classmethod
     def begins(cls, grad: torch.Tensor) -> torch.Tensor:
         """The scaled loss's own hook: the first thing its backward runs (the outermost one)."""
-        if not cls.running:
-            cls.running = True
-            torch.autograd.Variable._execution_engine.queue_callback(cls.ends)
+        if not cls.running():
+            cls.window = _open(cls.ends)
         return grad
 
     @classmethod
-    def ends(cls) -> None:
-        cls.running = False
+    def ends(cls, window: _Window) -> None:
+        cls.window = None
 
 
 def mark_scaled(loss: torch.Tensor) -> None:
@@ -97,9 +125,11 @@ class BackwardCounter:
       gave a parameter a gradient.
     - Its end is a callback queued on the backward that first reaches the model's outputs (a
       forward hook marks them), so the nested backward passes of reentrant activation
-      checkpointing are part of it; a backward that never reaches the outputs (a loss on the
-      parameters alone, or outputs hidden in an object) is ended where its first parameter
-      gradient arrives.
+      checkpointing are part of it. A backward that never reaches the outputs (a loss on the
+      parameters alone, or outputs hidden where `zero.graph.tensors_in` does not look) ends
+      where its first parameter gradient arrives: inside a reentrant checkpoint that is the
+      nested backward, and the pass counts more than once (the same on every rank, so the
+      step's rank-agreement check still holds).
     - fp16: a parameter gradient from a backward that did not start at a loss marked by
       `mark_scaled` (the engine's `scale`) is dropped and refused, before the stage takes it.
 
@@ -116,8 +146,7 @@ class BackwardCounter:
         self._progress = weakref.ref(progress)
         self.fp16 = fp16
         self._names = WeakIdKeyDictionary(names)
-        self._open = False  # a backward that reached this model is running
-        self._grads = False  # ... and gave one of its parameters a gradient
+        self._window: weakref.ref | None = None  # the backward running through this model, if any
 
     def install(self, module: nn.Module, params: list[nn.Parameter]) -> None:
         """Hook `module`'s outputs and `params` (before any other gradient hook of theirs)."""
@@ -128,39 +157,38 @@ class BackwardCounter:
     def _forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if in_backward() or self._progress() is None:  # a forward re-run inside backward (activation
             return  # checkpointing), or the engine is gone
-        self._open = self._grads = False  # a backward that raised before its end is over
-        _ScaledBackward.running = False
         if torch.is_grad_enabled():
             for t in graph_outputs(output):
                 t.register_hook(self._output_grad)
 
     def _output_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        self._begin()
+        self._running()
         return grad
 
-    def _begin(self) -> None:
-        if not self._open:
-            self._open, self._grads = True, False
-            torch.autograd.Variable._execution_engine.queue_callback(self._end)
+    def _running(self) -> _Window:
+        window = _alive(self._window)
+        if window is None:
+            self._window = _open(self._end)
+            window = self._window()
+        return window
 
     def _param_grad(self, param: nn.Parameter) -> None:
         if self._progress() is None:
             return
-        if self.fp16 and not _ScaledBackward.running:
+        if self.fp16 and not _ScaledBackward.running():
             param.grad = None
             raise RuntimeError(
                 f"zero: a backward of a loss without the fp16 loss scale reached parameter "
                 f"{self._names.get(param, '?')!r}: with fp16, gradients of the unscaled loss underflow. Call "
                 f"engine.backward(loss), or engine.scale(loss).backward(), instead of loss.backward(). No gradient "
                 f"of this backward was taken.")
-        self._begin()
-        self._grads = True
+        self._running().grads = True
 
-    def _end(self) -> None:
+    def _end(self, window: _Window) -> None:
+        self._window = None
         progress = self._progress()
-        if self._grads and progress is not None:
+        if window.grads and progress is not None:
             progress.backwards += 1
-        self._open = self._grads = False
 
     def __getstate__(self) -> dict:
-        return {"_progress": _gone, "fp16": False, "_names": {}, "_open": False, "_grads": False}
+        return {"_progress": _gone, "fp16": False, "_names": {}, "_window": None}

@@ -182,6 +182,9 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
     comm.agree(Tag.SAVE_CHECKPOINT, 0, zlib.crc32(tag.encode()), f"save_checkpoint({str(root)!r}, tag={tag!r})")
     if place.mesh is not None:  # each pipeline stage knows its own tensors: the JSON lists all of them
         state["tensors"] = {n: e for entries in place.gather(state["tensors"]) for n, e in entries.items()}
+        if place.mesh.pp > 1:  # and has param groups of its own
+            stage = place.mesh.coordinate("pp")
+            state["pipeline_param_groups"] = {str(s): g for s, g in place.gather((stage, state["optimizer"]["param_groups"]))}
     if engine.micro_steps % engine.config.gradient_accumulation_steps:
         warnings.warn(f"save_checkpoint at micro-step {engine.micro_steps}, inside a gradient accumulation window: "
                       f"the gradients of its micro-batches are not saved, and a resumed run starts the window "
@@ -348,6 +351,22 @@ def resolve_tag(load_dir: str | os.PathLike, tag: str | None) -> Path:
     return path
 
 
+def _saved_param_groups(state: dict, place: Placement) -> list[dict] | None:
+    """The saved param groups of this rank's part of the model: the checkpoint's, or with pipeline
+    stages its own stage's. None where the checkpoint's pipeline split differs from this run's
+    (its stages' groups do not map onto this run's): this run's own groups stay."""
+    saved_pp = (state.get("mesh") or {}).get("pp", 1)
+    pp = place.mesh.pp if place.mesh is not None else 1
+    if saved_pp != pp:
+        warnings.warn(f"load_checkpoint: the checkpoint's model was split into {saved_pp} pipeline stage(s), this "
+                      f"run's into {pp}: the param groups' hyperparameters stay this run's (the lr scheduler's "
+                      f"state is loaded)", stacklevel=4)
+        return None
+    if pp == 1:
+        return state["optimizer"]["param_groups"]
+    return state.get("pipeline_param_groups", {}).get(str(place.mesh.coordinate("pp")))
+
+
 def read_state(path: Path) -> dict:
     _check_tag_dir(path)
     try:
@@ -440,11 +459,13 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
         if io.any_rank(bool(absent), f"checking checkpoint {path}"):
             raise CheckpointError(f"{path}: the checkpoint lacks optimizer states ({absent[:4]}...); load with "
                                   f"load_optimizer_states=False to take the model only")
-        groups = len(state["optimizer"]["param_groups"])
-        if groups != len(engine.optimizer.param_groups):
-            raise CheckpointError(f"{path}: the checkpoint's optimizer has {groups} param group(s), this engine's "
+        groups = _saved_param_groups(state, place)
+        wrong = groups is not None and len(groups) != len(engine.optimizer.param_groups)
+        if io.any_rank(wrong, f"checking checkpoint {path}"):
+            raise CheckpointError(f"{path}: the checkpoint's optimizer has {len(groups)} param group(s), this engine's "
                                   f"{len(engine.optimizer.param_groups)}: build the engine with the same param groups "
-                                  f"(model_parameters), or load with load_optimizer_states=False")
+                                  f"(model_parameters), or load with load_optimizer_states=False" if wrong else
+                                  f"{path}: another rank's param groups do not match the checkpoint's (see its error)")
     kinds = ("model", *OPTIMIZER_KINDS) if with_optimizer else ("model",)
     targets = [c for c in _chunks(engine, place, saving=False, kinds=kinds) if c.name in stored]
     if not with_optimizer:  # the master follows the loaded model
@@ -493,7 +514,8 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
     if load_module_only:
         return str(path), state["client_state"]
     if with_optimizer:
-        engine.optimizer.load_state_dict(state["optimizer"])
+        own = engine.optimizer.state_dict()["param_groups"]  # kept where the pipeline was split otherwise
+        engine.optimizer.load_state_dict({**state["optimizer"], "param_groups": own if groups is None else groups})
 
     if load_lr_scheduler_states and state["lr_scheduler"] is not None and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])

@@ -246,9 +246,11 @@ class FlatGradients:
         self._handles = [p.register_post_accumulate_grad_hook(self._accumulate) for p in storage.params]
 
     def __getstate__(self) -> dict:
-        return {}  # see ParamStorage.__getstate__
+        return {}  # see ParamStorage.__getstate__: a copy leaves its model's gradients alone
 
     def _accumulate(self, param: nn.Parameter) -> None:
+        if not self.__dict__:
+            return
         grad, param.grad = local_grad(param), None
         if grad is not None:
             off = self.storage.layout.offsets[self.storage._index[param]]
@@ -305,8 +307,19 @@ class BucketGradients:
             [[s.params[i] for i in b.params] for b in s.layout.buckets], take=self._take, launch=self._launch,
             finish=self._finish, comm=s.comm, ordered=True, overlap=s.reduce.overlap_comm, names=s.names,
             ignore_unused=s.reduce.ignore_unused_parameters)
-        module.register_forward_pre_hook(lambda m, a: self.recover())
-        module.register_forward_hook(lambda m, a, out: self.readiness.hook_outputs(out))
+        module.register_forward_pre_hook(self._before_forward)
+        module.register_forward_hook(self._after_forward)
+
+    def __getstate__(self) -> dict:
+        return {}  # see ParamStorage.__getstate__: a copy's hooks do nothing
+
+    def _before_forward(self, module: nn.Module, args) -> None:
+        if self.__dict__:
+            self.recover()
+
+    def _after_forward(self, module: nn.Module, args, output) -> None:
+        if self.__dict__:
+            self.readiness.hook_outputs(output)
 
     def _staging_for(self, b: int) -> torch.Tensor:
         staging = self._staging.get(b)

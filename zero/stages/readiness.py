@@ -122,7 +122,12 @@ class GradReadiness:
             for t in tensors:
                 t.register_hook(lambda grad: (this.begin_backward(), grad)[1])
 
+    def __getstate__(self) -> dict:
+        return {}  # a pickled or deep-copied model's hooks do nothing (see ParamStorage.__getstate__)
+
     def _on_grad(self, param: nn.Parameter) -> None:
+        if not self.__dict__:
+            return
         gi = self._group_of[param]
         self.begin_backward()
         self._arrived.add(param)

@@ -56,9 +56,15 @@ class ParamStorage(abc.ABC):
         self.step_number = step_number
 
     def __getstate__(self) -> dict:
-        """Nothing: the model's hooks hold the storage, and `torch.save(model)` must not write the
-        optimizer state (or a process group) with the model; an unpickled storage is inert."""
+        """Nothing: the model's hooks hold the storage, and `torch.save(model)` (or a deepcopy of the
+        model, for an EMA copy) must not take the optimizer state or a process group along. The
+        copy's hooks find an empty storage and do nothing (see `inert`)."""
         return {}
+
+    @property
+    def inert(self) -> bool:
+        """A copy made by pickling or deepcopy of the model: its hooks leave the copy alone."""
+        return "params" not in self.__dict__
 
     def new_state(self, like: torch.Tensor, compute_device: torch.device) -> torch.Tensor:
         """A zero fp32 optimizer-state tensor shaped like `like`: in host memory when offloaded
@@ -175,11 +181,14 @@ class ParamStorage(abc.ABC):
                 m.register_load_state_dict_post_hook(functools.partial(self._after_load, own))
 
     def _after_load(self, own: list, module, incompatible_keys) -> None:
-        self.edits_seen(p for _, p in own)
+        if not self.inert:
+            self.edits_seen(p for _, p in own)
 
     @torch.no_grad()
     def _before_load(self, own: list, module, state_dict: dict, prefix: str, local_metadata: dict, strict, missing,
                      unexpected, errors: list[str]) -> None:
+        if self.inert:
+            return
         if local_metadata.get("assign_to_params_buffers"):
             errors.append("load_state_dict(assign=True) after zero.initialize would replace the parameters the "
                           "engine trains (their gradients would never reach it); load without assign=True")
