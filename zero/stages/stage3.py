@@ -225,6 +225,8 @@ class Stage3Runtime:
 
     def _exchange_tag(self, unit: ParamUnit, phase: str) -> None:
         """See [Note: rank-divergent control flow]."""
+        if self.comm.world_size == 1:  # nothing to agree on: no closure per gather on this hot path
+            return
         step = self._step()
         self.comm.tagged(_PHASE_TAG[phase], unit.index, 0,
                          lambda: f"ZeRO-3 step {step}, {self._describe(unit, phase)}", self._unit_label,
