@@ -34,6 +34,14 @@ in fp32 and bf16:
   accumulation steps (which keeps fp16 gradients' headroom): `engine.backward(loss)` does it,
   and so does `engine.scale(loss).backward()`. A backward whose loss did not pass through
   `scale` is refused at its first parameter gradient, before the stage takes any.
+
+[Note: an engine without an optimizer]
+`initialize` without an optimizer (no `optimizer` section, no `optimizer=`) builds an engine
+that evaluates and generates, as DeepSpeed's does: how large models are evaluated and how RLHF
+reference models are held. It places the model as a training engine would, every parameter
+treated as frozen: stages 0-2 keep a replica in the training dtype on each rank, stage 3 shards
+every parameter and gathers each module's around its forward. No gradients, master weights or
+optimizer states are kept. `engine.backward` and `engine.step` are refused, as is a scheduler.
 """
 from __future__ import annotations
 
@@ -50,6 +58,7 @@ import torch.nn as nn
 
 from zero.comm import Comm, Tag, compute_device
 from zero.config import ZeroConfig
+from zero.engine_surface import DeepSpeedMethods
 from zero.guards import (
     _claim,
     _refuse_claimed,
@@ -63,7 +72,7 @@ from zero.pipe.module import PipelineModule
 from zero.precision import NonFiniteGradientError
 from zero.progress import BackwardCounter, TrainingProgress, mark_scaled
 from zero.stages import build_optimizer
-from zero.stages.adam import check_param_groups
+from zero.stages.adam import ADAM_DEFAULTS, check_param_groups
 from zero.stages.choice import _optimizer_defaults, _param_groups, client_step
 from zero.stages.policies import strict_tag_checks
 
@@ -88,6 +97,20 @@ def _place_the_rest(module: nn.Module, placed: list[nn.Parameter], device: torch
             comm.broadcast(local.data, src=0)
 
 
+def _refuse_scheduler_without_optimizer(config: ZeroConfig, lr_scheduler) -> None:
+    if lr_scheduler is not None or config.scheduler is not None:
+        what = "initialize(lr_scheduler=...)" if lr_scheduler is not None else "the config's 'scheduler' section"
+        raise ValueError(f"{what} without an optimizer: a scheduler changes an optimizer's learning rate, and this "
+                         f"engine has none (no 'optimizer' section in the config and no initialize(optimizer=...)). "
+                         f"Add an optimizer to train, or remove the scheduler to evaluate or generate.")
+
+
+def _refuse_without_optimizer(what: str) -> None:
+    raise RuntimeError(f"{what}: this engine was built without an optimizer (the config has no 'optimizer' section "
+                       f"and initialize got no optimizer=), so it evaluates and generates but does not train. "
+                       f"Add an 'optimizer' section to the config, or pass initialize(optimizer=...), to train.")
+
+
 def _check_loss(loss: Any, what: str) -> None:
     if not isinstance(loss, torch.Tensor):
         hint = " (pass the loss inside it, e.g. outputs[0] or outputs.loss)" if isinstance(loss, (tuple, list, dict)) \
@@ -95,7 +118,7 @@ def _check_loss(loss: Any, what: str) -> None:
         raise TypeError(f"{what} takes the scalar loss tensor, got a {type(loss).__name__}{hint}")
 
 
-class Engine(nn.Module):
+class Engine(DeepSpeedMethods, nn.Module):
     """A model wrapped for ZeRO data-parallel training, on any (pp, dp, tp) mesh; see [Note: one
     engine, any mesh]. Build it with `zero.initialize`.
 
@@ -129,14 +152,21 @@ class Engine(nn.Module):
         self.comm = Comm(mesh.group("dp"), strict) if mesh is not None and dist.is_initialized() else Comm(None, strict)
         self.comm.engine = next_engine_number()
         self.device = compute_device(self.comm)
-        client = client_step(config, optimizer)  # another optimizer than Adam, run on the shards
-        defaults = _optimizer_defaults(config, optimizer, client)
-        groups = _param_groups(module, model_parameters if optimizer is None else optimizer.param_groups, defaults)
-        check_param_groups(groups, "Check model_parameters / the optimizer's param groups.")
-        if any(g.get("eps") == 0 for g in groups):
-            warnings.warn("zero: Adam eps is 0: an element whose gradient is 0 (an unused parameter, a padding row) "
-                          "gets 0/0 = NaN in the update, as with torch.optim.Adam; use a small eps such as 1e-8",
-                          stacklevel=3)
+        # without an optimizer (none passed, no optimizer section) the engine evaluates and generates:
+        # see [Note: an engine without an optimizer]
+        self.trains = optimizer is not None or config.optimizer is not None
+        if self.trains:
+            client = client_step(config, optimizer)  # another optimizer than Adam, run on the shards
+            defaults = _optimizer_defaults(config, optimizer, client)
+            groups = _param_groups(module, model_parameters if optimizer is None else optimizer.param_groups, defaults)
+            check_param_groups(groups, "Check model_parameters / the optimizer's param groups.")
+            if any(g.get("eps") == 0 for g in groups):
+                warnings.warn("zero: Adam eps is 0: an element whose gradient is 0 (an unused parameter, a padding "
+                              "row) gets 0/0 = NaN in the update, as with torch.optim.Adam; use a small eps such as "
+                              "1e-8", stacklevel=3)
+        else:
+            _refuse_scheduler_without_optimizer(config, lr_scheduler)
+            client, groups = None, [{**ADAM_DEFAULTS, "params": []}]  # nothing to train: every parameter is frozen
         _refuse_claimed(module, {p for g in groups for p in g["params"]}, config.zero_optimization.stage)
         _refuse_foreign_parameters(module, groups, config)
         check_ranks_agree(module, config, self.comm)  # before the first broadcast
@@ -204,6 +234,7 @@ class Engine(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._refuse_with_pipeline("engine(...)")
+        self._check_states_home("engine(...)")
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             cast = lambda t: t.to(torch.float16) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
             args = tuple(cast(a) for a in args)
@@ -228,6 +259,9 @@ class Engine(nn.Module):
         the accumulation steps). Gradients flow into the partitioned buffers through hooks.
         Returns the loss it was given."""
         self._refuse_with_pipeline("engine.backward")
+        if not self.trains:
+            _refuse_without_optimizer("engine.backward(loss)")
+        self._check_states_home("engine.backward(loss)")
         _check_loss(loss, "engine.backward(loss)")
         scaled = self.scale(loss)
         counted = self.progress.backwards
@@ -244,6 +278,9 @@ class Engine(nn.Module):
     def step(self) -> None:
         """Call after every micro-batch's backward; updates weights only at the boundary."""
         self._refuse_with_pipeline("engine.step")
+        if not self.trains:
+            _refuse_without_optimizer("engine.step()")
+        self._check_states_home("engine.step()")
         if self._in_no_sync:
             raise RuntimeError("engine.step() was called inside no_sync(): the gradients of the steps inside are not "
                                "reduced across ranks, so stepping now would update each rank with its own gradient "
@@ -318,7 +355,9 @@ class Engine(nn.Module):
 
     def __getattr__(self, name: str) -> Any:
         """DeepSpeed's pipeline API (`train_batch`, `eval_batch`, `is_first_stage`, `is_last_stage`,
-        `agg_train_loss`, `agg_eval_loss`) exists when the engine has a pipeline schedule."""
+        `agg_train_loss`, `agg_eval_loss`) exists when the engine has a pipeline schedule. Any other
+        name the engine lacks is looked up on the wrapped module, as DeepSpeed does
+        (`engine.generate(...)`, a user's own method or attribute)."""
         if name in _PIPELINE_API:
             pipeline = self.__dict__.get("pipeline")
             if pipeline is not None:
@@ -326,7 +365,17 @@ class Engine(nn.Module):
             raise AttributeError(f"'Engine' object has no attribute {name!r}: it belongs to a pipeline schedule, which "
                                  f"an engine has when its model is a zero.pipe.PipelineModule (docs/parallelism.md); "
                                  f"train this one with engine(...), engine.backward(loss) and engine.step()")
-        return super().__getattr__(name)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name.startswith("__"):
+                raise
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            raise AttributeError(f"neither the engine nor its module ({type(module).__name__}) has an attribute "
+                                 f"{name!r}") from None
 
     def _refuse_with_pipeline(self, what: str) -> None:
         if self.pipeline is not None:
@@ -513,6 +562,7 @@ class Engine(nn.Module):
         from zero.checkpoint import consolidated_state_dict
 
         refuse_whole_model_save(self.mesh, "consolidated_16bit_state_dict")
+        self._check_states_home("consolidated_16bit_state_dict()")
         return consolidated_state_dict(self.module, self.comm, exclude_frozen_parameters)
 
     _zero3_consolidated_16bit_state_dict = consolidated_16bit_state_dict  # DeepSpeed's name (accelerate calls it)
@@ -570,6 +620,7 @@ class Engine(nn.Module):
         """
         from zero.checkpoint.training import save_checkpoint
 
+        self._check_states_home("save_checkpoint()")
         self.wait_for_checkpoint()
         if async_save is None:
             async_save = self.config.checkpoint.async_save
@@ -595,6 +646,7 @@ class Engine(nn.Module):
         """
         from zero.checkpoint.training import load_checkpoint
 
+        self._check_states_home("load_checkpoint()")
         self.wait_for_checkpoint()
         loaded = load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                  load_lr_scheduler_states, load_module_only)

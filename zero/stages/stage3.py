@@ -513,6 +513,9 @@ class UnitParams(ParamStorage):
             if unit.persistent:
                 unit.refresh(lambda work: work.wait())
 
+    def release_gathered(self) -> None:
+        self.runtime.release_all()
+
     def zero_grads(self) -> None:
         self.runtime.recover()
         for unit in self.units:

@@ -87,6 +87,10 @@ class ParamStorage(abc.ABC):
     def publish(self) -> None:
         """Make the updated shards visible to the model (all-gather them, release stale copies)."""
 
+    def release_gathered(self) -> None:
+        """Free copies of parameters made for computing (stage 3's gathered units); none here."""
+        return None
+
     @abc.abstractmethod
     def zero_grads(self) -> None:
         """Forget this step's gradients."""

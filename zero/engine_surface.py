@@ -1,0 +1,233 @@
+"""DeepSpeedEngine's methods that act (the config accessors are in zero/engine_accessors.py).
+
+`Engine` inherits them. Each has DeepSpeed's signature and meaning, built on the engine's own
+pieces (its optimizer and storage, its progress, its mesh): moving model states off the device
+and back (`offload_states` / `reload_states`, see [Note: states away] in
+zero/stages/relocation.py), the module's state dict, batch-size changes, rank queries, the data
+loader, and the old names of methods that have new ones.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+
+class DeepSpeedMethods:
+    """Mixed into zero.engine.Engine."""
+
+    # -- model states off the device ---------------------------------------------------------------
+
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False) -> None:
+        """Move this rank's model states (DeepSpeed's `include`: optim_states, hp_params, lp_params,
+        lp_grads, contiguous_grad_buffer; None: all) from the device to host memory, freeing
+        their device memory until `reload_states()`. While they are away the engine refuses to
+        compute, step or save. States already in host memory (optimizer or parameter offload)
+        stay. See [Note: states away] in zero/stages/relocation.py."""
+        where = getattr(device, "value", device)
+        if where == "none":
+            warnings.warn("offload_states(device='none'): nothing to do", stacklevel=2)
+            return
+        if where != "cpu":
+            raise ValueError(f"offload_states(device={device!r}): states can be moved to 'cpu' (host memory) only")
+        if self.optimizer.states_offloaded:
+            raise RuntimeError("offload_states(): the states are already offloaded; call reload_states() first")
+        self.wait_for_checkpoint()  # an asynchronous save may still be copying them
+        self.optimizer.offload_states(include, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring back what `offload_states` moved to host memory (nothing if nothing is away)."""
+        self.optimizer.reload_states(non_blocking)
+
+    def _check_states_home(self, what: str) -> None:
+        if self.optimizer.states_offloaded:
+            raise RuntimeError(f"{what}: the model states are offloaded to host memory (engine.offload_states()); "
+                               f"call engine.reload_states() first")
+
+    def empty_partition_cache(self) -> None:
+        """Release the gathered copies of stage-3 parameters (each is gathered again at its next
+        use) and return the freed memory to the device (a no-op for stages 0-2)."""
+        self.optimizer.storage.release_gathered()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def destroy(self) -> None:
+        """Finish any checkpoint being written and drop what the engine holds on the device (the
+        engine is not used afterwards)."""
+        self.wait_for_checkpoint()
+        self.optimizer.storage.release_gathered()
+        gc.collect()
+
+    # -- the module's state ------------------------------------------------------------------------
+
+    def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False) -> dict:
+        """The wrapped module's state dict (`module.state_dict()`), without frozen parameters if
+        asked. Under stage 3 every rank calls it and gets the whole values (each parameter
+        gathered in turn and copied), where DeepSpeed gives this rank's empty placeholders."""
+        self._check_states_home("module_state_dict()")
+        if self.config.zero_optimization.stage == 3:
+            from zero.init import GatheredParameters
+
+            out = {} if destination is None else destination
+            for name, value in self.module.state_dict(prefix=prefix, keep_vars=True).items():
+                if getattr(value, "_zero", None) is not None:
+                    with GatheredParameters([value]):
+                        value = value.detach().clone()
+                out[name] = value if keep_vars or not isinstance(value, torch.Tensor) else value.detach()
+        else:
+            out = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            for name, p in self.module.named_parameters():
+                if not p.requires_grad:
+                    out.pop(prefix + name, None)
+        return out
+
+    def load_module_state_dict(self, checkpoint: dict, strict: bool = True, custom_load_fn=None,
+                               fetch_z3_params: bool = False, z3_params_to_fetch=None, allowed_missing_keys=None):
+        """Load `checkpoint["module"]` into the wrapped module (sharded parameters take their
+        part of each value, see zero/init.py), or call `custom_load_fn(src=..., dst=module)`.
+        Every rank calls it. `allowed_missing_keys`: keys that may be missing from a strict load."""
+        self._check_states_home("load_module_state_dict()")
+        if not isinstance(checkpoint, dict) or "module" not in checkpoint:
+            raise ValueError(f"load_module_state_dict(checkpoint) takes a dict with the module's state under "
+                             f"'module' (as DeepSpeed's), got {type(checkpoint).__name__}"
+                             f"{' with keys ' + str(sorted(checkpoint)[:5]) if isinstance(checkpoint, dict) else ''}")
+        state = checkpoint["module"]
+        if custom_load_fn is not None:
+            from zero.init import GatheredParameters
+
+            with GatheredParameters(list(self.module.parameters()), modifier_rank=0):
+                return custom_load_fn(src=state, dst=self.module)
+        result = self.module.load_state_dict(state, strict=strict and allowed_missing_keys is None)
+        if strict and allowed_missing_keys is not None:
+            missing = set(result.missing_keys) - set(allowed_missing_keys)
+            if missing or result.unexpected_keys:
+                raise RuntimeError(f"load_module_state_dict: the state does not match the module beyond "
+                                   f"allowed_missing_keys: missing {sorted(missing)}, unexpected "
+                                   f"{sorted(result.unexpected_keys)}")
+        return result
+
+    def save_fp16_model(self, save_dir: str | os.PathLike, save_filename: str = "model.safetensors") -> bool:
+        """The old name of `save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
+
+    # -- batch sizes ---------------------------------------------------------------------------------
+
+    def get_batch_info(self) -> tuple[int, int, int]:
+        """(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)."""
+        c = self.config
+        return c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Change the global batch size by changing the gradient accumulation steps (the
+        micro-batch stays); at an accumulation boundary only. ValueError if it is not a multiple
+        of micro-batch x data-parallel ranks."""
+        per_step = self.config.train_micro_batch_size_per_gpu * self.comm.world_size
+        if not isinstance(train_batch_size, int) or train_batch_size <= 0 or train_batch_size % per_step:
+            raise ValueError(f"set_train_batch_size({train_batch_size!r}): the train batch size must be a positive "
+                             f"multiple of train_micro_batch_size_per_gpu x data-parallel ranks = {per_step}")
+        self._set_accumulation(train_batch_size // per_step, "set_train_batch_size")
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """Change the micro-batch size, keeping the accumulation steps (the global batch changes
+        with it); the data loader initialize made keeps its batch size, as in DeepSpeed."""
+        if not isinstance(micro_batch_size, int) or micro_batch_size <= 0:
+            raise ValueError(f"set_train_micro_batch_size({micro_batch_size!r}): expected a positive int")
+        c = self.config
+        self.config = c.model_copy(update={
+            "train_micro_batch_size_per_gpu": micro_batch_size,
+            "train_batch_size": micro_batch_size * c.gradient_accumulation_steps * self.comm.world_size})
+        self.__dict__.pop("_config", None)  # the DeepSpeed view is rebuilt from the new config
+
+    def _set_accumulation(self, steps: int, what: str) -> None:
+        c = self.config
+        if self.progress.micro_steps % c.gradient_accumulation_steps:
+            raise RuntimeError(f"{what}: inside an accumulation window ({self.progress.micro_steps % c.gradient_accumulation_steps}"
+                               f" of {c.gradient_accumulation_steps} micro-steps done); change it after a step")
+        if self.pipeline is not None and steps != c.gradient_accumulation_steps:
+            raise RuntimeError(f"{what}: a pipeline engine's micro-batches per batch are fixed when it is built")
+        if (steps > 1) != (c.gradient_accumulation_steps > 1) and c.dtype != torch.float32 and not c.fp16.enabled:
+            raise RuntimeError(f"{what}: going from {c.gradient_accumulation_steps} to {steps} accumulation steps "
+                               f"changes the gradient buffers' dtype (bf16 gradients accumulate in fp32 across "
+                               f"micro-batches); set gradient_accumulation_steps to > 1 in the config if the run "
+                               f"will switch")
+        self.config = c.model_copy(update={"gradient_accumulation_steps": steps,
+                                           "train_batch_size": steps * c.train_micro_batch_size_per_gpu * self.comm.world_size})
+        self.__dict__.pop("_config", None)
+        self.progress.accumulation = steps
+        self.progress.micro_steps = self.progress.global_steps * steps
+        opt = self.optimizer
+        if not c.fp16.enabled:
+            opt.options = dataclasses.replace(opt.options, accumulation=steps)
+        opt.loss_scaler.accumulation = steps
+        opt.at_boundary = self.is_gradient_accumulation_boundary()
+
+    # -- ranks and groups ------------------------------------------------------------------------------
+
+    def _coordinate(self, dim: str) -> int:
+        return self.mesh.coordinate(dim) if self.mesh is not None else 0
+
+    def get_data_parallel_rank(self) -> int:
+        return self.comm.rank
+
+    def get_tensor_parallel_rank(self) -> int:
+        return self._coordinate("tp")
+
+    def get_model_parallel_rank(self) -> int:
+        """The rank among the model-parallel (tensor-slice) ranks (0 without tensor slicing)."""
+        return self._coordinate("tp")
+
+    def get_pipeline_parallel_rank(self) -> int:
+        return self._coordinate("pp")
+
+    def get_sequence_parallel_group(self):
+        """None: zero has no sequence parallelism (DeepSpeed's value when it is off)."""
+        return None
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def mp_world_size(self) -> int:
+        return self.mesh.tp if self.mesh is not None else 1
+
+    @property
+    def data_parallel_group(self):
+        return self.comm.group if self.comm.group is not None else (dist.group.WORLD if dist.is_initialized() else None)
+
+    # -- data ------------------------------------------------------------------------------------------
+
+    def deepspeed_io(self, dataset, batch_size: int | None = None, route=None, pin_memory: bool = True,
+                     data_sampler=None, collate_fn=None, num_local_io_workers: int | None = None):
+        """A loader over `dataset` giving each data-parallel rank its own micro-batches (default
+        size: train_micro_batch_size_per_gpu), resumable from checkpoints as initialize's."""
+        from zero.data import ResumableLoader
+
+        if data_sampler is not None:
+            return torch.utils.data.DataLoader(dataset, batch_size=batch_size or self.config.train_micro_batch_size_per_gpu,
+                                               sampler=data_sampler, collate_fn=collate_fn, pin_memory=pin_memory,
+                                               num_workers=num_local_io_workers or 0)
+        return ResumableLoader(dataset, batch_size=batch_size or self.config.train_micro_batch_size_per_gpu,
+                               num_replicas=self.comm.world_size, rank=self.comm.rank, collate_fn=collate_fn,
+                               drop_last=self.config.dataloader_drop_last)
+
+    @staticmethod
+    def is_map_style_dataset(obj) -> bool:
+        return hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
+
+    @staticmethod
+    def is_iterable_style_dataset(obj) -> bool:
+        return isinstance(obj, torch.utils.data.IterableDataset)
+
+    def allreduce_gradients(self, bucket_size=None) -> None:
+        """Nothing to do: gradients are reduced by the stage's hooks during backward and at the
+        step (DeepSpeed's engine.backward calls this itself; scripts that call it too keep
+        working)."""
+        return None
