@@ -11,6 +11,9 @@ See [Note: parameter shards] in zero/partition/shards.py for what a sharded para
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
+import types
 from collections.abc import Sequence
 
 import torch
@@ -29,8 +32,27 @@ def _all_subclasses(cls: type) -> set[type]:
     return out
 
 
-class Init:
-    """Context manager: modules built inside it have their parameters sharded as they are made.
+_OPEN_INITS: list[Init] = []  # the Init contexts entered and not yet left, outermost first
+
+
+def _refuse_unsupported_init_arguments(kwargs: dict) -> None:
+    """DeepSpeed's Init arguments zero has no counterpart for: refused unless left at their default."""
+    defaults = {"mem_efficient_linear": (True, False), "tensor_overrides": (None,), "zero_quantized_weights": (False,),
+                "zero_quantized_nontrainable_weights": (False,), "mpu": (None,), "zero_param_parallel_group": (None,),
+                "sequence_data_parallel_group": (None,), "param_swapper": (None,)}
+    for key, value in kwargs.items():
+        if key not in defaults:
+            raise TypeError(f"zero.Init got an unexpected keyword argument {key!r}")
+        if key == "tensor_overrides" or any(value is d or value == d for d in defaults[key]):
+            continue  # mem_efficient_linear is about DeepSpeed's own Linear; tensor overrides: see ABSENT_NAMES
+        raise ValueError(f"zero.Init({key}={value!r}) is not supported: zero shards every parameter over the "
+                         f"data-parallel ranks of the world (no mpu, custom groups, quantized weights or NVMe swap); "
+                         f"leave {key} unset")
+
+
+class Init(contextlib.ContextDecorator):
+    """Context manager (or decorator of a function that builds a model): modules built inside it
+    have their parameters sharded as they are made.
 
     After each module's `__init__` returns (the outermost one, so a subclass's own
     initialisation still sees full tensors), each of its parameters is broadcast from rank 0 and
@@ -39,7 +61,13 @@ class Init:
     after construction (custom initialisation loops) must use `GatheredParameters(...,
     modifier_rank=0)`, as with DeepSpeed.
 
+    Contexts nest, as DeepSpeed's: only the outermost one shards (an inner `zero.Init()` in a
+    model's own code changes nothing), and `zero.initialize` may be called inside one.
+
     Args:
+        module: an existing model to shard now (every parameter not yet sharded), as DeepSpeed's
+            `Init(module=model)`; the context is then not needed.
+        data_parallel_group: None or the world: zero shards over all ranks.
         config: the DeepSpeed-style config (dict or path) the engine will use; read for nothing
             but accepted for DeepSpeed compatibility. Stage is not checked here.
         remote_device: "cpu" keeps the shards in CPU memory until `initialize`; None (or
@@ -53,12 +81,16 @@ class Init:
             during construction (the largest module's own parameters, at most).
     """
 
-    def __init__(self, module: nn.Module | None = None, config=None, config_dict_or_path=None,
-                 remote_device: str | None = None, pin_memory: bool = False, enabled: bool = True,
-                 dtype: torch.dtype | None = None, **unused):
-        if module is not None:
-            raise ValueError("zero.Init(module=...) (sharding an existing model) is not supported; build the model "
-                             "inside `with zero.Init():`, or let zero.initialize shard it")
+    def __init__(self, module: nn.Module | None = None, data_parallel_group=None, config=None,
+                 config_dict_or_path=None, remote_device: str | None = None, pin_memory: bool = False,
+                 enabled: bool = True, dtype: torch.dtype | None = None, **deepspeed_only):
+        _refuse_unsupported_init_arguments(deepspeed_only)
+        if data_parallel_group is not None and (not torch.distributed.is_initialized()
+                                                or data_parallel_group is not torch.distributed.group.WORLD):
+            raise ValueError("zero.Init(data_parallel_group=...): zero shards over every rank of the world; leave "
+                             "data_parallel_group unset")
+        if module is not None and not isinstance(module, nn.Module):
+            raise TypeError(f"zero.Init(module=...) takes an nn.Module, got {type(module).__name__}")
         if remote_device not in (None, "cpu", "device", "cuda"):
             raise ValueError(f"zero.Init: remote_device must be None, 'cpu' or 'device', got {remote_device!r} "
                              f"('nvme' is not supported)")
@@ -70,9 +102,17 @@ class Init:
         self._full: dict[int, int] = {}
         self._patched: dict[type, object] = {}
         self._hook = None
+        self._outermost = False
+        if module is not None and enabled:  # DeepSpeed's Init(module=model): shard an existing model now
+            self.comm = Comm()
+            for m in module.modules():
+                self._shard_own(m)
 
     def __enter__(self) -> Init:
-        if not self.enabled:
+        self._outermost = self.enabled and not _OPEN_INITS
+        if self.enabled:
+            _OPEN_INITS.append(self)
+        if not self._outermost:  # disabled, or nested in another Init, which shards
             return self
         self.comm = Comm()
         for cls in _all_subclasses(nn.Module) | {nn.Module}:
@@ -91,8 +131,11 @@ class Init:
         return self
 
     def __exit__(self, *exc) -> None:
-        if not self.enabled:
+        if self.enabled:
+            _OPEN_INITS.remove(self)
+        if not self._outermost:
             return
+        self._outermost = False
         self._hook.remove()
         for cls, original in self._patched.items():
             cls.__init__ = original
@@ -213,19 +256,46 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
     """Declare that `module`'s forward uses `parameter`, which belongs to another module.
 
     Stage 3 then gathers the parameter's unit around `module`'s forward and backward too. Call it
-    before `zero.initialize` (for example in the module's `__init__`), as with DeepSpeed.
+    before `zero.initialize` (for example in the module's `__init__`), as with DeepSpeed. It is
+    recorded where DeepSpeed records it: `module._external_params` ({id: parameter}), listed by
+    `module.ds_external_parameters()`, with `parameter.is_external_param` set.
     """
     if not isinstance(parameter, nn.Parameter):
-        raise ValueError(f"register_external_parameter expects an nn.Parameter, got {type(parameter).__name__}")
-    external = module.__dict__.setdefault("_zero_external_params", [])
-    if all(p is not parameter for p in external):
-        external.append(parameter)
+        raise RuntimeError(f"register_external_parameter expects an nn.Parameter, got {type(parameter).__name__}")
+    _external_params(module)[id(parameter)] = parameter
+    parameter.is_external_param = True
 
 
 def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
     """Undo `register_external_parameter` (before `zero.initialize`)."""
-    external = module.__dict__.get("_zero_external_params", [])
-    module.__dict__["_zero_external_params"] = [p for p in external if p is not parameter]
+    if not isinstance(parameter, nn.Parameter):
+        raise RuntimeError(f"unregister_external_parameter expects an nn.Parameter, got {type(parameter).__name__}")
+    external = module.__dict__.get("_external_params", {})
+    if id(parameter) not in external:
+        raise RuntimeError(f"unregister_external_parameter: the parameter of shape {tuple(parameter.shape)} is not a "
+                           f"registered external parameter of this {type(module).__name__}")
+    del external[id(parameter)]
+
+
+def external_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters registered as used by `module` but owned elsewhere."""
+    return list(module.__dict__.get("_external_params", {}).values())
+
+
+def _external_params(module: nn.Module) -> dict[int, nn.Parameter]:
+    if "_external_params" not in module.__dict__:
+        module.__dict__["_external_params"] = {}
+        module.ds_external_parameters = types.MethodType(_ds_external_parameters, module)
+        module.all_parameters = types.MethodType(_all_parameters, module)
+    return module.__dict__["_external_params"]
+
+
+def _ds_external_parameters(module: nn.Module):
+    return module.__dict__["_external_params"].items()
+
+
+def _all_parameters(module: nn.Module):
+    return itertools.chain(module.named_parameters(recurse=False), _ds_external_parameters(module))
 
 
 def set_z3_leaf_modules(model: nn.Module, leaf_module_classes: Sequence[type]) -> list[nn.Module]:

@@ -97,26 +97,70 @@ def mark_ds(p, info: ShardedParam, shard: torch.Tensor, persistent: bool = False
     DeepSpeed's stage-3 parameter attributes, which transformers, PEFT and TRL read: `ds_numel` and
     `ds_shape` (the full size: parameter counts use them when `.numel()` is 0), `ds_id`, `ds_tensor`
     (this rank's shard), `ds_persist`, `ds_status` (kept current by the unit as it gathers and
-    releases), and `all_gather()` / `partition()`."""
+    releases), `all_gather()` / `all_gather_coalesced()` / `partition()`, `ds_summary()`,
+    `partition_numel()`, `padding_size()`, `aligned_size()`, `ds_active_sub_modules` (kept empty:
+    zero tracks what is in use by unit, not by module) and `is_external_param`."""
     p.ds_numel, p.ds_shape, p.ds_tensor, p.ds_persist = info.numel, info.shape, shard, persistent
     if not hasattr(p, "ds_id"):
         p.ds_id = next(_IDS)
     p.ds_status = ZeroParamStatus.AVAILABLE if local_tensor(p).numel() == info.numel and info.numel else \
         ZeroParamStatus.NOT_AVAILABLE
     p.all_gather = functools.partial(_all_gather, p)
+    p.all_gather_coalesced = functools.partial(_all_gather_coalesced, p)
     p.partition = functools.partial(_partition, p)
+    p.ds_summary = functools.partial(_summary, p)
+    p.partition_numel = functools.partial(_partition_numel, p)
+    p.padding_size = functools.partial(_padding_size, p)
+    p.aligned_size = functools.partial(_aligned_size, p)
+    if not hasattr(p, "ds_active_sub_modules"):
+        p.ds_active_sub_modules = set()
+    if not hasattr(p, "is_external_param"):
+        p.is_external_param = False
 
 
-def _all_gather(p, param_list=None) -> None:
+def _summary(p, use_debug_name: bool = False) -> dict:
+    """DeepSpeed's `param.ds_summary()`: the parameter's stage-3 bookkeeping as a dict."""
+    return {"id": p.ds_id, "status": p.ds_status.name, "numel": p.numel(), "ds_numel": p.ds_numel,
+            "shape": tuple(p.shape), "ds_shape": tuple(p.ds_shape), "requires_grad": p.requires_grad,
+            "grad_shape": tuple(p.grad.shape) if p.grad is not None else None, "persist": p.ds_persist,
+            "active_sub_modules": p.ds_active_sub_modules, "ds_tensor.shape": p._zero.shard().shape}
+
+
+def _partition_numel(p) -> int:
+    return p._zero.shard_numel
+
+
+def _aligned_size(p) -> int:
+    return p._zero.shard_numel * p._zero.comm().world_size
+
+
+def _padding_size(p) -> int:
+    return _aligned_size(p) - p._zero.numel
+
+
+class _Done:
+    """The handle DeepSpeed's asynchronous gathers return; ours have finished."""
+
+    def wait(self) -> None:
+        return None
+
+
+def _all_gather_coalesced(p, params=None, safe_mode: bool = False, quantize: bool = False) -> _Done:
+    _all_gather(p, params)
+    return _Done()
+
+
+def _all_gather(p, param_list=None, async_op: bool = False, hierarchy: int = 0):
     """DeepSpeed's `param.all_gather()`: the full value in `p.data` until `partition()`."""
     for q in param_list or [p]:
         if q.ds_status is not ZeroParamStatus.AVAILABLE:
             local_tensor(q).data = gather_param(q._zero.shard(), q._zero.numel, q._zero.comm()).view(q._zero.shape)
             q.ds_status = ZeroParamStatus.AVAILABLE
             q._zero_gathered_by_user = True
+    return _Done() if async_op else None
 
 
-def _partition(p, param_list=None) -> None:
+def _partition(p, param_list=None, hierarchy: int = 0, has_been_updated: bool = False, free_data: bool = True):
     """DeepSpeed's `param.partition()`: release what `all_gather()` gathered (read-only: use
     GatheredParameters(modifier_rank=...) to change values)."""
     for q in param_list or [p]:

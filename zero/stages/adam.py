@@ -168,6 +168,40 @@ class ShardedAdam(torch.optim.Optimizer):
         report["offloaded_bytes"] = away.host_bytes() if away is not None else 0  # offload_states' host copies
         return report
 
+    @property
+    def parameter_offload(self):
+        """Stage 3's runtime (DeepSpeed's `optimizer.parameter_offload`): its `module`,
+        `forward_hooks`, `backward_hooks` and `_register_hooks_recursively`."""
+        runtime = getattr(self.storage, "runtime", None)
+        if runtime is None:
+            raise AttributeError("parameter_offload: only a stage-3 optimizer has one")
+        return runtime
+
+    @property
+    def forward_hooks(self) -> list:
+        return self.parameter_offload.forward_hooks
+
+    @forward_hooks.setter
+    def forward_hooks(self, handles: list) -> None:
+        self.parameter_offload.forward_hooks = handles
+
+    @property
+    def backward_hooks(self) -> list:
+        return self.parameter_offload.backward_hooks
+
+    @backward_hooks.setter
+    def backward_hooks(self, handles: list) -> None:
+        self.parameter_offload.backward_hooks = handles
+
+    @property
+    def module(self):
+        return self.parameter_offload.module
+
+    def _register_hooks_recursively(self, module=None, *args) -> None:
+        self.parameter_offload._register_hooks_recursively(module)
+
+    _register_deepspeed_module = _register_hooks_recursively
+
     # -- states off the device (see [Note: states away] in zero/stages/relocation.py) ---------------
 
     def offload_states(self, include=None, pin_memory: bool = True, non_blocking: bool = False) -> int:

@@ -60,6 +60,7 @@ import torch.nn as nn
 
 from zero.comm import Comm, RankDivergenceError, Tag  # noqa: F401 - RankDivergenceError: its old home
 from zero.graph import graph_outputs, in_backward
+from zero.init import external_parameters
 from zero.memory_report import Gauges
 from zero.partition.layout import local_tensor
 from zero.stages.planning import describe_shard, plan_units, take_local_shard
@@ -136,20 +137,37 @@ class Stage3Runtime:
     # -- hooks --------------------------------------------------------------------------------------
 
     def _install_hooks(self, unit_modules: list[nn.Module | None]) -> None:
+        """The module hooks that gather and release units around forward (backward's are set
+        on the outputs during forward). Their handles are in `forward_hooks`, as DeepSpeed's
+        stage-3 optimizer keeps them, for code that removes them around generation with every
+        parameter gathered (TRL's unwrap_model_for_generation) and puts them back with
+        `_register_hooks_recursively`."""
         this = weakref.proxy(self)
         root = self.module
-        root.register_forward_pre_hook(lambda m, a: this._begin_forward())
+        self._unit_modules = unit_modules
+        hooks = self.forward_hooks = []
+        self.backward_hooks: list = []
+        hooks.append(root.register_forward_pre_hook(lambda m, a: this._begin_forward()))
         for unit, mod in zip(self.units, unit_modules):
             if mod is not None:
-                mod.register_forward_pre_hook(lambda m, a, u=unit: this._pre_forward([u], a))
-                mod.register_forward_hook(lambda m, a, out, u=unit: this._post_forward([u], out))
+                hooks.append(mod.register_forward_pre_hook(lambda m, a, u=unit: this._pre_forward([u], a)))
+                hooks.append(mod.register_forward_hook(lambda m, a, out, u=unit: this._post_forward([u], out)))
         for mod in root.modules():
-            external = [p._zero.unit for p in getattr(mod, "_zero_external_params", []) if getattr(p, "_zero", None)]
+            external = [p._zero.unit for p in external_parameters(mod) if getattr(p, "_zero", None)]
             users = sorted({u.index: u for u in external if not u.resident}.values(), key=lambda u: u.index)
             if users:
-                mod.register_forward_pre_hook(lambda m, a, us=users: this._pre_forward(us, a))
-                mod.register_forward_hook(lambda m, a, out, us=users: this._post_forward(us, out))
-        root.register_forward_hook(lambda m, a, out: this._end_forward(out))
+                hooks.append(mod.register_forward_pre_hook(lambda m, a, us=users: this._pre_forward(us, a)))
+                hooks.append(mod.register_forward_hook(lambda m, a, out, us=users: this._post_forward(us, out)))
+        hooks.append(root.register_forward_hook(lambda m, a, out: this._end_forward(out)))
+
+    def _register_hooks_recursively(self, module: nn.Module | None = None, *args) -> None:
+        """Put the forward hooks back (after code removed them): DeepSpeed's name, which TRL
+        calls (`_register_deepspeed_module` in its older releases)."""
+        for handle in self.forward_hooks:
+            handle.remove()
+        self._install_hooks(self._unit_modules)
+
+    _register_deepspeed_module = _register_hooks_recursively
 
     # -- passes and traces --------------------------------------------------------------------------
 

@@ -1,0 +1,294 @@
+"""DeepSpeedEngine's acting methods on zero's engine (zero/engine_surface.py), the engine without an
+optimizer, and zero.Init's DeepSpeed bookkeeping: an evaluation engine at every stage and HF
+generation under stage 3 on 2 ranks against the plain model (also with TRL's hook removal),
+offload_states/reload_states bit for bit against training without the round trip, batch-size
+changes against an engine built with the new size, the module's state dict, rank queries."""
+import pytest
+import torch
+import torch.nn as nn
+
+import zero
+
+ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def batch(i: int, rank: int = 0) -> torch.Tensor:
+    return torch.randn(2, 8, generator=torch.Generator().manual_seed(10 * i + rank))
+
+
+def test_engine_without_optimizer_evaluates_at_every_stage_and_refuses_to_train():
+    for stage in range(4):
+        model = mlp()
+        want = [p.detach().clone() for p in model.parameters()]
+        x = batch(0)
+        with torch.no_grad():
+            expected = model(x)
+        engine, optimizer, _, scheduler = zero.initialize(
+            model=model, config={"train_batch_size": 2, "zero_optimization": {
+                "stage": stage, "stage3_param_persistence_threshold": 0}})
+        assert scheduler is None and not engine.trains
+        with torch.no_grad():
+            assert torch.equal(engine(x), expected), stage
+        with zero.GatheredParameters(list(model.parameters())):
+            assert all(torch.equal(p.detach(), w) for p, w in zip(model.parameters(), want)), stage
+        report = engine.memory_report()  # nothing of training is kept
+        assert report["grads"] == report["fp32_master"] == report["optimizer_states"] == 0, (stage, report)
+        assert report["params"] > 0 or stage < 3, report
+        with pytest.raises(RuntimeError, match="without an optimizer"):
+            engine.step()
+        with pytest.raises(RuntimeError, match="without an optimizer"):
+            engine.backward(engine(x).sum())
+    with pytest.raises(ValueError, match="scheduler.*without an optimizer"):
+        zero.initialize(model=mlp(), config={"train_batch_size": 2, "scheduler": {"type": "WarmupLR"}})
+
+
+def _generate(stage: int) -> dict:
+    """Greedy generation of a tiny GPT-2: the plain model, the stage-`stage` engine without an
+    optimizer (its forward hooks gathering each block), and TRL's pattern (every parameter
+    gathered, the hooks removed for the loop and put back)."""
+    import torch.distributed as dist
+    import transformers
+
+    from zero.deepspeed.runtime.zero import GatheredParameters
+
+    def tiny():
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=64, n_positions=24, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=1))
+
+    rank = dist.get_rank()
+    prompt = torch.randint(2, 64, (2, 5), generator=torch.Generator().manual_seed(rank))  # each rank its own
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=1, eos_token_id=None)
+    plain = tiny().eval()
+    with torch.no_grad():
+        want = plain.generate(prompt, **kw).tolist()
+    engine, *_ = zero.initialize(model=tiny(), config={
+        "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage,
+                                                                  "stage3_param_persistence_threshold": 0}})
+    engine.eval()
+    with torch.no_grad():
+        got = engine.generate(prompt, **kw).tolist()  # the module's method, through the engine
+    out = {"hooked": got == want, "sharded": all(p.numel() == 0 for p in engine.module.parameters())}
+    if stage == 3:
+        offload = engine.optimizer.parameter_offload
+        with GatheredParameters(list(engine.module.parameters())), torch.no_grad():
+            for handle in offload.forward_hooks + offload.backward_hooks:
+                handle.remove()
+            offload.forward_hooks, offload.backward_hooks = [], []
+            out["trl"] = engine.module.generate(prompt, **kw).tolist() == want
+            offload._register_hooks_recursively(offload.module)
+        with torch.no_grad():  # the hooks are back: a sharded forward works again
+            out["after"] = torch.equal(engine(prompt).logits, plain(prompt).logits)
+        out["summary"] = engine.module.lm_head.weight.ds_summary()["ds_shape"] == (64, 32)
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_generate_without_optimizer_matches_the_plain_model_on_two_ranks(dist_run, stage):
+    pytest.importorskip("transformers", reason="needs transformers (pip install 'zero[hf]')")
+    for r in dist_run(2, _generate, stage):
+        assert r["hooked"], r
+        if stage == 3:
+            assert r["sharded"] and r["trl"] and r["after"] and r["summary"], r
+
+
+def _train(stage: int, roundtrip: bool, config: dict | None = None, steps: int = 4) -> dict:
+    """AdamW steps on a bf16 MLP; with `roundtrip`, the states go to host memory and back after
+    step 2 (and a subset of them after step 3)."""
+    import torch.distributed as dist
+
+    model = mlp()
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": ADAMW, "bf16": {"enabled": True},
+           "gradient_clipping": 1.0, "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+           **(config or {})}
+    engine, *_ = zero.initialize(model=model, config=cfg)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out = {}
+    for i in range(steps):
+        loss = engine(batch(i, rank).bfloat16()).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        if roundtrip and i == 1:
+            before = engine.memory_report()
+            engine.offload_states()
+            after = engine.memory_report()
+            out["device_before"], out["device_after"], out["offloaded"] = (
+                before["device_bytes"], after["device_bytes"], after["offloaded_bytes"])
+            try:
+                engine(batch(0).bfloat16())
+            except RuntimeError as e:
+                out["refused"] = "reload_states" in str(e)
+            engine.reload_states()
+        if roundtrip and i == 2:  # some kinds only: DeepSpeed's OffloadStateTypeEnum values
+            from zero.deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+
+            moved = engine.optimizer.offload_states([OffloadStateTypeEnum.optim_states, "lp_grads"])
+            out["subset"] = 0 < moved < out["device_before"]
+            engine.reload_states()
+    with zero.GatheredParameters(list(model.parameters())):
+        out["params"] = [p.detach().float().clone() for p in model.parameters()]
+    return out
+
+
+def test_offload_states_round_trip_frees_the_device_and_trains_bit_for_bit(dist_run):
+    for stage, extra in [(3, None), (2, None), (1, {"optimizer": {"type": "SGD", "params": {"lr": 0.1,
+                                                                                                  "momentum": 0.9}}}),
+                         (3, {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})]:
+        plain = dist_run(2, _train, stage, False, extra)
+        tripped = dist_run(2, _train, stage, True, extra)
+        for a, b in zip(plain, tripped):
+            assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"])), stage
+            assert b["device_before"] > 0 and b["device_after"] == 0 and b["refused"] and b["subset"], (stage, b)
+            assert b["offloaded"] > 0, b
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_offload_states_frees_gpu_memory():
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])
+    engine, *_ = zero.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": ADAMW, "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    x = torch.randn(2, 512, device="cuda", dtype=torch.bfloat16)
+    engine.backward(engine(x).float().pow(2).mean())
+    engine.step()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    states = engine.memory_report()["device_bytes"]
+    engine.offload_states()
+    freed = held - torch.cuda.memory_allocated()
+    assert freed >= states > 8 * 512 * 512 * 14, (freed, states)  # 2 bf16 + 4 master + 8 moments per element
+    engine.reload_states()
+    engine.backward(engine(x).float().pow(2).mean())
+    engine.step()
+
+
+def test_engine_methods_with_deepspeeds_meaning(tmp_path):
+    class WithHelper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+            self.label = "mine"
+
+        def forward(self, x):
+            return self.net(x)
+
+        def twice(self, x):
+            return 2 * self.net(x)
+
+    model = WithHelper()
+    engine, *_ = zero.initialize(model=model, config={"train_micro_batch_size_per_gpu": 2, "optimizer": ADAMW,
+                                                      "gradient_accumulation_steps": 2})
+    x = batch(0)
+    assert engine.label == "mine" and torch.equal(engine.twice(x), 2 * engine(x))  # the module's, through the engine
+    with pytest.raises(AttributeError, match="neither the engine nor its module"):
+        getattr(engine, "no_such_thing")  # noqa: B009
+    assert engine.get_batch_info() == (4, 2, 2)
+    assert (engine.get_data_parallel_rank(), engine.get_model_parallel_rank(), engine.get_tensor_parallel_rank(),
+            engine.get_sequence_parallel_group(), engine.dp_world_size, engine.mp_world_size) == (0, 0, 0, None, 1, 1)
+    assert engine.is_map_style_dataset([1, 2]) and not engine.is_iterable_style_dataset([1, 2])
+    loader = engine.deepspeed_io(torch.utils.data.TensorDataset(torch.arange(10.0)))
+    assert next(iter(loader))[0].shape == (2,)
+    # the module's state dict, saved and loaded
+    state = {k: v.clone() for k, v in engine.module_state_dict().items()}
+    assert set(state) == set(model.state_dict())
+    with torch.no_grad():
+        model.net[0].weight.add_(1.0)
+    engine.load_module_state_dict({"module": state})
+    assert torch.equal(model.net[0].weight, state["net.0.weight"])
+    with pytest.raises(ValueError, match="'module'"):
+        engine.load_module_state_dict(state)
+    assert engine.save_fp16_model(tmp_path) and (tmp_path / "model.safetensors").exists()
+    # the batch size, changed at a boundary, trains as an engine built with it
+    with pytest.raises(ValueError, match="multiple of"):
+        engine.set_train_batch_size(3)
+    engine.set_train_batch_size(6)
+    assert engine.get_batch_info() == (6, 2, 3) and engine.gradient_accumulation_steps() == 3
+    steps = []
+    for i in range(6):
+        engine.backward(engine(batch(i)).pow(2).mean())
+        engine.step()
+        steps.append(engine.was_step_applied())
+    assert steps == [False, False, True] * 2
+    fresh_model = WithHelper()
+    fresh, *_ = zero.initialize(model=fresh_model, config={"train_micro_batch_size_per_gpu": 2, "optimizer": ADAMW,
+                                                           "gradient_accumulation_steps": 3})
+    fresh.load_module_state_dict({"module": state})
+    for i in range(6):
+        fresh.backward(fresh(batch(i)).pow(2).mean())
+        fresh.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh_model.parameters()))
+    engine.backward(engine(x).pow(2).mean())
+    engine.step()
+    with pytest.raises(RuntimeError, match="inside an accumulation window"):
+        engine.set_train_batch_size(4)
+    engine.set_train_micro_batch_size(4)
+    assert engine.get_batch_info() == (12, 4, 3)
+    engine.empty_partition_cache()
+    engine.destroy()
+
+
+def _init_bookkeeping() -> dict:
+    import torch.distributed as dist
+
+    from zero.deepspeed.runtime.zero import Init, register_external_parameter, unregister_external_parameter
+
+    class Tied(nn.Module):
+        def __init__(self, own_init: bool = True):
+            super().__init__()
+            with Init(enabled=own_init):  # a model's own Init inside the caller's: the outer one shards
+                self.embed = nn.Embedding(16, 8)
+            self.head = nn.Linear(8, 8)
+            register_external_parameter(self.head, self.embed.weight)
+
+        def forward(self, x):
+            return self.head(self.embed(x)) @ self.embed.weight.t()
+
+    @Init()  # as a decorator
+    def build():
+        return Tied()
+
+    torch.manual_seed(0)
+    model = build()
+    out = {"sharded": all(p.numel() == 0 for p in model.parameters()),
+           "external": list(model.head._external_params.values()) == [model.embed.weight]
+           and [p for _, p in model.head.ds_external_parameters()] == [model.embed.weight]
+           and model.embed.weight.is_external_param and not model.head.weight.is_external_param,
+           "summary": model.head.weight.ds_summary()["status"] == "NOT_AVAILABLE"
+           and model.head.weight.ds_summary()["ds_shape"] == (8, 8)
+           and model.head.weight.partition_numel() * dist.get_world_size() == model.head.weight.aligned_size()}
+    # Init(module=...) shards an existing model; initialize called inside an Init context
+    torch.manual_seed(0)
+    plain = Tied(own_init=False)
+    with torch.no_grad():
+        want = plain(torch.arange(4).view(1, 4))
+    other = Tied.__new__(Tied)
+    nn.Module.__init__(other)
+    torch.manual_seed(0)
+    other.embed, other.head = nn.Embedding(16, 8), nn.Linear(8, 8)
+    register_external_parameter(other.head, other.embed.weight)
+    Init(module=other)
+    out["module_arg"] = all(p.numel() == 0 for p in other.parameters())
+    with Init():
+        engine, *_ = zero.initialize(model=other, config={"train_micro_batch_size_per_gpu": 1, "optimizer": ADAMW,
+                                                          "zero_optimization": {"stage": 3}})
+    with torch.no_grad():
+        out["forward"] = torch.allclose(engine(torch.arange(4).view(1, 4)), want)
+    try:
+        unregister_external_parameter(model.head, model.head.weight)
+    except RuntimeError as e:
+        out["unregister"] = "not a registered external parameter" in str(e)
+    try:
+        Init(mpu=object())
+    except ValueError as e:
+        out["mpu"] = "mpu" in str(e)
+    return out
+
+
+def test_zero_init_bookkeeping_nesting_decorator_and_initialize_inside(dist_run):
+    for r in dist_run(2, _init_bookkeeping):
+        assert all(r.values()) and len(r) == 7, r
