@@ -292,3 +292,46 @@ def _init_bookkeeping() -> dict:
 def test_zero_init_bookkeeping_nesting_decorator_and_initialize_inside(dist_run):
     for r in dist_run(2, _init_bookkeeping):
         assert all(r.values()) and len(r) == 7, r
+
+
+def _tags(root: str) -> dict:
+    import warnings
+
+    import torch.distributed as dist
+
+    from zero.checkpoint.training import CheckpointError
+    from zero.deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
+
+    rank = dist.get_rank()
+    out = {}
+    for validation in ("Warn", "Fail"):
+        engine, *_ = zero.initialize(model=mlp(), config={"train_micro_batch_size_per_gpu": 2, "optimizer": ADAMW,
+                                                          "checkpoint": {"tag_validation": validation.lower()}})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                path = engine.save_checkpoint(f"{root}/{validation}", tag=f"t{rank}")
+                out[validation] = path.endswith("t0") and (rank > 0 or any("rank 1: 't1'" in str(w.message)
+                                                                            for w in caught))
+            except CheckpointError as e:
+                out[validation] = "rank 0: 't0', rank 1: 't1'" in str(e)
+    try:
+        engine.save_checkpoint(None)
+    except ValueError as e:
+        out["none"] = "save_dir=None" in str(e)
+    dist.barrier()
+    if rank == 0:
+        files = convert_zero_checkpoint_to_fp32_state_dict(f"{root}/Warn", f"{root}/fp32", tag="t0")
+        state = torch.load(f"{root}/fp32/pytorch_model.bin", weights_only=True)
+        out["bin"] = files[-1].endswith("pytorch_model.bin") and set(state) == set(mlp().state_dict())
+    return out
+
+
+def test_checkpoint_tag_validation_and_deepspeeds_fp32_output(dist_run, tmp_path):
+    results = dist_run(2, _tags, str(tmp_path))
+    assert all(r["Warn"] and r["Fail"] and r["none"] for r in results) and results[0]["bin"], results
+    from zero.config import load_config
+
+    pipe = load_config({"train_batch_size": 1, "pipeline": {"activation_checkpoint_interval": 2,
+                                                            "use_reentrant": True}}).pipeline
+    assert (pipe.activation_checkpoint_interval, pipe.use_reentrant) == (2, True)

@@ -87,12 +87,23 @@ def get_fp32_state_dict(checkpoint_dir: str | os.PathLike, tag: str | None = Non
 
 
 def to_fp32(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, tag: str | None = None,
-            max_shard_size: str | int = "5GB", dtype: torch.dtype = torch.float32) -> list[str]:
+            max_shard_size: str | int = "5GB", dtype: torch.dtype = torch.float32,
+            safe_serialization: bool = True) -> list[str]:
     """Write safetensors shards and `model.safetensors.index.json` (HuggingFace's layout; one
     `model.safetensors` when everything fits one shard). Tied parameters are saved once, as
-    HuggingFace does. Returns the files written."""
+    HuggingFace does. With `safe_serialization=False`, torch.save files in HuggingFace's older
+    layout instead (`pytorch_model.bin`, or `pytorch_model-0000i-of-0000n.bin` shards and
+    `pytorch_model.bin.index.json`): plain tensor dicts, which `torch.load(weights_only=True)`
+    reads. Returns the files written."""
     from safetensors.torch import save_file
 
+    def save(tensors: dict, path: Path) -> None:
+        if safe_serialization:
+            save_file(tensors, str(path), metadata={"format": "pt"})
+        else:
+            torch.save(tensors, path)
+
+    stem, suffix = ("model", "safetensors") if safe_serialization else ("pytorch_model", "bin")
     limit = parse_size(max_shard_size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -103,7 +114,7 @@ def to_fp32(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, tag: 
     def flush():
         nonlocal current, size
         if current:
-            save_file(current, str(out / f".shard-{len(shards)}.tmp"), metadata={"format": "pt"})
+            save(current, out / f".shard-{len(shards)}.tmp")
             shards.append(list(current))
             current, size = {}, 0
 
@@ -118,12 +129,12 @@ def to_fp32(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, tag: 
     files = []
     weight_map = {}
     for i, names in enumerate(shards):
-        final = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        final = f"{stem}.{suffix}" if len(shards) == 1 else f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{suffix}"
         os.replace(out / f".shard-{i}.tmp", out / final)
         files.append(str(out / final))
         weight_map.update(dict.fromkeys(names, final))
     if len(shards) > 1:
-        index = out / "model.safetensors.index.json"
+        index = out / f"{stem}.{suffix}.index.json"
         index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
         files.append(str(index))
     return files

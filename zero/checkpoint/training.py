@@ -151,6 +151,22 @@ def _write_json(path: Path, value: Any) -> None:
     os.replace(tmp, path)
 
 
+def _agreed_tag(place: Placement, tag: str, validation: str) -> str:
+    """The tag every rank saves under: rank 0's. Ranks that passed different tags are an error
+    under `checkpoint.tag_validation: Fail`, a warning under `Warn` (DeepSpeed's default)."""
+    tags = place.gather(tag)
+    if len(set(tags)) == 1 or validation == "Ignore":
+        return tags[0]
+    by_rank = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags[:8])) + (" ..." if len(tags) > 8 else "")
+    if validation == "Fail":
+        raise CheckpointError(f"save_checkpoint: the ranks passed different tags ({by_rank}) and "
+                              f"checkpoint.tag_validation is 'Fail'; nothing was saved. Give every rank the same tag.")
+    if place.io.rank == 0:
+        warnings.warn(f"save_checkpoint: the ranks passed different tags ({by_rank}); saving under rank 0's "
+                      f"{tags[0]!r} (checkpoint.tag_validation: 'Warn'; 'Fail' raises instead)", stacklevel=4)
+    return tags[0]
+
+
 def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None,
                     save_latest: bool = True, exclude_frozen_parameters: bool = False, async_save: bool = False):
     """See Engine.save_checkpoint. Returns the tag's path, or with `async_save` a PendingSave."""
@@ -160,11 +176,12 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
         raise CheckpointError(f"save_checkpoint with a {engine.optimizer.client.cls.__name__} client optimizer is not "
                               f"implemented yet (zero checkpoints hold Adam's state); save the model with "
                               f"save_16bit_model, or train with Adam/AdamW")
-    tag = tag if tag is not None else f"global_step{engine.progress.global_steps}"
+    if save_dir is None or not isinstance(save_dir, (str, os.PathLike)):
+        raise ValueError(f"save_checkpoint(save_dir={save_dir!r}): expected the checkpoint directory (a str or path)")
+    tag = str(tag) if tag is not None else f"global_step{engine.progress.global_steps}"
     if not tag or "/" in tag or tag in (".", "..") or tag.startswith("."):
         raise CheckpointError(f"checkpoint tag {tag!r} must be a plain directory name")
     root = Path(save_dir)
-    final = root / tag
     scheduler = engine.lr_scheduler
     state = {
         "format": FORMAT, "version": VERSION, "world_size": comm.world_size, "mesh": place.mesh_shape(),
@@ -178,8 +195,10 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
         "tied": _tied_aliases(engine.module),
         "dataloader": engine.training_dataloader.state_dict() if engine.training_dataloader is not None else None,
     }
-    # every rank, or none, with the same tag (see [Note: rank-agreement tags])
-    comm.agree(Tag.SAVE_CHECKPOINT, 0, zlib.crc32(tag.encode()), f"save_checkpoint({str(root)!r}, tag={tag!r})")
+    # every rank, or none (see [Note: rank-agreement tags]), then one tag
+    comm.agree(Tag.SAVE_CHECKPOINT, 0, zlib.crc32(str(root).encode()), f"save_checkpoint({str(root)!r})")
+    tag = _agreed_tag(place, tag, engine.config.checkpoint.tag_validation)
+    final = root / tag
     if place.mesh is not None:  # each pipeline stage knows its own tensors: the JSON lists all of them
         state["tensors"] = {n: e for entries in place.gather(state["tensors"]) for n, e in entries.items()}
         if place.mesh.pp > 1:  # and has param groups of its own

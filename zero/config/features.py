@@ -327,10 +327,6 @@ UNIMPLEMENTED_FEATURES: tuple[UnimplementedFeature, ...] = (
     _warned("zero_optimization.pipeline_loading_checkpoint",
             _flag(False, "Stage 3 pipelined checkpoint loading; zero loads with DCP instead (true warns)."),
             _NO_CHECKPOINTS),
-    _warned("checkpoint.tag_validation",
-            _key(Literal["Ignore", "Warn", "Fail"], "Warn", "DeepSpeed: check that all ranks save/load the same "
-                 "tag (case-insensitive). No effect in zero (changed: warns)."),
-            _NO_CHECKPOINTS),
     _warned("checkpoint.use_node_local_storage",
             _flag(False, "DeepSpeed: each node writes to its own storage. No effect in zero (true warns)."),
             _NO_CHECKPOINTS),

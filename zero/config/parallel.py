@@ -38,6 +38,14 @@ class PipelineConfig(_Section):
                                             "layer counts) or 'type:<regex>' (balance the layers whose class name "
                                             "matches); null: the PipelineModule's, which must agree when given.")
 
+    activation_checkpoint_interval: int = Field(0, ge=0, description="Recompute every this many layers' "
+                                                "activations in backward instead of keeping them (0: the "
+                                                "PipelineModule's own activation_checkpoint_interval); a value > 0 "
+                                                "overrides the module's, as in DeepSpeed.")
+    use_reentrant: Optional[bool] = Field(None, description="Which torch.utils.checkpoint variant recomputes the "
+                                          "layers: true reentrant, false (or null) non-reentrant, which also "
+                                          "works when a part's inputs need no gradient.")
+
     @field_validator("partition_method")
     @classmethod
     def _method(cls, v: Optional[str]) -> Optional[str]:

@@ -510,7 +510,11 @@ class CheckpointConfig(_Section):
     parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig,
                                                 description="Parallel write options.")
 
-    @field_validator("tag_validation", mode="before", check_fields=False)  # a placeholder (UNIMPLEMENTED_FEATURES)
+    tag_validation: Literal["Ignore", "Warn", "Fail"] = Field(
+        "Warn", description="When ranks pass different tags to save_checkpoint: 'Warn' warns and saves under rank "
+        "0's tag, 'Ignore' saves under rank 0's tag, 'Fail' raises naming the tags (case-insensitive).")
+
+    @field_validator("tag_validation", mode="before")
     @classmethod
     def _tag(cls, v: Any) -> Any:
         return v.capitalize() if isinstance(v, str) else v

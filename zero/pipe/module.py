@@ -145,6 +145,7 @@ class PipelinePart(nn.Module):
                 self.add_module(str(idx), layer)
         self.tied = tied  # shared with the PipelineModule and its other parts
         self.checkpoint_every = checkpoint_every
+        self.use_reentrant = False  # the config's pipeline.use_reentrant (zero/pipe/schedule.py)
 
     def _run(self, start: int, stop: int, x: Any) -> Any:
         for _, layer in self.entries[start:stop]:
@@ -163,7 +164,7 @@ class PipelinePart(nn.Module):
         from torch.utils.checkpoint import checkpoint
 
         for start in range(0, len(self.entries), every):
-            x = checkpoint(self._run, start, start + every, x, use_reentrant=False)
+            x = checkpoint(self._run, start, start + every, x, use_reentrant=self.use_reentrant)
         return x
 
 

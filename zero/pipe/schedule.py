@@ -60,6 +60,10 @@ def check_pipeline_module(module: PipelineModule, config: ZeroConfig) -> None:
     if module.loss_fn is None:
         raise ValueError("PipelineModule(loss_fn=...) is needed: the last stage computes the loss of each "
                          "micro-batch with it")
+    for part in module.parts:  # recomputation is the config's to choose, as in DeepSpeed
+        if p.activation_checkpoint_interval > 0:
+            part.checkpoint_every = p.activation_checkpoint_interval
+        part.use_reentrant = bool(p.use_reentrant)
 
 
 @torch.no_grad()

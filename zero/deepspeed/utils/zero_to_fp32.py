@@ -18,8 +18,8 @@ def load_state_dict_from_zero_checkpoint(model, checkpoint_dir, tag=None):
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, tag=None, max_shard_size="5GB",
-                                               safe_serialization=True, exclude_frozen_parameters=False):
-    """Write the fp32 weights as safetensors shards (and index) into `output_dir`."""
-    if not safe_serialization:
-        raise ValueError("zero writes safetensors only (no pickle); drop safe_serialization=False")
-    return to_fp32(checkpoint_dir, output_dir, tag, max_shard_size, torch.float32)
+                                               safe_serialization=False, exclude_frozen_parameters=False):
+    """Write the fp32 weights into `output_dir`: `pytorch_model.bin` by default, as DeepSpeed
+    does (shards and `pytorch_model.bin.index.json` above `max_shard_size`), or safetensors files
+    (`model.safetensors`, ...) with `safe_serialization=True`. Returns the files written."""
+    return to_fp32(checkpoint_dir, output_dir, tag, max_shard_size, torch.float32, safe_serialization)
