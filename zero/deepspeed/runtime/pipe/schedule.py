@@ -106,6 +106,11 @@ class RecvGrad(BufferOpInstruction):
     """Receive the gradient of the buffer's outputs from the next stage (pairs with its SendGrad)."""
 
 
+class CommitP2P(PipeInstruction):
+    """Start the sends and receives queued since the last CommitP2P, as one batch, and wait for them
+    (for schedules whose send/receive instructions only queue, as DeepSpeed's DualPipeV)."""
+
+
 # ---------------------------------------------------------------------------------------------
 # Schedules
 # ---------------------------------------------------------------------------------------------
