@@ -13,7 +13,12 @@ from typing import Any, Optional
 from pydantic import BaseModel, ValidationError
 
 
-class ConfigError(ValueError):
+class DeepSpeedConfigError(Exception):
+    """DeepSpeed's config error (`deepspeed.DeepSpeedConfigError`): every `ConfigError` is one, so a
+    script's `except deepspeed.DeepSpeedConfigError` catches zero's config errors."""
+
+
+class ConfigError(DeepSpeedConfigError, ValueError):
     """A config that cannot be used: unknown key, bad value, or unsupported feature.
 
     `issues` holds (key path, message) pairs; `str(err)` lists them all.
