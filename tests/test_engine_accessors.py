@@ -209,6 +209,7 @@ def test_features_zero_lacks_read_as_off(engines):
         assert e.get_pld_theta() is None and e.pld_params() is False and e.amp_params() is False
         assert e.swap_tensor_config() is None and e.aio_config()["block_size"] == 1048576
         assert e.torch_autocast_lower_precision_safe_modules()[0] == "torch.nn.modules.linear.Linear"
+        assert e.quantize_training() == (False, False, 1, False, 0.001, "symmetric", "nearest", False, False)
 
 
 def test_the_view_follows_a_replaced_config_and_deepspeed_style_edits():

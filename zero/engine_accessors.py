@@ -6,7 +6,8 @@ the engine's `ZeroConfig` (`engine.config`) over its data-parallel ranks, as Dee
 read DeepSpeed's, and returns what DeepSpeed's returns for the same config. For a DeepSpeed feature
 zero does not run (profilers, autotuning, curriculum learning, compression, DeepCompile, ...) that
 is DeepSpeed's value with the feature off: `load_config` refuses to enable the ones that would
-change the results and warns about the others (see [Note: DeepSpeedConfig is a view]).
+change the results and warns about the others (see [Note: DeepSpeedConfig is a view] in
+zero/deepspeed/runtime/config.py).
 
 The view is built on first use and again whenever `engine.config` is replaced by another object;
 code that changes a value of the view itself (DeepSpeed's `engine._config.train_batch_size = n`) is
@@ -510,6 +511,14 @@ class ConfigAccessors:
     def is_elastic_model_parallel_supported(self) -> None:
         """DeepSpeed answers only with elasticity on (never in zero): None."""
         return None
+
+    def quantize_training(self) -> tuple:
+        """MoQ's weight quantization settings (DeepSpeed 0.17; compression is refused here): in-forward,
+        enabled, groups, fp16 mixed, change ratio, type, rounding, verbose, kernel."""
+        shared = self._config.compression_config["weight_quantization"]["shared_parameters"]
+        return tuple(shared[k] for k in ("quantize_weight_in_forward", "enabled", "quantize_groups",
+                                         "fp16_mixed_quantize", "quantize_change_ratio", "quantization_type",
+                                         "rounding", "quantize_verbose", "quantizer_kernel"))
 
     def graph_harvesting(self) -> bool:
         return self._config.graph_harvesting

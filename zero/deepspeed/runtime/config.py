@@ -138,6 +138,10 @@ _AIO = {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "sin
         "overlap_events": True, "use_gds": False}
 _PIPELINE = {"stages": "auto", "partition": "best", "seed_layers": False, "activation_checkpoint_interval": 0,
              "pipe_partitioned": True, "grad_partitioned": True}
+# compression_training's weight quantization (MoQ) settings that DeepSpeed 0.17's engine reads
+_WEIGHT_QUANTIZATION = {"quantize_weight_in_forward": False, "enabled": False, "quantize_groups": 1,
+                        "fp16_mixed_quantize": False, "quantize_change_ratio": 0.001, "quantization_type": "symmetric",
+                        "rounding": "nearest", "quantize_verbose": False, "quantizer_kernel": False}
 _EIGENVALUE = dict(enabled=False, verbose=False, max_iter=100, tol=1e-2, stability=1e-6, gas_boundary_resolution=1,
                    layer_name="bert.encoder.layer", layer_num=0)
 
@@ -348,6 +352,7 @@ class DeepSpeedConfig:
         self.data_efficiency_config = copy.deepcopy(_DATA_EFFICIENCY)
         self.aio_config = dict(_AIO)
         self.weight_quantization_config = None
+        self.compression_config = {"weight_quantization": {"shared_parameters": dict(_WEIGHT_QUANTIZATION)}}
         self.sparse_attention = None
         self.elasticity_enabled = False
         self.pld_enabled = False
