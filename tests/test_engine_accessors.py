@@ -303,7 +303,8 @@ KNOWN_DIFFERENCES = {
 
 def _deepspeed():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: the values are checked by hand above")
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: the values are checked by hand above",
+                        exc_type=ImportError)
     from deepspeed.runtime.config import DeepSpeedConfig as TheirConfig
     from deepspeed.runtime.engine import DeepSpeedEngine
 

@@ -217,11 +217,7 @@ class DeepSpeedConfig:
                                   f"splits the world of {world} ranks into {dp} data-parallel ranks "
                                   f"(pipeline.stages x tensor_parallel.size x data-parallel; see "
                                   f"docs/parallelism.md); zero takes the mesh from the config")
-        self._param_dict = param_dict
-        self.config = cfg
-        self.global_rank = rank
-        self.world_size = dp
-        self._initialize_params(cfg)
+        self._initialize_params(cfg, param_dict, dp, rank)
 
     @classmethod
     def of(cls, cfg: ZeroConfig, world_size: int, global_rank: int = 0) -> DeepSpeedConfig:
@@ -234,15 +230,16 @@ class DeepSpeedConfig:
             global_rank: this process's rank.
         """
         self = cls.__new__(cls)
-        self._param_dict = cfg.model_dump(mode="json", by_alias=True, exclude_unset=True)
+        self._initialize_params(cfg, cfg.model_dump(mode="json", by_alias=True, exclude_unset=True), world_size,
+                                global_rank)
+        return self
+
+    def _initialize_params(self, cfg: ZeroConfig, param_dict: dict, world_size: int, global_rank: int) -> None:
+        """Every attribute DeepSpeed's constructor sets, from `cfg` (given as `param_dict`)."""
+        self._param_dict = param_dict
         self.config = cfg
         self.global_rank = global_rank
         self.world_size = world_size
-        self._initialize_params(cfg)
-        return self
-
-    def _initialize_params(self, cfg: ZeroConfig) -> None:
-        """Every attribute DeepSpeed's constructor sets, from `cfg`."""
         self._batch(cfg)
         self._training(cfg)
         self._precision(cfg)
