@@ -499,7 +499,8 @@ def test_every_key_is_read_refused_or_warned():
     while todo:
         cls = todo.pop()
         todo.extend(cls.__subclasses__())
-        sections.add(cls)
+        if not cls.__module__.startswith("zero.deepspeed"):  # DeepSpeed's config objects subclass zero's sections
+            sections.add(cls)
     # with_placeholders builds each section as a subclass of the class written in sections.py
     unreachable = {cls for cls in sections - {_Section} - seen if not set(cls.__subclasses__()) & seen}
     assert not unreachable, f"section models not reachable from ZeroConfig: {unreachable}"

@@ -58,6 +58,7 @@ import torch.nn as nn
 
 from zero.comm import Comm, Tag, compute_device
 from zero.config import ZeroConfig
+from zero.engine_accessors import ConfigAccessors
 from zero.engine_surface import DeepSpeedMethods
 from zero.guards import (
     _claim,
@@ -118,7 +119,7 @@ def _check_loss(loss: Any, what: str) -> None:
         raise TypeError(f"{what} takes the scalar loss tensor, got a {type(loss).__name__}{hint}")
 
 
-class Engine(DeepSpeedMethods, nn.Module):
+class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
     """A model wrapped for ZeRO data-parallel training, on any (pp, dp, tp) mesh; see [Note: one
     engine, any mesh]. Build it with `zero.initialize`.
 
@@ -147,6 +148,7 @@ class Engine(DeepSpeedMethods, nn.Module):
             check_pipeline_module(module, config)
         self.config = config
         self.mesh = mesh
+        self.client_optimizer = optimizer  # the optimizer object initialize got (DeepSpeed's name), or None
         # the data-parallel group (the world without a mesh)
         strict = strict_tag_checks(config)
         self.comm = Comm(mesh.group("dp"), strict) if mesh is not None and dist.is_initialized() else Comm(None, strict)

@@ -143,7 +143,6 @@ class DeepSpeedMethods:
         self.config = c.model_copy(update={
             "train_micro_batch_size_per_gpu": micro_batch_size,
             "train_batch_size": micro_batch_size * c.gradient_accumulation_steps * self.comm.world_size})
-        self.__dict__.pop("_config", None)  # the DeepSpeed view is rebuilt from the new config
 
     def _set_accumulation(self, steps: int, what: str) -> None:
         c = self.config
@@ -159,7 +158,6 @@ class DeepSpeedMethods:
                                f"will switch")
         self.config = c.model_copy(update={"gradient_accumulation_steps": steps,
                                            "train_batch_size": steps * c.train_micro_batch_size_per_gpu * self.comm.world_size})
-        self.__dict__.pop("_config", None)
         self.progress.accumulation = steps
         self.progress.micro_steps = self.progress.global_steps * steps
         opt = self.optimizer
