@@ -216,10 +216,12 @@ def test_deepspeed_zero_is_deepspeed_runtime_zero():
     for name in ("Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter",
                  "ZeroParamStatus", "unwrap_model_for_generation", "set_z3_leaf_modules"):
         assert not isinstance(getattr(module, name), _StandIn), name  # zero's own
-    for name in ("ZeroParamType", "DeepSpeedZeRoOffload", "DeepSpeedTensorOverride", "TiledLinear",
-                 "TiledLinearReturnBias"):
+    for name in ("ZeroParamType", "DeepSpeedTensorOverride", "TiledLinear", "TiledLinearReturnBias"):
         with pytest.raises(deepspeed.NotAvailableError, match=f"deepspeed.runtime.zero.{name} is not available"):
             getattr(deepspeed.zero, name)()
+    from zero.deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload  # stage 3's runtime, for isinstance
+
+    assert deepspeed.zero.DeepSpeedZeRoOffload is DeepSpeedZeRoOffload and not isinstance(object(), DeepSpeedZeRoOffload)
     # a submodule through either path is one module, not a second copy
     via_alias = importlib.import_module("zero.deepspeed.zero.config")
     assert via_alias is importlib.import_module("zero.deepspeed.runtime.zero.config") and via_alias is module.config

@@ -41,12 +41,4 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 
 def __getattr__(name: str):
-    if name == "PipelineModule":
-        from zero.pipe import PipelineModule
-
-        return PipelineModule
-    if name == "pipe":
-        import importlib
-
-        return importlib.import_module("zero.deepspeed.pipe")
     return missing("deepspeed", name)

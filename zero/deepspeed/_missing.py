@@ -1,23 +1,43 @@
-"""What to say about a DeepSpeed name zero does not have.
+"""Every public name of DeepSpeed's modules, importable from zero.deepspeed; what to say about those
+zero does not have.
+
+[Note: the name list]
+public_names.txt, generated from an installed DeepSpeed by tools/deepspeed_names.py, lists every
+module path of DeepSpeed and every public name of each module with its kind. It decides what
+`zero.deepspeed` answers for, so a DeepSpeed script finds every name it imports:
+- a listed module path `deepspeed.a.b` imports as `zero.deepspeed.a.b`: zero's own file where there
+  is one, else a module made on import by `_AbsentPackages`;
+- a listed name is zero's own object where zero has the feature (defined in that file, or in the
+  file of the module DeepSpeed defines it in, for a name DeepSpeed re-exports); else a literal
+  constant is its recorded value, a logger is zero's logger, a module bound under another name
+  (`deepspeed.zero`, `dist`) is that module, and anything else is a stand-in (see [Note: absent
+  names]);
+- any other name (a typo, a private name) is an AttributeError, and any other path an ImportError,
+  at once, as for any module.
+Every file of zero/deepspeed/ ends with `def __getattr__(name): return missing(__name__, name)`, which
+answers for the names the file does not define.
 
 [Note: absent names]
 A DeepSpeed script often imports more than it uses (`from deepspeed.moe.layer import MoE` at
-the top of a file that trains without experts). So a DeepSpeed name that zero knows and lacks
-imports fine and fails when used: it resolves to a stand-in class whose call, attribute access or
-instantiation of a subclass raises `NotAvailableError` with the reason and what to use instead.
-`isinstance(x, StandIn)` is simply False. A missing DeepSpeed package (`deepspeed.moe.layer`,
-`deepspeed.inference`, ...) is a module made on import by `_AbsentPackages`, whose every name is such
-a stand-in. A name zero does not know at all (a typo, or a part of DeepSpeed nobody asked for) is an
-AttributeError at once, as for any module.
+the top of a file that trains without experts). So a DeepSpeed name that zero lacks imports fine
+and fails when used: it resolves to a stand-in class whose call, attribute access or instantiation
+of a subclass raises `NotAvailableError` with the reason and what to use instead.
+`isinstance(x, StandIn)` is simply False. The reason is the name's entry in ABSENT_NAMES, else that
+of the nearest package in ABSENT_PACKAGES that holds it (or holds the module DeepSpeed defines it
+in), else a general sentence pointing to docs/migrating-from-deepspeed.md.
 """
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
 import importlib.abc
 import importlib.util
+import logging
 import sys
 import types
+from pathlib import Path
+from typing import NamedTuple
 
 # DeepSpeed packages with no counterpart here (everything under them), and what to use instead
 ABSENT_PACKAGES = {
@@ -38,39 +58,148 @@ ABSENT_PACKAGES = {
                               "(see docs/parallelism.md); DeepSpeed's group helpers are not provided",
     "deepspeed.utils.timer": "use engine.wall_clock_report() for zero's timings, or torch.profiler",
     "deepspeed.runtime.sequence_parallel": "sequence parallelism is not implemented",
-    "deepspeed.runtime.zero.mics": "MiCS (hierarchical partitioning) is not implemented; use stage 3",
-    "deepspeed.runtime.config": "zero's config is read by zero.config (ZeroConfig, a pydantic model of the same JSON)",
     "deepspeed.runtime.fp16": "mixed precision is the engine's (the config's fp16 and bf16 sections; "
                               "engine.loss_scale)",
     "deepspeed.runtime.bf16_optimizer": "mixed precision is the engine's (the config's bf16 section)",
+    "deepspeed.autotuning": "autotuning is not implemented; zero.estimate_memory gives each stage's memory per rank "
+                            "(docs/estimate.md)",
+    **dict.fromkeys(("deepspeed.nvme", "deepspeed.io", "deepspeed.ops.aio", "deepspeed.ops.gds",
+                     "deepspeed.runtime.swap_tensor"),
+                    "NVMe offload is not implemented; zero offloads to CPU memory (docs/offload.md)"),
+    "deepspeed.ops.adagrad": "DeepSpeedCPUAdagrad is not provided; set \"optimizer\": {\"type\": \"Adagrad\"} in the "
+                             "config (zero runs torch's Adagrad on each rank's shards)",
+    "deepspeed.compile": "DeepCompile is not implemented",
+    "deepspeed.runtime.zenflow": "ZenFlow is not implemented; optimizer offload is the config's offload_optimizer "
+                                 "(docs/offload.md)",
+    "deepspeed.runtime.superoffload": "SuperOffload is not implemented; optimizer offload is the config's "
+                                      "offload_optimizer (docs/offload.md)",
+    "deepspeed.runtime.hybrid_engine": "the hybrid (training and generation) engine is not implemented",
+    "deepspeed.runtime.data_pipeline": "DeepSpeed's data efficiency library (curriculum learning, random-LTD) is not "
+                                       "implemented",
+    "deepspeed.model_implementations": "inference engines are not implemented",
 }
 
-# single DeepSpeed names with no counterpart here
+# single DeepSpeed names with no counterpart here, keyed by where DeepSpeed defines them (a module that
+# re-exports one says the same); OnebitAdam and ZeroOneAdam are from DeepSpeed before 0.19
+_GATHER_HANDLE = ("zero's stage-3 gathers have finished when they return (param.all_gather_coalesced() returns a handle "
+                  "whose wait() does nothing); DeepSpeed's handle classes are not provided")
 ABSENT_NAMES = {
     "deepspeed.init_inference": "inference engines are not implemented; use the model directly (under stage 3, "
                                 "with zero.integrations.hf.from_pretrained and model.generate)",
-    # deepspeed.zero is deepspeed.runtime.zero (zero/deepspeed/zero.py): its names are listed once
-    **{f"deepspeed.runtime.zero.{where}ZeroParamType": "zero's stage-3 parameters tell their state by ds_status; "
-                                                       "there are no remote parameters"
-       for where in ("", "partition_parameters.")},
-    "deepspeed.runtime.zero.TiledLinear": "TiledLinear is not implemented; stage 3 gathers one module at a time "
-                                          "(split a huge Linear into several modules)",
-    "deepspeed.runtime.zero.TiledLinearReturnBias": "TiledLinear is not implemented",
-    "deepspeed.runtime.zero.DeepSpeedZeRoOffload": "stage 3's parameter gathering and offload belong to the engine "
-                                                   "zero.initialize builds (there is no separate object); to gather "
-                                                   "the whole model for generation use "
-                                                   "deepspeed.zero.unwrap_model_for_generation",
-    "deepspeed.runtime.zero.DeepSpeedTensorOverride": "zero.Init does not wrap torch's tensor constructors: "
-                                                      "parameters are made with the dtype and device they ask for, "
-                                                      "and zero.Init(dtype=...) casts the shards",
+    "deepspeed.runtime.zero.partition_parameters.ZeroParamType": "zero's stage-3 parameters tell their state by "
+                                                                 "ds_status; there are no remote parameters",
+    **{f"deepspeed.runtime.zero.partition_parameters.{handle}": _GATHER_HANDLE
+       for handle in ("AllGatherHandle", "AllGatherCoalescedHandle", "MultipleAllGatherHandles", "NoGatherHandle",
+                      "NoGatherCoalescedHandle")},
+    "deepspeed.runtime.zero.partition_parameters.DeepSpeedTensorOverride": "zero.Init does not wrap torch's tensor "
+                                                                           "constructors: parameters are made with the "
+                                                                           "dtype and device they ask for, and "
+                                                                           "zero.Init(dtype=...) casts the shards",
     "deepspeed.runtime.fp16.onebit.adam.OnebitAdam": "1-bit Adam runs inside the engine: set \"optimizer\": "
                                                     "{\"type\": \"OneBitAdam\"} in the config (docs/onebit.md)",
     "deepspeed.runtime.fp16.onebit.zoadam.ZeroOneAdam": "0/1 Adam runs inside the engine: set \"optimizer\": "
                                                       "{\"type\": \"ZeroOneAdam\"} in the config (docs/onebit.md)",
-    "deepspeed.checkpointing.model_parallel_cuda_manual_seed": "zero's tensor slices keep no separate model-parallel "
-                                                               "generator (docs/parallelism.md, Dropout); seed every "
-                                                               "rank alike with torch.manual_seed",
+    "deepspeed.runtime.activation_checkpointing.checkpointing.model_parallel_cuda_manual_seed": (
+        "zero's tensor slices keep no separate model-parallel generator (docs/parallelism.md, Dropout); seed every "
+        "rank alike with torch.manual_seed"),
 }
+
+_HERE = Path(__file__).resolve().parent
+
+# what a listed name without an entry above says, when no absent package holds it either
+GENERAL_REASON = ("zero has no counterpart of this part of DeepSpeed; docs/migrating-from-deepspeed.md lists what "
+                  "zero provides and what to use instead")
+
+
+class Listed(NamedTuple):
+    """One public name of a DeepSpeed module (a line of public_names.txt).
+
+    Args:
+        kind: "class", "function", "module", "logger", "value" (any other object) or "constant".
+        value: a constant's value; the module path of a "module"; for a "class" or "function" that
+            the module re-exports, the full name where DeepSpeed defines it (else None).
+    """
+
+    kind: str
+    value: object = None
+
+
+@functools.cache
+def _blocks() -> dict[str, list[str]]:
+    """public_names.txt's lines by module path (read once, parsed per module when asked)."""
+    blocks: dict[str, list[str]] = {}
+    block: list[str] = []
+    for line in Path(__file__).with_name("public_names.txt").read_text().splitlines():
+        if line.startswith(" "):
+            block.append(line)
+        elif line and not line.startswith("#"):
+            block = blocks[line] = []
+    return blocks
+
+
+@functools.cache
+def module_names(path: str) -> dict[str, Listed]:
+    """The public names of DeepSpeed's module `path` (`deepspeed.utils`); empty for a path not listed."""
+    names = {}
+    for line in _blocks().get(path, ()):
+        name, _, tail = line.strip().partition(" ")
+        if tail.startswith("= "):
+            names[name] = Listed("constant", ast.literal_eval(tail[2:]))
+        else:
+            kind, _, where = tail.partition(" ")
+            names[name] = Listed(kind, where or None)
+    return names
+
+
+def deepspeed_modules() -> dict[str, dict[str, Listed]]:
+    """DeepSpeed's module paths, each with its public names (see [Note: the name list])."""
+    return {path: module_names(path) for path in _blocks()}
+
+
+@functools.cache
+def engine_members() -> dict[str, str]:
+    """The public members of DeepSpeed's DeepSpeedEngine that torch.nn.Module lacks, each with its kind
+    ("method", "property", "staticmethod", "classmethod" or "value"), from engine_members.txt."""
+    lines = Path(__file__).with_name("engine_members.txt").read_text().splitlines()
+    return dict(line.split(" ", 1) for line in lines if line and not line.startswith("#"))
+
+
+@functools.cache
+def _module_paths() -> frozenset[str]:
+    """The DeepSpeed module paths zero.deepspeed imports: the listed ones, and those of ABSENT_NAMES (from
+    older DeepSpeed versions) with their packages."""
+    older = {".".join(full.split(".")[:n]) for full in ABSENT_NAMES for n in range(2, full.count(".") + 1)}
+    return frozenset(_blocks()) | older
+
+
+@functools.cache
+def _packages() -> frozenset[str]:
+    """The module paths that hold other modules (zero's file for one answers `__path__`)."""
+    return frozenset(path.rpartition(".")[0] for path in _module_paths())
+
+
+@functools.cache
+def _own_paths() -> frozenset[str]:
+    """The DeepSpeed module paths zero has a file for (zero/deepspeed/**/*.py)."""
+    paths = set()
+    for file in _HERE.rglob("*.py"):
+        parts = file.relative_to(_HERE.parent).with_suffix("").parts  # ("deepspeed", "utils", "__init__")
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        if not any(part.startswith("_") for part in parts):
+            paths.add(".".join(parts))
+    return frozenset(paths)
+
+
+@functools.cache
+def _reexporters() -> dict[str, tuple[str, ...]]:
+    """For a DeepSpeed class or function (by where DeepSpeed defines it), the full names under which the
+    modules zero has a file for re-export it."""
+    index: dict[str, list[str]] = {}
+    for path in sorted(_own_paths() & _blocks().keys()):
+        for name, listed in module_names(path).items():
+            if listed.kind in ("class", "function") and listed.value is not None:
+                index.setdefault(listed.value, []).append(f"{path}.{name}")
+    return {home: tuple(names) for home, names in index.items()}
 
 
 class NotAvailableError(NotImplementedError):
@@ -97,29 +226,6 @@ class _StandIn(type):
         return f"<{cls._full}: not available in zero>"
 
 
-class _AbsentModule(types.ModuleType):
-    """A module of an absent package; calling it (a lowercase name that was a function) raises."""
-
-    def __call__(self, *args, **kwargs):
-        raise NotAvailableError(f"{self.__name__.removeprefix('zero.')} is not available in zero: "
-                                f"{_reason(self.__name__.removeprefix('zero.'))}")
-
-
-def _reason(full: str) -> str | None:
-    """Why `full` is absent: its own entry, or that of the absent package that holds it."""
-    if full in ABSENT_NAMES:
-        return ABSENT_NAMES[full]
-    return next((r for p, r in ABSENT_PACKAGES.items() if full == p or full.startswith(p + ".")), None)
-
-
-def _is_submodule(name: str) -> bool:
-    try:
-        spec = importlib.util.find_spec(name)
-    except ModuleNotFoundError:
-        return False
-    return spec is not None and spec.origin is not None  # a real file (not one of _AbsentPackages')
-
-
 @functools.cache
 def stand_in(full: str, reason: str) -> type:
     """A class standing for the DeepSpeed name `full` (see [Note: absent names])."""
@@ -127,34 +233,125 @@ def stand_in(full: str, reason: str) -> type:
     return _StandIn(full.rsplit(".", 1)[-1], (), {"_full": full, "_message": message, "__module__": "zero.deepspeed"})
 
 
-def missing(module: str, name: str):
-    """Module `__getattr__` of the compatibility layer: `module.name` that does not exist here.
+def _nearest_package(full: str) -> str | None:
+    parts = full.split(".")
+    return next((ABSENT_PACKAGES[p] for p in (".".join(parts[:n]) for n in range(len(parts), 0, -1))
+                 if p in ABSENT_PACKAGES), None)
 
-    `module` is the DeepSpeed name of the module or its zero name (`zero.deepspeed.utils`).
-    Returns a stand-in (or the absent package) for a name DeepSpeed has and zero lacks; raises
-    AttributeError for any other name.
+
+def _reason(*names: str | None) -> str:
+    """Why a DeepSpeed name is absent: the entry of the first of `names` (the name as used, its listed
+    path, where DeepSpeed defines it) that has one, else the nearest absent package of one of them."""
+    names = tuple(n for n in names if n)
+    return (next((ABSENT_NAMES[n] for n in names if n in ABSENT_NAMES), None)
+            or next((r for r in map(_nearest_package, names) if r is not None), None) or GENERAL_REASON)
+
+
+def _canonical(module: str) -> str:
+    """The listed path of the DeepSpeed module `module`: itself, or the module its parent binds under
+    that name (`deepspeed.checkpointing` is deepspeed.runtime.activation_checkpointing.checkpointing)."""
+    if module in _blocks() or "." not in module:
+        return module
+    parent, _, name = module.rpartition(".")
+    listed = module_names(_canonical(parent)).get(name)
+    return listed.value if listed is not None and listed.kind == "module" else module
+
+
+_seeking: set[str] = set()  # the definitions _zeros_own is looking for (a re-export cycle ends there)
+
+
+def _zeros_own(home: str):
+    """zero's own object for the DeepSpeed class or function defined at `home` (`deepspeed.a.b.Name`):
+    what zero's file for deepspeed.a.b, or for a module that re-exports it, has under that name; None
+    if zero has none."""
+    if home in _seeking:
+        return None
+    _seeking.add(home)
+    try:
+        for full in (home, *_reexporters().get(home, ())):
+            module, _, name = full.rpartition(".")
+            if module not in _own_paths():
+                continue
+            found = getattr(importlib.import_module(f"zero.{module}"), name, None)
+            if found is not None and not isinstance(found, (_StandIn, types.ModuleType)):
+                return found
+        return None
+    finally:
+        _seeking.discard(home)
+
+
+def missing(module: str, name: str):
+    """Module `__getattr__` of the compatibility layer: `module.name` that zero's file does not define.
+
+    Args:
+        module: the DeepSpeed name of the module or its zero name (`zero.deepspeed.utils`).
+        name: the attribute asked for.
+
+    Returns what [Note: the name list] says for a listed name (or a submodule); raises AttributeError
+    for any other name.
     """
+    here = module.removeprefix("zero.")
+    path = _canonical(here)
+    if name == "__path__" and path in _packages():
+        return []  # zero's file for a DeepSpeed package: _AbsentPackages imports its other modules
     if name.startswith("__"):
         raise AttributeError(name)
-    full = f"{module.removeprefix('zero.')}.{name}"
-    if full in ABSENT_PACKAGES or _is_submodule(f"zero.{full}"):  # `deepspeed.runtime.zero.stage3` without an import
-        return importlib.import_module(f"zero.{full}")
-    if name.islower() and full not in ABSENT_NAMES and _reason(module.removeprefix("zero.")) is not None:
-        return importlib.import_module(f"zero.{full}")  # in an absent package: `deepspeed.moe.layer` is a module
-    reason = _reason(full)
-    if reason is None:
+    full, listed_full = f"{here}.{name}", f"{path}.{name}"
+    listed = module_names(path).get(name)
+    if listed is None:
+        if listed_full in _module_paths() or f"{here}.{name}" in _own_paths():  # a submodule not imported yet
+            return importlib.import_module(f"zero.{listed_full if listed_full in _module_paths() else full}")
+        if listed_full in ABSENT_NAMES:  # a name of an older DeepSpeed
+            return stand_in(full, ABSENT_NAMES[listed_full])
         raise AttributeError(f"{full} is not part of zero's DeepSpeed compatibility layer (see "
                              f"docs/migrating-from-deepspeed.md for what is)")
-    return stand_in(full, reason)
+    if listed.kind == "constant":
+        return listed.value
+    if listed.kind == "module":
+        return importlib.import_module(f"zero.{listed.value}")
+    if listed.kind == "logger":
+        return logging.getLogger("zero")  # deepspeed.utils.logger
+    if listed.kind in ("class", "function"):
+        own = _zeros_own(listed.value or listed_full)
+        if own is not None:
+            return own
+    return stand_in(full, _reason(full, listed_full, listed.value))
+
+
+class _AbsentModule(types.ModuleType):
+    """A DeepSpeed module zero has no file for: `missing` answers for its names."""
+
+    def __getattr__(self, name: str):
+        return missing(self.__name__, name)
+
+    def __dir__(self):
+        return sorted({*module_names(self.__name__.removeprefix("zero.")), *vars(self)})
+
+    def __setattr__(self, name: str, value) -> None:
+        # Importing a submodule binds it on its parent. Where DeepSpeed's parent binds that name to
+        # something else (deepspeed.compile.custom_ops.all_to_all, a function), DeepSpeed's stays.
+        listed = module_names(self.__name__.removeprefix("zero.")).get(name)
+        if isinstance(value, types.ModuleType) and listed is not None and (
+                listed.kind != "module" or value.__name__ != f"zero.{listed.value}"):
+            return
+        super().__setattr__(name, value)
 
 
 class _AbsentPackages(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Makes `zero.deepspeed.<missing package>` importable: a module of stand-ins."""
+    """Imports `zero.deepspeed.<a DeepSpeed module zero has no file for>` as an _AbsentModule.
+
+    It runs before the path finder, which would otherwise follow a `__path__` that a module's
+    `__getattr__` answers for (zero.deepspeed.comm forwards to torch.distributed) into another
+    package's files: a module under such a path that is not DeepSpeed's is not found."""
 
     def find_spec(self, fullname, path, target=None):
         full = fullname.removeprefix("zero.")
-        if fullname.startswith("zero.deepspeed.") and full not in ABSENT_NAMES and _reason(full) is not None:
+        if not fullname.startswith("zero.deepspeed.") or full in _own_paths():
+            return None
+        if full in _module_paths():
             return importlib.util.spec_from_loader(fullname, self, is_package=True)
+        if path and not all(Path(p).resolve().is_relative_to(_HERE) for p in path):
+            raise ModuleNotFoundError(f"No module named {fullname!r} (not a DeepSpeed module)", name=fullname)
         return None
 
     def create_module(self, spec):
@@ -163,8 +360,7 @@ class _AbsentPackages(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module) -> None:
         full = module.__name__.removeprefix("zero.")
         module.__doc__ = f"{full}: not available in zero ({_reason(full)})"
-        module.__getattr__ = lambda name: missing(full, name)
 
 
-if not any(isinstance(f, _AbsentPackages) for f in sys.meta_path):  # once, behind the real modules
-    sys.meta_path.append(_AbsentPackages())
+if not any(isinstance(f, _AbsentPackages) for f in sys.meta_path):  # once, before the path finder
+    sys.meta_path.insert(0, _AbsentPackages())
