@@ -41,6 +41,7 @@ class ResumableLoader(DataLoader):
         super().__init__(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last)
         self.batches = 0  # batches handed out in the current pass (including skipped ones)
         self._resume_at = 0  # set by load_state_dict: where the next pass starts
+        self.post_process_func = None  # DeepSpeed's: applied to each batch (engine.set_data_post_process_func)
 
     def __iter__(self):
         self.batches, self._resume_at = self._resume_at, 0
@@ -48,7 +49,7 @@ class ResumableLoader(DataLoader):
         chosen, self.sampler._epoch_set = self.sampler._epoch_set, False
         for batch in super().__iter__():
             self.batches += 1
-            yield batch
+            yield batch if self.post_process_func is None else self.post_process_func(batch)
         self.batches = 0
         if not chosen and not self.sampler._epoch_set:  # a complete pass: the next one is the next epoch
             self.sampler.epoch += 1

@@ -229,3 +229,121 @@ class DeepSpeedMethods:
         step (DeepSpeed's engine.backward calls this itself; scripts that call it too keep
         working)."""
         return None
+
+    def set_data_post_process_func(self, post_process_func) -> None:
+        """Apply `post_process_func` to every batch of the loader initialize made (if any)."""
+        if self.training_dataloader is not None:
+            self.training_dataloader.post_process_func = post_process_func
+
+    # -- collectives of DeepSpeed's non-ZeRO path, on tensors the caller holds -----------------------
+
+    def all_gather_scalar(self, value: torch.Tensor, dp_group) -> list[torch.Tensor]:
+        """`value` of every rank of `dp_group`, in rank order."""
+        out = [torch.zeros_like(value) for _ in range(dist.get_world_size(group=dp_group) if dist.is_initialized()
+                                                      else 1)]
+        if len(out) == 1:
+            out[0].copy_(value)
+        else:
+            dist.all_gather(out, value, group=dp_group)
+        return out
+
+    def allreduce_bucket(self, bucket: list[torch.Tensor], dp_group, dp_world_size: int | None = None) -> torch.Tensor:
+        """The mean over `dp_group` of the tensors in `bucket`, flattened into one tensor (reduced
+        in communication_data_type, divided by gradient_predivide_factor before and the rest
+        after, as the engine divides gradients)."""
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        reduced = flat.to(self.config.communication_dtype)
+        world = dp_world_size or (dist.get_world_size(group=dp_group) if dist.is_initialized() else 1)
+        predivide = self.config.gradient_predivide_factor
+        reduced.div_(predivide)
+        if world > 1:
+            dist.all_reduce(reduced, group=dp_group)
+        reduced.mul_(predivide / world)
+        return reduced.to(flat.dtype) if reduced.dtype != flat.dtype else reduced
+
+    def allreduce_and_copy(self, small_bucket: list[torch.Tensor], dp_group, dp_world_size: int | None = None) -> None:
+        """Replace each tensor of `small_bucket` by its mean over `dp_group`."""
+        reduced = self.allreduce_bucket(small_bucket, dp_group, dp_world_size)
+        for t, part in zip(small_bucket, torch.split(reduced, [t.numel() for t in small_bucket])):
+            t.copy_(part.view_as(t))
+
+    def allreduce_no_retain(self, bucket: list[torch.Tensor], dp_group, numel_per_bucket: int = 500_000_000,
+                            dp_world_size: int | None = None) -> None:
+        """`allreduce_and_copy` in pieces of about `numel_per_bucket` elements."""
+        piece, numel = [], 0
+        for t in bucket:
+            piece.append(t)
+            numel += t.numel()
+            if numel > numel_per_bucket:
+                self.allreduce_and_copy(piece, dp_group, dp_world_size)
+                piece, numel = [], 0
+        if piece:
+            self.allreduce_and_copy(piece, dp_group, dp_world_size)
+
+    # -- reports and queries -----------------------------------------------------------------------
+
+    def get_type(self) -> list[str | None]:
+        """Per param group, the optimizer's type (the config's, or the client optimizer's class)."""
+        kind = self.config.optimizer.type if self.config.optimizer is not None else (
+            type(self.client_optimizer).__name__ if self.client_optimizer is not None else None)
+        return [kind for _ in self.optimizer.param_groups]
+
+    def get_wall_clock_timers(self) -> dict[str, float]:
+        """A snapshot of the engine's wall-clock timers, in seconds (see wall_clock_report)."""
+        return self.wall_clock_report()
+
+    def print_forward_breakdown(self, fwd_time: float) -> None:
+        """Log the forward time (ms) on rank 0 (zero has no mixture-of-experts layers to break it into)."""
+        from zero.deepspeed.utils import log_dist
+
+        log_dist(f"time (ms) | fwd: {fwd_time:.2f}", ranks=[0])
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether the module was compiled with torch.compile through the engine (it is not: zero
+        does not compile it; a module the user compiled is run as it is)."""
+        return False
+
+    def get_compile_time(self) -> dict:
+        """Time per DeepCompile pass: none ran."""
+        return {}
+
+    def collect_python_gc(self) -> int:
+        """Run Python's cyclic garbage collector now; returns the objects collected."""
+        return gc.collect()
+
+
+def _not_available(name: str, reason: str):
+    def method(self, *args, **kwargs):
+        from zero.deepspeed._missing import NotAvailableError
+
+        raise NotAvailableError(f"engine.{name} is not available in zero: {reason}")
+
+    method.__name__ = name
+    method.__doc__ = f"Not available in zero: {reason}"
+    return method
+
+
+# DeepSpeedEngine members with no counterpart here: each raises, saying why, when called
+NOT_AVAILABLE = {
+    "buffered_allreduce_fallback": "gradients are reduced by the ZeRO stage's hooks and at step(); "
+                                   "use engine.allreduce_no_retain(tensors, group) for tensors of your own",
+    "clip_fp32_gradients": "the engine clips inside step() (the config's gradient_clipping)",
+    "coalesce_grad_reduction": "use engine.no_sync() (stages 0-1) or gradient_accumulation_steps",
+    "get_autosp_backend": "torch.compile integration is not implemented yet",
+    "get_autotp_backend": "torch.compile integration is not implemented yet",
+    "get_deepcompile_backend": "DeepCompile is not implemented",
+    "get_deepspeed_compile_backend": "DeepCompile is not implemented",
+    "register_compile_pass": "DeepCompile is not implemented",
+    "get_optimizer_configuration": "zero builds the config's optimizer itself (zero/stages/choice.py)",
+    "load_moe_state_dict": "expert parallelism is not implemented",
+    "random_ltd_initialize": "random layer-token drop (data efficiency) is not implemented",
+    "set_custom_curriculum_learning_schedule": "curriculum learning (data efficiency) is not implemented",
+    "sparse_all_gather": "sparse gradients are not supported (use dense embeddings)",
+    "sparse_allreduce": "sparse gradients are not supported (use dense embeddings)",
+    "sparse_allreduce_bucket": "sparse gradients are not supported (use dense embeddings)",
+    "sparse_allreduce_no_retain": "sparse gradients are not supported (use dense embeddings)",
+}
+for _name, _reason in NOT_AVAILABLE.items():
+    setattr(DeepSpeedMethods, _name, _not_available(_name, _reason))
+
