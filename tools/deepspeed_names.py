@@ -16,11 +16,11 @@ It imports every module of the installed `deepspeed` package and writes two gene
 
 A public name of a module is what `dir(module)` shows, less names starting with `_`, submodules
 (listed as module paths of their own), classes and functions defined outside DeepSpeed (torch,
-typing and the standard library re-exported), typing constructs (`Optional`, TypeVars) and `__future__`
-features. A module that does not
-import here (it needs triton, a GPU or a process group) is read from its source with `ast`: its
+typing and the standard library re-exported), typing constructs (`Optional`, TypeVars) and
+`__future__` features. A constant that names a file of this machine is a `value`. A module that does
+not import here (it needs triton, a GPU or a process group) is read from its source with `ast`: its
 top-level classes, functions and assignments. zero/deepspeed/_missing.py reads both files (see
-[Note: the name list] there).
+[Note: the name list] there); tests/test_deepspeed_names.py checks zero.deepspeed against them.
 """
 from __future__ import annotations
 import __future__

@@ -6,16 +6,21 @@ public_names.txt, generated from an installed DeepSpeed by tools/deepspeed_names
 module path of DeepSpeed and every public name of each module with its kind. It decides what
 `zero.deepspeed` answers for, so a DeepSpeed script finds every name it imports:
 - a listed module path `deepspeed.a.b` imports as `zero.deepspeed.a.b`: zero's own file where there
-  is one, else a module made on import by `_AbsentPackages`;
-- a listed name is zero's own object where zero has the feature (defined in that file, or in the
-  file of the module DeepSpeed defines it in, for a name DeepSpeed re-exports); else a literal
-  constant is its recorded value, a logger is zero's logger, a module bound under another name
-  (`deepspeed.zero`, `dist`) is that module, and anything else is a stand-in (see [Note: absent
-  names]);
+  is one, else an _AbsentModule made on import by `_AbsentPackages`. A file of zero's that stands for
+  a DeepSpeed package answers `__path__` (through `missing`), so DeepSpeed's other modules under it
+  import too;
+- a listed name is zero's own object where zero has the feature: defined in that file, or, for a
+  class or function DeepSpeed re-exports, in zero's file for the module that defines it or for
+  another module that re-exports it (`deepspeed.zero.Init` is zero.init.Init under every path).
+  Else a literal constant is its recorded value, a logger is zero's logger, a module bound under
+  another name (`deepspeed.zero`, `dist`) is that module, and anything else is a stand-in (see
+  [Note: absent names]);
 - any other name (a typo, a private name) is an AttributeError, and any other path an ImportError,
   at once, as for any module.
 Every file of zero/deepspeed/ ends with `def __getattr__(name): return missing(__name__, name)`, which
-answers for the names the file does not define.
+answers for the names the file does not define. Importing a module binds it on its package, as
+everywhere: a file of zero's for a DeepSpeed package keeps its own names clear of its DeepSpeed
+modules' names (`torch`, `logging` and `builder` are modules of DeepSpeed packages).
 
 [Note: absent names]
 A DeepSpeed script often imports more than it uses (`from deepspeed.moe.layer import MoE` at
@@ -35,6 +40,7 @@ import importlib.abc
 import importlib.util
 import logging
 import sys
+import threading
 import types
 from pathlib import Path
 from typing import NamedTuple
@@ -257,16 +263,17 @@ def _canonical(module: str) -> str:
     return listed.value if listed is not None and listed.kind == "module" else module
 
 
-_seeking: set[str] = set()  # the definitions _zeros_own is looking for (a re-export cycle ends there)
+_seeking = threading.local()  # .homes: the definitions _zeros_own is looking for (a re-export cycle ends there)
 
 
 def _zeros_own(home: str):
     """zero's own object for the DeepSpeed class or function defined at `home` (`deepspeed.a.b.Name`):
     what zero's file for deepspeed.a.b, or for a module that re-exports it, has under that name; None
     if zero has none."""
-    if home in _seeking:
+    seeking = _seeking.__dict__.setdefault("homes", set())
+    if home in seeking:
         return None
-    _seeking.add(home)
+    seeking.add(home)
     try:
         for full in (home, *_reexporters().get(home, ())):
             module, _, name = full.rpartition(".")
@@ -277,7 +284,7 @@ def _zeros_own(home: str):
                 return found
         return None
     finally:
-        _seeking.discard(home)
+        seeking.discard(home)
 
 
 def missing(module: str, name: str):
