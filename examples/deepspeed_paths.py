@@ -179,7 +179,7 @@ def main(stage: int, steps: int = 3) -> dict:
     plain = load_state_dict_from_zero_checkpoint(Net(), path, tag="final")
     report["loaded_bitwise"] = all(torch.equal(p, trained[n]) for n, p in plain.named_parameters())
     if rank == 0:
-        convert_zero_checkpoint_to_fp32_state_dict(path, f"{path}/hf", tag="final")
+        convert_zero_checkpoint_to_fp32_state_dict(path, f"{path}/hf", tag="final", safe_serialization=True)
         from safetensors.torch import load_file
 
         report["converted_bitwise"] = torch.equal(load_file(f"{path}/hf/model.safetensors")["out.bias"],

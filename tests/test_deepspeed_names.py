@@ -25,7 +25,7 @@ from zero.deepspeed._missing import (
 
 # zero's files for these DeepSpeed modules do not end with the `__getattr__` fallback yet (their owners
 # are adding it): the names they do not define are not checked until then
-LACKING_FALLBACK = {"deepspeed.pipe", "deepspeed.utils.zero_to_fp32"}
+LACKING_FALLBACK: set[str] = set()
 
 
 def resolve_every_name() -> tuple[Counter, list[str]]:

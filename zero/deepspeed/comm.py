@@ -6,7 +6,7 @@ import os
 import torch.distributed as _dist
 
 from zero.comm import init_distributed as _init_distributed
-from zero.deepspeed._missing import missing
+from zero.deepspeed._missing import missing, module_names
 
 ReduceOp = _dist.ReduceOp
 
@@ -48,6 +48,11 @@ def barrier(group=None, async_op=False, device_ids=None):
 
 
 def __getattr__(name: str):
+    if name.startswith("__"):  # `__path__`: DeepSpeed's comm is a package (see [Note: absent names])
+        return missing("deepspeed.comm", name)
+    listed = module_names("deepspeed.comm").get(name)
+    if listed is not None and listed.kind in ("module", "constant"):  # DeepSpeed's submodules and constants
+        return missing("deepspeed.comm", name)
     value = getattr(_dist, name, None)  # all_reduce, broadcast, all_gather, new_group, ... as torch has them
     if value is not None:
         return value

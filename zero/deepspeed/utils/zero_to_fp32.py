@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from zero.checkpoint.consolidate import get_fp32_state_dict, to_fp32
+from zero.deepspeed._missing import missing
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, exclude_frozen_parameters=False):
@@ -23,3 +24,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, tag=N
     does (shards and `pytorch_model.bin.index.json` above `max_shard_size`), or safetensors files
     (`model.safetensors`, ...) with `safe_serialization=True`. Returns the files written."""
     return to_fp32(checkpoint_dir, output_dir, tag, max_shard_size, torch.float32, safe_serialization)
+
+
+def __getattr__(name: str):
+    return missing(__name__, name)
