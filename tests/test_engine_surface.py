@@ -98,9 +98,12 @@ def test_generate_without_optimizer_matches_the_plain_model_on_two_ranks(dist_ru
 
 
 def _train(stage: int, roundtrip: bool, config: dict | None = None, steps: int = 4) -> dict:
-    """AdamW steps on a bf16 MLP; with `roundtrip`, the states go to host memory and back after
-    step 2 (and a subset of them after step 3)."""
+    """Steps on a bf16 MLP; with `roundtrip`, the states go to host memory and back after step 2
+    (all of them, and whoever runs the model meanwhile is refused), and in two parts after step 3
+    (the optimizer's states first: the model still evaluates; then the rest)."""
     import torch.distributed as dist
+
+    from zero.deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as States
 
     model = mlp()
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": ADAMW, "bf16": {"enabled": True},
@@ -108,10 +111,21 @@ def _train(stage: int, roundtrip: bool, config: dict | None = None, steps: int =
            **(config or {})}
     engine, *_ = zero.initialize(model=model, config=cfg)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    out = {}
+    out = {"refused": []}
+
+    def refused(fn) -> None:
+        try:
+            fn()
+            out["refused"].append(False)
+        except RuntimeError as e:
+            out["refused"].append("reload_states" in str(e) or "after engine.step()" in str(e))
+
+    x0 = batch(0).bfloat16()
     for i in range(steps):
         loss = engine(batch(i, rank).bfloat16()).float().pow(2).mean()
         engine.backward(loss)
+        if roundtrip and i == 0:
+            refused(engine.offload_states)  # between a backward and its step
         engine.step()
         if roundtrip and i == 1:
             before = engine.memory_report()
@@ -119,16 +133,19 @@ def _train(stage: int, roundtrip: bool, config: dict | None = None, steps: int =
             after = engine.memory_report()
             out["device_before"], out["device_after"], out["offloaded"] = (
                 before["device_bytes"], after["device_bytes"], after["offloaded_bytes"])
-            try:
-                engine(batch(0).bfloat16())
-            except RuntimeError as e:
-                out["refused"] = "reload_states" in str(e)
+            refused(lambda: engine(x0))
+            refused(lambda: model(x0))  # the module itself, not through the engine
+            refused(lambda: engine.step())
             engine.reload_states()
-        if roundtrip and i == 2:  # some kinds only: DeepSpeed's OffloadStateTypeEnum values
-            from zero.deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
-
-            moved = engine.optimizer.offload_states([OffloadStateTypeEnum.optim_states, "lp_grads"])
-            out["subset"] = 0 < moved < out["device_before"]
+        if roundtrip and i == 2:  # DeepSpeed's OffloadStateTypeEnum values, in two calls
+            engine.offload_states([States.optim_states, "hp_params"])
+            with torch.no_grad():
+                out["evaluates"] = engine(x0).shape == (2, 4)
+            engine.offload_states(["lp_grads"])
+            refused(lambda: engine(x0))  # with autograd on: a backward would need the gradient buffers
+            refused(lambda: engine.step())  # a step needs every state
+            engine.offload_states()  # the rest
+            out["all_away"] = engine.memory_report()["device_bytes"] == 0
             engine.reload_states()
     with zero.GatheredParameters(list(model.parameters())):
         out["params"] = [p.detach().float().clone() for p in model.parameters()]
@@ -136,15 +153,15 @@ def _train(stage: int, roundtrip: bool, config: dict | None = None, steps: int =
 
 
 def test_offload_states_round_trip_frees_the_device_and_trains_bit_for_bit(dist_run):
-    for stage, extra in [(3, None), (2, None), (1, {"optimizer": {"type": "SGD", "params": {"lr": 0.1,
-                                                                                                  "momentum": 0.9}}}),
+    sgd = {"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}
+    for stage, extra in [(3, None), (2, None), (1, sgd), (0, {"optimizer": {"type": "ZeroOneAdam"}}),
                          (3, {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})]:
         plain = dist_run(2, _train, stage, False, extra)
         tripped = dist_run(2, _train, stage, True, extra)
         for a, b in zip(plain, tripped):
             assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"])), stage
-            assert b["device_before"] > 0 and b["device_after"] == 0 and b["refused"] and b["subset"], (stage, b)
-            assert b["offloaded"] > 0, b
+            assert b["device_before"] > 0 and b["device_after"] == 0 and b["offloaded"] > 0, (stage, b)
+            assert b["refused"] == [True] * 6 and b["evaluates"] and b["all_away"], (stage, b)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -76,6 +76,7 @@ from zero.stages import build_optimizer
 from zero.stages.adam import ADAM_DEFAULTS, check_param_groups
 from zero.stages.choice import _optimizer_defaults, _param_groups, client_step
 from zero.stages.policies import strict_tag_checks
+from zero.stages.relocation import BACKWARD_NEEDS
 
 log = logging.getLogger("zero")
 _PIPELINE_API = ("train_batch", "eval_batch", "is_first_stage", "is_last_stage", "agg_train_loss", "agg_eval_loss")
@@ -236,7 +237,6 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._refuse_with_pipeline("engine(...)")
-        self._check_states_home("engine(...)")
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             cast = lambda t: t.to(torch.float16) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
             args = tuple(cast(a) for a in args)
@@ -263,7 +263,7 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         self._refuse_with_pipeline("engine.backward")
         if not self.trains:
             _refuse_without_optimizer("engine.backward(loss)")
-        self._check_states_home("engine.backward(loss)")
+        self._check_states_home("engine.backward(loss)", BACKWARD_NEEDS)
         _check_loss(loss, "engine.backward(loss)")
         scaled = self.scale(loss)
         counted = self.progress.backwards
@@ -550,8 +550,11 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         ones excluded), `gather_buffers_peak` (all-gather outputs before they are copied into
         units) and `persistent_params` (elements kept whole on every rank). With a mesh, `mesh`:
         its shape, this rank's coordinates and how it divides the parameters (see MeshTraffic).
+        `offloaded_bytes`: the host copies of states `offload_states()` moved off the device.
         """
         report = self.optimizer.memory_report()
+        away = self.__dict__.get("_away")
+        report["offloaded_bytes"] = away.host_bytes() if away is not None else 0  # offload_states' host copies
         if self.traffic is not None:
             report["mesh"] = self.traffic.memory()
         return report

@@ -25,28 +25,37 @@ class DeepSpeedMethods:
     def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False) -> None:
         """Move this rank's model states (DeepSpeed's `include`: optim_states, hp_params, lp_params,
         lp_grads, contiguous_grad_buffer; None: all) from the device to host memory, freeing
-        their device memory until `reload_states()`. While they are away the engine refuses to
-        compute, step or save. States already in host memory (optimizer or parameter offload)
-        stay. See [Note: states away] in zero/stages/relocation.py."""
+        their device memory until `reload_states()`; between a step and the next backward. States
+        already in host memory (optimizer or parameter offload) stay. See [Note: states away] in
+        zero/stages/relocation.py."""
+        from zero.stages.relocation import StatesAway
+
         where = getattr(device, "value", device)
         if where == "none":
             warnings.warn("offload_states(device='none'): nothing to do", stacklevel=2)
             return
         if where != "cpu":
             raise ValueError(f"offload_states(device={device!r}): states can be moved to 'cpu' (host memory) only")
-        if self.optimizer.states_offloaded:
-            raise RuntimeError("offload_states(): the states are already offloaded; call reload_states() first")
+        if self.progress.backwards:
+            raise RuntimeError(f"offload_states(): {self.progress.backwards} backward pass(es) since the last step, "
+                               f"whose gradients may still be being reduced; offload after engine.step() at the "
+                               f"end of the accumulation window")
         self.wait_for_checkpoint()  # an asynchronous save may still be copying them
-        self.optimizer.offload_states(include, pin_memory, non_blocking)
+        if self.__dict__.get("_away") is None:
+            self._away = StatesAway(self.optimizer, [self.module, *getattr(self.module, "parts", [])])
+        self._away.offload(include, pin_memory, non_blocking)
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring back what `offload_states` moved to host memory (nothing if nothing is away)."""
-        self.optimizer.reload_states(non_blocking)
+        away = self.__dict__.get("_away")
+        if away is not None:
+            away.reload(non_blocking)
 
-    def _check_states_home(self, what: str) -> None:
-        if self.optimizer.states_offloaded:
-            raise RuntimeError(f"{what}: the model states are offloaded to host memory (engine.offload_states()); "
-                               f"call engine.reload_states() first")
+    def _check_states_home(self, what: str, needs: set[str] | None = None) -> None:
+        """Raise if model states `what` needs (None: all) are offloaded (see offload_states)."""
+        away = self.__dict__.get("_away")
+        if away is not None:
+            away.check(what, needs)
 
     def empty_partition_cache(self) -> None:
         """Release the gathered copies of stage-3 parameters (each is gathered again at its next

@@ -48,7 +48,7 @@ class ZeroOneParams(FlatParams):
         self.anchor = [m.detach().clone() for m in self.master]
         # per slot: [sum of c_t since the sync, product of decay factors since the sync]
         self.since_sync = [torch.tensor([0.0, 1.0], dtype=torch.float64) for _ in self.master]
-        self.slot_of = {m.data_ptr(): b for b, m in enumerate(self.master)}
+        self.slot_of = {id(m): b for b, m in enumerate(self.master)}  # by object: offload_states moves storages
         self.watch_edits(self.params)  # fp32 too: an edit must move the anchor (see rebase)
 
     def rebase(self, param, value: torch.Tensor | None = None) -> None:
@@ -170,7 +170,7 @@ class ZeroOneAdam(ShardedAdam):
     @torch.no_grad()
     def _adam(self, group, master, grad, exp_avg, exp_avg_sq, grad_scale: float, out16, num_threads=None) -> None:
         s = self.storage
-        b = s.slot_of[master.data_ptr()]
+        b = s.slot_of[id(master)]
         var_update, sync = self._plan
         t = self.step_count
         lr, (beta1, beta2), eps, wd = float(group["lr"]), tuple(group["betas"]), group["eps"], group["weight_decay"]

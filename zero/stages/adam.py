@@ -164,74 +164,17 @@ class ShardedAdam(torch.optim.Optimizer):
         report["reduce_buffers_peak"] = g.reduce_buffers.peak
         report["device_bytes"] += g.reduce_buffers.now + g.gather_buffers.now
         self.storage.memory_extras(report)
-        away = self.__dict__.get("_away")
-        report["offloaded_bytes"] = away.host_bytes() if away is not None else 0  # offload_states' host copies
         return report
 
     @property
     def parameter_offload(self):
-        """Stage 3's runtime (DeepSpeed's `optimizer.parameter_offload`): its `module`,
-        `forward_hooks`, `backward_hooks` and `_register_hooks_recursively`."""
+        """Stage 3's runtime, DeepSpeed's `optimizer.parameter_offload`: its `module`,
+        `forward_hooks`, `backward_hooks` and `_register_hooks_recursively` (which TRL's
+        unwrap_model_for_generation uses to remove and restore the hooks)."""
         runtime = getattr(self.storage, "runtime", None)
         if runtime is None:
             raise AttributeError("parameter_offload: only a stage-3 optimizer has one")
         return runtime
-
-    @property
-    def forward_hooks(self) -> list:
-        return self.parameter_offload.forward_hooks
-
-    @forward_hooks.setter
-    def forward_hooks(self, handles: list) -> None:
-        self.parameter_offload.forward_hooks = handles
-
-    @property
-    def backward_hooks(self) -> list:
-        return self.parameter_offload.backward_hooks
-
-    @backward_hooks.setter
-    def backward_hooks(self, handles: list) -> None:
-        self.parameter_offload.backward_hooks = handles
-
-    @property
-    def module(self):
-        return self.parameter_offload.module
-
-    def _register_hooks_recursively(self, module=None, *args) -> None:
-        self.parameter_offload._register_hooks_recursively(module)
-
-    _register_deepspeed_module = _register_hooks_recursively
-
-    # -- states off the device (see [Note: states away] in zero/stages/relocation.py) ---------------
-
-    def offload_states(self, include=None, pin_memory: bool = True, non_blocking: bool = False) -> int:
-        """Move the device's model states of the kinds `include` names (DeepSpeed's
-        OffloadStateTypeEnum; None: all) to host memory; returns the bytes moved."""
-        from zero.stages.relocation import OffloadedStates, kinds_of
-
-        kinds = kinds_of(include)  # checked before anything moves
-        if self.__dict__.get("_away") is None:
-            self._away = OffloadedStates(self.storage.host_memory)
-        parts, host_kinds = self.storage.memory_parts()
-        if self.offload is not None:
-            host_kinds = host_kinds | {"fp32_master", "optimizer_states", "client_optimizer_states"}
-        client = self.client._optimizer if self.client is not None else None
-        parts["client_optimizer_states"] = [  # beside the masters; 1-bit Adam's error feedback
-            *(t for state in (client.state.values() if client is not None else ()) for t in state.values()
-              if isinstance(t, torch.Tensor) and t.dim() > 0), *self.rank_state().values()]
-        self.storage.release_gathered()
-        return self._away.offload(parts, kinds - host_kinds, pin_memory, non_blocking)
-
-    def reload_states(self, non_blocking: bool = False) -> None:
-        """Bring back what `offload_states` moved (nothing if nothing is away)."""
-        away = self.__dict__.get("_away")
-        if away is not None:
-            away.reload(non_blocking)
-
-    @property
-    def states_offloaded(self) -> bool:
-        away = self.__dict__.get("_away")
-        return away is not None and away.active
 
     def grad_divisor(self, reduced: bool) -> float:
         """What a gradient piece is divided by to give the mean gradient the step applies (before

@@ -3,24 +3,31 @@
 [Note: states away]
 An RLHF loop holds a training engine and generates with another model between its steps; while
 it generates, the training engine's states only take device memory. `offload_states` copies
-each device storage that holds a model state (the stage's parameter buffers or shards, fp32
-masters, gradient buffers, Adam moments; a client optimizer's state) to host memory and resizes
-the device storage to 0 bytes; `reload_states` gives each storage its size back and copies the
-bytes in. The tensors that view those storages (parameters, shard views, the optimizer's slots)
-are the same objects with the same offsets throughout, so nothing else needs to be told: after
-the reload, training goes on bit for bit as without the round trip. Gathered stage-3 parameters
-are released first (they are copies of the shards). States already in host memory (optimizer
-and parameter offload) stay where they are. The host copies are allocated at the first offload
-and kept for the next one (page-locked where CUDA can pin), so an offload per step costs copies,
-not allocations.
+each device storage that holds a model state of the kinds asked for (DeepSpeed's
+OffloadStateTypeEnum: the stage's parameter buffers or shards, fp32 masters, gradient buffers,
+Adam moments and a client optimizer's state) to host memory and resizes the device storage to 0
+bytes; `reload_states` gives each storage its size back and copies the bytes in. The tensors that
+view those storages (parameters, shard views, the optimizer's slots) are the same objects with the
+same offsets throughout, so nothing else needs to be told, except that data pointers change
+(nothing may key on them). After the reload, training goes on bit for bit as without the round trip.
+
+- Gathered stage-3 parameters are released first (they are copies of the shards).
+- States already in host memory (optimizer and parameter offload) stay where they are.
+- Kinds may go away in several calls (a kind already away is skipped), as in DeepSpeed. A hook on
+  the module (whoever calls it) refuses a forward while the parameters are away, or, with autograd
+  on, the gradient buffers; the engine refuses a backward without both, and a step or a save
+  without everything.
+- States are moved only between a step and the next backward: a gradient reduction may still be
+  running between them.
+- The host copies are allocated at the first offload and kept for the next one (page-locked where
+  CUDA can pin), so an offload per step costs copies, not allocations.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 import torch
-
-from zero.offload import HostMemory
+import torch.nn as nn
 
 # DeepSpeed's OffloadStateTypeEnum values -> the memory-report kinds that hold them
 STATE_KINDS = {
@@ -30,6 +37,8 @@ STATE_KINDS = {
     "lp_grads": ("grads",),
     "contiguous_grad_buffer": (),  # zero's reduce buffers live only while gradients are reduced
 }
+FORWARD_NEEDS = set(STATE_KINDS["lp_params"])
+BACKWARD_NEEDS = FORWARD_NEEDS | set(STATE_KINDS["lp_grads"])
 
 
 def kinds_of(include: Iterable | None) -> set[str]:
@@ -47,55 +56,89 @@ def kinds_of(include: Iterable | None) -> set[str]:
     return out
 
 
-class OffloadedStates:
-    """The device storages of some model states, with their bytes in host memory (see
-    [Note: states away]).
+def model_states(optimizer) -> tuple[dict[str, list[torch.Tensor]], set[str]]:
+    """(kind -> the tensors holding it, kinds already in host memory) of a zero optimizer: its
+    storage's, a client optimizer's state and its per-rank state (1-bit Adam's error feedback)."""
+    parts, host_kinds = optimizer.storage.memory_parts()
+    if optimizer.offload is not None:
+        host_kinds = host_kinds | {"fp32_master", "optimizer_states", "client_optimizer_states"}
+    client = optimizer.client._optimizer if optimizer.client is not None else None
+    states = client.state.values() if client is not None else ()
+    parts["client_optimizer_states"] = [*(t for state in states for t in state.values()
+                                          if isinstance(t, torch.Tensor) and t.dim() > 0),
+                                        *optimizer.rank_state().values()]
+    return parts, host_kinds
+
+
+class StatesAway:
+    """The model states of one engine that are in host memory now (see [Note: states away]).
 
     Args:
-        host_memory: the allocator of page-locked host tensors.
+        optimizer: the engine's zero optimizer (its storage holds the states).
+        modules: the modules whose forward needs the parameters (the model, or a pipeline's parts).
     """
 
-    def __init__(self, host_memory: HostMemory):
-        self.host_memory = host_memory
+    def __init__(self, optimizer, modules: list[nn.Module]):
+        self.optimizer = optimizer
+        self.modules = modules
+        self.kinds: set[str] = set()
         self.away: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []  # (device storage, host copy)
         self._copies: dict[int, torch.UntypedStorage] = {}  # kept across round trips, by device storage
+        self._hooks: list = []
 
-    @property
-    def active(self) -> bool:
-        return bool(self.away)
-
-    def offload(self, parts: dict[str, list[torch.Tensor]], kinds: set[str], pin: bool, non_blocking: bool) -> int:
-        """Move the device storages of `parts[kind]` for `kinds` to host memory; returns the bytes
-        moved. An alias (a storage two kinds share) moves once."""
+    def offload(self, include, pin: bool, non_blocking: bool) -> int:
+        """Move the device storages of the states `include` names to host memory; returns the
+        bytes moved. An alias (a storage two kinds share) moves once."""
+        kinds = kinds_of(include) - self.kinds  # checked before anything moves
+        self.optimizer.storage.release_gathered()
+        parts, host_kinds = model_states(self.optimizer)
+        kinds -= host_kinds
         seen = {device._cdata for device, _ in self.away}
-        moved = 0
+        moving: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
         for kind in sorted(kinds):
             for t in parts.get(kind, []):
                 storage = t.untyped_storage()
-                key = storage._cdata
-                if storage.nbytes() == 0 or key in seen:
+                if storage.nbytes() == 0 or storage._cdata in seen:
                     continue
-                seen.add(key)
-                host = self._copies.get(key)
+                seen.add(storage._cdata)
+                host = self._copies.get(storage._cdata)
                 if host is None or host.nbytes() != storage.nbytes():
-                    host = self.host_memory.empty(storage.nbytes(), torch.uint8, pin).untyped_storage()
-                    self._copies[key] = host
+                    host = self.optimizer.storage.host_memory.empty(storage.nbytes(), torch.uint8, pin).untyped_storage()
                 host.copy_(storage, non_blocking=non_blocking)
-                self.away.append((storage, host))
-                moved += storage.nbytes()
-        if non_blocking and moved and torch.cuda.is_available():
+                moving.append((storage, host))
+        if non_blocking and moving and torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()  # the device bytes must be copied before they are freed
-        for storage, _ in self.away:
-            if storage.nbytes():
-                storage.resize_(0)
-        return moved
+        # nothing has changed until here: now the device memory is given up
+        for storage, host in moving:
+            self._copies[storage._cdata] = host
+            storage.resize_(0)
+        self.away += moving
+        self.kinds |= kinds
+        if self.kinds & BACKWARD_NEEDS and not self._hooks:
+            self._hooks = [m.register_forward_pre_hook(self._refuse_forward, prepend=True) for m in self.modules]
+        return sum(host.nbytes() for _, host in moving)
 
     def reload(self, non_blocking: bool) -> None:
         """Give every storage its bytes back from the host copies."""
         for storage, host in self.away:
             storage.resize_(host.nbytes())
             storage.copy_(host, non_blocking=non_blocking)
-        self.away = []
+        self.away, self.kinds = [], set()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def check(self, what: str, needs: set[str] | None = None) -> None:
+        """Raise if the kinds `what` needs (None: all) are away."""
+        missing = self.kinds if needs is None else self.kinds & needs
+        if missing:
+            raise RuntimeError(f"{what}: model states are offloaded to host memory ({', '.join(sorted(missing))}; "
+                               f"engine.offload_states()); call engine.reload_states() first")
+
+    def _refuse_forward(self, module, args) -> None:
+        """A forward needs the parameters; with autograd on, a backward may follow, which needs
+        the gradient buffers too."""
+        self.check("forward", BACKWARD_NEEDS if torch.is_grad_enabled() else FORWARD_NEEDS)
 
     def host_bytes(self) -> int:
         return sum(host.nbytes() for _, host in self.away)
