@@ -378,3 +378,60 @@ def test_deepspeed_engine_members_exist_with_their_meaning_or_explain_themselves
     engine.allreduce_no_retain(grads, None, numel_per_bucket=2)
     assert torch.equal(grads[1], torch.full((2, 2), 2.0)) and engine.all_gather_scalar(torch.tensor(5.0), None) == [5.0]
     assert engine.get_type() == ["AdamW"] and engine.is_compiled is False and engine.collect_python_gc() >= 0
+
+
+def _set_fragments(stage: int) -> dict:
+    """safe_set_full_grad: the step applies the gradient set (SGD with lr 1: w - g);
+    safe_set_local_fp32_param / safe_set_local_optimizer_state: this rank's part, read back."""
+    import torch.distributed as dist
+
+    from zero.deepspeed.utils import (
+        safe_get_full_fp32_param,
+        safe_get_full_grad,
+        safe_get_local_fp32_param,
+        safe_get_local_optimizer_state,
+        safe_set_full_grad,
+        safe_set_local_fp32_param,
+        safe_set_local_optimizer_state,
+    )
+
+    rank = dist.get_rank()
+    zc = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    model = mlp()
+    engine, *_ = zero.initialize(model=model, config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": zc,
+                                                      "optimizer": {"type": "SGD", "params": {"lr": 1.0}}})
+    weight = model[2].weight
+    engine.backward(engine(batch(0, rank)).pow(2).mean())
+    g = torch.arange(16 * 16, dtype=torch.float32).view(16, 16) / 100
+    before = safe_get_full_fp32_param(weight)
+    safe_set_full_grad(weight, g)
+    out = {"grad": torch.allclose(safe_get_full_grad(weight), g, atol=1e-6)}
+    engine.step()
+    out["applied"] = torch.allclose(safe_get_full_fp32_param(weight), before - g, atol=1e-6)
+    adam = mlp()
+    engine, *_ = zero.initialize(model=adam, config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": zc,
+                                                     "optimizer": ADAMW})
+    engine.backward(engine(batch(0, rank)).pow(2).mean())
+    engine.step()
+    w = adam[2].weight
+    mine = safe_get_local_optimizer_state(w, "exp_avg")
+    safe_set_local_optimizer_state(w, torch.full_like(mine, 0.5 + rank), "exp_avg")
+    out["state"] = torch.equal(safe_get_local_optimizer_state(w, "exp_avg"), torch.full_like(mine, 0.5 + rank))
+    if stage == 3:
+        local = safe_get_local_fp32_param(w)
+        safe_set_local_fp32_param(w, local + 1)
+        with zero.GatheredParameters([w]):
+            out["local"] = torch.equal(safe_get_local_fp32_param(w), local + 1) and torch.allclose(
+                w.detach().reshape(-1)[rank * local.numel():][: local.numel()], local + 1)
+    else:
+        try:
+            safe_set_local_fp32_param(w, torch.zeros(1))
+        except ValueError as e:
+            out["local"] = "stage 3 only" in str(e)
+    return out
+
+
+def test_deepspeed_tensor_fragment_setters(dist_run):
+    for stage in (1, 2, 3):
+        for r in dist_run(2, _set_fragments, stage):
+            assert all(r.values()) and len(r) == 4, (stage, r)

@@ -161,3 +161,58 @@ def safe_set_full_optimizer_state(param, value: torch.Tensor, optim_state_key: s
     """Set `param`'s Adam state `optim_state_key` to the full `value`, given on every rank."""
     _check_state_key(optim_state_key)
     _set_full(param, optim_state_key, value)
+
+
+def safe_set_full_grad(param, value: torch.Tensor) -> None:
+    """Set `param`'s mean gradient that the coming step applies (as safe_get_full_grad's answer)
+    to the full `value`, given on every rank (collective in meaning: every rank calls it). Call it
+    after the backward of an accumulation boundary, before `step()`."""
+    optimizer = _owner(param, frozen_ok=False)
+    offset, piece, reduced = optimizer.storage.grad_piece(param)
+    shape = tuple(getattr(param, "ds_shape", param.shape))
+    if not isinstance(value, torch.Tensor) or value.numel() != math.prod(shape):
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"safe_set_full_grad: the parameter has shape {shape}; got {got}")
+    flat = value.detach().reshape(-1).float()[offset : offset + piece.numel()]
+    # a reduced piece is this rank's part of the sum; unreduced ones (stages 0, 1) are summed by the step
+    scale = optimizer.grad_divisor(reduced) / (1 if reduced else optimizer.comm.world_size)
+    if optimizer.host_adam is not None:  # offload: copies of the old values may be on their way to the host
+        optimizer.host_adam.discard()
+    with torch.no_grad():
+        piece.copy_((flat * scale).to(piece.device, piece.dtype).view_as(piece))
+
+
+def _set_local(param, kind: str, value: torch.Tensor, what: str) -> None:
+    optimizer = _owner(param, frozen_ok=False)
+    _no_client_state(optimizer, kind)
+    chunks = optimizer.storage.param_chunks(param, saving=False)
+    mine = [(offset, view) for k, offset, view in chunks if k == kind]
+    size = sum(view.numel() for _, view in mine)
+    if not isinstance(value, torch.Tensor) or value.numel() != size:
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"{what}: this rank holds {size} elements of this parameter's {kind}; got {got}")
+    flat, at = value.detach().reshape(-1).float(), 0
+    with torch.no_grad():
+        for offset, view in mine:
+            view.copy_(flat[at : at + view.numel()].to(view.device).view_as(view))
+            if kind == "master":  # the training copy of the same elements follows
+                for k, o, model in chunks:
+                    if k == "model" and o == offset and model.numel() == view.numel():
+                        model.copy_(view.view_as(model))
+            at += view.numel()
+
+
+def safe_set_local_fp32_param(param, value: torch.Tensor) -> None:
+    """Set this rank's part of a stage-3 parameter's fp32 master (and of its training copy) to
+    `value`, flat, shaped as safe_get_local_fp32_param's answer (not collective)."""
+    if getattr(param, "_zero", None) is None:
+        raise ValueError("safe_set_local_fp32_param: the parameter is not partitioned (ZeRO stage 3 only, as in "
+                         "DeepSpeed); use safe_set_full_fp32_param")
+    _set_local(param, "master", value, "safe_set_local_fp32_param")
+
+
+def safe_set_local_optimizer_state(param, value: torch.Tensor, optim_state_key: str) -> None:
+    """Set this rank's part of `param`'s Adam state `optim_state_key` to `value`, flat, shaped as
+    safe_get_local_optimizer_state's answer (not collective)."""
+    _check_state_key(optim_state_key)
+    _set_local(param, optim_state_key, value, "safe_set_local_optimizer_state")

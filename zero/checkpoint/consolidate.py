@@ -44,15 +44,18 @@ def _chunks_by_name(tensor_dir: Path) -> dict[str, list[tuple[int, str, int]]]:
     return out
 
 
-def iter_full_tensors(checkpoint_dir: str | os.PathLike, tag: str | None = None,
-                      dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) for every saved tensor, one at a time, floating ones in `dtype`."""
+def iter_full_tensors(checkpoint_dir: str | os.PathLike, tag: str | None = None, dtype: torch.dtype = torch.float32,
+                      exclude_frozen: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) for every saved tensor, one at a time, floating ones in `dtype`; without
+    the parameters that were frozen (requires_grad=False) when saved, with `exclude_frozen`."""
     from safetensors import safe_open
 
     path = resolve_tag(checkpoint_dir, tag)
     state = read_state(path)
     chunks = _chunks_by_name(path / "tensors")
     for name, info in state["tensors"].items():
+        if exclude_frozen and info["parameter"] and not info["trainable"]:
+            continue
         key = f"master/{name}" if info["trainable"] and f"master/{name}" in chunks else f"model/{name}"
         if key not in chunks:
             continue  # excluded when saved (exclude_frozen_parameters)
@@ -76,10 +79,10 @@ def iter_full_tensors(checkpoint_dir: str | os.PathLike, tag: str | None = None,
 
 
 def get_fp32_state_dict(checkpoint_dir: str | os.PathLike, tag: str | None = None,
-                        dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+                        dtype: torch.dtype = torch.float32, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
     """The model's full state dict (tied parameters under every name, as `state_dict()`)."""
     path = resolve_tag(checkpoint_dir, tag)
-    out = dict(iter_full_tensors(checkpoint_dir, tag, dtype))
+    out = dict(iter_full_tensors(checkpoint_dir, tag, dtype, exclude_frozen))
     for alias, target in read_state(path).get("tied", {}).items():
         if target in out:
             out[alias] = out[target]
@@ -88,7 +91,7 @@ def get_fp32_state_dict(checkpoint_dir: str | os.PathLike, tag: str | None = Non
 
 def to_fp32(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, tag: str | None = None,
             max_shard_size: str | int = "5GB", dtype: torch.dtype = torch.float32,
-            safe_serialization: bool = True) -> list[str]:
+            safe_serialization: bool = True, exclude_frozen: bool = False) -> list[str]:
     """Write safetensors shards and `model.safetensors.index.json` (HuggingFace's layout; one
     `model.safetensors` when everything fits one shard). Tied parameters are saved once, as
     HuggingFace does. With `safe_serialization=False`, torch.save files in HuggingFace's older
@@ -118,7 +121,7 @@ def to_fp32(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, tag: 
             shards.append(list(current))
             current, size = {}, 0
 
-    for name, t in iter_full_tensors(checkpoint_dir, tag, dtype):
+    for name, t in iter_full_tensors(checkpoint_dir, tag, dtype, exclude_frozen):
         nbytes = t.numel() * t.element_size()
         if current and size + nbytes > limit:
             flush()

@@ -16,8 +16,11 @@ from zero.accessors import (  # noqa: F401
     safe_get_local_grad,
     safe_get_local_optimizer_state,
     safe_set_full_fp32_param,
+    safe_set_full_grad,
     safe_set_full_optimizer_state,
+    safe_set_local_fp32_param,
     safe_set_local_grad,
+    safe_set_local_optimizer_state,
 )
 from zero.data import RepeatingLoader  # noqa: F401
 from zero.deepspeed._missing import missing
