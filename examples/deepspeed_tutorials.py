@@ -15,7 +15,7 @@ Each part follows one page of DeepSpeed's docs (written here in our own words an
 
 The second line runs the same program on DeepSpeed itself (where it is installed), which is how
 this file was checked to be a DeepSpeed program. tests/test_deepspeed_programs.py runs every part on
-2 gloo ranks and checks the numbers against plain torch.
+2 gloo ranks under zero and checks its numbers against the ones DeepSpeed printed.
 """
 from __future__ import annotations
 

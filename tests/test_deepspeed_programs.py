@@ -15,6 +15,9 @@ DEEPSPEED_CONFIG = {"bf16": True, "fp16": False, "clip": 0.5, "stage": 2, "offlo
                     "read": False, "weights": False, "zero": True, "name": "adamw", "batch": [16, 4, 2],
                     "built": True}
 DEEPSPEED_LRS = [0.0, 0.025, 0.05, 0.075, 0.1, 0.1]
+# the rlhf part (stage 3, bf16, offload_states/reload_states before each step), rank 0: bf16 rounds
+# differently in the two libraries' kernels, so within 1e-3 relative
+DEEPSPEED_RLHF_LOSSES = [3.4630186557769775, 3.4913532733917236, 3.461408853530884]
 
 
 def tutorials(stage: int, workdir: str) -> dict:
@@ -39,6 +42,7 @@ def test_deepspeed_tutorial_programs_run_unchanged_but_for_the_import(dist_run, 
         assert all(r["zero_init"].values()), r["zero_init"]
         assert r["config_objects"] == DEEPSPEED_CONFIG, r["config_objects"]
         assert r["inference"] == {"same": True, "partitioned": True}
-        assert len(r["rlhf"]["losses"]) == 3 and r["schedules"]["lrs"] == DEEPSPEED_LRS
+        assert all(abs(a - b) <= 1e-3 * b for a, b in zip(r["rlhf"]["losses"], DEEPSPEED_RLHF_LOSSES)), r["rlhf"]
+        assert r["schedules"]["lrs"] == DEEPSPEED_LRS
         assert r["schedules"]["names"] == ["WarmupLR", "WarmupDecayLR", "OneCycle", "LRRangeTest"]
         assert all(x["getting_started"]["losses"] != results[0]["getting_started"]["losses"] for x in results[1:])

@@ -212,12 +212,12 @@ def test_features_zero_lacks_read_as_off(engines):
         assert e.quantize_training() == (False, False, 1, False, 0.001, "symmetric", "nearest", False, False)
 
 
-def test_the_view_follows_a_replaced_config_and_deepspeed_style_edits():
+def test_the_view_follows_a_replaced_config_and_refuses_edits():
     holder = _Holder(load_config({"train_batch_size": 4}))
     view = holder._config
     assert holder._config is view and holder.train_batch_size() == 4
-    view.train_batch_size, view.gradient_accumulation_steps = 8, 2  # what DeepSpeed's set_train_batch_size does
-    assert holder.train_batch_size() == 8 and holder.gradient_accumulation_steps() == 2
+    with pytest.raises(AttributeError, match="read-only in zero.*set_train_batch_size"):
+        view.train_batch_size = 8  # the engine would not train with it: refused rather than ignored
     holder.config = load_config({"train_batch_size": 4, "zero_optimization": {"stage": 2}})
     assert holder._config is not view and holder.zero_optimization_stage() == 2 and holder.train_batch_size() == 4
 

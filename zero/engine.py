@@ -41,7 +41,8 @@ that evaluates and generates, as DeepSpeed's does: how large models are evaluate
 reference models are held. It places the model as a training engine would, every parameter
 treated as frozen: stages 0-2 keep a replica in the training dtype on each rank, stage 3 shards
 every parameter and gathers each module's around its forward. No gradients, master weights or
-optimizer states are kept. `engine.backward` and `engine.step` are refused, as is a scheduler.
+optimizer states are kept. `engine.backward` and `engine.step` are refused; a scheduler is ignored
+with a warning (a reference model built from the training config has one).
 """
 from __future__ import annotations
 
@@ -99,12 +100,12 @@ def _place_the_rest(module: nn.Module, placed: list[nn.Parameter], device: torch
             comm.broadcast(local.data, src=0)
 
 
-def _refuse_scheduler_without_optimizer(config: ZeroConfig, lr_scheduler) -> None:
+def _warn_scheduler_without_optimizer(config: ZeroConfig, lr_scheduler) -> None:
     if lr_scheduler is not None or config.scheduler is not None:
         what = "initialize(lr_scheduler=...)" if lr_scheduler is not None else "the config's 'scheduler' section"
-        raise ValueError(f"{what} without an optimizer: a scheduler changes an optimizer's learning rate, and this "
-                         f"engine has none (no 'optimizer' section in the config and no initialize(optimizer=...)). "
-                         f"Add an optimizer to train, or remove the scheduler to evaluate or generate.")
+        warnings.warn(f"zero: {what} is ignored: this engine has no optimizer (no 'optimizer' section in the config "
+                      f"and no initialize(optimizer=...)) whose learning rate it would change; it evaluates and "
+                      f"generates (as DeepSpeed, which also builds no scheduler then)", stacklevel=4)
 
 
 def _refuse_without_optimizer(what: str) -> None:
@@ -168,7 +169,8 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
                               "row) gets 0/0 = NaN in the update, as with torch.optim.Adam; use a small eps such as "
                               "1e-8", stacklevel=3)
         else:
-            _refuse_scheduler_without_optimizer(config, lr_scheduler)
+            _warn_scheduler_without_optimizer(config, lr_scheduler)
+            lr_scheduler = None
             client, groups = None, [{**ADAM_DEFAULTS, "params": []}]  # nothing to train: every parameter is frozen
         _refuse_claimed(module, {p for g in groups for p in g["params"]}, config.zero_optimization.stage)
         _refuse_foreign_parameters(module, groups, config)
@@ -211,7 +213,7 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
     def _build_scheduler(self, lr_scheduler):
         if lr_scheduler is not None:
             return lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else lr_scheduler
-        if self.config.scheduler is None:
+        if self.config.scheduler is None or not self.trains:
             return None
         from zero.lr_schedules import build_scheduler
 
@@ -480,18 +482,6 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
 
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def zero_optimization_stage(self) -> int:
-        return self.config.zero_optimization.stage
-
     @property
     def world_size(self) -> int:
         return self.comm.world_size
@@ -571,10 +561,6 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         return consolidated_state_dict(self.module, self.comm, exclude_frozen_parameters)
 
     _zero3_consolidated_16bit_state_dict = consolidated_16bit_state_dict  # DeepSpeed's name (accelerate calls it)
-
-    def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """The config's `stage3_gather_16bit_weights_on_model_save` (DeepSpeed's accessor)."""
-        return self.config.zero_optimization.gather_16bit_weights_on_model_save
 
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:

@@ -9,10 +9,11 @@ is DeepSpeed's value with the feature off: `load_config` refuses to enable the o
 change the results and warns about the others (see [Note: DeepSpeedConfig is a view] in
 zero/deepspeed/runtime/config.py).
 
-The view is built on first use and again whenever `engine.config` is replaced by another object;
-code that changes a value of the view itself (DeepSpeed's `engine._config.train_batch_size = n`) is
-seen by the accessors until then. Methods that act on the engine's state (step, checkpoints,
-batch-size changes, collectives) are the Engine's own (zero/engine.py).
+The view is built on first use and again whenever `engine.config` is replaced by another object
+(`set_train_batch_size` does); it is read-only: DeepSpeed code that assigns to it
+(`engine._config.train_batch_size = n`) gets an error saying what to call instead, since the engine
+would not train with the new value. Methods that act on the engine's state (step, checkpoints,
+batch-size changes, collectives) are in zero/engine.py and zero/engine_surface.py.
 """
 from __future__ import annotations
 

@@ -66,8 +66,8 @@ class DeepSpeedMethods:
             torch.cuda.empty_cache()
 
     def destroy(self) -> None:
-        """Finish any checkpoint being written and drop what the engine holds on the device (the
-        engine is not used afterwards)."""
+        """Finish any checkpoint being written and release the gathered stage-3 parameters, before
+        the engine is dropped (its memory goes with the engine object)."""
         self.wait_for_checkpoint()
         self.optimizer.storage.release_gathered()
         gc.collect()
@@ -77,17 +77,17 @@ class DeepSpeedMethods:
     def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,
                           exclude_frozen_parameters: bool = False) -> dict:
         """The wrapped module's state dict (`module.state_dict()`), without frozen parameters if
-        asked. Under stage 3 every rank calls it and gets the whole values (each parameter
-        gathered in turn and copied), where DeepSpeed gives this rank's empty placeholders."""
+        asked. Under stage 3 every rank calls it and gets the whole values in host memory (each
+        parameter gathered in turn and copied), where DeepSpeed gives this rank's empty placeholders."""
         self._check_states_home("module_state_dict()")
         if self.config.zero_optimization.stage == 3:
             from zero.init import GatheredParameters
 
             out = {} if destination is None else destination
             for name, value in self.module.state_dict(prefix=prefix, keep_vars=True).items():
-                if getattr(value, "_zero", None) is not None:
+                if getattr(value, "_zero", None) is not None:  # gathered one at a time, kept in host memory
                     with GatheredParameters([value]):
-                        value = value.detach().clone()
+                        value = value.detach().to("cpu", copy=True)
                 out[name] = value if keep_vars or not isinstance(value, torch.Tensor) else value.detach()
         else:
             out = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)

@@ -37,14 +37,14 @@ _OPEN_INITS: list[Init] = []  # the Init contexts entered and not yet left, oute
 
 def _refuse_unsupported_init_arguments(kwargs: dict) -> None:
     """DeepSpeed's Init arguments zero has no counterpart for: refused unless left at their default."""
-    defaults = {"mem_efficient_linear": (True, False), "tensor_overrides": (None,), "zero_quantized_weights": (False,),
+    defaults = {"tensor_overrides": (None,), "zero_quantized_weights": (False,),
                 "zero_quantized_nontrainable_weights": (False,), "mpu": (None,), "zero_param_parallel_group": (None,),
                 "sequence_data_parallel_group": (None,), "param_swapper": (None,)}
     for key, value in kwargs.items():
         if key not in defaults:
             raise TypeError(f"zero.Init got an unexpected keyword argument {key!r}")
         if key == "tensor_overrides" or any(value is d or value == d for d in defaults[key]):
-            continue  # mem_efficient_linear is about DeepSpeed's own Linear; tensor overrides: see ABSENT_NAMES
+            continue  # tensor overrides: see ABSENT_NAMES
         raise ValueError(f"zero.Init({key}={value!r}) is not supported: zero shards every parameter over the "
                          f"data-parallel ranks of the world (no mpu, custom groups, quantized weights or NVMe swap); "
                          f"leave {key} unset")
@@ -81,10 +81,11 @@ class Init(contextlib.ContextDecorator):
             during construction (the largest module's own parameters, at most).
     """
 
-    def __init__(self, module: nn.Module | None = None, data_parallel_group=None, config=None,
-                 config_dict_or_path=None, remote_device: str | None = None, pin_memory: bool = False,
-                 enabled: bool = True, dtype: torch.dtype | None = None, **deepspeed_only):
-        _refuse_unsupported_init_arguments(deepspeed_only)
+    def __init__(self, module: nn.Module | None = None, data_parallel_group=None, mem_efficient_linear: bool = True,
+                 remote_device: str | None = None, pin_memory: bool = False, config_dict_or_path=None, config=None,
+                 enabled: bool = True, dtype: torch.dtype | None = None, mpu=None, **deepspeed_only):
+        # DeepSpeed's argument order; mem_efficient_linear concerns DeepSpeed's own Linear
+        _refuse_unsupported_init_arguments({"mpu": mpu, **deepspeed_only})
         if data_parallel_group is not None and (not torch.distributed.is_initialized()
                                                 or data_parallel_group is not torch.distributed.group.WORLD):
             raise ValueError("zero.Init(data_parallel_group=...): zero shards over every rank of the world; leave "

@@ -64,9 +64,8 @@ MUSGD_OPTIMIZER = "musgd"
 LION_OPTIMIZER = "lion"
 MUON_OPTIMIZER = "muon"
 # the optimizer types DeepSpeed spells in lower case (`optimizer_name`); others keep their spelling
-DEEPSPEED_OPTIMIZERS = [ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER, ONEBIT_ADAM_OPTIMIZER,
-                        ONEBIT_LAMB_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER, MUADAM_OPTIMIZER, MUADAMW_OPTIMIZER,
-                        MUSGD_OPTIMIZER, LION_OPTIMIZER, MUON_OPTIMIZER]
+DEEPSPEED_OPTIMIZERS = [ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER, MUADAM_OPTIMIZER,
+                        MUADAMW_OPTIMIZER, MUSGD_OPTIMIZER, LION_OPTIMIZER, MUON_OPTIMIZER]
 TORCH_ADAM_PARAM = "torch_adam"
 ADAM_W_MODE = "adam_w_mode"
 ADAM_W_MODE_DEFAULT = True
@@ -232,7 +231,15 @@ class DeepSpeedConfig:
         self = cls.__new__(cls)
         self._initialize_params(cfg, cfg.model_dump(mode="json", by_alias=True, exclude_unset=True), world_size,
                                 global_rank)
+        self._read_only = True  # an engine's view: its values come from the engine's config
         return self
+
+    def __setattr__(self, name: str, value) -> None:
+        if self.__dict__.get("_read_only"):
+            raise AttributeError(f"engine._config.{name} is read-only in zero: it mirrors engine.config, which the "
+                                 f"engine was built from; change the batch size with engine.set_train_batch_size() / "
+                                 f"set_train_micro_batch_size(), anything else in the config given to initialize")
+        super().__setattr__(name, value)
 
     def _initialize_params(self, cfg: ZeroConfig, param_dict: dict, world_size: int, global_rank: int) -> None:
         """Every attribute DeepSpeed's constructor sets, from `cfg` (given as `param_dict`)."""
