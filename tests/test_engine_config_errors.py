@@ -74,9 +74,10 @@ def test_pipeline_stages_without_a_pipeline_module_is_a_config_error():
                                              "pipeline": {"stages": 2}})
 
 
-def test_missing_optimizer_is_a_clear_error():
-    with pytest.raises(ValueError, match="no optimizer"):
-        zero.initialize(model=MLP(), config={"train_batch_size": 4})
+def test_training_without_an_optimizer_is_a_clear_error():
+    engine, *_ = zero.initialize(model=MLP(), config={"train_batch_size": 4})  # an evaluation engine, as DeepSpeed's
+    with pytest.raises(RuntimeError, match="built without an optimizer.*Add an 'optimizer' section"):
+        engine.step()
 
 
 def test_a_whole_tensor_client_optimizer_is_refused_with_the_reason():
