@@ -90,7 +90,7 @@ def _generate(stage: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_generate_without_optimizer_matches_the_plain_model_on_two_ranks(dist_run, stage):
     pytest.importorskip("transformers", reason="needs transformers (pip install 'zero[hf]')")
     for r in dist_run(2, _generate, stage):
