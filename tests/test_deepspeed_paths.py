@@ -1,4 +1,5 @@
 """DeepSpeed's deeper module paths and stage-3 parameter attributes (part of issue 20)."""
+import pytest
 import torch
 import torch.nn as nn
 
@@ -79,6 +80,12 @@ def test_safe_set_full_fp32_param_and_optimizer_state(dist_run):
     assert deepspeed.utils.z3_leaf_module(model[1]) and len(deepspeed.utils.get_z3_leaf_modules(model)) == 2
     deepspeed.utils.unset_z3_leaf_modules(model, [nn.Sequential])
     assert deepspeed.utils.get_z3_leaf_modules(model) == []
+    # class names, plain or qualified, as DeepSpeed takes them; no match is an error unless allowed
+    assert len(deepspeed.utils.set_z3_leaf_modules(model, ["torch.nn.modules.container.Sequential"])) == 2
+    assert deepspeed.utils.set_z3_leaf_modules(model, ["Linear"]) == [model[0], model[1][0]]
+    with pytest.raises(ValueError, match="no module of the classes"):
+        deepspeed.utils.set_z3_leaf_modules(model, ["Conv2d"])
+    assert deepspeed.utils.set_z3_leaf_modules(model, [nn.Conv2d], raise_if_not_found=False) == []
 
 
 def test_op_builders_answer_for_zeros_ops():

@@ -299,32 +299,55 @@ def _all_parameters(module: nn.Module):
     return itertools.chain(module.named_parameters(recurse=False), _ds_external_parameters(module))
 
 
-def set_z3_leaf_modules(model: nn.Module, leaf_module_classes: Sequence[type]) -> list[nn.Module]:
-    """Make every submodule of the given classes one stage-3 unit, gathered as a whole.
+def _leaf_matches(model: nn.Module, leaf_module_classes: Sequence[type | str], what: str,
+                  raise_if_not_found: bool) -> list[nn.Module]:
+    """The submodules whose class is one of `leaf_module_classes`: classes, or class names (plain
+    or fully qualified, `module.Class`), as DeepSpeed takes them."""
+    kinds = list(leaf_module_classes)
+    bad = [k for k in kinds if not isinstance(k, (type, str))]
+    if bad:
+        raise TypeError(f"{what}: leaf_module_classes holds {bad[0]!r}; expected module classes or class names")
+    classes = tuple(k for k in kinds if isinstance(k, type))
+    names = {k for k in kinds if isinstance(k, str)}
+
+    def matches(m: nn.Module) -> bool:
+        cls = type(m)
+        return isinstance(m, classes) or cls.__name__ in names or f"{cls.__module__}.{cls.__qualname__}" in names
+
+    found = [m for m in model.modules() if matches(m)]
+    if not found and raise_if_not_found:
+        raise ValueError(f"{what}: no module of the classes {kinds} in the model (pass raise_if_not_found=False to "
+                         f"allow that)")
+    return found
+
+
+def set_z3_leaf_modules(model: nn.Module, leaf_module_classes: Sequence[type | str],
+                        raise_if_not_found: bool = True) -> list[nn.Module]:
+    """Make every submodule of the given classes (or class names) one stage-3 unit, gathered as a whole.
 
     Use it for blocks whose parameters are used together or out of order (mixture-of-experts
-    layers, say), and to choose unit boundaries by hand. Call before `zero.initialize`.
+    layers, say), and to choose unit boundaries by hand. Call before `zero.initialize`. As
+    DeepSpeed's, a ValueError when no module matches, unless `raise_if_not_found=False`.
 
     Returns:
         The modules that were marked.
     """
     refuse_after_initialize(model, "set_z3_leaf_modules")
-    classes = tuple(leaf_module_classes)
-    marked = [m for m in model.modules() if isinstance(m, classes)]
+    marked = _leaf_matches(model, leaf_module_classes, "set_z3_leaf_modules", raise_if_not_found)
     for m in marked:
         m._zero_unit = True
     return marked
 
 
-def unset_z3_leaf_modules(model: nn.Module, leaf_module_classes: Sequence[type]) -> list[nn.Module]:
+def unset_z3_leaf_modules(model: nn.Module, leaf_module_classes: Sequence[type | str],
+                          raise_if_not_found: bool = True) -> list[nn.Module]:
     """Undo `set_z3_leaf_modules` for these classes (before `zero.initialize`).
 
     Returns:
-        The modules that were unmarked.
+        The modules of those classes (now unmarked).
     """
     refuse_after_initialize(model, "unset_z3_leaf_modules")
-    classes = tuple(leaf_module_classes)
-    marked = [m for m in model.modules() if isinstance(m, classes) and getattr(m, "_zero_unit", False)]
+    marked = _leaf_matches(model, leaf_module_classes, "unset_z3_leaf_modules", raise_if_not_found)
     for m in marked:
         m._zero_unit = False
     return marked
