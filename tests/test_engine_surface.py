@@ -437,3 +437,35 @@ def test_deepspeed_tensor_fragment_setters(dist_run):
     for stage in (1, 2, 3):
         for r in dist_run(2, _set_fragments, stage):
             assert all(r.values()) and len(r) == 4, (stage, r)
+
+
+def _join(rank: int, path: str, out) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    import zero.deepspeed as deepspeed
+
+    for key in ("WORLD_SIZE", "MASTER_ADDR", "RANK", "LOCAL_RANK"):
+        os.environ.pop(key, None)
+    deepspeed.init_distributed(dist_backend="gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+    t = torch.tensor([rank + 1.0])
+    deepspeed.comm.all_reduce(t)
+    out.put((rank, dist.get_world_size(), t.item()))
+    dist.destroy_process_group()
+
+
+def test_init_distributed_with_init_method_rank_and_world_size(tmp_path):
+    """DeepSpeed's init_distributed(init_method=..., rank=..., world_size=...), as DeepSpeed's own test
+    harness starts its ranks, without a launcher's environment."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_join, args=(r, str(tmp_path / "rendezvous"), out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert got == [(0, 2, 3.0), (1, 2, 3.0)], got

@@ -536,28 +536,37 @@ class Comm:
         return bool(t.item())
 
 
-def init_distributed(dist_backend: str | None = None, timeout_s: float | None = None) -> None:
-    """Join the torch.distributed group that torchrun (or a similar launcher) describes.
+def init_distributed(dist_backend: str | None = None, timeout_s: float | None = None, init_method: str | None = None,
+                     rank: int = -1, world_size: int = -1) -> None:
+    """Join the torch.distributed group that torchrun (or a similar launcher) describes, or the
+    one `init_method`, `rank` and `world_size` describe (torch's `init_process_group` arguments).
 
-    Does nothing if a group is already initialised or no launcher environment is present (a
-    world of one). The backend is NCCL when CUDA is available, gloo otherwise.
+    Does nothing if a group is already initialised, or when neither a launcher environment nor
+    an `init_method` is there (a world of one). The backend is NCCL when CUDA is available, gloo
+    otherwise.
 
     Args:
         dist_backend: override the backend ("nccl", "gloo").
         timeout_s: the process group's collective timeout in seconds (default: ZERO_COLLECTIVE_TIMEOUT,
             1800), after which NCCL's watchdog ends a hung collective; see [Note: bounded waits].
+        init_method: where the ranks meet ("tcp://host:port", "file:///path"); default the
+            launcher's environment ("env://").
+        rank, world_size: this process's rank and the number of ranks (-1: from the environment).
     """
-    if dist.is_initialized() or "WORLD_SIZE" not in os.environ or "MASTER_ADDR" not in os.environ:
+    launched = "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    if dist.is_initialized() or (not launched and init_method in (None, "env://")):
         return
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     kwargs = {}
     if "nccl" in backend:  # bind the rank to its GPU up front (no device guessing, eager communicator)
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        local = os.environ.get("LOCAL_RANK")
+        device = torch.device("cuda", int(local) if local is not None else max(rank, 0) % torch.cuda.device_count())
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
     if timeout_s is None:
         timeout_s = collective_timeout_s()
-    dist.init_process_group(backend=backend, init_method="env://", timeout=timedelta(seconds=timeout_s), **kwargs)
+    dist.init_process_group(backend=backend, init_method=init_method or "env://", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s), **kwargs)
     atexit.register(_destroy_process_group)
 
 

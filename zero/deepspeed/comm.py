@@ -13,16 +13,14 @@ ReduceOp = _dist.ReduceOp
 
 def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_port=29500, verbose=True, timeout=None,
                      init_method=None, dist_init_required=None, config=None, rank=-1, world_size=-1) -> None:
-    """`deepspeed.init_distributed`: join the group torchrun describes (see zero.init_distributed).
+    """`deepspeed.init_distributed`: join the group torchrun describes, or the one `init_method`,
+    `rank` and `world_size` describe (see zero.init_distributed).
 
-    `timeout` (a timedelta) is the collective timeout. The launcher's environment gives the rank,
-    world and address: `init_method`, `rank` and `world_size` are refused rather than ignored, and
-    MPI discovery, `distributed_port`, `verbose` and `config` have nothing to do.
+    `timeout` (a timedelta) is the collective timeout. MPI discovery, `distributed_port`, `verbose`
+    and `config` have nothing to do.
     """
-    if init_method not in (None, "env://") or rank != -1 or world_size != -1:
-        raise ValueError(f"init_distributed(init_method={init_method!r}, rank={rank}, world_size={world_size}): zero "
-                         "joins the group its launcher describes in the environment (torchrun); drop these arguments")
-    _init_distributed(dist_backend, None if timeout is None else timeout.total_seconds())
+    _init_distributed(dist_backend, None if timeout is None else timeout.total_seconds(), init_method, rank,
+                      world_size)
 
 
 def is_initialized() -> bool:
