@@ -554,8 +554,14 @@ def init_distributed(dist_backend: str | None = None, timeout_s: float | None = 
         rank, world_size: this process's rank and the number of ranks (-1: from the environment).
     """
     launched = "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-    if dist.is_initialized() or (not launched and init_method in (None, "env://")):
+    if dist.is_initialized():
         return
+    if not launched and init_method in (None, "env://"):
+        if rank != -1 or world_size != -1:
+            raise ValueError(f"init_distributed(rank={rank}, world_size={world_size}) without init_method, and no "
+                             f"launcher set MASTER_ADDR/WORLD_SIZE: pass init_method='tcp://host:port' (or "
+                             f"'file:///shared/path') too, or launch with torchrun")
+        return  # a world of one
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     kwargs = {}
     if "nccl" in backend:  # bind the rank to its GPU up front (no device guessing, eager communicator)
