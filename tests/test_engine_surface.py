@@ -87,6 +87,11 @@ def _generate(stage: int) -> dict:
         with torch.no_grad():  # the hooks are back: a sharded forward works again
             out["after"] = torch.equal(engine(prompt).logits, plain(prompt).logits)
         out["summary"] = engine.module.lm_head.weight.ds_summary()["ds_shape"] == (64, 32)
+        from zero.deepspeed.runtime.zero import unwrap_model_for_generation
+
+        with unwrap_model_for_generation(engine) as unwrapped, torch.no_grad():  # DeepSpeed's: no hooks inside
+            out["unwrap"] = not offload.forward_hooks and unwrapped.generate(prompt, **kw).tolist() == want
+        out["unwrap"] = out["unwrap"] and len(offload.forward_hooks) > 0
     return out
 
 
@@ -96,7 +101,7 @@ def test_generate_without_optimizer_matches_the_plain_model_on_two_ranks(dist_ru
     for r in dist_run(2, _generate, stage):
         assert r["hooked"], r
         if stage == 3:
-            assert r["sharded"] and r["trl"] and r["after"] and r["summary"], r
+            assert r["sharded"] and r["trl"] and r["after"] and r["summary"] and r["unwrap"], r
 
 
 def _train(stage: int, roundtrip: bool, config: dict | None = None, steps: int = 4) -> dict:

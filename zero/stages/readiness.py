@@ -47,8 +47,9 @@ from zero.errors import ZeroRuntimeError
 from zero.graph import graph_outputs, in_backward
 
 
-class UnusedParameterError(ZeroRuntimeError):
-    """A trainable parameter got no gradient while `ignore_unused_parameters` is false."""
+class UnusedParameterError(ZeroRuntimeError, AssertionError):
+    """A trainable parameter got no gradient while `ignore_unused_parameters` is false (also an
+    AssertionError, the exception DeepSpeed raises there)."""
 
 
 class GradReadiness:

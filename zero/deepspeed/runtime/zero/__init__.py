@@ -17,11 +17,21 @@ from zero.partition.shards import ZeroParamStatus  # noqa: F401
 
 @contextlib.contextmanager
 def unwrap_model_for_generation(model):
-    """The model with every parameter gathered for the block (as DeepSpeed's, for generation loops
-    that would otherwise gather each layer at every token)."""
+    """The model with every parameter gathered for the block, and under stage 3 without the
+    hooks that would gather and release each module around every forward (put back after), as
+    DeepSpeed's: for generation loops that run many forwards."""
     module = getattr(model, "module", model)
+    runtime = getattr(getattr(model, "optimizer", None), "parameter_offload", None)
     with GatheredParameters(list(module.parameters())):
-        yield module
+        if runtime is not None:
+            for handle in runtime.forward_hooks:
+                handle.remove()
+            runtime.forward_hooks = []
+        try:
+            yield module
+        finally:
+            if runtime is not None:
+                runtime._register_hooks_recursively(runtime.module)
 
 
 def __getattr__(name: str):
