@@ -49,6 +49,12 @@ def cpu_adam_threads() -> int:
 
 
 def _unregister(tensors: list[torch.Tensor]) -> None:
+    """Unregister page-locked host tensors (a weakref finalizer: it may run inside any
+    allocation's garbage collection, even inside torch's own CUDA initialisation, so it never
+    initialises CUDA itself: with nothing registered, or CUDA never initialised, it does nothing)."""
+    if not tensors or not torch.cuda.is_initialized():
+        tensors.clear()
+        return
     try:
         cudart = torch.cuda.cudart()
         for t in tensors:
