@@ -400,6 +400,7 @@ def _set_fragments(stage: int) -> dict:
         safe_set_full_grad,
         safe_set_local_fp32_param,
         safe_set_local_optimizer_state,
+        safe_update_full_grad_vectorized,
     )
 
     rank = dist.get_rank()
@@ -411,7 +412,8 @@ def _set_fragments(stage: int) -> dict:
     engine.backward(engine(batch(0, rank)).pow(2).mean())
     g = torch.arange(16 * 16, dtype=torch.float32).view(16, 16) / 100
     before = safe_get_full_fp32_param(weight)
-    safe_set_full_grad(weight, g)
+    safe_set_full_grad(weight, g / 2)
+    safe_update_full_grad_vectorized([weight, model[0].weight], lambda grad, p: grad * 2 if p is weight else grad)
     out = {"grad": torch.allclose(safe_get_full_grad(weight), g, atol=1e-6)}
     engine.step()
     out["applied"] = torch.allclose(safe_get_full_fp32_param(weight), before - g, atol=1e-6)

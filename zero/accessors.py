@@ -216,3 +216,12 @@ def safe_set_local_optimizer_state(param, value: torch.Tensor, optim_state_key: 
     safe_get_local_optimizer_state's answer (not collective)."""
     _check_state_key(optim_state_key)
     _set_local(param, optim_state_key, value, "safe_set_local_optimizer_state")
+
+
+def safe_update_full_grad_vectorized(param_list, update_func) -> None:
+    """For each trainable parameter of `param_list`, replace its mean gradient by
+    `update_func(full_gradient, param)` (safe_get_full_grad, then safe_set_full_grad: collective,
+    every rank calls it with the same list)."""
+    for p in param_list:
+        if p.requires_grad:
+            safe_set_full_grad(p, update_func(safe_get_full_grad(p), p))

@@ -11,6 +11,8 @@ from zero.deepspeed._missing import missing
 class _Accelerator:
     def __init__(self):
         self.cuda = torch.cuda.is_available()
+        self._name = "cuda" if self.cuda else "cpu"  # DeepSpeed's accelerators' names, which tests read
+        self._communication_backend_name = "nccl" if self.cuda else "gloo"
 
     def device_name(self, device_index: int | None = None) -> str:
         if not self.cuda:

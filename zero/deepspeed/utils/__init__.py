@@ -21,6 +21,7 @@ from zero.accessors import (  # noqa: F401
     safe_set_local_fp32_param,
     safe_set_local_grad,
     safe_set_local_optimizer_state,
+    safe_update_full_grad_vectorized,
 )
 from zero.data import RepeatingLoader  # noqa: F401
 from zero.deepspeed._missing import missing
