@@ -18,6 +18,7 @@
 #include <stddef.h>
 #include <string.h>
 
+#include "adam/adam_formats.h"
 #include "adam/adam_math.h"
 #include "common/dtypes.h"
 #include "common/simd.h"
@@ -76,6 +77,22 @@ static ALWAYS_INLINE void scalar_adam_typed(TILE_PARAMS) {
 
 static void adam_tile_scalar(TILE_PARAMS) { DISPATCH_DTYPES(scalar_adam_typed) }
 
+/* A tile of the low-precision formats (adam/adam_formats.h): n elements from element `at` of the
+ * buffers (a multiple of ZERO_Q8_BLOCK, so a tile holds whole blocks; only the last one of a
+ * buffer may be partial). ms / vs: the 8-bit blocks' scales, indexed by block from element 0. */
+#define FMT_TILE_PARAMS                                                                                      \
+    int64_t n, int64_t at, void *p, const void *g, int gd, void *m, void *v, float *ms, float *vs, void *out, \
+        int od, const zero_adam_coeffs *c, const zero_adam_format *f, const zero_sr_key *key
+
+static void adam_fmt_tile_scalar(FMT_TILE_PARAMS) {
+    const int q8 = f->state_dtype == ZERO_Q8;
+    for (int64_t b0 = 0; b0 < n; b0 += ZERO_Q8_BLOCK) {
+        const int64_t blk = (at + b0) / ZERO_Q8_BLOCK;
+        zero_adam_block_ref(n - b0 < ZERO_Q8_BLOCK ? n - b0 : ZERO_Q8_BLOCK, at + b0, p, g, gd, m, v,
+                            q8 ? ms + blk : NULL, q8 ? vs + blk : NULL, out, od, c, f, key);
+    }
+}
+
 #if ZERO_HAVE_X86_SIMD
 /* ============================================================================ 2. SIMD paths
  *
@@ -121,10 +138,12 @@ static void partial_out(const partial_vec *t, int64_t rest, float *p, float *m, 
 }
 
 #define ZV_BITS 256
-#include "adam/cpu_adam_body.h" /* adam_tile_avx2 */
+#include "adam/cpu_adam_body.h"         /* adam_tile_avx2 */
+#include "adam/cpu_adam_formats_body.h" /* adam_fmt_tile_avx2 */
 #undef ZV_BITS
 #define ZV_BITS 512
-#include "adam/cpu_adam_body.h" /* adam_tile_avx512 */
+#include "adam/cpu_adam_body.h"         /* adam_tile_avx512 */
+#include "adam/cpu_adam_formats_body.h" /* adam_fmt_tile_avx512 */
 #undef ZV_BITS
 #endif /* ZERO_HAVE_X86_SIMD */
 
@@ -165,6 +184,53 @@ int zero_cpu_adam_step(int64_t n, float *param, const void *grad, int32_t grad_d
         const int64_t cnt = n - b < TILE ? n - b : TILE;
         tile(cnt, param + b, (const char *)grad + (size_t)b * gsz, grad_dtype, exp_avg + b, exp_avg_sq + b,
              out16 ? (void *)((uint16_t *)out16 + b) : NULL, out16_dtype, &c);
+    }
+    return ZERO_OK;
+}
+
+typedef void (*adam_fmt_tile_fn)(FMT_TILE_PARAMS);
+
+static adam_fmt_tile_fn adam_fmt_tile_for(int level) {
+#if ZERO_HAVE_X86_SIMD
+    if (level == ZERO_SIMD_AVX512) return adam_fmt_tile_avx512;
+    if (level == ZERO_SIMD_AVX2) return adam_fmt_tile_avx2;
+#endif
+    (void)level;
+    return adam_fmt_tile_scalar;
+}
+
+int zero_cpu_adam_step_fmt(int64_t n, void *param, const void *grad, int32_t grad_dtype, void *exp_avg,
+                           void *exp_avg_sq, float *m_scale, float *v_scale, void *out16, int32_t out16_dtype,
+                           const zero_adam_config *cfg, const zero_adam_format *fmt, int simd, int num_threads) {
+    if (fmt == NULL) return ZERO_BAD_ARGUMENT;
+    const int pd = fmt->master_dtype, sd = fmt->state_dtype;
+    if (pd != ZERO_F32 && pd != ZERO_BF16) return ZERO_BAD_ARGUMENT;
+    if (sd != ZERO_F32 && sd != ZERO_BF16 && sd != ZERO_Q8) return ZERO_BAD_ARGUMENT;
+    if (pd == ZERO_F32 && sd == ZERO_F32)
+        return zero_cpu_adam_step(n, (float *)param, grad, grad_dtype, (float *)exp_avg, (float *)exp_avg_sq, out16,
+                                  out16_dtype, cfg, simd, num_threads);
+    if (n < 0 || !zero_adam_config_ok(cfg)) return ZERO_BAD_ARGUMENT;
+    if (grad_dtype != ZERO_F32 && grad_dtype != ZERO_BF16 && grad_dtype != ZERO_F16) return ZERO_BAD_ARGUMENT;
+    if (out16 != NULL && out16_dtype != ZERO_BF16 && out16_dtype != ZERO_F16) return ZERO_BAD_ARGUMENT;
+    const int level = zero_simd_resolve(simd);
+    if (level < 0) return level;
+    if (n == 0) return ZERO_OK;
+    if (param == NULL || grad == NULL || exp_avg == NULL || exp_avg_sq == NULL) return ZERO_BAD_ARGUMENT;
+    if (sd == ZERO_Q8 && (m_scale == NULL || v_scale == NULL)) return ZERO_BAD_ARGUMENT;
+
+    const zero_adam_coeffs c = zero_adam_coeffs_of(cfg);
+    const zero_sr_key key = zero_sr_key_of(fmt->seed, cfg->step);
+    const adam_fmt_tile_fn tile = adam_fmt_tile_for(level);
+    const int64_t ntiles = (n + TILE - 1) / TILE;
+    const int od = out16 == NULL ? ZERO_F32 : out16_dtype;
+    const int threads = zero_cpu_thread_count(num_threads);
+    (void)threads;
+
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (ntiles > 1 && threads > 1)
+    for (int64_t t = 0; t < ntiles; t++) {
+        const int64_t b = t * TILE;
+        tile(n - b < TILE ? n - b : TILE, b, param, grad, grad_dtype, exp_avg, exp_avg_sq, m_scale, v_scale, out16,
+             od, &c, fmt, &key);
     }
     return ZERO_OK;
 }

@@ -102,6 +102,19 @@
 #define zvi_as_float ZV_(zvi_as_float_)
 #define zvi_blend ZV_(zvi_blend_)         /* (a, b, zv_mask m): b in the lanes of m, a elsewhere */
 #define zvi_narrow16 ZV_(zvi_narrow16_)   /* zvi whose lanes are < 2^16 -> zvh */
+#define zvi_xor ZV_(zvi_xor_)
+#define zvi_or ZV_(zvi_or_)
+#define zvi_sub32 ZV_(zvi_sub32_)
+#define zvi_mullo32 ZV_(zvi_mullo32_)     /* low 32 bits of the product */
+#define zvi_min_u32 ZV_(zvi_min_u32_)     /* unsigned minimum */
+#define zvi_cmpgt32 ZV_(zvi_cmpgt32_)     /* (a, b) -> zv_mask of a > b, signed */
+#define zvi_cmplt_u32 ZV_(zvi_cmplt_u32_) /* (a, b) -> zv_mask of a < b, unsigned */
+#define zvi_one_where ZV_(zvi_one_where_) /* (zv_mask m) -> 1 in the lanes of m, 0 elsewhere */
+#define zvi_iota ZV_(zvi_iota_)           /* () -> 0, 1, ..., ZV_W - 1 */
+#define zvi_to_float ZV_(zvi_to_float_)   /* int32 -> fp32 (exact below 2^24) */
+#define zv_trunc_int ZV_(zv_trunc_int_)   /* fp32 -> int32, toward zero */
+#define zvb_load ZV_(zvb_load_)           /* (const uint8_t *p): ZV_W bytes, zero-extended to zvi */
+#define zvb_store ZV_(zvb_store_)         /* (uint8_t *p, zvi a): the low byte of each lane */
 
 #define zvh_loadu ZV_(zvh_loadu_)         /* (const uint16_t *p) */
 #define zvh_storeu ZV_(zvh_storeu_)       /* (uint16_t *p, zvh h) */
@@ -168,6 +181,21 @@ typedef int zv_lanes_256;   /* AVX2 loads and stores whole vectors: always ZV_AL
 /* pack to 16 bits within each 128-bit half, then gather the two halves' low quarters */
 #define zvi_narrow16_256(a) _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(a, a), 0x08))
 
+#define zvi_xor_256(a, b) _mm256_xor_si256(a, b)
+#define zvi_or_256(a, b) _mm256_or_si256(a, b)
+#define zvi_sub32_256(a, b) _mm256_sub_epi32(a, b)
+#define zvi_mullo32_256(a, b) _mm256_mullo_epi32(a, b)
+#define zvi_min_u32_256(a, b) _mm256_min_epu32(a, b)
+#define zvi_cmpgt32_256(a, b) _mm256_castsi256_ps(_mm256_cmpgt_epi32(a, b))
+#define zvi_cmplt_u32_256(a, b) \
+    zvi_cmpgt32_256(_mm256_xor_si256(b, _mm256_set1_epi32(INT32_MIN)), _mm256_xor_si256(a, _mm256_set1_epi32(INT32_MIN)))
+#define zvi_one_where_256(m) _mm256_srli_epi32(_mm256_castps_si256(m), 31)
+#define zvi_iota_256() _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
+#define zvi_to_float_256(a) _mm256_cvtepi32_ps(a)
+#define zv_trunc_int_256(a) _mm256_cvttps_epi32(a)
+#define zvb_load_256(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define zvb_store_256(p, a) _mm_storel_epi64((__m128i *)(p), zero_avx2_narrow8(a))
+
 #define zvh_loadu_256(p) _mm_loadu_si128((const __m128i *)(p))
 #define zvh_storeu_256(p, h) _mm_storeu_si128((__m128i *)(p), h)
 #define zvh_stream_256(p, h) _mm_stream_si128((__m128i *)(p), h)
@@ -188,6 +216,14 @@ ZERO_TARGET_AVX2 static inline __attribute__((always_inline)) float zero_avx2_re
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     h = _mm_max_ss(h, _mm_movehdup_ps(h));
     return _mm_cvtss_f32(h);
+}
+
+/* The low byte of each of the 8 lanes, in the low 8 bytes of the result. */
+ZERO_TARGET_AVX2 static inline __attribute__((always_inline)) __m128i zero_avx2_narrow8(__m256i a) {
+    const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12,
+                                          -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i b = _mm256_shuffle_epi8(a, pick); /* 4 bytes at the start of each 128-bit half */
+    return _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
 }
 
 /* Lane l set when bit l of the byte *p is: the byte in every lane, tested against lane l's bit. */
@@ -253,6 +289,20 @@ typedef __mmask16 zv_lanes_512;
 #define zvi_as_float_512(a) _mm512_castsi512_ps(a)
 #define zvi_blend_512(a, b, m) _mm512_mask_mov_epi32(a, m, b)
 #define zvi_narrow16_512(a) _mm512_cvtepi32_epi16(a) /* vpmovdw: one instruction */
+
+#define zvi_xor_512(a, b) _mm512_xor_si512(a, b)
+#define zvi_or_512(a, b) _mm512_or_si512(a, b)
+#define zvi_sub32_512(a, b) _mm512_sub_epi32(a, b)
+#define zvi_mullo32_512(a, b) _mm512_mullo_epi32(a, b)
+#define zvi_min_u32_512(a, b) _mm512_min_epu32(a, b)
+#define zvi_cmpgt32_512(a, b) _mm512_cmpgt_epi32_mask(a, b)
+#define zvi_cmplt_u32_512(a, b) _mm512_cmplt_epu32_mask(a, b)
+#define zvi_one_where_512(m) _mm512_maskz_mov_epi32(m, _mm512_set1_epi32(1))
+#define zvi_iota_512() _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+#define zvi_to_float_512(a) _mm512_cvtepi32_ps(a)
+#define zv_trunc_int_512(a) _mm512_cvttps_epi32(a)
+#define zvb_load_512(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define zvb_store_512(p, a) _mm_storeu_si128((__m128i *)(p), _mm512_cvtepi32_epi8(a))
 
 #define zvh_loadu_512(p) _mm256_loadu_si256((const __m256i *)(p))
 #define zvh_storeu_512(p, h) _mm256_storeu_si256((__m256i *)(p), h)

@@ -34,6 +34,7 @@ from zero.ops.adam_common import (
     check_step_number,
     check_tensor,
 )
+from zero.ops.adam_formats import KERNEL_CODES, Q8_BLOCK, AdamFormat, q8_blocks
 from zero.ops.builder import load
 
 _OP = "cpu_adam"
@@ -162,6 +163,86 @@ def cpu_adam_step_unchecked(
         torch.get_num_threads() if num_threads is None else num_threads,
     )  # fmt: skip
     bump_versions((param, exp_avg, exp_avg_sq, out16))
+
+
+# ----------------------------------------------------------------------------- low-precision formats
+
+
+def cpu_adam_step_fmt(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    fmt: AdamFormat,
+    step: int,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool = True,
+    bias_correction: bool = True,
+    grad_scale: float = 1.0,
+    m_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    out16: torch.Tensor | None = None,
+    index: int = 0,
+    simd: str | None = None,
+    num_threads: int | None = None,
+) -> None:
+    """`cpu_adam_step` with the master and moments stored in the formats `fmt` names (see
+    zero.ops.adam_formats and [Note: state formats] in csrc/adam/adam_formats.h).
+
+    Args:
+        param: the master, fmt.master_dtype (float32 or bfloat16); updated in place.
+        exp_avg, exp_avg_sq: the moments, fmt.state_dtype (float32, bfloat16, or uint8 codes).
+        m_scale, v_scale: 8-bit states only: float32, one per 256-element block.
+        index: the global index of element 0 (the stochastic-rounding counter; buffers that are
+            pieces of one model take their position in it, so the rounding does not depend on
+            how the model is split).
+        The others: as cpu_adam_step.
+
+    Raises:
+        ValueError: an argument is invalid; nothing has been written.
+    """
+    _check_tensor(param, "param", (fmt.master_dtype,))
+    n = param.numel()
+    _check_tensor(grad, "grad", GRAD_DTYPES, n)
+    _check_tensor(exp_avg, "exp_avg", (fmt.state_dtype,), n)
+    _check_tensor(exp_avg_sq, "exp_avg_sq", (fmt.state_dtype,), n)
+    if fmt.quantized:
+        for name, t in (("m_scale", m_scale), ("v_scale", v_scale)):
+            if t is None:
+                raise ValueError(f"{name} is required with 8-bit states (one float32 per {Q8_BLOCK}-element block)")
+            _check_tensor(t, name, (torch.float32,), q8_blocks(n))
+    if out16 is not None:
+        _check_tensor(out16, "out16", OUT16_DTYPES, n)
+    if not (isinstance(index, int) and 0 <= index < 2**64):
+        raise ValueError(f"index must be an int in [0, 2^64), got {index!r}")
+    check_step_number(step)
+    check_adam_hyperparameters(lr, betas, eps, weight_decay)
+    check_grad_scale(grad_scale)
+    _simd.simd_code(simd, _OP)
+    _simd.num_threads(num_threads)
+    cpu_adam_step_fmt_unchecked(
+        param, grad, exp_avg, exp_avg_sq, fmt=fmt, step=step, lr=lr, betas=betas, eps=eps,
+        weight_decay=weight_decay, adamw_mode=adamw_mode, bias_correction=bias_correction, grad_scale=grad_scale,
+        m_scale=m_scale, v_scale=v_scale, out16=out16, index=index, simd=simd, num_threads=num_threads,
+    )  # fmt: skip
+
+
+def cpu_adam_step_fmt_unchecked(param, grad, exp_avg, exp_avg_sq, *, fmt: AdamFormat, step, lr, betas, eps,
+                                weight_decay, adamw_mode=True, bias_correction=True, grad_scale=1.0, m_scale=None,
+                                v_scale=None, out16=None, index=0, simd=None, num_threads=None) -> None:
+    """`cpu_adam_step_fmt` without its argument checks (see cpu_adam_step_unchecked)."""
+    _op().adam_step_fmt(
+        param, grad, exp_avg, exp_avg_sq, m_scale, v_scale, out16,
+        float(lr), float(betas[0]), float(betas[1]), float(eps), float(weight_decay), float(grad_scale),
+        int(step), bool(adamw_mode), bool(bias_correction), KERNEL_CODES[fmt.master], KERNEL_CODES[fmt.state],
+        bool(fmt.stochastic), int(fmt.seed), int(index), _simd.SIMD_CODES[simd],
+        torch.get_num_threads() if num_threads is None else num_threads,
+    )  # fmt: skip
+    bump_versions((param, exp_avg, exp_avg_sq, m_scale, v_scale, out16))
 
 
 # ----------------------------------------------------------------------------- optimizer
