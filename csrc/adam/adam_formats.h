@@ -21,13 +21,14 @@
  * stored value equal to x. In bits: add 16 uniform random bits to the low half of x's fp32
  * pattern and truncate (sign-magnitude, so negative values round the same way in magnitude);
  * exactly representable values (low half 0) never move. The 16 random bits come from a
- * counter-based generator: word(i) = H(H(lo32(i) ^ k0) ^ (hi32(i) * 0x9e3779b9 + k1)) for the
- * element's global index i, with H the "lowbias32" integer hash and (k0, k1, k2) derived from
- * (seed, step) by splitmix64. The result depends on (seed, step, index) alone: not on the
+ * counter-based generator: word(i) = H(lo32(i) ^ (k0 + hi32(i) * 0x9e3779b9)) for the element's
+ * global index i, with H the "lowbias32" integer hash (a bijection with full avalanche) and
+ * (k0, k2) derived from (seed, step) by splitmix64. The result depends on (seed, step, index) alone: not on the
  * thread count, the SIMD width, how a buffer is split into calls, or which rank holds the element
  * (indices are positions in the whole model's flat layout), so ranks holding replicated values
  * round them identically and a run is reproducible. The master uses bits 0-15 of word(i), m
- * bits 16-31, v bits 0-15 of H(word(i) ^ k2).
+ * bits 16-31, v bits 16-31 of (word(i) ^ k2) * 0x9e3779b9 (one multiply: the vector paths' integer
+ * multiplies share a port with division and square root, so the generator is kept to three).
  *
  * [Note: 8-bit moment codes]
  * m and v are stored one byte per element with one fp32 scale per block of ZERO_Q8_BLOCK
@@ -68,9 +69,9 @@ typedef struct {
     uint64_t index;       /* global index of the buffer's element 0 (the generator's counter) */
 } zero_adam_format;
 
-/* The generator's per-step key, derived from (seed, step) by splitmix64. */
+/* The generator's per-step keys, derived from (seed, step) by splitmix64. */
 typedef struct {
-    uint32_t k0, k1, k2;
+    uint32_t k0, k2;
 } zero_sr_key;
 
 static inline ZERO_HD uint64_t zero_splitmix64(uint64_t x) {
@@ -85,7 +86,6 @@ static inline ZERO_HD zero_sr_key zero_sr_key_of(uint64_t seed, int64_t step) {
     const uint64_t b = zero_splitmix64(a);
     zero_sr_key k;
     k.k0 = (uint32_t)a;
-    k.k1 = (uint32_t)(a >> 32);
     k.k2 = (uint32_t)b;
     return k;
 }
@@ -102,10 +102,13 @@ static inline ZERO_HD uint32_t zero_hash32(uint32_t x) {
 
 /* The random word of the element with global index i; see [Note: stochastic rounding]. */
 static inline ZERO_HD uint32_t zero_sr_word(const zero_sr_key *k, uint64_t i) {
-    return zero_hash32(zero_hash32((uint32_t)i ^ k->k0) ^ ((uint32_t)(i >> 32) * 0x9e3779b9u + k->k1));
+    return zero_hash32((uint32_t)i ^ (k->k0 + (uint32_t)(i >> 32) * 0x9e3779b9u));
 }
 
-static inline ZERO_HD uint32_t zero_sr_word2(const zero_sr_key *k, uint32_t word) { return zero_hash32(word ^ k->k2); }
+/* The second moment's random bits (in the high half), from the element's word. */
+static inline ZERO_HD uint32_t zero_sr_word2(const zero_sr_key *k, uint32_t word) {
+    return (word ^ k->k2) * 0x9e3779b9u;
+}
 
 /* fp32 -> bf16 rounded stochastically with the 16 random bits r (low half of r). NaN -> 0x7fc0;
  * infinities stay; a value beyond bf16's largest finite may round to infinity. */
@@ -215,7 +218,7 @@ static inline ZERO_HD void zero_adam_fmt_element(int64_t i, void *p, const void 
         *vq = vi;
     } else if (sd == ZERO_BF16) {
         ((uint16_t *)m)[i] = sr ? zero_f32_to_bf16_sr(mi, w >> 16) : zero_f32_to_bf16(mi);
-        ((uint16_t *)v)[i] = sr ? zero_f32_to_bf16_sr(vi, zero_sr_word2(key, w)) : zero_f32_to_bf16(vi);
+        ((uint16_t *)v)[i] = sr ? zero_f32_to_bf16_sr(vi, zero_sr_word2(key, w) >> 16) : zero_f32_to_bf16(vi);
     } else {
         ((float *)m)[i] = mi;
         ((float *)v)[i] = vi;

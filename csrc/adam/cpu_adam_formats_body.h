@@ -18,14 +18,15 @@ ZV_INLINE zvi ZV_NAME(fmt_hash)(zvi x) {
     return zvi_xor(x, zvi_srli32(x, 16));
 }
 
-/* zero_sr_word for the ZV_W elements with global indices i0, i0 + 1, ... */
+/* zero_sr_word for the ZV_W elements with global indices i0, i0 + 1, ...: the high half of the
+ * index changes inside a vector only where its low half wraps. */
 ZV_INLINE zvi ZV_NAME(fmt_word)(const zero_sr_key *k, uint64_t i0) {
     const zvi lo0 = zvi_set1((int32_t)(uint32_t)i0);
     const zvi lo = zvi_add32(lo0, zvi_iota());
-    const zvi hi = zvi_add32(zvi_set1((int32_t)(uint32_t)(i0 >> 32)), zvi_one_where(zvi_cmplt_u32(lo, lo0)));
-    const zvi a = ZV_NAME(fmt_hash)(zvi_xor(lo, zvi_set1((int32_t)k->k0)));
-    const zvi b = zvi_add32(zvi_mullo32(hi, zvi_set1((int32_t)0x9e3779b9u)), zvi_set1((int32_t)k->k1));
-    return ZV_NAME(fmt_hash)(zvi_xor(a, b));
+    const uint32_t hi = (uint32_t)(i0 >> 32);
+    const zvi key = zvi_set1((int32_t)(k->k0 + hi * 0x9e3779b9u));
+    const zvi next = zvi_set1((int32_t)(k->k0 + (hi + 1u) * 0x9e3779b9u));
+    return ZV_NAME(fmt_hash)(zvi_xor(lo, zvi_blend(key, next, zvi_cmplt_u32(lo, lo0))));
 }
 
 /* ZV_W fp32 or bf16 values at p + i, widened. */
@@ -78,11 +79,10 @@ ZV_INLINE void ZV_NAME(fmt_q8_encode)(uint8_t *p, zv x, int ebits, int signed_, 
 
 /* ZV_W elements at index i of the step in the formats `f` (zero_adam_fmt_element, one lane each);
  * 8-bit moments go to mq / vq and raise the running maxima. */
-ZV_INLINE void ZV_NAME(fmt_vec)(int64_t i, void *p, const void *g, int gd, void *m, void *v, float ms, float vs,
-                                void *out, int od, const zero_adam_coeffs *c, const ZV_NAME(adam_coeffs) *k,
-                                const zero_adam_format *f, const zero_sr_key *key, float *mq, float *vq,
-                                zv *mmax, zv *vmax) {
-    const int pd = f->master_dtype, sd = f->state_dtype, sr = f->stochastic;
+ZV_INLINE void ZV_NAME(fmt_vec)(int64_t i, void *p, const void *g, int gd, int pd, int sd, int sr, void *m, void *v,
+                                float ms, float vs, void *out, int od, const zero_adam_coeffs *c,
+                                const ZV_NAME(adam_coeffs) *k, const zero_adam_format *f, const zero_sr_key *key,
+                                float *mq, float *vq, zv *mmax, zv *vmax) {
     zv grad = ZV_NAME(adam_load)(g, gd, i);
     if (c->scale_grad) grad = zv_div(grad, k->grad_scale);
     zv param = ZV_NAME(fmt_load)(p, pd, i);
@@ -121,7 +121,8 @@ ZV_INLINE void ZV_NAME(fmt_vec)(int64_t i, void *p, const void *g, int gd, void 
         *vmax = zv_max(*vmax, vi);
     } else if (sd == ZERO_BF16) {
         zvh_storeu((uint16_t *)m + i, zvi_narrow16(ZV_NAME(fmt_bf16)(mi, sr, zvi_srli32(w, 16))));
-        const zvi w2 = sr ? ZV_NAME(fmt_hash)(zvi_xor(w, zvi_set1((int32_t)key->k2))) : w;
+        const zvi w2 = sr ? zvi_srli32(zvi_mullo32(zvi_xor(w, zvi_set1((int32_t)key->k2)),
+                                                   zvi_set1((int32_t)0x9e3779b9u)), 16) : w;
         zvh_storeu((uint16_t *)v + i, zvi_narrow16(ZV_NAME(fmt_bf16)(vi, sr, w2)));
     } else {
         zv_storeu((float *)m + i, mi);
@@ -129,10 +130,12 @@ ZV_INLINE void ZV_NAME(fmt_vec)(int64_t i, void *p, const void *g, int gd, void 
     }
 }
 
-/* One tile: n elements from element `at` (a multiple of ZERO_Q8_BLOCK), block by block. */
-ZV_INLINE void ZV_NAME(adam_fmt_tile_typed)(int64_t n, int64_t at, void *p, const void *g, int gd, void *m, void *v,
-                                            float *ms, float *vs, void *out, int od, const zero_adam_coeffs *c,
-                                            const zero_adam_format *f, const zero_sr_key *key) {
+/* One tile: n elements from element `at` (a multiple of ZERO_Q8_BLOCK), block by block. gd, pd, sd
+ * and sr are f's dtypes and rounding as constants (one instantiation each, no switch left inside). */
+ZV_INLINE void ZV_NAME(adam_fmt_tile_typed)(int64_t n, int64_t at, void *p, const void *g, int gd, int pd, int sd,
+                                            int sr, void *m, void *v, float *ms, float *vs, void *out, int od,
+                                            const zero_adam_coeffs *c, const zero_adam_format *f,
+                                            const zero_sr_key *key) {
     const ZV_NAME(adam_coeffs) k = {
         zv_set1(c->grad_scale),      zv_set1(c->decay),
         zv_set1(c->l2),              zv_set1(c->beta2),
@@ -140,7 +143,7 @@ ZV_INLINE void ZV_NAME(adam_fmt_tile_typed)(int64_t n, int64_t at, void *p, cons
         zv_set1(c->neg_step_size),   zv_set1(c->inv_bc2_sqrt),
         zv_set1(c->eps),
     };
-    const int q8 = f->state_dtype == ZERO_Q8;
+    const int q8 = sd == ZERO_Q8;
     _Alignas(64) float mq[ZERO_Q8_BLOCK], vq[ZERO_Q8_BLOCK];
     for (int64_t b0 = 0; b0 < n; b0 += ZERO_Q8_BLOCK) {
         const int64_t nb = n - b0 < ZERO_Q8_BLOCK ? n - b0 : ZERO_Q8_BLOCK;
@@ -149,7 +152,7 @@ ZV_INLINE void ZV_NAME(adam_fmt_tile_typed)(int64_t n, int64_t at, void *p, cons
         const float msc = q8 ? *bms : 0.0f, vsc = q8 ? *bvs : 0.0f;
         zv mmax = zv_zero(), vmax = zv_zero();
         for (int64_t j = 0; j < full; j += ZV_W)
-            ZV_NAME(fmt_vec)(first + j, p, g, gd, m, v, msc, vsc, out, od, c, &k, f, key, mq + j, vq + j, &mmax, &vmax);
+            ZV_NAME(fmt_vec)(first + j, p, g, gd, pd, sd, sr, m, v, msc, vsc, out, od, c, &k, f, key, mq + j, vq + j, &mmax, &vmax);
         float mtop = 0.0f, vtop = 0.0f;
         for (int64_t j = full; j < nb; j++) {
             zero_adam_fmt_element(first + j, p, g, gd, m, v, msc, vsc, out, od, c, f, key, &mq[j], &vq[j]);
@@ -176,11 +179,37 @@ ZV_INLINE void ZV_NAME(adam_fmt_tile_typed)(int64_t n, int64_t at, void *p, cons
     }
 }
 
+#define FMT_TYPED(GD, PD, SD, SR) ZV_NAME(adam_fmt_tile_typed)(n, at, p, g, GD, PD, SD, SR, m, v, ms, vs, out, od, c, f, key)
+#define FMT_SR(GD, PD, SD)          \
+    if (f->stochastic)              \
+        FMT_TYPED(GD, PD, SD, 1);   \
+    else                            \
+        FMT_TYPED(GD, PD, SD, 0);
+#define FMT_STATE(GD, PD)                      \
+    if (f->state_dtype == ZERO_Q8) {           \
+        FMT_SR(GD, PD, ZERO_Q8)                \
+    } else if (f->state_dtype == ZERO_BF16) {  \
+        FMT_SR(GD, PD, ZERO_BF16)              \
+    } else {                                   \
+        FMT_SR(GD, PD, ZERO_F32)               \
+    }
+#define FMT_MASTER(GD)                     \
+    if (f->master_dtype == ZERO_BF16) {    \
+        FMT_STATE(GD, ZERO_BF16)           \
+    } else {                               \
+        FMT_STATE(GD, ZERO_F32)            \
+    }
+
 ZV_FN void ZV_NAME(adam_fmt_tile)(FMT_TILE_PARAMS) {
-    if (gd == ZERO_F32)
-        ZV_NAME(adam_fmt_tile_typed)(n, at, p, g, ZERO_F32, m, v, ms, vs, out, od, c, f, key);
-    else if (gd == ZERO_BF16)
-        ZV_NAME(adam_fmt_tile_typed)(n, at, p, g, ZERO_BF16, m, v, ms, vs, out, od, c, f, key);
-    else
-        ZV_NAME(adam_fmt_tile_typed)(n, at, p, g, ZERO_F16, m, v, ms, vs, out, od, c, f, key);
+    if (gd == ZERO_F32) {
+        FMT_MASTER(ZERO_F32)
+    } else if (gd == ZERO_BF16) {
+        FMT_MASTER(ZERO_BF16)
+    } else {
+        FMT_MASTER(ZERO_F16)
+    }
 }
+#undef FMT_TYPED
+#undef FMT_SR
+#undef FMT_STATE
+#undef FMT_MASTER

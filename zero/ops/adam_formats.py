@@ -189,11 +189,10 @@ def _mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def sr_key(seed: int, step: int) -> tuple[int, int, int]:
-    """(k0, k1, k2) of zero_sr_key_of."""
+def sr_key(seed: int, step: int) -> tuple[int, int]:
+    """(k0, k2) of zero_sr_key_of."""
     a = _mix64(_mix64(seed & ((1 << 64) - 1)) ^ (step & ((1 << 64) - 1)))
-    b = _mix64(a)
-    return a & _M32, a >> 32, b & _M32
+    return a & _M32, _mix64(a) & _M32
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
@@ -204,11 +203,11 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def sr_words(key: tuple[int, int, int], index: int, n: int, device=None) -> torch.Tensor:
+def sr_words(key: tuple[int, int], index: int, n: int, device=None) -> torch.Tensor:
     """zero_sr_word for global indices index .. index + n - 1 (int64 tensor of 32-bit words)."""
     i = torch.arange(n, dtype=torch.int64, device=device) + index
     lo, hi = i & _M32, (i >> 32) & _M32
-    return _hash32(_hash32(lo ^ key[0]) ^ (((hi * 0x9E3779B9) + key[1]) & _M32))
+    return _hash32(lo ^ ((key[0] + hi * 0x9E3779B9) & _M32))
 
 
 def to_bf16_stochastic(x: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
@@ -251,8 +250,8 @@ def torch_adam_step_fmt(param, grad, exp_avg, exp_avg_sq, *, m_scale=None, v_sca
             s.copy_(scales)
     elif exp_avg.dtype == torch.bfloat16 and sr:
         exp_avg.copy_(to_bf16_stochastic(m, words >> 16))
-        k2 = sr_key(fmt.seed, step)[2]
-        exp_avg_sq.copy_(to_bf16_stochastic(v, _hash32(words ^ k2)))
+        k2 = sr_key(fmt.seed, step)[1]
+        exp_avg_sq.copy_(to_bf16_stochastic(v, (((words ^ k2) * 0x9E3779B9) & _M32) >> 16))
     else:
         exp_avg.copy_(m)
         exp_avg_sq.copy_(v)
