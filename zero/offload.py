@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch.autograd.profiler import record_function
 
+from zero.ops.adam_formats import Q8_BLOCK
+
 if TYPE_CHECKING:
     from zero.stages.policies import OffloadOptions
 
@@ -184,11 +186,16 @@ class HostAdam:
         self.pending.clear()
 
     def step(self, slots, adam, out16_on_host: list[bool]) -> None:
-        """Run `adam(group, master, grad, exp_avg, exp_avg_sq, out16)` on host tiles and copy the
-        results to each slot's out16 (which lives on the device unless `out16_on_host[i]`)."""
+        """Run `adam(group, master, grad, exp_avg, exp_avg_sq, out16, scales, index)` on host tiles
+        and copy the results to each slot's out16 (which lives on the device unless
+        `out16_on_host[i]`). Tiles are whole 8-bit blocks (`tile_elements` is a multiple of
+        Q8_BLOCK); `scales` are the tile's blocks' scales and `index` its first element's global
+        index (see Slot)."""
         ring: list[_Copy | None] = [None, None]
         k = 0
-        for i, (group, master, grad, exp_avg, exp_avg_sq, out16) in enumerate(slots):
+        for i, slot in enumerate(slots):
+            group, master, grad, exp_avg, exp_avg_sq, out16 = slot
+            scales, index = getattr(slot, "scales", None), getattr(slot, "index", 0)
             start = time.perf_counter()
             (self.pending.pop(i, None) or _Copy(self.grads[i], grad, self.stream)).wait()  # not copied yet: now
             self.times["grad_copy_wait"] += time.perf_counter() - start
@@ -209,7 +216,10 @@ class HostAdam:
                     target = None
                 start = time.perf_counter()
                 with record_function("zero::cpu_adam_tile"):
-                    adam(group, master[lo:hi], self.grads[i][lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], target)
+                    tile_scales = None if scales is None else \
+                        tuple(t[lo // Q8_BLOCK : -(-hi // Q8_BLOCK)] for t in scales)
+                    adam(group, master[lo:hi], self.grads[i][lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], target,
+                         tile_scales, index + lo)
                 self.times["cpu_adam"] += time.perf_counter() - start
                 if out16 is not None and (staged or out16.dtype == torch.float32):
                     with record_function("zero::offload_param_copy"):  # fp32 training copies the master itself

@@ -31,6 +31,10 @@ class AdamParams(_Section):
     adam_w_mode: bool = Field(True, description="Decoupled weight decay (AdamW). DeepSpeed's default is "
                               "true, so type Adam means AdamW unless this is set to false.")
     amsgrad: bool = Field(False, description="Not supported (DeepSpeed's fused Adam rejects it too).")
+    state_dtype: Optional[str] = Field(
+        None, description="zero's key: how Adam's moments are stored: 'fp32' (default), 'bf16' (what "
+        "bf16.bf16_optimizer_states sets) or 'int8' (8-bit codes with one fp32 scale per 256 elements, 2.03 "
+        "bytes per parameter for both moments); see docs/config.md, 'State formats'.")
     freeze_step: Optional[int] = Field(None, ge=1, description="OneBitAdam: steps of exact Adam before the variance "
                                        "freezes and gradients are exchanged 1-bit compressed (default 100000; at "
                                        "least 1: the variance must have a value to freeze).")
@@ -66,6 +70,16 @@ class AdamParams(_Section):
             raise ValueError(f"expected a pair [beta1, beta2] with 0 <= beta < 1, got {_fmt(v)}")
         return tuple(float(b) for b in v)
 
+    @field_validator("state_dtype", mode="before")
+    @classmethod
+    def _state_dtype(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        names = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "int8": "int8", "8bit": "int8"}
+        if not isinstance(v, str) or v.lower() not in names:
+            raise ValueError(f"expected 'fp32', 'bf16' or 'int8' (how Adam's moments are stored), got {_fmt(v)}")
+        return names[v.lower()]
+
     @field_validator("amsgrad")
     @classmethod
     def _amsgrad(cls, v: bool) -> bool:
@@ -80,6 +94,9 @@ def _client_params(kind: str, params: Any) -> dict:
 
     if not isinstance(params, dict):
         raise ValueError(f"optimizer.params must be an object for {kind}, got {type(params).__name__}")
+    if "state_dtype" in params:
+        raise ValueError(f"state_dtype: {kind} has no Adam moments to store in low precision; "
+                         f"optimizer.params.state_dtype applies to Adam and AdamW")
     cls = optimizer_class(kind)
     accepted = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "params")]
     unknown = sorted(set(params) - set(accepted))

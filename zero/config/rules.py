@@ -44,7 +44,8 @@ class Caller:
 
 def combination_issues(cfg: ZeroConfig, caller: Caller) -> Issues:
     """Every broken rule of [Note: rules that combine settings], as (key path, message) pairs."""
-    return _onebit_and_stage(cfg) + _pipeline_and_model(cfg, caller) + _optimizer_object(cfg, caller)
+    return (_onebit_and_stage(cfg) + _pipeline_and_model(cfg, caller) + _optimizer_object(cfg, caller)
+            + _state_formats(cfg, caller))
 
 
 def check_optimizer_object(cfg: ZeroConfig, client_optimizer: type) -> None:
@@ -132,4 +133,40 @@ def _optimizer_object(cfg: ZeroConfig, caller: Caller) -> Issues:
         what = f"the optimizer object's class {client}" if given is not None else f"optimizer.type {client}"
         issues.append((("zero_optimization", "offload_optimizer"), f"optimizer offload runs zero's CPU Adam, so "
                        f"{what} cannot be offloaded: remove zero_optimization.offload_optimizer, or use Adam/AdamW"))
+    return issues
+
+
+def _state_formats(cfg: ZeroConfig, caller: Caller) -> Issues:
+    """bf16 master weights and low-precision Adam moments (see docs/config.md, 'State formats'):
+    the bf16 keys need bf16 training, and the formats need an optimizer with Adam's moments."""
+    import torch
+
+    b, issues = cfg.bf16, []
+    for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+        if getattr(b, key) and not b.enabled:
+            why = ("fp16 training keeps its master weights and moments in fp32 (a bf16 master cannot hold fp16's "
+                   "loss-scaled range of updates)" if cfg.fp16.enabled else "it applies to bf16 training only")
+            issues.append((("bf16", key), f"is true but bf16.enabled is not: {why}. Enable bf16, or set "
+                           f"optimizer.params.state_dtype for the moments alone"))
+    kind = cfg.optimizer.type if cfg.optimizer is not None else None
+    state = cfg.optimizer.params.state_dtype if kind in ("Adam", "AdamW", "OneBitAdam", "ZeroOneAdam") else None
+    if b.bf16_optimizer_states and state not in (None, "bf16"):
+        issues.append((("optimizer", "params", "state_dtype"), f"is {state!r} but bf16.bf16_optimizer_states asks "
+                       f"for bf16 moments: keep one of the two"))
+    given = caller.client_optimizer
+    if given is not None and not issubclass(given, (torch.optim.Adam, torch.optim.AdamW)):
+        other = given.__name__
+    else:
+        other = kind if given is None and kind not in ("Adam", "AdamW", None) else None
+    if other is None:
+        return issues
+    why = (f"{other} keeps its own fp32 states (its compressed exchange needs them)" if other in
+           ("OneBitAdam", "ZeroOneAdam") else f"{other} has no Adam moments and keeps an fp32 master")
+    if state not in (None, "fp32"):
+        issues.append((("optimizer", "params", "state_dtype"), f"is {state!r}, but {why}: low-precision state "
+                       f"formats are for zero's Adam/AdamW"))
+    for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+        if getattr(b, key):
+            issues.append((("bf16", key), f"is true, but {why}: low-precision state formats are for zero's "
+                           f"Adam/AdamW"))
     return issues

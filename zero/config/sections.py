@@ -151,6 +151,17 @@ class BF16Config(_Section):
     """`bf16` (old name `bfloat16`): bf16 mixed precision, no loss scaling."""
 
     enabled: bool = Field(False, description="Train with bf16 params/grads and fp32 master weights.")
+    bf16_master_weights_and_grads: bool = Field(
+        False, description="Keep the master weights and the gradient shards in bf16 (2 bytes each instead of 4): "
+        "the bf16 parameters are their own master. The update is rounded stochastically unless "
+        "bf16.stochastic_rounding is false (see docs/config.md, 'State formats').")
+    bf16_optimizer_states: bool = Field(
+        False, description="Keep Adam's exp_avg and exp_avg_sq in bf16 (the same as optimizer.params.state_dtype "
+        "'bf16').")
+    stochastic_rounding: Optional[bool] = Field(
+        None, description="zero's key: round bf16 master weights and bf16 moments stochastically (unbiased: the "
+        "expected stored value is the fp32 result). null = true whenever the master or the moments are bf16; "
+        "false = round to nearest even, as DeepSpeed does (comparable with it bit for bit).")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ the overflow test (see [Note: norm without overflow]).
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -277,11 +278,14 @@ class ShardedAdam(torch.optim.Optimizer):
             elif self.offload is not None:
                 threads = self.offload.num_threads
                 self._host_adam().step(
-                    slots, lambda g, *t: self._adam(self.param_groups[g], *t[:4], grad_scale, t[4], threads),
+                    slots, lambda g, *t: self._adam(self.param_groups[g], *t[:4], grad_scale, t[4], threads,
+                                                    scales=t[5], index=t[6]),
                     self.storage.out16_on_host())
             else:
-                for group_index, master, grad, exp_avg, exp_avg_sq, out16 in slots:
-                    self._adam(self.param_groups[group_index], master, grad, exp_avg, exp_avg_sq, grad_scale, out16)
+                for slot in slots:
+                    group_index, master, grad, exp_avg, exp_avg_sq, out16 = slot
+                    self._adam(self.param_groups[group_index], master, grad, exp_avg, exp_avg_sq, grad_scale, out16,
+                               scales=slot.scales, index=slot.index)
         with record_function("zero::publish_params"):
             self.publish()
         self.loss_scaler.update(overflow=False)
@@ -296,20 +300,29 @@ class ShardedAdam(torch.optim.Optimizer):
         self.global_grad_norm = None
         self.zero_grad()
 
-    def _adam(self, group, master, grad, exp_avg, exp_avg_sq, grad_scale: float, out16, num_threads=None) -> None:
+    def _adam(self, group, master, grad, exp_avg, exp_avg_sq, grad_scale: float, out16, num_threads=None, *,
+              scales=None, index: int = 0) -> None:
+        """One Adam step on one slot (or a tile of one): `scales` and `index` as in Slot."""
+        again = functools.partial(self._adam, group, master, grad, exp_avg, exp_avg_sq, grad_scale,
+                                  num_threads=num_threads, scales=scales, index=index)
         if out16 is not None and out16.dtype == torch.float32:  # fp32 model copy kept apart from the master
-            self._adam(group, master, grad, exp_avg, exp_avg_sq, grad_scale, None, num_threads)
+            again(None)
             out16.copy_(master)
             return
         if out16 is not None and out16.device != master.device:  # e.g. device master, host shard
             staged = torch.empty_like(out16, device=master.device)
-            self._adam(group, master, grad, exp_avg, exp_avg_sq, grad_scale, staged, num_threads)
+            again(staged)
             out16.copy_(staged)
             return
         kwargs = dict(step=self.step_count, lr=float(group["lr"]), betas=tuple(group["betas"]), eps=group["eps"],
                       weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
                       bias_correction=group["bias_correction"], grad_scale=grad_scale)
         from zero.ops.fallback import run_native
+
+        fmt = self.precision.adam
+        if not fmt.plain:
+            self._adam_formats(fmt, master, grad, exp_avg, exp_avg_sq, out16, num_threads, scales, index, kwargs)
+            return
 
         if master.device.type == "cuda":
             from zero.ops.fused_adam import fused_adam_step_unchecked
@@ -323,6 +336,29 @@ class ShardedAdam(torch.optim.Optimizer):
                 master, grad, exp_avg, exp_avg_sq, out16=out16, num_threads=num_threads, **kwargs)
         run_native(op, native, lambda: torch_adam_step(master, grad, exp_avg, exp_avg_sq, out16=out16, **kwargs),
                    what="zero's Adam step")  # see [Note: native-op fallback]
+
+
+    @staticmethod
+    def _adam_formats(fmt, master, grad, exp_avg, exp_avg_sq, out16, num_threads, scales, index, kwargs) -> None:
+        """The step with low-precision master weights or moments (zero.ops.adam_formats)."""
+        from zero.ops.adam_formats import torch_adam_step_fmt
+        from zero.ops.fallback import run_native
+
+        m_scale, v_scale = scales if scales is not None else (None, None)
+        fmt_kwargs = dict(m_scale=m_scale, v_scale=v_scale, out16=out16, fmt=fmt, index=index, **kwargs)
+        if master.device.type == "cuda":
+            from zero.ops.fused_adam import fused_adam_step_fmt_unchecked
+
+            op, native = "fused_adam", lambda: fused_adam_step_fmt_unchecked(
+                master, grad, exp_avg, exp_avg_sq, master_dtype=fmt.master, state_dtype=fmt.state,
+                stochastic=fmt.stochastic, seed=fmt.seed, **{k: v for k, v in fmt_kwargs.items() if k != "fmt"})
+        else:
+            from zero.ops.cpu_adam import cpu_adam_step_fmt_unchecked
+
+            op, native = "cpu_adam", lambda: cpu_adam_step_fmt_unchecked(
+                master, grad, exp_avg, exp_avg_sq, num_threads=num_threads, **fmt_kwargs)
+        run_native(op, native, lambda: torch_adam_step_fmt(master, grad, exp_avg, exp_avg_sq, **fmt_kwargs),
+                   what="zero's Adam step")
 
 
 def check_param_groups(groups: list[dict], source: str) -> None:

@@ -77,7 +77,8 @@ class FlatParams(ParamStorage):
         reduce: gradient-reduction policies.
         predivide: gradients are divided by this before their reduction.
         device: where the model computes.
-        master_is_params: keep no separate fp32 master (fp32 training without offload).
+        master_is_params: keep no separate master: the parameters are their own (fp32 training, or
+            bf16 training with a bf16 master, without offload).
         grad_final, step_number: see ParamStorage.
     """
 
@@ -107,10 +108,11 @@ class FlatParams(ParamStorage):
         """See [Note: flat parameters]."""
         layout, dtype = self.layout, self.precision.param
         self.flat = torch.zeros(layout.numel, dtype=dtype, device=device)
-        self.master = [self.flat[slice(*self.own(b))] if alias else self.new_state(self.flat[slice(*self.own(b))], device)
-                       for b in layout.buckets]
-        self.exp_avg = [self.new_state(m, device) for m in self.master]
-        self.exp_avg_sq = [self.new_state(m, device) for m in self.master]
+        self.master = [self.new_master(self.flat[slice(*self.own(b))], device, alias) for b in layout.buckets]
+        moments = [self.new_moments(m, device) for m in self.master]
+        self.exp_avg = [m for m, _, _ in moments]
+        self.exp_avg_sq = [v for _, v, _ in moments]
+        self.scales = [s for _, _, s in moments]  # 8-bit moments' block scales (m, v), else None
         for i, p in enumerate(self.params):
             full = local_tensor(p).detach().reshape(-1)  # where the user built it (copied across devices below)
             self.comm.broadcast(full, src=0)  # every rank starts from rank 0's values
@@ -157,7 +159,8 @@ class FlatParams(ParamStorage):
             lo, hi = self.own(bucket)
             aliased = self.master[b].data_ptr() == self.flat[lo:hi].data_ptr()
             out16 = None if aliased else self.flat[lo:hi]
-            out.append((bucket.group, self.master[b], self.grads.shards[b], self.exp_avg[b], self.exp_avg_sq[b], out16))
+            out.append(Slot(bucket.group, self.master[b], self.grads.shards[b], self.exp_avg[b], self.exp_avg_sq[b], out16,
+                            scales=self.scales[b], index=lo))
         return out
 
     def reduce_gradients(self, communicate: bool = True) -> None:
@@ -189,7 +192,7 @@ class FlatParams(ParamStorage):
 
     def memory_parts(self) -> tuple[dict[str, list[torch.Tensor]], set[str]]:
         return {"params": [self.flat], "grads": self.grads.buffers(), "fp32_master": self.master,
-                "optimizer_states": self.exp_avg + self.exp_avg_sq}, set()
+                "optimizer_states": self.exp_avg + self.exp_avg_sq + [t for s in self.scales if s for t in s]}, set()
 
     # -- checkpoints ----------------------------------------------------------------------------------
 
@@ -207,9 +210,9 @@ class FlatParams(ParamStorage):
             out.append(("model", 0, self.flat[off : off + n]))  # every rank holds the whole parameter
         if saving and self.partitions == 1 and self.comm.rank != 0:
             return out
-        master = self.master[bucket.index]
-        for kind, t in (("master", master), ("exp_avg", self.exp_avg[bucket.index]),
-                        ("exp_avg_sq", self.exp_avg_sq[bucket.index])):
+        k = bucket.index
+        for kind, t in (("master", self.master[k]), ("exp_avg", self.state_view(k, "exp_avg", self.exp_avg[k], self.scales[k])),
+                        ("exp_avg_sq", self.state_view(k, "exp_avg_sq", self.exp_avg_sq[k], self.scales[k]))):
             out.append((kind, a - off, t[a - lo : b - lo]))
         return out
 

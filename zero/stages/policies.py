@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from zero.config import ZeroConfig
+from zero.ops.adam_formats import PLAIN, Q8_BLOCK, AdamFormat
 
 DEFAULT_UNIT_ELEMENTS = 1_000_000  # stage3_module_granularity_threshold 0 means this
 
@@ -31,11 +32,36 @@ class Precision:
     param: torch.dtype
     reduce: torch.dtype
     grad: torch.dtype
+    adam: AdamFormat = PLAIN
 
     @classmethod
-    def from_config(cls, cfg: ZeroConfig) -> Precision:
+    def from_config(cls, cfg: ZeroConfig, state_dtype: str | None = None) -> Precision:
+        """`state_dtype`: the moments' format a client optimizer object asks for (None: the config's)."""
+        fmt = adam_format(cfg, state_dtype)
         accumulate = cfg.gradient_accumulation_steps > 1 or cfg.dtype == torch.float32
-        return cls(cfg.dtype, cfg.communication_dtype, torch.float32 if accumulate else cfg.communication_dtype)
+        if fmt.master == "bf16":  # bf16 master weights *and gradients* (DeepSpeed's key): accumulated in bf16 too
+            accumulate = False
+        return cls(cfg.dtype, cfg.communication_dtype, torch.float32 if accumulate else cfg.communication_dtype, fmt)
+
+    @property
+    def master_is_model(self) -> bool:
+        """The master weights have the model's own dtype, so without offload the parameters are
+        their own master (fp32 training; bf16 training with a bf16 master)."""
+        return self.adam.master_dtype == self.param
+
+
+def adam_format(cfg: ZeroConfig, state_dtype: str | None = None) -> AdamFormat:
+    """How the optimizer stores master weights and moments: `bf16.bf16_master_weights_and_grads`,
+    `bf16.bf16_optimizer_states` / `optimizer.params.state_dtype` (or `state_dtype`, from a client
+    optimizer object) and `bf16.stochastic_rounding`. The config has checked the combinations
+    (zero/config/rules.py)."""
+    b = cfg.bf16
+    master = "bf16" if b.enabled and b.bf16_master_weights_and_grads else "fp32"
+    opt = cfg.optimizer
+    configured = opt.params.state_dtype if opt is not None and opt.type in ("Adam", "AdamW") else None
+    state = state_dtype or configured or ("bf16" if b.enabled and b.bf16_optimizer_states else "fp32")
+    stochastic = True if b.stochastic_rounding is None else b.stochastic_rounding
+    return AdamFormat(master, state, stochastic)
 
 
 @dataclass(frozen=True)
@@ -44,12 +70,13 @@ class OffloadOptions:
 
     Args:
         pin_memory: page-lock host buffers (asynchronous copies; needs CUDA).
-        tile_elements: elements per CPU Adam tile (DeepSpeed's `sub_group_size`, capped).
+        tile_elements: elements per CPU Adam tile (DeepSpeed's `sub_group_size`, capped, a multiple
+            of the 8-bit moments' block).
         num_threads: CPU Adam threads (see zero.offload.cpu_adam_threads).
     """
 
     pin_memory: bool = True
-    tile_elements: int = 1 << 22
+    tile_elements: int = 1 << 22  # a multiple of Q8_BLOCK
     num_threads: int = 1
 
 
@@ -128,7 +155,7 @@ def strict_tag_checks(cfg: ZeroConfig) -> bool:
     return cfg.zero_optimization.enable_sanity_checks or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
 
 
-def options_from_config(cfg: ZeroConfig, world_size: int, num_threads: int
+def options_from_config(cfg: ZeroConfig, world_size: int, num_threads: int, state_dtype: str | None = None
                         ) -> tuple[Precision, StepOptions, ReduceOptions, Stage3Options]:
     """Every policy of the core, from a validated config.
 
@@ -136,12 +163,14 @@ def options_from_config(cfg: ZeroConfig, world_size: int, num_threads: int
         cfg: the config.
         world_size: ranks in the data-parallel group (`prescale_gradients` divides by it).
         num_threads: CPU Adam threads when the optimizer is offloaded.
+        state_dtype: the moments' format a client optimizer object asks for (None: the config's).
     """
     zc = cfg.zero_optimization
     offload = None
     if zc.offload_optimizer is not None and zc.offload_optimizer.device == "cpu":
         offload = OffloadOptions(pin_memory=zc.offload_optimizer.pin_memory,
-                                 tile_elements=max(1, min(zc.sub_group_size, 1 << 22)), num_threads=num_threads)
+                                 tile_elements=max(Q8_BLOCK, min(zc.sub_group_size, 1 << 22)) // Q8_BLOCK * Q8_BLOCK,
+                                 num_threads=num_threads)  # whole 8-bit blocks per tile
     predivide = float(world_size) if cfg.prescale_gradients else cfg.gradient_predivide_factor
     step = StepOptions(clipping=cfg.gradient_clipping, predivide=predivide,
                        accumulation=1 if cfg.fp16.enabled else cfg.gradient_accumulation_steps, offload=offload)
@@ -157,5 +186,5 @@ def options_from_config(cfg: ZeroConfig, world_size: int, num_threads: int
         max_reuse_distance=zc.max_reuse_distance, offload_param=offload_param,
         pin_memory=offload_param and zc.offload_param.pin_memory,
         log_trace_changes=zc.log_trace_cache_warnings, gather_on_apply=zc.override_module_apply)
-    return Precision.from_config(cfg), step, reduce, stage3
+    return Precision.from_config(cfg, state_dtype), step, reduce, stage3
 

@@ -470,11 +470,12 @@ class UnitParams(ParamStorage):
         self.units: list[ParamUnit] = []
         unit_modules: list[nn.Module | None] = []
         host_empty = self.host_memory.empty if options.pin_memory else self.host_memory.empty_pageable
-        alias = precision.param == torch.float32 and offload is None and not options.offload_param
+        alias = precision.master_is_model and offload is None and not options.offload_param
         for path, unit_params in planned + ([("<persistent>", persistent)] if persistent else []):
             unit = ParamUnit(len(self.units), path, unit_params, [group_of.get(p, -1) for p in unit_params], comm,
                              precision, device, lambda p: take_local_shard(p, comm),
-                             lambda like: self.new_state(like, device), alias_master=alias,
+                             lambda shard: self.new_master(shard, device, alias), lambda like: self.new_moments(like, device),
+                             alias_master=alias,
                              persistent=path == "<persistent>", offload_param=options.offload_param,
                              host_empty=host_empty, gauges=gauges)
             self.units.append(unit)
@@ -495,11 +496,13 @@ class UnitParams(ParamStorage):
             for r in unit.ranges:
                 shard = unit.shard[r.lo : r.hi]
                 out16 = None if r.master.data_ptr() == shard.data_ptr() else shard
-                out.append((r.group, r.master, r.grad, r.exp_avg, r.exp_avg_sq, out16))
+                index = (unit.index << 40) + self.comm.rank * unit.numel + r.lo  # unique over ranks and units
+                out.append(Slot(r.group, r.master, r.grad, r.exp_avg, r.exp_avg_sq, out16, scales=r.scales,
+                                index=index))
         return out
 
     def param_chunks(self, param: nn.Parameter, saving: bool) -> list[tuple[str, int, torch.Tensor]]:
-        return param._zero.unit.param_chunks(param)
+        return param._zero.unit.param_chunks(param, self.state_view)
 
     def grad_piece(self, param: nn.Parameter) -> tuple[int, torch.Tensor, bool]:
         return param._zero.unit.grad_piece(param)
@@ -545,7 +548,7 @@ class UnitParams(ParamStorage):
             "persistent_full": [u.full for u in self.units if u.persistent],
             "grads": [r.grad for u in self.units for r in u.ranges],
             "fp32_master": [r.master for u in self.units for r in u.ranges],
-            "optimizer_states": [t for u in self.units for r in u.ranges for t in (r.exp_avg, r.exp_avg_sq)],
+            "optimizer_states": [t for u in self.units for r in u.ranges for t in (r.exp_avg, r.exp_avg_sq, *(r.scales or ()))],
         }, {"params"} if self.offload_param else set()
 
     def memory_extras(self, report: dict[str, int]) -> None:

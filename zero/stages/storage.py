@@ -20,10 +20,24 @@ import torch.nn as nn
 from zero.comm import Comm
 from zero.memory_report import Gauges
 from zero.offload import HostMemory
+from zero.ops.adam_formats import decode_moment, encode_moment, q8_blocks
 from zero.stages.policies import OffloadOptions, Precision
 
-# (group index, fp32 master, gradient shard, exp_avg, exp_avg_sq, 16-bit output or None)
-Slot = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+class Slot(tuple):
+    """(group index, master, gradient shard, exp_avg, exp_avg_sq, 16-bit output or None): one
+    contiguous range of one param group that the optimizer steps on.
+
+    Besides the six, what the low-precision state formats need (zero.ops.adam_formats):
+    `scales`, the 8-bit moments' block scales (m_scale, v_scale) or None, and `index`, the
+    global position of the range's first element in the model's layout (the stochastic-rounding
+    counter, so that rounding does not depend on how the model is split)."""
+
+    def __new__(cls, group: int, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                exp_avg_sq: torch.Tensor, out16: torch.Tensor | None, *,
+                scales: tuple[torch.Tensor, torch.Tensor] | None = None, index: int = 0) -> Slot:
+        slot = super().__new__(cls, (group, master, grad, exp_avg, exp_avg_sq, out16))
+        slot.scales, slot.index = scales, index
+        return slot
 
 
 class ParamStorage(abc.ABC):
@@ -66,12 +80,62 @@ class ParamStorage(abc.ABC):
         """A copy made by pickling or deepcopy of the model: its hooks leave the copy alone."""
         return "params" not in self.__dict__
 
-    def new_state(self, like: torch.Tensor, compute_device: torch.device) -> torch.Tensor:
-        """A zero fp32 optimizer-state tensor shaped like `like`: in host memory when offloaded
-        (page-locked if asked), else on the compute device."""
+    def new_state(self, like: torch.Tensor, compute_device: torch.device, dtype: torch.dtype = torch.float32
+                  ) -> torch.Tensor:
+        """A zero optimizer-state tensor shaped like `like` (fp32 unless `dtype`): in host memory
+        when offloaded (page-locked if asked), else on the compute device."""
         if self.offload is not None:
-            return self.host_memory.empty(like.shape, torch.float32, self.offload.pin_memory).zero_()
-        return torch.zeros(like.shape, dtype=torch.float32, device=compute_device)
+            return self.host_memory.empty(like.shape, dtype, self.offload.pin_memory).zero_()
+        return torch.zeros(like.shape, dtype=dtype, device=compute_device)
+
+    def new_moments(self, like: torch.Tensor, compute_device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Zero exp_avg and exp_avg_sq for the master `like`, in the run's state format, and the
+        8-bit block scales (m, v) or None."""
+        fmt = self.precision.adam
+        m, v = (self.new_state(like, compute_device, fmt.state_dtype) for _ in range(2))
+        if not fmt.quantized:
+            return m, v, None
+        blocks = torch.empty(q8_blocks(like.numel()))
+        return m, v, (self.new_state(blocks, compute_device), self.new_state(blocks, compute_device))
+
+    def new_master(self, shard: torch.Tensor, compute_device: torch.device, alias: bool) -> torch.Tensor:
+        """The master of `shard` (this rank's part of the parameters): the shard itself when it is
+        its own master (`alias`), else a new tensor of the master format (values set by the caller)."""
+        return shard if alias else self.new_state(shard, compute_device, self.precision.adam.master_dtype)
+
+    # -- checkpoint views of low-precision states -------------------------------------------------
+
+    def begin_checkpoint(self) -> None:
+        """A checkpoint is about to collect views (`param_chunks`): forget earlier decoded copies."""
+        self._decoded = {}
+
+    def state_view(self, key, kind: str, moment: torch.Tensor, scales) -> torch.Tensor:
+        """What checkpoints read and write for a moment: the tensor itself, or, for 8-bit codes, a
+        bf16 copy of their exact values (every code's value is a bf16 number, so nothing is lost
+        and DCP can reshard it; see [Note: 8-bit moments in checkpoints]). Loads into that copy
+        are encoded back by `finish_checkpoint_load`."""
+        if moment.dtype != torch.uint8:
+            return moment
+        cache = self.__dict__.setdefault("_decoded", {})
+        if (key, kind) not in cache:
+            value = decode_moment(moment, scales[0 if kind == "exp_avg" else 1], kind).to(torch.bfloat16)
+            cache[(key, kind)] = (value, moment, scales, kind)
+        return cache[(key, kind)][0]
+
+    def finish_checkpoint_load(self) -> None:
+        """[Note: 8-bit moments in checkpoints]
+        8-bit moments are saved as bf16 tensors of their exact values: every code stands for a
+        number with 4 significant bits and an fp32 exponent, which bf16 holds exactly. Loading
+        re-encodes them per block; in the layout that saved them the blocks are the same, so the
+        same codes and scales come back (a bitwise resume); in another layout (world size, stage)
+        the values are re-quantized in the new blocks. An fp32 or bf16 checkpoint loads into 8-bit
+        moments the same way, and 8-bit ones into fp32/bf16 moments as their values."""
+        for value, moment, scales, kind in self.__dict__.pop("_decoded", {}).values():
+            codes, s = encode_moment(value.float(), kind)
+            moment.copy_(codes)
+            scales[0 if kind == "exp_avg" else 1].copy_(s)
+        self._decoded = {}
 
     # -- what the step sees -----------------------------------------------------------------------
 
@@ -132,6 +196,7 @@ class ParamStorage(abc.ABC):
 
     def after_checkpoint_load(self) -> None:
         """Make the loaded values visible to the model (16-bit copies, gathered units)."""
+        self.finish_checkpoint_load()
         self.publish()
 
     # -- user code changing parameters --------------------------------------------------------------

@@ -59,6 +59,7 @@ class GroupRange:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     grad: torch.Tensor
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None  # 8-bit moments' block scales (m, v)
 
 
 @dataclass
@@ -88,8 +89,10 @@ class ParamUnit:
         device: where the model computes (full parameters, gradients).
         local_shard: gives this rank's shard of a parameter (see take_local_shard); its values,
             usually fp32, also start the fp32 master.
-        new_state: makes an fp32 optimizer-state tensor like a given one (wherever state lives).
-        alias_master: fp32 training with state beside the shard: the shard is its own master.
+        new_master: makes the master of a piece of the shard (ParamStorage.new_master).
+        new_moments: makes the moments of a master (ParamStorage.new_moments).
+        alias_master: state beside the shard in the shard's own dtype (fp32, or bf16 with a bf16
+            master): the shard is its own master.
         persistent: gathered once and never released (small parameters).
         offload_param: the shard lives in host memory; it is staged onto the device to gather.
         host_empty: allocates that host shard (pinned when asked).
@@ -98,7 +101,8 @@ class ParamUnit:
 
     def __init__(self, index: int, name: str, params: list[nn.Parameter], groups: list[int], comm: Comm,
                  precision: Precision, device: torch.device, local_shard: Callable[[nn.Parameter], torch.Tensor],
-                 new_state: Callable[[torch.Tensor], torch.Tensor], *, alias_master: bool, persistent: bool,
+                 new_master: Callable[[torch.Tensor], torch.Tensor], new_moments: Callable[[torch.Tensor], tuple], *,
+                 alias_master: bool, persistent: bool,
                  offload_param: bool, host_empty: Callable[..., torch.Tensor], gauges: Gauges):
         self.index, self.name, self.comm, self.device = index, name, comm, device
         self.dtype, self.reduce_dtype = precision.param, precision.reduce
@@ -124,9 +128,10 @@ class ParamUnit:
             for g in sorted({g for g in self.groups if g >= 0}):
                 members = [i for i, gi in enumerate(self.groups) if gi == g]
                 lo, hi = self.offsets[members[0]], self.offsets[members[-1]] + self.split_sizes[members[-1]]
-                master = self.shard[lo:hi] if alias_master else new_state(self.shard[lo:hi])
-                self.ranges.append(GroupRange(g, lo, hi, master, new_state(master), new_state(master),
-                                              torch.zeros(hi - lo, dtype=precision.grad, device=device)))
+                master = new_master(self.shard[lo:hi])
+                m, v, scales = new_moments(master)
+                self.ranges.append(GroupRange(g, lo, hi, master, m, v,
+                                              torch.zeros(hi - lo, dtype=precision.grad, device=device), scales))
             for p, z, off in zip(self.params, info, self.offsets):  # one parameter at a time
                 local = local_shard(p)
                 self.shard[off : off + z.shard_numel].copy_(local)
@@ -250,17 +255,20 @@ class ParamUnit:
         self.start_gather()
         self.finish_gather(wait)
 
-    def param_chunks(self, p: nn.Parameter) -> list[tuple[str, int, torch.Tensor]]:
+    def param_chunks(self, p: nn.Parameter, view: Callable | None = None) -> list[tuple[str, int, torch.Tensor]]:
         """This rank's pieces of `p`: its shard (without padding) and, if trainable, the master's
-        and Adam states' parts (see ShardedAdam.param_chunks)."""
+        and Adam states' parts (see ParamStorage.param_chunks); `view(key, kind, moment, scales)`
+        gives what a checkpoint reads and writes of a moment (ParamStorage.state_view)."""
         i = next(i for i, q in enumerate(self.params) if q is p)
         z, off, s = p._zero, self.offsets[i], self.split_sizes[i]
         start = self.comm.rank * s
         n = max(0, min(z.numel, start + s) - start)
         out = [("model", start, self.shard[off : off + n])]
-        r = next((r for r in self.ranges if r.lo <= off < r.hi), None)
+        k, r = next(((k, r) for k, r in enumerate(self.ranges) if r.lo <= off < r.hi), (None, None))
         if r is not None:
-            for kind, t in (("master", r.master), ("exp_avg", r.exp_avg), ("exp_avg_sq", r.exp_avg_sq)):
+            view = view or (lambda key, kind, t, scales: t)
+            for kind, t in (("master", r.master), ("exp_avg", view((self.index, k), "exp_avg", r.exp_avg, r.scales)),
+                            ("exp_avg_sq", view((self.index, k), "exp_avg_sq", r.exp_avg_sq, r.scales))):
                 out.append((kind, start, t[off - r.lo : off - r.lo + n]))
         return out
 
