@@ -1,5 +1,6 @@
-/* Fused multi-tensor Adam / AdamW. See fused_adam.h for the contract and adam/adam_math.h for
- * the math.
+/* Fused Adam / AdamW: the multi-tensor kernel over fp32 state, and the one-buffer kernel over
+ * the low-precision state formats. See fused_adam.h for the contracts, adam/adam_math.h for the
+ * math and adam/adam_formats.h for the formats.
  *
  * [Note: chunk table]
  * Every tensor is cut into chunks of CHUNK elements and every chunk gets one thread block, so a
@@ -31,6 +32,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "adam/adam_formats.h"
 #include "adam/adam_math.h"
 #include "common/dtypes.h"
 
@@ -202,6 +204,110 @@ int launch_for_grad(int32_t out16_dtype, int n, float *const *params, const void
     return launch_all<GD, ZERO_BF16>(n, params, grads, exp_avgs, exp_avg_sqs, out16, numels, c, stream);
 }
 
+/* ---------------------------------------------------------------------------- state formats */
+
+/* [Note: state formats on the GPU]
+ * zero_fused_adam_step_fmt gives, element for element, the bits of zero_adam_block_ref
+ * (adam/adam_formats.h) applied block by block. One thread per element, one thread block of
+ * ZERO_Q8_BLOCK threads per block of that reference (blocks start at the buffer's element 0), for
+ * every format, so a thread finds its element and its block's scales from its indices alone.
+ *
+ * A thread runs the reference's own per-element step, zero_adam_fmt_element (ZERO_HD): widen the
+ * stored master and moments (8-bit codes with the block's current scales), zero_adam_element,
+ * store the master (bf16: stochastically with the word of its global index fmt->index + i, or to
+ * nearest even), the 16-bit copy, and fp32 / bf16 moments. The formats are template arguments
+ * written into the thread's copy of the format, so their branches fold away.
+ *
+ * 8-bit codes need the block's largest |m| and v before any code can be written (the reference's
+ * zero_q8_block_store): a warp-shuffle max, then one step through shared memory. fmaxf is exact
+ * and ignores NaN, so the result is the reference's whatever the order (only its exponent is
+ * used, and +0 and -0 give the same). Thread 0 turns the two maxima into exponents with
+ * zero_q8_exponent and writes the block's scales (every thread read the old ones before the
+ * barrier), then every thread encodes its element with the header's encoders.
+ *
+ * One element per thread keeps every access coalesced at any alignment; with 1 to 4 bytes per
+ * state element the kernel is bound by memory traffic, not by its arithmetic. The all-fp32 format
+ * takes zero_fused_adam's four-wide kernel, which computes the same bits.
+ *
+ * nvcc contracts a product followed by an addition into one fma (on by default, as in torch's
+ * builds). The formats add no such pair whose product is inexact: a decoded m is a code's
+ * magnitude (at most 4 significant bits) times a power-of-two scale, exact, and the code of a
+ * small magnitude is r * 2^k + 0.5 with r * 2^k exact. */
+
+/* The arguments of one zero_fused_adam_step_fmt launch (kernel arguments, as the chunk table). */
+struct FmtArgs {
+    int64_t n;
+    void *p;        /* master */
+    const void *g;  /* gradient, of dtype gd */
+    void *m, *v;    /* moments */
+    float *ms, *vs; /* 8-bit codes: one scale per block */
+    void *out;      /* 16-bit copy, when od != ZERO_F32 (zero_adam_block_ref's convention) */
+    int32_t gd, od;
+    zero_adam_format fmt;
+    zero_sr_key key; /* zero_sr_key_of(fmt.seed, step) */
+};
+
+constexpr int Q8_WARPS = ZERO_Q8_BLOCK / 32;
+
+/* The block's scales from its largest new |m| and v, then each live thread's codes. Every thread
+ * of the block calls this (the dead ones of the last block with live = false). */
+__device__ __forceinline__ void store_q8_block(const FmtArgs &a, int64_t i, bool live, float mi, float vi) {
+    __shared__ float warp_max[2][Q8_WARPS];
+    __shared__ float inv_scale[2];
+    float am = live ? fabsf(mi) : 0.0f, av = live ? vi : 0.0f;
+    for (int lane_mask = 16; lane_mask > 0; lane_mask >>= 1) {
+        am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, lane_mask));
+        av = fmaxf(av, __shfl_xor_sync(0xffffffffu, av, lane_mask));
+    }
+    if (threadIdx.x % 32 == 0) {
+        warp_max[0][threadIdx.x / 32] = am;
+        warp_max[1][threadIdx.x / 32] = av;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float mmax = 0.0f, vmax = 0.0f;
+        for (int w = 0; w < Q8_WARPS; w++) {
+            mmax = fmaxf(mmax, warp_max[0][w]);
+            vmax = fmaxf(vmax, warp_max[1][w]);
+        }
+        const uint32_t me = zero_q8_exponent(mmax), ve = zero_q8_exponent(vmax);
+        a.ms[blockIdx.x] = zero_q8_scale(me);
+        a.vs[blockIdx.x] = zero_q8_scale(ve);
+        inv_scale[0] = zero_q8_inv_scale(me);
+        inv_scale[1] = zero_q8_inv_scale(ve);
+    }
+    __syncthreads();
+    if (live) {
+        static_cast<uint8_t *>(a.m)[i] = zero_q8_encode_m(mi, inv_scale[0]);
+        static_cast<uint8_t *>(a.v)[i] = zero_q8_encode_v(vi, inv_scale[1]);
+    }
+}
+
+/* One element per thread; see [Note: state formats on the GPU]. PD: the master's format
+ * (ZERO_F32 / ZERO_BF16), SD: the moments' (ZERO_F32 / ZERO_BF16 / ZERO_Q8). */
+template <int PD, int SD>
+__global__ void __launch_bounds__(ZERO_Q8_BLOCK) adam_fmt_kernel(const FmtArgs a, const zero_adam_coeffs c) {
+    zero_adam_format fmt = a.fmt;
+    fmt.master_dtype = PD;
+    fmt.state_dtype = SD;
+    const int64_t i = (int64_t)blockIdx.x * ZERO_Q8_BLOCK + (int64_t)threadIdx.x;
+    const bool live = i < a.n;
+    float mi = 0.0f, vi = 0.0f; /* 8-bit states: the new moments, until the block's scales are known */
+    if (live) {
+        const float ms = SD == ZERO_Q8 ? a.ms[blockIdx.x] : 0.0f, vs = SD == ZERO_Q8 ? a.vs[blockIdx.x] : 0.0f;
+        zero_adam_fmt_element(i, a.p, a.g, a.gd, a.m, a.v, ms, vs, a.out, a.od, &c, &fmt, &a.key, &mi, &vi);
+    }
+    if (SD == ZERO_Q8) store_q8_block(a, i, live, mi, vi); /* the whole block, live or not */
+}
+
+template <int PD, int SD>
+int launch_fmt(const FmtArgs &a, const zero_adam_coeffs &c, cudaStream_t stream) {
+    const int64_t blocks = (a.n + ZERO_Q8_BLOCK - 1) / ZERO_Q8_BLOCK;
+    adam_fmt_kernel<PD, SD><<<(unsigned)blocks, ZERO_Q8_BLOCK, 0, stream>>>(a, c);
+    const cudaError_t err = cudaGetLastError();
+    return err == cudaSuccess ? 0 : (int)err;
+}
+
 }  // namespace
 
 extern "C" int zero_fused_adam(int n, float *const *params, const void *const *grads, int32_t grad_dtype,
@@ -230,4 +336,48 @@ extern "C" int zero_fused_adam(int n, float *const *params, const void *const *g
     default:
         return launch_for_grad<ZERO_F32>(out16_dtype, n, params, grads, exp_avgs, exp_avg_sqs, out16, numels, c, stream);
     }
+}
+
+extern "C" int zero_fused_adam_step_fmt(int64_t n, void *param, const void *grad, int32_t grad_dtype, void *exp_avg,
+                                        void *exp_avg_sq, float *m_scale, float *v_scale, void *out16,
+                                        int32_t out16_dtype, const zero_adam_config *cfg, const zero_adam_format *fmt,
+                                        cudaStream_t stream) {
+    /* Everything is checked before the launch, so a bad call changes nothing. */
+    if (n < 0 || !zero_adam_config_ok(cfg) || fmt == nullptr) return -1;
+    const int32_t pd = fmt->master_dtype, sd = fmt->state_dtype;
+    if (pd != ZERO_F32 && pd != ZERO_BF16) return -1;
+    if (sd != ZERO_F32 && sd != ZERO_BF16 && sd != ZERO_Q8) return -1;
+    if (grad_dtype != ZERO_F32 && grad_dtype != ZERO_F16 && grad_dtype != ZERO_BF16) return -1;
+    if (out16 != nullptr && out16_dtype != ZERO_F16 && out16_dtype != ZERO_BF16) return -1;
+    if (n / ZERO_Q8_BLOCK >= (int64_t)INT32_MAX) return -1; /* one thread block per ZERO_Q8_BLOCK elements */
+    if (n == 0) return 0;
+    if (param == nullptr || grad == nullptr || exp_avg == nullptr || exp_avg_sq == nullptr) return -1;
+    if (sd == ZERO_Q8 && (m_scale == nullptr || v_scale == nullptr)) return -1;
+
+    if (pd == ZERO_F32 && sd == ZERO_F32) {
+        float *p = static_cast<float *>(param), *m = static_cast<float *>(exp_avg), *v = static_cast<float *>(exp_avg_sq);
+        return zero_fused_adam(1, &p, &grad, grad_dtype, &m, &v, out16 != nullptr ? &out16 : nullptr, out16_dtype, &n,
+                               cfg, stream);
+    }
+    FmtArgs a;
+    a.n = n;
+    a.p = param;
+    a.g = grad;
+    a.m = exp_avg;
+    a.v = exp_avg_sq;
+    a.ms = m_scale;
+    a.vs = v_scale;
+    a.out = out16;
+    a.gd = grad_dtype;
+    a.od = out16 != nullptr ? out16_dtype : ZERO_F32;
+    a.fmt = *fmt;
+    a.key = zero_sr_key_of(fmt->seed, cfg->step);
+    const zero_adam_coeffs c = zero_adam_coeffs_of(cfg);
+    if (pd == ZERO_F32) {
+        if (sd == ZERO_BF16) return launch_fmt<ZERO_F32, ZERO_BF16>(a, c, stream);
+        return launch_fmt<ZERO_F32, ZERO_Q8>(a, c, stream);
+    }
+    if (sd == ZERO_F32) return launch_fmt<ZERO_BF16, ZERO_F32>(a, c, stream);
+    if (sd == ZERO_BF16) return launch_fmt<ZERO_BF16, ZERO_BF16>(a, c, stream);
+    return launch_fmt<ZERO_BF16, ZERO_Q8>(a, c, stream);
 }

@@ -6,6 +6,10 @@ The GPU twin of `zero.ops.cpu_adam`, with the same names and behaviour. Two ways
   the list is long or mixes devices or grad dtypes). This is what the engine calls on each
   rank's fp32 master shard, optionally unscaling the gradient and writing the updated
   parameters to 16-bit buffers in the same pass.
+* `fused_adam_step_fmt_unchecked(...)`: one step over one flat CUDA buffer whose master and
+  moments are stored in a low-precision `AdamFormat` (bf16 master, bf16 or 8-bit moments; see
+  zero.ops.adam_formats), bit for bit what `zero.ops.cpu_adam.cpu_adam_step_fmt_unchecked`
+  computes on the CPU.
 * `FusedAdam`: a `torch.optim.Optimizer` for fp32 CUDA parameters, a drop-in for
   `torch.optim.AdamW` (or `torch.optim.Adam` with `adamw_mode=False`). Its `state_dict()` has
   torch's Adam layout, so state moves between the two both ways.
@@ -33,6 +37,7 @@ from zero.ops.adam_common import (
     check_step_number,
     check_tensor,
 )
+from zero.ops.adam_formats import KERNEL_CODES, AdamFormat
 from zero.ops.builder import load
 
 
@@ -212,6 +217,64 @@ def _launch(
         )  # fmt: skip
         for tensors in (ps, ms, vs, os_):
             bump_versions(tensors)
+
+
+def fused_adam_step_fmt_unchecked(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    fmt: AdamFormat,
+    step: int,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool = True,
+    bias_correction: bool = True,
+    grad_scale: float = 1.0,
+    m_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    out16: torch.Tensor | None = None,
+    index: int = 0,
+) -> None:
+    """One Adam/AdamW step in place over one flat CUDA buffer whose master and moments are stored
+    in the formats `fmt` names (see zero.ops.adam_formats and [Note: state formats] in
+    csrc/adam/adam_formats.h), in one launch on the current CUDA stream of param's device.
+
+    Bit for bit what `zero.ops.cpu_adam.cpu_adam_step_fmt_unchecked` computes with the same
+    arguments (the kernels share zero_adam_fmt_element). Nothing here checks tensors: a wrong
+    dtype, device, size or layout is undefined behaviour (memory the kernel should not touch may
+    be read or written). Only the kernel's own last-line checks remain: a bad hyperparameter
+    raises RuntimeError before anything is launched.
+
+    Args:
+        param: the master, a contiguous CUDA tensor of fmt.master_dtype (float32 or bfloat16);
+            updated in place.
+        grad: gradient, float32, bfloat16 or float16, same number of elements; read only.
+        exp_avg, exp_avg_sq: the moments, fmt.state_dtype (float32, bfloat16, or uint8 codes);
+            updated in place.
+        m_scale, v_scale: 8-bit states only: float32, one per 256-element block from element 0
+            (`zero.ops.adam_formats.new_scales`); read and rewritten. None otherwise.
+        out16: None, or a bfloat16/float16 buffer with param's number of elements that receives
+            the stored master rounded to nearest even (for a bf16 master, a bf16 copy has exactly
+            the master's bits).
+        index: the global index of element 0 in [0, 2^64) (the stochastic-rounding counter;
+            buffers that are pieces of one model take their position in it, so the rounding does
+            not depend on how the model is split).
+        The others: as `fused_adam_step`.
+
+    Raises:
+        OpUnavailable: the op cannot be built here (tried once per process, see zero.ops.builder).
+    """
+    _op().adam_step_fmt(
+        param, grad, exp_avg, exp_avg_sq, m_scale, v_scale, out16,
+        float(lr), float(betas[0]), float(betas[1]), float(eps), float(weight_decay), float(grad_scale),
+        int(step), bool(adamw_mode), bool(bias_correction), KERNEL_CODES[fmt.master], KERNEL_CODES[fmt.state],
+        bool(fmt.stochastic), int(fmt.seed), int(index),
+    )  # fmt: skip
+    bump_versions((param, exp_avg, exp_avg_sq, m_scale, v_scale, out16))
 
 
 # ----------------------------------------------------------------------------- optimizer

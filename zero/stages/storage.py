@@ -23,6 +23,7 @@ from zero.offload import HostMemory
 from zero.ops.adam_formats import decode_moment, encode_moment, q8_blocks
 from zero.stages.policies import OffloadOptions, Precision
 
+
 class Slot(tuple):
     """(group index, master, gradient shard, exp_avg, exp_avg_sq, 16-bit output or None): one
     contiguous range of one param group that the optimizer steps on.
