@@ -148,6 +148,7 @@ def _set_full(param, kind: str, value: torch.Tensor) -> None:
             for k, offset, view in optimizer.storage.param_chunks(param, saving=False):
                 if k == "model":
                     view.copy_(flat[offset : offset + view.numel()])
+    optimizer.storage.commit_state_views()  # 8-bit moments: encode what was written
     if kind == "master":
         optimizer.storage.edits_seen([param])
 
@@ -200,6 +201,7 @@ def _set_local(param, kind: str, value: torch.Tensor, what: str) -> None:
                     if k == "model" and o == offset and model.numel() == view.numel():
                         model.copy_(view.view_as(model))
             at += view.numel()
+    optimizer.storage.commit_state_views()  # 8-bit moments: encode what was written
 
 
 def safe_set_local_fp32_param(param, value: torch.Tensor) -> None:

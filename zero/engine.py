@@ -75,7 +75,7 @@ from zero.precision import NonFiniteGradientError
 from zero.progress import BackwardCounter, TrainingProgress, mark_scaled
 from zero.stages import build_optimizer
 from zero.stages.adam import ADAM_DEFAULTS, check_param_groups
-from zero.stages.choice import _optimizer_defaults, _param_groups, client_step
+from zero.stages.choice import _optimizer_defaults, _param_groups, client_state_dtype, client_step
 from zero.stages.policies import strict_tag_checks
 from zero.stages.relocation import BACKWARD_NEEDS
 
@@ -185,7 +185,8 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
             BackwardCounter(self.progress, config.fp16.enabled, {p: n for n, p in module.named_parameters()}).install(
                 module, [p for g in groups for p in g["params"]])
         self.optimizer = build_optimizer(module, groups, config, self.comm, self.device, client=client,
-                                         model_parallel=ModelParallelNorm.of(module, mesh) if mesh is not None else None)
+                                         model_parallel=ModelParallelNorm.of(module, mesh) if mesh is not None else None,
+                                         state_dtype=client_state_dtype(optimizer, config))
         _claim(module, self.optimizer, config.zero_optimization.stage)  # whose hooks take the gradients now
         self._trainable = [(n, p, p.requires_grad) for n, p in module.named_parameters()]
         self._warned_count = False

@@ -79,6 +79,7 @@ def _chunks(engine, place: Placement, saving: bool, kinds: tuple[str, ...] = ("m
             exclude_frozen: bool = False) -> list[Chunk]:
     """This rank's pieces of every global tensor: those it writes (`saving`) or reads into."""
     opt = engine.optimizer
+    opt.storage.begin_checkpoint()
     out: list[Chunk] = []
     for name, t, is_param in _named_tensors(engine.module):
         if saving and not place.writes(t):

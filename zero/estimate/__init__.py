@@ -1,26 +1,44 @@
 """How much memory each ZeRO stage and offload option needs per rank, before a run starts.
 
     zero.estimate_memory(model_or_param_count, world_size=8)          # every stage and offload option
+    zero.estimate_memory(7e9, 8, master_dtype="bf16", state_dtype="int8")   # in one state format
+    zero.estimate_memory(7e9, 8, state_formats=True)                  # ... and in each common one
     python -m zero.estimate --params 7e9 --gpus 8 --nodes 2            # the same, as a table
+    python -m zero.estimate --params 7e9 --gpus 8 --state-formats      # one line per state format
     python -m zero.estimate --model path/to/hf/config.json --gpus 8
 
 [Note: the estimator's numbers]
 The estimator reads the same policies the engine builds from a config (zero/stages/policies.py:
-dtypes, bucket sizes, stage-3 thresholds, offload tiles), so a setting means the same thing in both.
-With Psi trainable elements on N ranks, p bytes per training-dtype element, g per gradient-shard
-element (fp32 when micro-batches are accumulated or training is fp32, else the communication
-dtype) and an fp32 master wherever it is not the parameter itself (16-bit training, or offload):
+dtypes, the optimizer's state format, bucket sizes, stage-3 thresholds, offload tiles), so a setting
+means the same thing in both. With Psi trainable elements on N ranks, p bytes per training-dtype
+element, g per gradient-shard element (fp32 when micro-batches are accumulated or training is fp32,
+else the communication dtype; a bf16 master keeps it in bf16 even when accumulating), and the
+optimizer's state format (zero/ops/adam_formats.py; docs/config.md, "State formats"):
 
-    stage  params           grads      fp32 master  Adam m, v
-    0      p Psi            g Psi      4 Psi        8 Psi          (plain data parallelism)
-    1      p Psi            g Psi      4 Psi/N      8 Psi/N
-    2      p Psi            g Psi/N    4 Psi/N      8 Psi/N
-    3      p Psi/N + p P    g Psi/N    4 Psi/N      8 Psi/N        (P: persistent elements, kept whole)
+    M  bytes per master element: 4 (fp32) or 2 (bf16); 0 where the master is the parameter itself
+       (its dtype is the training dtype and the optimizer is not offloaded: fp32 training, or bf16
+       training with `bf16_master_weights_and_grads`; also stage 3's `offload_param` keeps it apart)
+    S  bytes per element of Adam's m and v together: 8 (fp32), 4 (bf16), or 2 + 8/256 (8-bit codes:
+       one byte each, plus one fp32 scale per block of 256 elements of each moment; the blocks
+       start at each bucket slice's or unit shard's start, so a planned model's scales are counted
+       per slot, as the engine allocates them)
+
+    stage  params           grads      master   Adam m, v
+    0      p Psi            g Psi      M Psi    S Psi          (plain data parallelism)
+    1      p Psi            g Psi      M Psi/N  S Psi/N
+    2      p Psi            g Psi/N    M Psi/N  S Psi/N
+    3      p Psi/N + p P    g Psi/N    M Psi/N  S Psi/N        (P: persistent elements, kept whole)
+
+At stage 3 that is, per parameter over all ranks, for bf16 training: 2 + 2 + 4 + 8 = 16 bytes with
+an fp32 master and fp32 moments, 8 with a bf16 master and bf16 moments, 12 with one of them bf16,
+10.03 with an fp32 master and 8-bit moments, 6.03 with a bf16 master and 8-bit moments. The row's
+`fp32_master` (the engine's memory_report() key) holds the master in whatever format it has.
 
 Optimizer offload moves the master and Adam's states to the host and adds the host staging of the
 gradient shard and two copy-back tiles; stage 3's `offload_param` moves the parameter shards there
 too. These are the kinds `Engine.memory_report()` measures, and on a real run the two agree up to
-padding (each bucket or unit is padded to split evenly over N SIMD-aligned slices).
+padding (each bucket or unit is padded to split evenly over N SIMD-aligned slices), in every state
+format (tests/test_estimate.py).
 
 With a OneBitAdam or ZeroOneAdam config, `compression_errors` (included in `buffers`) is the error
 buffers: an fp32 copy of the trainable parameters per rank, plus 1/N of it at stage 0. ZeroOneAdam
@@ -37,6 +55,7 @@ unit: planned for a model, `largest_layer` (DeepSpeed's `largest_layer_params`) 
 """
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from dataclasses import dataclass
@@ -46,24 +65,37 @@ import torch.nn as nn
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OFFLOADS = ("none", "optimizer", "param", "optimizer+param")
+MASTER_DTYPES = ("fp32", "bf16")
+STATE_DTYPES = ("fp32", "bf16", "int8")
+# (master, moments) compared by `state_formats=True`: bf16 training, and fp16/fp32 training (whose
+# master is fp32: a bf16 master needs bf16 training)
+STATE_FORMATS = {"bf16": (("fp32", "fp32"), ("bf16", "bf16"), ("fp32", "int8"), ("bf16", "int8")),
+                 "other": (("fp32", "fp32"), ("fp32", "bf16"), ("fp32", "int8"))}
+
+
+def state_format_label(master_dtype: str, state_dtype: str) -> str:
+    """"bf16 master + 8-bit moments" and the like."""
+    return f"{master_dtype} master + {'8-bit' if state_dtype == 'int8' else state_dtype} moments"
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per rank for one stage and offload option (see [Note: the estimator's numbers])."""
+    """Bytes per rank for one stage, offload option and state format (see [Note: the estimator's numbers])."""
 
     stage: int
     offload: str  # "none", "optimizer", "param" or "optimizer+param"
     world_size: int
     params: int
     grads: int
-    fp32_master: int
-    optimizer_states: int
+    fp32_master: int  # the master weights in their format (fp32 or bf16), as memory_report() names them
+    optimizer_states: int  # Adam's m and v in their format, 8-bit codes' block scales included
     host_staging: int  # offload's host gradient copy and copy-back tiles
     buffers: int  # device communication and gathered-parameter buffers, at most
     compression_errors: int  # OneBitAdam's error buffers (device), see zero/onebit/optimizer.py
     device_bytes: int  # model states on the device plus `buffers`
     host_bytes: int  # model states and staging in host memory
+    master_dtype: str = "fp32"  # the master weights' format: "fp32" or "bf16"
+    state_dtype: str = "fp32"  # Adam's moments' format: "fp32", "bf16" or "int8"
 
     @property
     def model_states_total(self) -> int:
@@ -74,41 +106,73 @@ class MemoryEstimate:
         name = "stage 0 (= DDP)" if self.stage == 0 else f"stage {self.stage}"
         return name if self.offload == "none" else f"{name} + offload {self.offload}"
 
+    @property
+    def state_format(self) -> str:
+        """"fp32 master + fp32 moments", "bf16 master + 8-bit moments", ..."""
+        return state_format_label(self.master_dtype, self.state_dtype)
+
 
 class MemoryTable(list):
-    """A list of MemoryEstimate rows that prints as a table."""
+    """A list of MemoryEstimate rows that prints as a table (with a state-format column when the rows
+    have several)."""
 
     def __init__(self, rows, psi: int, persistent: int, dtype: str, gpus_per_node: int, largest_unit: int = 0):
         super().__init__(rows)
         self.psi, self.persistent, self.dtype, self.gpus_per_node = psi, persistent, dtype, gpus_per_node
         self.largest_unit = largest_unit
 
-    def row(self, stage: int, offload: str = "none") -> MemoryEstimate:
+    def row(self, stage: int, offload: str = "none", master_dtype: str | None = None,
+            state_dtype: str | None = None) -> MemoryEstimate:
+        """The row of `stage` and `offload`: in the given state format, else the table's first (the
+        config's, or the one asked for)."""
         for r in self:
-            if r.stage == stage and r.offload == offload:
+            if (r.stage == stage and r.offload == offload and master_dtype in (None, r.master_dtype)
+                    and state_dtype in (None, r.state_dtype)):
                 return r
-        raise KeyError(f"no row for stage {stage} with offload {offload!r} in this table")
+        fmt = "" if master_dtype is None and state_dtype is None else \
+            f" in master {master_dtype or 'any'}, moments {state_dtype or 'any'}"
+        raise KeyError(f"no row for stage {stage} with offload {offload!r}{fmt} in this table")
+
+    @property
+    def state_formats(self) -> list[str]:
+        """The rows' state formats, in order of first appearance."""
+        return list(dict.fromkeys(r.state_format for r in self))
 
     def __str__(self) -> str:
         n = self[0].world_size if self else 1
-        head = (f"{self.psi:,} trainable parameters ({_human(self.psi)}), {self.dtype}, {n} rank(s)"
+        formats = self.state_formats
+        several = len(formats) > 1
+        head = (f"{self.psi:,} trainable parameters ({_human(self.psi)}), {self.dtype}, "
+                + ("every state format" if several else formats[0] if formats else "") + f", {n} rank(s)"
                 + (f", {self.persistent:,} kept whole under stage 3" if self.persistent else ""))
-        cols = ["option", "model states/rank", "device/rank", "host/rank", f"host/node ({self.gpus_per_node} ranks)"]
-        lines = [[r.label, format_bytes(r.model_states_total), format_bytes(r.device_bytes), format_bytes(r.host_bytes),
-                  format_bytes(r.host_bytes * self.gpus_per_node)] for r in self]
+        cols = ["option", *(["state format"] if several else []), "model states/rank", "device/rank", "host/rank",
+                f"host/node ({self.gpus_per_node} ranks)"]
+        lines, last = [], None
+        for r in self:
+            label = r.label if r.label != last else ""  # with several formats: the option once per group
+            last = r.label
+            lines.append([label, *([r.state_format] if several else []), format_bytes(r.model_states_total),
+                          format_bytes(r.device_bytes), format_bytes(r.host_bytes),
+                          format_bytes(r.host_bytes * self.gpus_per_node)])
+        text = 2 if several else 1  # left-aligned columns
         widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(cols)]
         out = [head, "  ".join(c.ljust(w) for c, w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
-        out += ["  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(line, widths)))
+        out += ["  ".join(v.ljust(w) if i < text else v.rjust(w) for i, (v, w) in enumerate(zip(line, widths)))
                 for line in lines]
         out.append("device/rank includes the communication and gathering buffers of a step"
                    + (f" (stage 3: largest unit {self.largest_unit:,} elements)" if self.largest_unit else ""))
+        if several:
+            out.append("state format: how the optimizer stores the master weights and Adam's moments (8-bit: one "
+                       "byte each, one fp32 scale per 256 elements); docs/config.md, 'State formats'")
         return "\n".join(out)
 
 
 def estimate_memory(model_or_param_count: nn.Module | int | float, world_size: int = 1, *,
                     stage: int | None = None, offload: str | None = None, dtype: str | torch.dtype = "bf16",
                     config: dict | str | None = None, gpus_per_node: int | None = None,
-                    persistent_params: int | None = None, largest_layer: int | None = None) -> MemoryTable:
+                    persistent_params: int | None = None, largest_layer: int | None = None,
+                    master_dtype: str | None = None, state_dtype: str | None = None,
+                    state_formats: bool = False) -> MemoryTable:
     """Per-rank memory of every stage and offload option (or the ones asked for).
 
     Args:
@@ -121,14 +185,23 @@ def estimate_memory(model_or_param_count: nn.Module | int | float, world_size: i
             None: all.
         dtype: training dtype, "bf16", "fp16" or "fp32" (or the torch dtype).
         config: a DeepSpeed-style config (dict, JSON path, or an engine's ZeroConfig) for bucket sizes, thresholds,
-            gradient accumulation and the communication dtype; its stage, offload and precision
-            are replaced by each row's.
+            gradient accumulation, the communication dtype and the optimizer's state format
+            (`bf16.bf16_master_weights_and_grads`, `bf16.bf16_optimizer_states`,
+            `optimizer.params.state_dtype`); its stage, offload and training dtype are replaced by
+            each row's.
         gpus_per_node: ranks sharing one host, for the host-per-node column (default world_size).
         persistent_params: with a parameter count, the elements stage 3 keeps whole (default 0;
             a model's are planned).
         largest_layer: with a parameter count, the elements of the largest stage-3 unit (the
             largest layer, DeepSpeed's `largest_layer_params`; default the unit size of the
             config, `stage3_module_granularity_threshold`); it sizes stage 3's buffers.
+        master_dtype: the master weights' format, "fp32" or "bf16" (bf16 training only), in place
+            of the config's `bf16.bf16_master_weights_and_grads`; None: the config's.
+        state_dtype: Adam's moments' format, "fp32", "bf16" or "int8", in place of the config's
+            `optimizer.params.state_dtype` / `bf16.bf16_optimizer_states`; None: the config's.
+        state_formats: also each common state format (STATE_FORMATS: for bf16 training fp32 or bf16
+            master with fp32, bf16 or 8-bit moments as listed there), after the one asked for:
+            several rows per option, and the table gets a state-format column.
 
     Returns:
         A MemoryTable (a list of MemoryEstimate) that prints as a table.
@@ -143,6 +216,13 @@ def estimate_memory(model_or_param_count: nn.Module | int | float, world_size: i
     if offload in ("param", "optimizer+param") and stage not in (None, 3):
         raise ValueError(f"offload {offload!r} (offload_param) needs stage 3, not stage {stage}")
     dtype_name = _dtype_name(dtype)
+    if master_dtype is not None and master_dtype not in MASTER_DTYPES:
+        raise ValueError(f"master_dtype must be one of {MASTER_DTYPES} (or None: the config's), got {master_dtype!r}")
+    if master_dtype == "bf16" and dtype_name != "bf16":
+        raise ValueError(f"master_dtype 'bf16' needs bf16 training (dtype='bf16'); {dtype_name} training keeps an "
+                         f"fp32 master")
+    if state_dtype is not None and state_dtype not in STATE_DTYPES:
+        raise ValueError(f"state_dtype must be one of {STATE_DTYPES} (or None: the config's), got {state_dtype!r}")
     if gpus_per_node is None:
         gpus_per_node = world_size
     if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
@@ -152,16 +232,21 @@ def estimate_memory(model_or_param_count: nn.Module | int | float, world_size: i
     if largest_layer is not None and (model is not None or not isinstance(largest_layer, int) or largest_layer < 1):
         raise ValueError("largest_layer is for a parameter count (a model's units are planned), and must be a "
                          f"positive integer, got {largest_layer!r}")
+    others = STATE_FORMATS["bf16" if dtype_name == "bf16" else "other"] if state_formats else ()
     rows, persistent_seen, largest_seen = [], 0, 0
     for s in (0, 1, 2, 3) if stage is None else (stage,):
         for o in OFFLOADS if offload is None else (offload,):
             if o in ("param", "optimizer+param") and s != 3:
                 continue
-            row, persistent, unit = _estimate(psi, model, world_size, s, o, dtype_name, config, persistent_params,
-                                              largest_layer)
-            rows.append(row)
-            persistent_seen = max(persistent_seen, persistent)
-            largest_seen = max(largest_seen, unit if s == 3 else 0)
+            formats = [(master_dtype, state_dtype)]  # the one asked for (None: the config's) first
+            for m, st in formats + list(others):
+                if (m, st) in {(r.master_dtype, r.state_dtype) for r in rows if (r.stage, r.offload) == (s, o)}:
+                    continue
+                row, persistent, unit = _estimate(psi, model, world_size, s, o, dtype_name, config, persistent_params,
+                                                  largest_layer, m, st)
+                rows.append(row)
+                persistent_seen = max(persistent_seen, persistent)
+                largest_seen = max(largest_seen, unit if s == 3 else 0)
     return MemoryTable(rows, psi, persistent_seen, dtype_name, gpus_per_node, largest_seen)
 
 
@@ -188,7 +273,8 @@ def _dtype_name(dtype) -> str:
     raise ValueError(f"dtype must be one of {list(DTYPES)} (or the torch dtype), got {dtype!r}")
 
 
-def _policies(config, stage: int, offload: str, dtype: str, world_size: int):
+def _policies(config, stage: int, offload: str, dtype: str, world_size: int, master_dtype: str | None,
+              state_dtype: str | None):
     from zero.config import ConfigWarning, ZeroConfig, load_config
     from zero.config.loading import _read
     from zero.stages.policies import options_from_config
@@ -197,14 +283,37 @@ def _policies(config, stage: int, offload: str, dtype: str, world_size: int):
         data = config.model_dump(by_alias=True, exclude_unset=True)
     else:
         data = dict(_read(config)[0]) if config is not None else {}
+    data = copy.deepcopy(data)
     zo = dict(data.get("zero_optimization", {}))
     zo["stage"] = stage
     zo["offload_optimizer"] = {"device": "cpu" if offload in ("optimizer", "optimizer+param") else "none"}
     zo["offload_param"] = {"device": "cpu" if offload in ("param", "optimizer+param") else "none"}
     data["zero_optimization"] = zo
-    data.pop("fp16", None), data.pop("bf16", None)
+    # the training dtype is the row's; the bf16 section's state-format keys stay (with another dtype
+    # the config's own check says why they cannot apply)
+    bf16 = {**(data.pop("bfloat16", None) or {}), **(data.pop("bf16", None) or {})}
+    data.pop("fp16", None)
+    bf16 = {k: v for k, v in bf16.items() if k in ("bf16_master_weights_and_grads", "bf16_optimizer_states",
+                                                   "stochastic_rounding")}
+    if master_dtype is not None:
+        bf16["bf16_master_weights_and_grads"] = master_dtype == "bf16"
+    opt = data.get("optimizer")
+    kind = opt.get("type") if isinstance(opt, dict) else None
+    if (master_dtype == "bf16" or state_dtype not in (None, "fp32")) and isinstance(kind, str) \
+            and kind.lower() not in ("adam", "adamw"):
+        raise ValueError(f"the config's optimizer is {kind}: a bf16 master and bf16 or 8-bit moments (master_dtype, "
+                         f"state_dtype, state_formats) are state formats of zero's Adam/AdamW")
+    given_state = None  # the moments' format, as a client optimizer object would ask for it
+    if state_dtype is not None:
+        bf16["bf16_optimizer_states"] = False
+        if isinstance(kind, str) and kind.lower() in ("adam", "adamw"):
+            opt["params"] = {**(opt.get("params") or {}), "state_dtype": state_dtype}
+        elif kind is None:
+            given_state = state_dtype
     if dtype != "fp32":
         data[dtype] = {"enabled": True}
+    if any(bf16.values()) or dtype == "bf16":
+        data["bf16"] = {**bf16, "enabled": dtype == "bf16"}
     # batch sizes matter only through the accumulation count (fp32 gradient shards when > 1): keep it,
     # and drop the batch sizes the estimate's world size could contradict
     total, micro = data.pop("train_batch_size", None), data.get("train_micro_batch_size_per_gpu")
@@ -217,17 +326,23 @@ def _policies(config, stage: int, offload: str, dtype: str, world_size: int):
     kind = cfg.optimizer.type if cfg.optimizer is not None and cfg.optimizer.type in ("OneBitAdam", "ZeroOneAdam") \
         else None
     gather = kind == "OneBitAdam" and cfg.optimizer.onebit.compress_param_gather and stage in (1, 2) and world_size > 1
-    return (*options_from_config(cfg, world_size, num_threads=1), kind, gather)
+    return (*options_from_config(cfg, world_size, num_threads=1, state_dtype=given_state), kind, gather)
 
 
 def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, config, persistent_given,
-              largest_layer: int | None):
-    precision, step, reduce, s3, onebit, compressed_gather = _policies(config, stage, offload, dtype, n)
+              largest_layer: int | None, master_dtype: str | None = None, state_dtype: str | None = None):
+    precision, step, reduce, s3, onebit, compressed_gather = _policies(config, stage, offload, dtype, n, master_dtype,
+                                                                       state_dtype)
+    from zero.ops.adam_formats import Q8_BLOCK, q8_blocks
+
+    fmt = precision.adam
     p, g = precision.param.itemsize, precision.grad.itemsize
     r = precision.reduce.itemsize
     offload_opt, offload_param = step.offload is not None, s3.offload_param
-    # else the params are their own master (OneBitAdam's compressed gather needs them apart)
-    master = 4 if (precision.param != torch.float32 or offload_opt or offload_param or compressed_gather) else 0
+    # a master in the model's dtype, with the optimizer beside the model, is the parameters themselves
+    # (OneBitAdam's compressed gather needs them apart)
+    apart = not precision.master_is_model or offload_opt or offload_param or compressed_gather
+    master = fmt.master_dtype.itemsize if apart else 0
     shard = psi / n if stage >= 1 else psi  # the optimizer's part
     persistent, largest_unit = 0, min(psi, largest_layer or s3.unit_elements)
     if stage == 3:
@@ -243,7 +358,6 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
             persistent = persistent_given or 0
     params = p * (psi / n + (persistent if n > 1 else 0)) if stage == 3 else p * psi  # one rank: no second copy
     grads = g * (psi / n if stage >= 2 else psi)
-    fp32_master, states = master * shard, 8 * shard
     parts = n if stage >= 1 else 1
     if stage < 3 and model is not None:
         from zero.partition.layout import ShardLayout
@@ -255,6 +369,11 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
         slots = [slot, slot]
     elif stage < 3:  # one slot per bucket slice, laid out as the engine does
         slots = [b.slice_numel for b in layout.buckets]
+    fp32_master = master * shard
+    states = 2 * fmt.state_dtype.itemsize * shard
+    if fmt.quantized:  # one fp32 scale per block of each 8-bit moment; blocks start at each slot's start
+        blocks = sum(q8_blocks(math.ceil(s)) for s in slots) if model is not None else shard / Q8_BLOCK
+        states += 2 * 4 * blocks
     staged = offload_opt and p < 4 and not offload_param  # offload_param: written in place on the host
     tiles = _copy_back_tiles(slots, step.offload.tile_elements) * p if staged else 0
     host_staging = g * shard + tiles if offload_opt else 0
@@ -278,7 +397,8 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
     values = dict(params=params, grads=grads, fp32_master=fp32_master, optimizer_states=states,
                   host_staging=host_staging, buffers=buffers, device_bytes=device, host_bytes=host,
                   compression_errors=errors)
-    row = MemoryEstimate(stage=stage, offload=offload, world_size=n, **{k: int(round(v)) for k, v in values.items()})
+    row = MemoryEstimate(stage=stage, offload=offload, world_size=n, **{k: int(round(v)) for k, v in values.items()},
+                         master_dtype=fmt.master, state_dtype=fmt.state)
     return row, persistent, largest_unit
 
 
@@ -310,4 +430,4 @@ def _human(count: int) -> str:
     return str(count)
 
 
-__all__ = ["MemoryEstimate", "MemoryTable", "estimate_memory", "format_bytes"]
+__all__ = ["MemoryEstimate", "MemoryTable", "STATE_FORMATS", "estimate_memory", "format_bytes", "state_format_label"]

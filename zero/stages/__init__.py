@@ -32,7 +32,8 @@ __all__ = ["build_optimizer", "ShardedAdam", "ParamStorage", "FlatParams", "Unit
 
 
 def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], config: ZeroConfig, comm: Comm,
-                    device: torch.device, *, client: ClientStep | None = None, model_parallel=None) -> ShardedAdam:
+                    device: torch.device, *, client: ClientStep | None = None, model_parallel=None,
+                    state_dtype: str | None = None) -> ShardedAdam:
     """The partitioned optimizer the config's ZeRO stage asks for, owning `module`'s parameters.
 
     Trainable parameters (all parameters under stage 3) move into the stage's storage one at a
@@ -49,8 +50,9 @@ def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], confi
             [Note: other optimizers on shards] in zero/stages/choice.py).
         model_parallel: the global-norm reduction of a model split over pipeline stages or tensor
             slices (zero/mesh.py's ModelParallelNorm).
+        state_dtype: the moments' format a client optimizer object asks for (None: the config's).
     """
-    precision, step, reduce, stage3 = options_from_config(config, comm.world_size, cpu_adam_threads())
+    precision, step, reduce, stage3 = options_from_config(config, comm.world_size, cpu_adam_threads(), state_dtype)
     f = config.fp16
     scaler = LossScaler(f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis,
                         f.consecutive_hysteresis, f.min_loss_scale,

@@ -16,6 +16,7 @@ the overflow test (see [Note: norm without overflow]).
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Callable
 
@@ -29,6 +30,7 @@ from zero.precision import LossScaler
 from zero.stages.policies import Precision, StepOptions
 from zero.stages.storage import ParamStorage, Slot
 
+logger = logging.getLogger("zero")
 _FP32_MAX = float(torch.finfo(torch.float32).max)
 ADAM_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bias_correction=True, adamw_mode=True)
 
@@ -133,13 +135,16 @@ class ShardedAdam(torch.optim.Optimizer):
         """The optimizer's own state besides its tensors (which checkpoints read and write through
         the storage's `param_chunks`): the step count, each group's hyperparameters and the loss
         scaler's progress. Plain values, JSON-serialisable."""
+        fmt = self.precision.adam
         return {"step": self.step_count, "loss_scaler": self.loss_scaler.state_dict(),
-                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+                "state_format": {"master": fmt.master, "state": fmt.state, "stochastic": fmt.stochastic}}
 
     def load_state_dict(self, state: dict) -> None:
         """Take what `state_dict` returned: the step count, the groups' hyperparameters (the same
         number of groups) and a dynamic loss scale's progress (this run's scaler settings stay)."""
-        if not isinstance(state, dict) or set(state) != {"step", "loss_scaler", "param_groups"}:
+        if not isinstance(state, dict) or not {"step", "loss_scaler", "param_groups"} <= set(state) <= \
+                {"step", "loss_scaler", "param_groups", "state_format"}:
             raise ValueError(f"{type(self).__name__}.load_state_dict takes what its state_dict() returned "
                              f"({{'step', 'loss_scaler', 'param_groups'}}), got {type(state).__name__} "
                              f"{sorted(state) if isinstance(state, dict) else ''}")
@@ -150,6 +155,12 @@ class ShardedAdam(torch.optim.Optimizer):
         for group, saved in zip(self.param_groups, state["param_groups"]):
             group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
         self.loss_scaler.load_progress(state["loss_scaler"])
+        saved = state.get("state_format", {"master": "fp32", "state": "fp32"})  # older checkpoints: fp32
+        fmt = self.precision.adam
+        if (saved.get("master"), saved.get("state")) != (fmt.master, fmt.state):
+            logger.info("zero: the optimizer state was saved with master %s / moments %s and is converted once "
+                        "to this run's master %s / moments %s", saved.get("master"), saved.get("state"),
+                        fmt.master, fmt.state)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds for model states, by kind (measured from the storages: see

@@ -146,3 +146,14 @@ def _optimizer_defaults(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None
     p = cfg.optimizer.params
     return dict(lr=p.lr, betas=tuple(p.betas), eps=p.eps, weight_decay=p.weight_decay,
                 bias_correction=p.bias_correction, adamw_mode=cfg.optimizer.adamw)
+
+
+def client_state_dtype(optimizer, cfg: ZeroConfig) -> str | None:
+    """The moments' format a client optimizer object asks for, or None: DeepSpeedCPUAdam's
+    `fp32_optimizer_states=False` means the training dtype, as in DeepSpeed."""
+    if getattr(optimizer, "zero_state_dtype", None) != "model":
+        return None
+    if cfg.precision == "fp16":
+        raise ValueError("DeepSpeedCPUAdam(fp32_optimizer_states=False) under fp16: zero keeps Adam's moments as "
+                         "fp32, bf16 or 8-bit codes, not fp16; train with bf16, or set optimizer.params.state_dtype")
+    return cfg.precision

@@ -118,7 +118,9 @@ class ParamStorage(abc.ABC):
         are encoded back by `finish_checkpoint_load`."""
         if moment.dtype != torch.uint8:
             return moment
-        cache = self.__dict__.setdefault("_decoded", {})
+        if self.__dict__.get("_decoded_at") != self.step_number():  # a step since: the copies are stale
+            self._decoded, self._decoded_at = {}, self.step_number()
+        cache = self._decoded
         if (key, kind) not in cache:
             value = decode_moment(moment, scales[0 if kind == "exp_avg" else 1], kind).to(torch.bfloat16)
             cache[(key, kind)] = (value, moment, scales, kind)
@@ -137,6 +139,8 @@ class ParamStorage(abc.ABC):
             moment.copy_(codes)
             scales[0 if kind == "exp_avg" else 1].copy_(s)
         self._decoded = {}
+
+    commit_state_views = finish_checkpoint_load  # after writing into `state_view`s (zero.accessors)
 
     # -- what the step sees -----------------------------------------------------------------------
 

@@ -44,18 +44,18 @@ class DeepSpeedCPUAdam:
     weight_decay=0, amsgrad=False, adamw_mode=True, fp32_optimizer_states=True)`: a client optimizer
     for zero.initialize.
 
-    `fp32_optimizer_states=False` (DeepSpeed keeps the moments in the parameters' dtype) is refused:
-    zero's Adam moments are fp32.
+    `fp32_optimizer_states=False` keeps the moments in the parameters' (training) dtype, as in
+    DeepSpeed: under zero.initialize that is `optimizer.params.state_dtype` = the training dtype
+    ("bf16" under bf16; fp32 training keeps fp32 moments; fp16 is refused there, zero has no fp16
+    moments).
     """
 
     def __new__(cls, model_params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                 amsgrad=False, adamw_mode=True, fp32_optimizer_states=True):
+        optimizer = _adam(model_params, lr, bias_correction, betas, eps, weight_decay, adamw_mode, amsgrad)
         if not fp32_optimizer_states:
-            raise ValueError("DeepSpeedCPUAdam(fp32_optimizer_states=False): DeepSpeed would keep exp_avg and "
-                             "exp_avg_sq in the parameters' dtype, but zero keeps Adam's moments in fp32 (low-precision "
-                             "optimizer state is not implemented yet, as the config's bf16.bf16_optimizer_states); "
-                             "drop the argument to train with fp32 moments")
-        return _adam(model_params, lr, bias_correction, betas, eps, weight_decay, adamw_mode, amsgrad)
+            optimizer.zero_state_dtype = "model"  # read by zero.initialize (Engine)
+        return optimizer
 
 
 class FusedAdam:
