@@ -140,7 +140,8 @@ class OneBitAdam(ShardedAdam):
         self.storage.exchange.reset()
 
     @torch.no_grad()
-    def _adam(self, group, master, grad, exp_avg, exp_avg_sq, grad_scale: float, out16, num_threads=None) -> None:
+    def _adam(self, group, master, grad, exp_avg, exp_avg_sq, grad_scale: float, out16, num_threads=None, *,
+              scales=None, index: int = 0) -> None:  # its states are fp32: no scales, no rounding counter
         if self.step_count <= self.freeze_step:
             return super()._adam(group, master, grad, exp_avg, exp_avg_sq, grad_scale, out16, num_threads)
         # Frozen variance on the stage's own (native) Adam step: beta2 = 1 leaves v as it is

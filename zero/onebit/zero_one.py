@@ -168,7 +168,8 @@ class ZeroOneAdam(ShardedAdam):
         return applied
 
     @torch.no_grad()
-    def _adam(self, group, master, grad, exp_avg, exp_avg_sq, grad_scale: float, out16, num_threads=None) -> None:
+    def _adam(self, group, master, grad, exp_avg, exp_avg_sq, grad_scale: float, out16, num_threads=None, *,
+              scales=None, index: int = 0) -> None:  # its states are fp32: no scales, no rounding counter
         s = self.storage
         b = s.slot_of[id(master)]
         var_update, sync = self._plan
