@@ -1,10 +1,13 @@
 """zero.estimate_memory against the formulas and against memory_report() of real runs."""
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import zero
-from zero.estimate import estimate_memory
+from zero.config import ConfigWarning, load_config
+from zero.estimate import estimate_memory, format_bytes
 from zero.estimate.__main__ import main as cli
 from zero.partition.layout import ALIGN
 from zero.testing.models import GPT, GPTConfig
@@ -74,7 +77,18 @@ def test_the_command_line(capsys):
     assert cli(["--params", "7e9", "--gpus", "8", "--nodes", "2"]) == 0
     out = capsys.readouterr().out
     assert "7,000,000,000 trainable parameters" in out and "16 rank(s)" in out and "host/node (8 ranks)" in out
+    assert cli(["--params", "7e9", "--gpus", "8", "--stage", "3", "--offload", "none", "--state-formats"]) == 0
+    out = capsys.readouterr().out
+    assert "every state format" in out and "state format" in out.splitlines()[1]
+    assert [line.split("  ")[0] for line in out.splitlines()[3:7]] == ["stage 3", "", "", ""]  # the option once
+    for label in ("fp32 master + fp32 moments", "bf16 master + bf16 moments", "fp32 master + 8-bit moments",
+                  "bf16 master + 8-bit moments"):
+        assert out.count(label) == 1, label
+    assert cli(["--params", "7e9", "--master-dtype", "bf16", "--state-dtype", "int8"]) == 0
+    assert "bf16, bf16 master + 8-bit moments, 1 rank(s)" in capsys.readouterr().out
     for argv, says in ((["--params", "7e9", "--gpus", "0"], "--gpus must be at least 1"),
+                       (["--params", "7e9", "--dtype", "fp16", "--master-dtype", "bf16"], "needs bf16 training"),
+                       (["--params", "7e9", "--state-dtype", "int4"], "invalid choice"),
                        (["--params", "-1"], "positive whole number"),
                        (["--params", "1e6", "--stage", "4"], "invalid choice")):
         with pytest.raises(SystemExit):
@@ -127,3 +141,137 @@ def test_estimates_equal_memory_report_of_real_runs_within_padding(dist_run):
                     + measured.get("gather_buffers_peak", 0))
             assert peak <= estimate.buffers + slack, (where, peak, estimate.buffers)
             assert measured["device_bytes"] <= estimate.device_bytes + 4 * slack, (where, estimate, measured)
+
+
+# ---------------------------------------------------------------------------------------------- state formats
+
+FORMATS = (("fp32", "fp32"), ("bf16", "bf16"), ("fp32", "int8"), ("bf16", "int8"))  # (master, moments)
+
+
+def _moment_bytes(state: str, numel: int) -> int:
+    """m and v of one optimizer slot as the engine allocates them (8-bit: a byte each and one fp32
+    scale per 256-element block of each)."""
+    return {"fp32": 8 * numel, "bf16": 4 * numel, "int8": 2 * numel + 2 * 4 * -(-numel // 256)}[state]
+
+
+def _format_config(stage: int, offload: str, master: str, state: str) -> dict:
+    bf16 = {"enabled": True, "bf16_master_weights_and_grads": master == "bf16"}
+    params = {}
+    if state == "bf16":
+        bf16["bf16_optimizer_states"] = True  # DeepSpeed's spelling; the others through zero's key
+    else:
+        params["state_dtype"] = state
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,  # fp32 master: fp32 gradients
+            "bf16": bf16, "optimizer": {"type": "AdamW", "params": params},
+            "zero_optimization": {"stage": stage, "stage3_module_granularity_threshold": 10_000,
+                                  "stage3_param_persistence_threshold": 200,
+                                  **({"reduce_bucket_size": 20_000} if stage < 3 else {}),
+                                  "offload_optimizer": {"device": "cpu" if "optimizer" in offload else "none"},
+                                  "offload_param": {"device": "cpu" if "param" in offload else "none"}}}
+
+
+def measure_state_formats(world: int, cases, monitored):
+    """On each rank, for each (stage, offload, master, state): the estimate, memory_report() after two
+    optimizer steps, the optimizer's slot sizes and the state format it reports; for the case
+    `monitored`, also the end table (rank 0)."""
+    out = []
+    for case in cases:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=50, n_layer=2, n_embd=48))
+        config = _format_config(*case)
+        estimate = estimate_memory(model, world, stage=case[0], offload=case[1], config=config)[0]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConfigWarning)
+            engine, *_ = zero.initialize(model=model, config=config)
+        monitor = zero.TrainingMonitor(engine, steps=2) if case == monitored else None
+        x = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(engine.comm.rank))
+        for _ in range(4):
+            engine.backward(F.cross_entropy(engine(x).float().flatten(0, 1), x.flatten()))
+            engine.step()
+            if monitor is not None:
+                monitor.step()
+        table = monitor.report() if monitor is not None else None
+        fmt = engine.optimizer.precision.adam
+        out.append((case, estimate, engine.memory_report(), [s[1].numel() for s in engine.optimizer.slots()],
+                    (fmt.master, fmt.state), table))
+    return out
+
+
+def test_state_formats_are_counted_as_the_engine_stores_them(dist_run):
+    psi, n = 7_000_000_000, 8
+    master_bytes, moment_bytes = {"fp32": 4, "bf16": 2}, {"fp32": 8, "bf16": 4, "int8": 2 + 8 / 256}
+    # the formulas: a master in the training dtype, with the optimizer beside the model, is the parameters
+    for master, state in FORMATS + (("bf16", "fp32"), ("fp32", "bf16")):
+        table = estimate_memory(psi, n, master_dtype=master, state_dtype=state)
+        assert len(table) == 10 and table.state_formats == [table[0].state_format]
+        for row in table:
+            part = psi / n if row.stage else psi
+            apart = master == "fp32" or row.offload != "none"
+            assert (row.master_dtype, row.state_dtype) == (master, state)
+            assert row.fp32_master == pytest.approx(master_bytes[master] * part if apart else 0, abs=1), row.label
+            assert row.optimizer_states == pytest.approx(moment_bytes[state] * part, abs=1), row.label
+            assert row.params == pytest.approx(2 * psi / n if row.stage == 3 else 2 * psi, abs=1), row.label
+            assert row.grads == pytest.approx(2 * (psi / n if row.stage >= 2 else psi), abs=1), row.label
+        per_parameter = table.row(3).model_states_total * n / psi  # stage 3, over all ranks
+        assert per_parameter == pytest.approx(2 + 2 + (4 if master == "fp32" else 0) + moment_bytes[state],
+                                              rel=1e-6), (master, state)
+    stage3 = {f: estimate_memory(psi, n, stage=3, offload="none", master_dtype=f[0], state_dtype=f[1])[0]
+              for f in FORMATS}
+    assert [round(r.model_states_total * n / psi, 2) for r in stage3.values()] == [16, 8, 10.03, 6.03]
+    offloaded = estimate_memory(psi, n, stage=3, offload="optimizer", master_dtype="bf16", state_dtype="bf16")[0]
+    assert offloaded.fp32_master == pytest.approx(2 * psi / n, abs=1)  # offloaded: a bf16 master of its own
+    assert offloaded.host_bytes == pytest.approx((2 + 4) * psi / n + offloaded.host_staging, abs=2)
+    # the config's keys (DeepSpeed's and zero's, a dict or an engine's ZeroConfig) give the same rows
+    keys = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}}
+    assert estimate_memory(psi, n, config=keys) == estimate_memory(psi, n, master_dtype="bf16", state_dtype="bf16")
+    int8 = {"optimizer": {"type": "adamw", "params": {"state_dtype": "int8"}}, "train_micro_batch_size_per_gpu": 1}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigWarning)
+        loaded = load_config(int8, n)
+    assert estimate_memory(psi, n, config=int8) == estimate_memory(psi, n, config=loaded) == \
+        estimate_memory(psi, n, state_dtype="int8")
+    assert estimate_memory(psi, n, config=int8, state_dtype="fp32") == estimate_memory(psi, n)  # the argument wins
+    # every format beside the config's, the config's first
+    both = estimate_memory(psi, n, config=int8, stage=3, state_formats=True)
+    assert [r.state_format for r in both if r.offload == "none"] == [
+        "fp32 master + 8-bit moments", "fp32 master + fp32 moments", "bf16 master + bf16 moments",
+        "bf16 master + 8-bit moments"]
+    assert len(both) == 16 and both.row(3, "param", "bf16", "int8").fp32_master == pytest.approx(2 * psi / n, abs=1)
+    assert both.row(3) is both[0] and "every state format" in str(both) and "state format" in str(both)
+    assert {r.state_format for r in estimate_memory(psi, n, dtype="fp16", state_formats=True)} == {
+        "fp32 master + fp32 moments", "fp32 master + bf16 moments", "fp32 master + 8-bit moments"}
+    for kwargs, says in ((dict(dtype="fp16", master_dtype="bf16"), "needs bf16 training"),
+                         (dict(state_dtype="int4"), "state_dtype must be one of"),
+                         (dict(master_dtype="fp16"), "master_dtype must be one of"),
+                         (dict(config={"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, state_formats=True),
+                          "state formats of zero's Adam/AdamW"),
+                         (dict(dtype="fp16", config=keys), "bf16_master_weights_and_grads")):
+        with pytest.raises(ValueError, match=says):
+            estimate_memory(psi, n, **kwargs)
+    # real runs: memory_report() is the formula's bytes of the engine's own slots, and the estimate is
+    # memory_report() (exactly on one rank, up to the padding of buckets and units on two)
+    cases = [(s, o, m, st) for s in (0, 1, 2, 3) for o in ("none", "optimizer") for m, st in FORMATS]
+    cases += [(3, "param", m, st) for m, st in FORMATS]  # offload_param: the master stays apart on the device
+    monitored = (2, "optimizer", "bf16", "int8")
+    for world in (1, 2):
+        results = [r for rank in dist_run(world, measure_state_formats, world, cases, monitored) for r in rank]
+        for case, estimate, measured, numels, fmt, _ in results:
+            stage, offload, master, state = case
+            assert fmt == (master, state) == (estimate.master_dtype, estimate.state_dtype), case
+            assert measured["optimizer_states"] == sum(_moment_bytes(state, k) for k in numels), case
+            apart = master == "fp32" or offload != "none"
+            assert measured["fp32_master"] == (master_bytes[master] * sum(numels) if apart else 0), case
+            grad = 4 if master == "fp32" else 2  # accumulated in fp32, unless the master is bf16
+            if stage >= 2:  # (stages 0-1 keep whole gradients)
+                assert measured["grads"] == grad * sum(numels), case
+            pad = 2 * 16 * (len(numels) + 1) if world > 1 else 0  # elements: each slice pads to ALIGN
+            for kind, per_element in (("params", 2), ("grads", grad), ("fp32_master", master_bytes[master]),
+                                      ("optimizer_states", 8), ("host_staging", 4)):
+                assert abs(getattr(estimate, kind) - measured[kind]) <= per_element * pad, (case, world, kind)
+            assert abs(estimate.host_bytes - measured["host_bytes"]) <= 16 * pad, (case, world)
+        table = "".join(t for *_, t in results if t)  # rank 0's end table: it names the format and counts it
+        assert f"stage 2 + offload optimizer on {world} rank(s), bf16, bf16 master + 8-bit moments" in table
+        this = next(e for c, e, *_ in results if c == monitored)
+        assert format_bytes(this.model_states_total) in table
+        assert "in each state format" in table and "* bf16 master + 8-bit moments" in table
+        assert "  fp32 master + fp32 moments" in table

@@ -19,9 +19,9 @@
 - The end table names the optimizer's state format (master weights and Adam's moments: fp32,
   bf16 or 8-bit; see docs/config.md, "State formats") and sets this run's measured model-state
   bytes beside the estimator's number for the same run in that format (zero.estimate_memory,
-  which must agree up to padding) and beside what plain data parallelism, every other stage and
-  offload option, and this option in the other state formats would need; then peak memory,
-  communication per step (`Engine.comm_report()`) and the time split (with
+  which must agree up to padding) and beside what plain data parallelism and every other stage
+  and offload option would need in that format, and this option in the other state formats;
+  then peak memory, communication per step (`Engine.comm_report()`) and the time split (with
   `wall_clock_breakdown: true`): forward, backward, optimizer step, and the part of them spent
   waiting for collectives.
 """
@@ -147,19 +147,22 @@ class TrainingMonitor:
         param = zc.stage == 3 and zc.offload_param is not None and zc.offload_param.device == "cpu"
         offload = {(False, False): "none", (True, False): "optimizer", (False, True): "param",
                    (True, True): "optimizer+param"}[(opt, param)]
-        # the state format zero's Adam stores (a client optimizer object can ask for one the config does
-        # not name); other optimizers have none to choose
-        kind = engine.config.optimizer.type if engine.config.optimizer is not None else None
+        # zero's Adam steps (also for an Adam object given with another optimizer.type): count the state
+        # format it stores, which a client optimizer object can choose too; other optimizers have none
+        config, kind = engine.config, engine.config.optimizer.type if engine.config.optimizer is not None else None
         fmt = getattr(getattr(engine.optimizer, "precision", None), "adam", None)
-        adam = fmt is not None and getattr(engine.optimizer, "client", None) is None and kind in (None, "Adam", "AdamW")
+        adam = fmt is not None and getattr(engine.optimizer, "client", None) is None and \
+            kind not in ("OneBitAdam", "ZeroOneAdam")
         formats = dict(master_dtype=fmt.master, state_dtype=fmt.state) if adam else {}
-        table = estimate_memory(engine.module, self.world, dtype=engine.config.precision, config=engine.config,
+        if adam:
+            config = {k: v for k, v in config.model_dump(by_alias=True, exclude_unset=True).items() if k != "optimizer"}
+        table = estimate_memory(engine.module, self.world, dtype=engine.config.precision, config=config,
                                 gpus_per_node=self.world, **formats)
         this = table.row(zc.stage, offload)
-        others = estimate_memory(engine.module, self.world, stage=zc.stage, offload=offload,
-                                 dtype=engine.config.precision, config=engine.config, gpus_per_node=self.world,
-                                 state_formats=True, **formats)[1:] if adam else []  # this option, other formats
-        self.summary.update(estimate=this, table=table, state_formats=others)
+        formats_table = estimate_memory(engine.module, self.world, stage=zc.stage, offload=offload,
+                                        dtype=engine.config.precision, config=config, gpus_per_node=self.world,
+                                        state_formats=True, **formats) if adam else []  # this one first
+        self.summary.update(estimate=this, table=table, state_formats=formats_table)
 
         ranks = [f"rank {r}" for r in range(self.world)]
         rows = [("model states, measured", [_bytes(v[0]) for v in per_rank]),
@@ -170,18 +173,20 @@ class TrainingMonitor:
         lines = [f"{this.label} on {self.world} rank(s), {engine.config.precision}, {this.state_format}, "
                  f"{engine.device.type}; {table.psi:,} trainable parameters", ""]
         lines += _columns(["memory per rank", *ranks], [[name, *vals] for name, vals in rows])
-        lines += ["", "what each option needs per rank (zero.estimate_memory; * = this run):"]
+        lines += ["", f"what each option needs per rank in {this.state_format} (zero.estimate_memory; * = this run):"]
         lines += _columns(["option", "model states", "device", "host"],
                           [[("* " if r is this else "  ") + r.label, _bytes(r.model_states_total), _bytes(r.device_bytes),
                             _bytes(r.host_bytes)] for r in table])
-        if others:
-            lines.append(f"{this.label} in other state formats (model states per rank): "
-                         + ", ".join(f"{r.state_format} {_bytes(r.model_states_total)}" for r in others))
         ddp = table.row(0)
         device = max(v[1] for v in per_rank)
         lines.append(f"plain data parallelism keeps {_bytes(ddp.model_states_total)} of model states per rank on the "
                      f"device; this run {_bytes(device)} on the device ({ddp.model_states_total / max(1.0, device):.1f}x "
                      f"less), {_bytes(max(v[2] for v in per_rank))} on the host")
+        if formats_table:
+            lines += ["", f"{this.label} in each state format (master weights + Adam's moments; docs/config.md):"]
+            lines += _columns(["state format", "model states", "device", "host"],
+                              [[("* " if i == 0 else "  ") + r.state_format, _bytes(r.model_states_total),
+                                _bytes(r.device_bytes), _bytes(r.host_bytes)] for i, r in enumerate(formats_table)])
         sent = max(v[4] for v in per_rank)
         detail = ", ".join(f"{name} {_bytes(c['bytes'])} in {c['calls']}" for name, c in comm.items() if c["calls"])
         lines += ["", f"communication per step (last step, the most any rank sent): {_bytes(sent)}"

@@ -356,7 +356,9 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
             slots = [math.ceil(u / n) for u in sizes if u]  # the optimizer's slots: each unit's shard, in order
         else:
             persistent = persistent_given or 0
-    params = p * (psi / n + (persistent if n > 1 else 0)) if stage == 3 else p * psi  # one rank: no second copy
+    # the shards, and the persistent parameters kept whole on the device (one rank: the shard itself,
+    # unless the shards are offloaded)
+    params = p * (psi / n + (persistent if n > 1 or offload_param else 0)) if stage == 3 else p * psi
     grads = g * (psi / n if stage >= 2 else psi)
     parts = n if stage >= 1 else 1
     if stage < 3 and model is not None:

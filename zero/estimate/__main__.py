@@ -3,13 +3,24 @@
     python -m zero.estimate --params 7e9 --gpus 8 --nodes 2
     python -m zero.estimate --model path/to/config.json --gpus 8 --dtype bf16
     python -m zero.estimate --params 1.3e9 --gpus 4 --config ds_config.json
+    python -m zero.estimate --params 7e9 --gpus 8 --master-dtype bf16 --state-dtype int8
+    python -m zero.estimate --params 7e9 --gpus 8 --stage 3 --state-formats
+
+The table is in one state format (how the optimizer stores its master weights and Adam's moments):
+the config's (`bf16.bf16_master_weights_and_grads`, `bf16.bf16_optimizer_states`,
+`optimizer.params.state_dtype`; fp32 master and fp32 moments by default), or the one that
+--master-dtype and --state-dtype name. --state-formats adds a state-format column and, under each
+option, a line for each common format after that one: for bf16 training fp32 master + fp32
+moments, bf16 master + bf16 moments, fp32 master + 8-bit moments and bf16 master + 8-bit moments
+(fp16/fp32 training: fp32 master with fp32, bf16 or 8-bit moments). See docs/config.md, "State
+formats".
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from zero.estimate import DTYPES, OFFLOADS, estimate_memory
+from zero.estimate import DTYPES, MASTER_DTYPES, OFFLOADS, STATE_DTYPES, estimate_memory
 
 
 def _model_from(path: str):
@@ -32,7 +43,9 @@ def _model_from(path: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m zero.estimate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m zero.estimate", description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n", 2)[2],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=float, help="trainable parameters (7e9, 1.3e9, ...)")
     what.add_argument("--model", help="a HuggingFace config.json, model directory or hub name (built on the meta device)")
@@ -41,7 +54,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="training dtype (default bf16)")
     parser.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="only this stage")
     parser.add_argument("--offload", choices=OFFLOADS, help="only this offload option")
-    parser.add_argument("--config", help="a DeepSpeed-style config for bucket sizes and stage-3 thresholds")
+    parser.add_argument("--config", help="a DeepSpeed-style config for bucket sizes, stage-3 thresholds, gradient "
+                        "accumulation, the communication dtype and the state format")
+    parser.add_argument("--master-dtype", choices=list(MASTER_DTYPES), default=None,
+                        help="master weights in this format (bf16: --dtype bf16 only; default: the config's, "
+                        "else fp32)")
+    parser.add_argument("--state-dtype", choices=list(STATE_DTYPES), default=None,
+                        help="Adam's moments in this format (int8: 8-bit codes; default: the config's, "
+                        "else fp32)")
+    parser.add_argument("--state-formats", action="store_true",
+                        help="also every common state format: one line per format under each option")
     parser.add_argument("--persistent", type=int, default=None, help="with --params: elements stage 3 keeps whole")
     parser.add_argument("--largest-layer", type=int, default=None,
                         help="with --params: elements of the largest layer (sizes stage 3's buffers)")
@@ -53,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         table = estimate_memory(subject, args.gpus * args.nodes, stage=args.stage, offload=args.offload,
                                 dtype=args.dtype, config=args.config, gpus_per_node=args.gpus,
-                                persistent_params=args.persistent, largest_layer=args.largest_layer)
+                                persistent_params=args.persistent, largest_layer=args.largest_layer,
+                                master_dtype=args.master_dtype, state_dtype=args.state_dtype,
+                                state_formats=args.state_formats)
     except (TypeError, ValueError) as err:
         parser.error(str(err))
     print(table)
