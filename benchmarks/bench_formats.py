@@ -129,7 +129,8 @@ def part_bytes(args) -> str:
             "the host staging of the gradient shard and the two copy-back tiles (sub_group_size 1M): gradients "
             "are bf16 with accumulation 1 and fp32 with accumulation 2, except with a bf16 master, whose "
             "gradients are bf16 always (DeepSpeed's `bf16_master_weights_and_grads`). On this CPU-only machine "
-            "the parameters and gradients are in host memory too but are not part of that figure.\n\n" + "\n".join(rows) + "\n\n" + DEEPSPEED_NOTE + "\n")
+            "the parameters and gradients are in host memory too but are not part of that figure.\n\n"
+            + "\n".join(rows) + "\n\n" + DEEPSPEED_NOTE + "\n")
 
 
 # ----------------------------------------------------------------------------- the largest model
@@ -241,11 +242,10 @@ def _run_jobs(jobs: list[tuple], parallel: int) -> None:
     """Each job in its own process (a fresh process group of one), `parallel` at a time."""
     ctx = mp.get_context("spawn")
     running: list = []
-    for target, args in jobs:
+    for n, (target, args) in enumerate(jobs):
         while len(running) >= parallel:
             running.pop(0).join()
-        env_port = str(29600 + len(running) + 7 * len(jobs) + os.getpid() % 500)
-        p = ctx.Process(target=_with_env, args=(target, args, env_port))
+        p = ctx.Process(target=_with_env, args=(target, args, str(29600 + (os.getpid() % 300) * 40 + n)))
         p.start()
         running.append(p)
     for p in running:

@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     engine, *_ = zero.initialize(model=model, config=config)
     rank, world = engine.comm.rank, engine.world_size
     micro = engine.train_micro_batch_size_per_gpu()
+    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else torch.float32
     if rank == 0:
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         print(f"zero: 3D U-Net with {n_params:,} parameters, {args.size}^3 volumes, {world} rank(s), {engine.device}",
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     losses, scores = [], []
     while engine.global_steps < args.steps:
         x, y = blobs(micro, args.size, generator)
-        x, y = x.to(engine.device), y.to(engine.device)
+        x, y = x.to(engine.device, dtype), y.to(engine.device)
         logits = engine(x)
         score = dice(logits, y)
         loss = 1 - score + F.binary_cross_entropy_with_logits(logits.float(), y)

@@ -236,6 +236,13 @@ def _resume_and_convert(tmp):
             a, *_ = zero.initialize(model=_Net(), config=cfg)
             _train(a, _batches(rank, 3))
             a.save_checkpoint(f"{tmp}/{stage}{master}{state}", tag="t")
+            if rank == 0:  # to-fp32 consolidation still gives fp32 weights (a bf16 master's values, widened)
+                from zero.checkpoint.consolidate import get_fp32_state_dict
+
+                sd = get_fp32_state_dict(f"{tmp}/{stage}{master}{state}", tag="t")
+                same = stage == 3 or master != "bf16" or all(
+                    torch.equal(sd[n], p.detach().float()) for n, p in a.module.named_parameters())
+                out[("fp32", stage, master, state)] = all(t.dtype == torch.float32 for t in sd.values()) and same
             _train(a, _batches(rank, 3, seed=1))
             b, *_ = zero.initialize(model=_Net(), config=cfg)
             b.load_checkpoint(f"{tmp}/{stage}{master}{state}", tag="t")
@@ -275,7 +282,7 @@ def _resume_and_convert(tmp):
 def test_checkpoints_resume_each_format_bit_for_bit_and_convert_between_formats(dist_run, tmp_path):
     out = dist_run(2, _resume_and_convert, str(tmp_path))[0]
     for key, value in out.items():
-        if key[0] in ("resume", "logged"):
+        if key[0] in ("resume", "logged", "fp32"):
             assert value, key
     for key in [k for k in out if k[0] == "direct"]:
         direct = dict(out[key])

@@ -25,6 +25,7 @@ ZV_INLINE zvi ZV_NAME(fmt_word)(const zero_sr_key *k, uint64_t i0) {
     const zvi lo = zvi_add32(lo0, zvi_iota());
     const uint32_t hi = (uint32_t)(i0 >> 32);
     const zvi key = zvi_set1((int32_t)(k->k0 + hi * 0x9e3779b9u));
+    if ((uint32_t)i0 <= UINT32_MAX - (ZV_W - 1)) return ZV_NAME(fmt_hash)(zvi_xor(lo, key)); /* no wrap inside */
     const zvi next = zvi_set1((int32_t)(k->k0 + (hi + 1u) * 0x9e3779b9u));
     return ZV_NAME(fmt_hash)(zvi_xor(lo, zvi_blend(key, next, zvi_cmplt_u32(lo, lo0))));
 }
@@ -80,7 +81,7 @@ ZV_INLINE void ZV_NAME(fmt_q8_encode)(uint8_t *p, zv x, int ebits, int signed_, 
 /* ZV_W elements at index i of the step in the formats `f` (zero_adam_fmt_element, one lane each);
  * 8-bit moments go to mq / vq and raise the running maxima. */
 ZV_INLINE void ZV_NAME(fmt_vec)(int64_t i, void *p, const void *g, int gd, int pd, int sd, int sr, void *m, void *v,
-                                float ms, float vs, void *out, int od, const zero_adam_coeffs *c,
+                                float ms, float vs, void *out, int od, int nt, const zero_adam_coeffs *c,
                                 const ZV_NAME(adam_coeffs) *k, const zero_adam_format *f, const zero_sr_key *key,
                                 float *mq, float *vq, zv *mmax, zv *vmax) {
     zv grad = ZV_NAME(adam_load)(g, gd, i);
@@ -105,15 +106,17 @@ ZV_INLINE void ZV_NAME(fmt_vec)(int64_t i, void *p, const void *g, int gd, int p
 
     const int need_word = sr && (pd == ZERO_BF16 || sd == ZERO_BF16);
     const zvi w = need_word ? ZV_NAME(fmt_word)(key, f->index + (uint64_t)i) : zvi_set1(0);
-    zv stored = param;
     if (pd == ZERO_BF16) {
-        const zvi h = ZV_NAME(fmt_bf16)(param, sr, w);
-        zvh_storeu((uint16_t *)p + i, zvi_narrow16(h));
-        stored = zvi_as_float(zvi_slli32(h, 16));
+        const zvh h = zvi_narrow16(ZV_NAME(fmt_bf16)(param, sr, w));
+        zvh_storeu((uint16_t *)p + i, h);
+        if (od == ZERO_BF16) /* the model's copy is the master's bits */
+            ZV_NAME(adam_put16)((uint16_t *)out + i, h, nt);
+        else if (od == ZERO_F16)
+            ZV_NAME(adam_store16)(out, od, i, zvi_as_float(zvi_slli32(zvh_widen32(h), 16)), nt);
     } else {
         zv_storeu((float *)p + i, param);
+        if (od != ZERO_F32) ZV_NAME(adam_store16)(out, od, i, param, nt);
     }
-    if (od != ZERO_F32) ZV_NAME(adam_store16)(out, od, i, stored, 0);
     if (sd == ZERO_Q8) {
         zv_storeu(mq, mi);
         zv_storeu(vq, vi);
@@ -144,6 +147,8 @@ ZV_INLINE void ZV_NAME(adam_fmt_tile_typed)(int64_t n, int64_t at, void *p, cons
         zv_set1(c->eps),
     };
     const int q8 = sd == ZERO_Q8;
+    /* the model's copy is write-only: streamed when aligned (see [Note: streaming stores]) */
+    const int nt = od != ZERO_F32 && ((uintptr_t)((uint16_t *)out + at) % sizeof(zvh)) == 0;
     _Alignas(64) float mq[ZERO_Q8_BLOCK], vq[ZERO_Q8_BLOCK];
     for (int64_t b0 = 0; b0 < n; b0 += ZERO_Q8_BLOCK) {
         const int64_t nb = n - b0 < ZERO_Q8_BLOCK ? n - b0 : ZERO_Q8_BLOCK;
@@ -152,7 +157,8 @@ ZV_INLINE void ZV_NAME(adam_fmt_tile_typed)(int64_t n, int64_t at, void *p, cons
         const float msc = q8 ? *bms : 0.0f, vsc = q8 ? *bvs : 0.0f;
         zv mmax = zv_zero(), vmax = zv_zero();
         for (int64_t j = 0; j < full; j += ZV_W)
-            ZV_NAME(fmt_vec)(first + j, p, g, gd, pd, sd, sr, m, v, msc, vsc, out, od, c, &k, f, key, mq + j, vq + j, &mmax, &vmax);
+            ZV_NAME(fmt_vec)(first + j, p, g, gd, pd, sd, sr, m, v, msc, vsc, out, od, nt, c, &k, f, key, mq + j, vq + j,
+                             &mmax, &vmax);
         float mtop = 0.0f, vtop = 0.0f;
         for (int64_t j = full; j < nb; j++) {
             zero_adam_fmt_element(first + j, p, g, gd, m, v, msc, vsc, out, od, c, f, key, &mq[j], &vq[j]);
@@ -177,6 +183,7 @@ ZV_INLINE void ZV_NAME(adam_fmt_tile_typed)(int64_t n, int64_t at, void *p, cons
             ((uint8_t *)v)[first + j] = zero_q8_encode_v(vq[j], zero_q8_inv_scale(ve));
         }
     }
+    if (nt) _mm_sfence(); /* make the streamed copy visible before the tile is reported done */
 }
 
 #define FMT_TYPED(GD, PD, SD, SR) ZV_NAME(adam_fmt_tile_typed)(n, at, p, g, GD, PD, SD, SR, m, v, ms, vs, out, od, c, f, key)
