@@ -231,7 +231,7 @@ def _resume_and_convert(tmp):
 
     rank, out = dist.get_rank(), {}
     for stage in (2, 3):
-        for master, state in (("bf16", "bf16"), ("fp32", "int8"), ("bf16", "int8")):
+        for master, state in (("fp32", "bf16"), ("bf16", "bf16"), ("fp32", "int8"), ("bf16", "int8")):
             cfg = _config(stage, master, state, offload=stage == 3)
             a, *_ = zero.initialize(model=_Net(), config=cfg)
             _train(a, _batches(rank, 3))
@@ -321,6 +321,8 @@ def test_bad_format_settings_name_their_key():
           "optimizer": {"type": "AdamW", "params": {"state_dtype": "int8"}}}, "optimizer.params.state_dtype"),
         ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
           "optimizer": {"type": "Lion", "params": {"lr": 1e-4}}}, "bf16.bf16_master_weights_and_grads"),
+        ({"bf16": {"enabled": True, "stochastic_rounding": True}}, "bf16.stochastic_rounding"),
+        ({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "state_dtype": "int8"}}}, "optimizer.params.state_dtype"),
     ]
     for extra, key in cases:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -347,3 +349,20 @@ def test_deepspeed_cpu_adam_without_fp32_states_keeps_moments_in_the_training_dt
         model = _Net()
         zero.initialize(model=model, optimizer=DeepSpeedCPUAdam(model.parameters(), fp32_optimizer_states=False),
                         config={"train_micro_batch_size_per_gpu": 4, "fp16": {"enabled": True}})
+
+
+def test_pipeline_ties_across_stages_refuse_stochastic_rounding():
+    from zero.ops.adam_formats import AdamFormat
+    from zero.pipe.schedule import refuse_diverging_ties
+
+    class Tied:
+        tied_modules = {"embed": None}
+
+        @staticmethod
+        def tied_stages(key):
+            return [0, 1]
+
+    with pytest.raises(ConfigError, match="bf16.stochastic_rounding"):
+        refuse_diverging_ties(Tied(), AdamFormat("bf16", "bf16", True))
+    refuse_diverging_ties(Tied(), AdamFormat("bf16", "bf16", False))  # rounded to nearest: the copies stay equal
+    refuse_diverging_ties(Tied(), AdamFormat("fp32", "int8", True))  # 8-bit codes round to nearest

@@ -43,6 +43,7 @@ def _full(param, kind: str) -> torch.Tensor | None:
     for k, offset, view in optimizer.storage.param_chunks(param, saving=True):  # each element from one rank
         if k == kind:
             full[offset : offset + view.numel()] = view.detach().float().cpu()
+    optimizer.storage.forget_state_views()
     optimizer.comm.all_reduce(full, "sum")  # host tensor: staged through the GPU under NCCL by Comm
     return full.view(shape)
 
@@ -59,6 +60,7 @@ def _local(param, kind: str) -> torch.Tensor | None:
         return None
     _no_client_state(optimizer, kind)
     pieces = [v for k, _, v in optimizer.storage.param_chunks(param, saving=False) if k == kind]
+    optimizer.storage.forget_state_views()
     return torch.cat([p.detach().reshape(-1) for p in pieces]) if pieces else torch.empty(0)
 
 

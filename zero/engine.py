@@ -178,8 +178,10 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         self.module = module
         self.progress = TrainingProgress(accumulation=config.gradient_accumulation_steps)
         if pipelined:
-            from zero.pipe.schedule import tie_initial_values
+            from zero.pipe.schedule import refuse_diverging_ties, tie_initial_values
+            from zero.stages.policies import adam_format
 
+            refuse_diverging_ties(module, adam_format(config, client_state_dtype(optimizer, config)))
             tie_initial_values(module, mesh)  # before ZeRO takes the parameters (it broadcasts over dp)
         else:  # its hooks go ahead of the stage's (see [Note: backward from PyTorch]); a schedule counts its own
             BackwardCounter(self.progress, config.fp16.enabled, {p: n for n, p in module.named_parameters()}).install(

@@ -15,7 +15,7 @@
  * block of ZERO_Q8_BLOCK fp32 values on the stack while its scale is found).
  *
  * [Note: stochastic rounding]
- * A bf16 master loses every update smaller than half a bf16 ulp (2^-9 of the weight, ~0.2%):
+ * A bf16 master loses every update smaller than half a bf16 ulp (2^-9 to 2^-8 of the weight):
  * with round-to-nearest a small learning rate stops training. Rounding x stochastically to one of
  * its two bf16 neighbours, up with probability (x - lower) / (upper - lower), keeps the expected
  * stored value equal to x. In bits: add 16 uniform random bits to the low half of x's fp32
@@ -23,10 +23,11 @@
  * exactly representable values (low half 0) never move. The 16 random bits come from a
  * counter-based generator: word(i) = H(lo32(i) ^ (k0 + hi32(i) * 0x9e3779b9)) for the element's
  * global index i, with H the "lowbias32" integer hash (a bijection with full avalanche) and
- * (k0, k2) derived from (seed, step) by splitmix64. The result depends on (seed, step, index) alone: not on the
- * thread count, the SIMD width, how a buffer is split into calls, or which rank holds the element
- * (indices are positions in the whole model's flat layout), so ranks holding replicated values
- * round them identically and a run is reproducible. The master uses bits 0-15 of word(i), m
+ * (k0, k2) derived from (seed, step) by splitmix64. The result depends on (seed, step, index)
+ * alone: not on the thread count, the SIMD width, or how a buffer is split into calls. The
+ * engine's index is the element's place in its stage's layout (stages 0-2: the flat buffer, the
+ * same on every rank, so ranks holding replicated values round them identically; stage 3: its
+ * unit and rank's shard), unique per element; a run is reproducible. The master uses bits 0-15 of word(i), m
  * bits 16-31, v bits 16-31 of (word(i) ^ k2) * 0x9e3779b9 (one multiply: the vector paths' integer
  * multiplies share a port with division and square root, so the generator is kept to three).
  *

@@ -95,6 +95,8 @@ def _chunks(engine, place: Placement, saving: bool, kinds: tuple[str, ...] = ("m
             pieces = [("model", 0, t.detach().view(-1))] if not saving or engine.comm.rank == 0 else []
         start = piece_offset(t)  # a tensor-parallel slice's place (see [Note: sliced tensors in checkpoints])
         out += [Chunk(f"{kind}/{name}", start + off, view, numel) for kind, off, view in pieces if kind in kinds]
+    if saving:  # the chunks hold the decoded copies they write; the storage need not
+        opt.storage.forget_state_views()
     return out
 
 

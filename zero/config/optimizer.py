@@ -95,8 +95,8 @@ def _client_params(kind: str, params: Any) -> dict:
     if not isinstance(params, dict):
         raise ValueError(f"optimizer.params must be an object for {kind}, got {type(params).__name__}")
     if "state_dtype" in params:
-        raise ValueError(f"state_dtype: {kind} has no Adam moments to store in low precision; "
-                         f"optimizer.params.state_dtype applies to Adam and AdamW")
+        raise ValueError(f"optimizer.params.state_dtype: {kind} has no Adam moments to store in low precision; "
+                         f"state formats apply to Adam and AdamW")
     cls = optimizer_class(kind)
     accepted = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "params")]
     unknown = sorted(set(params) - set(accepted))

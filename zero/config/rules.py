@@ -153,6 +153,10 @@ def _state_formats(cfg: ZeroConfig, caller: Caller) -> Issues:
     if b.bf16_optimizer_states and state not in (None, "bf16"):
         issues.append((("optimizer", "params", "state_dtype"), f"is {state!r} but bf16.bf16_optimizer_states asks "
                        f"for bf16 moments: keep one of the two"))
+    bf16_stored = b.enabled and (b.bf16_master_weights_and_grads or b.bf16_optimizer_states) or state == "bf16"
+    if b.stochastic_rounding is not None and not bf16_stored:
+        issues.append((("bf16", "stochastic_rounding"), "is set, but nothing is stored in bf16 (no bf16 master, no "
+                       "bf16 moments; 8-bit moments always round to nearest), so it would have no effect: remove it"))
     given = caller.client_optimizer
     if given is not None and not issubclass(given, (torch.optim.Adam, torch.optim.AdamW)):
         other = given.__name__

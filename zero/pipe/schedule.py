@@ -66,6 +66,21 @@ def check_pipeline_module(module: PipelineModule, config: ZeroConfig) -> None:
         part.use_reentrant = bool(p.use_reentrant)
 
 
+def refuse_diverging_ties(module: PipelineModule, fmt) -> None:
+    """Tied modules on several stages stay equal because every stage applies the same update to
+    the same values; a stochastically rounded bf16 master or bf16 moments would round each
+    stage's copy with other random bits (the counter is the element's place in its own stage's
+    layout), and the copies would drift apart. Refused before anything is built."""
+    from zero.config.errors import ConfigError
+
+    spread = [key for key in module.tied_modules if len(module.tied_stages(key)) > 1]
+    if spread and fmt.stochastic and "bf16" in (fmt.master, fmt.state):
+        raise ConfigError(f"bf16.stochastic_rounding: the pipeline ties {spread} across stages, whose copies would "
+                          f"be rounded with different random bits and drift apart; set bf16.stochastic_rounding to "
+                          f"false (round to nearest) with a bf16 master or bf16 moments, or use 8-bit moments with "
+                          f"an fp32 master")
+
+
 @torch.no_grad()
 def tie_initial_values(module: PipelineModule, mesh: ParallelMesh) -> None:
     """Every stage holding a tied module starts from the first such stage's values (before ZeRO

@@ -361,8 +361,7 @@ class ShardedAdam(torch.optim.Optimizer):
             from zero.ops.fused_adam import fused_adam_step_fmt_unchecked
 
             op, native = "fused_adam", lambda: fused_adam_step_fmt_unchecked(
-                master, grad, exp_avg, exp_avg_sq, master_dtype=fmt.master, state_dtype=fmt.state,
-                stochastic=fmt.stochastic, seed=fmt.seed, **{k: v for k, v in fmt_kwargs.items() if k != "fmt"})
+                master, grad, exp_avg, exp_avg_sq, **fmt_kwargs)
         else:
             from zero.ops.cpu_adam import cpu_adam_step_fmt_unchecked
 

@@ -151,9 +151,17 @@ def _optimizer_defaults(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None
 def client_state_dtype(optimizer, cfg: ZeroConfig) -> str | None:
     """The moments' format a client optimizer object asks for, or None: DeepSpeedCPUAdam's
     `fp32_optimizer_states=False` means the training dtype, as in DeepSpeed."""
+    from zero.config.errors import ConfigError
+    from zero.stages.policies import adam_format
+
     if getattr(optimizer, "zero_state_dtype", None) != "model":
         return None
     if cfg.precision == "fp16":
-        raise ValueError("DeepSpeedCPUAdam(fp32_optimizer_states=False) under fp16: zero keeps Adam's moments as "
-                         "fp32, bf16 or 8-bit codes, not fp16; train with bf16, or set optimizer.params.state_dtype")
+        raise ConfigError("DeepSpeedCPUAdam(fp32_optimizer_states=False) under fp16: zero keeps Adam's moments as "
+                          "fp32, bf16 or 8-bit codes, not fp16; train with bf16, or set optimizer.params.state_dtype")
+    configured = adam_format(cfg).state
+    if configured not in ("fp32", cfg.precision):
+        raise ConfigError(f"DeepSpeedCPUAdam(fp32_optimizer_states=False) keeps the moments in the training dtype "
+                          f"({cfg.precision}), but the config asks for {configured!r} moments "
+                          f"(optimizer.params.state_dtype / bf16.bf16_optimizer_states): keep one of the two")
     return cfg.precision

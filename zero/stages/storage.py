@@ -108,8 +108,11 @@ class ParamStorage(abc.ABC):
     # -- checkpoint views of low-precision states -------------------------------------------------
 
     def begin_checkpoint(self) -> None:
-        """A checkpoint is about to collect views (`param_chunks`): forget earlier decoded copies."""
+        """A checkpoint or an accessor is about to collect views (`param_chunks`), or is done
+        reading them: forget decoded copies (a reader keeps what it holds alive)."""
         self._decoded = {}
+
+    forget_state_views = begin_checkpoint
 
     def state_view(self, key, kind: str, moment: torch.Tensor, scales) -> torch.Tensor:
         """What checkpoints read and write for a moment: the tensor itself, or, for 8-bit codes, a

@@ -9,12 +9,14 @@ import torch
 
 
 def shard_state(optimizer) -> list[dict[str, Any]]:
-    """This rank's optimizer state, slot by slot, as host fp32 tensors: {"group", "master",
-    "exp_avg", "exp_avg_sq"} plus the step count. The layout is the same whether the state lives
-    on the device or (offloaded) on the host, so the state moves between the two."""
-    return [{"group": g, "step": optimizer.step_count, "master": m.detach().to("cpu", copy=True),
-             "exp_avg": ea.detach().to("cpu", copy=True), "exp_avg_sq": eas.detach().to("cpu", copy=True)}
-            for g, m, _, ea, eas, _ in optimizer.slots()]
+    """This rank's optimizer state, slot by slot, as host tensors in their stored formats:
+    {"group", "master", "exp_avg", "exp_avg_sq", "scales"} plus the step count ("scales": the
+    8-bit moments' block scales, else None). The layout is the same whether the state lives on
+    the device or (offloaded) on the host, so the state moves between the two."""
+    copy = lambda t: t.detach().to("cpu", copy=True)  # noqa: E731
+    return [{"group": s[0], "step": optimizer.step_count, "master": copy(s[1]), "exp_avg": copy(s[3]),
+             "exp_avg_sq": copy(s[4]), "scales": None if s.scales is None else tuple(copy(t) for t in s.scales)}
+            for s in optimizer.slots()]
 
 
 @torch.no_grad()
@@ -38,13 +40,16 @@ def load_shard_state(optimizer, state: list[dict[str, Any]]) -> None:
                 shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 raise ValueError(f"shard state slot {i}: {key!r} of group {saved['group']} / shape {shape} "
                                  f"does not match group {g} / shape {tuple(master.shape)}")
-            if not bool(torch.isfinite(value).all()):
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
                 raise ValueError(f"shard state slot {i}: {key!r} holds non-finite values (inf or NaN); "
                                  f"refusing to load them into the optimizer")
-    for (_, master, _, ea, eas, out16), saved in zip(slots, state):
+    for slot, saved in zip(slots, state):
+        _, master, _, ea, eas, out16 = slot
         master.copy_(saved["master"])
         ea.copy_(saved["exp_avg"])
         eas.copy_(saved["exp_avg_sq"])
+        for t, s in zip(slot.scales or (), saved.get("scales") or ()):
+            t.copy_(s)
         if out16 is not None:
             out16.copy_(master)
     optimizer.step_count = state[0]["step"] if state else 0
