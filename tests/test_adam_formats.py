@@ -366,3 +366,24 @@ def test_pipeline_ties_across_stages_refuse_stochastic_rounding():
         refuse_diverging_ties(Tied(), AdamFormat("bf16", "bf16", True))
     refuse_diverging_ties(Tied(), AdamFormat("bf16", "bf16", False))  # rounded to nearest: the copies stay equal
     refuse_diverging_ties(Tied(), AdamFormat("fp32", "int8", True))  # 8-bit codes round to nearest
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_engine_steps_each_format_on_the_gpu_like_on_the_cpu():
+    """The engine's CUDA path (fused Adam in the formats) against its CPU path, stage 2 and 3."""
+    for stage in (2, 3):
+        for master, state in (("bf16", "bf16"), ("fp32", "int8"), ("bf16", "int8")):
+            results = {}
+            for device in ("cpu", "cuda"):
+                torch.set_default_device(device)
+                try:
+                    engine, *_ = zero.initialize(model=_Net().to(device), config=_config(stage, master, state))
+                    for x, y in _batches(0, 3):
+                        loss = F.mse_loss(engine(x.to(device).bfloat16()).float(), y.to(device))
+                        engine.backward(loss)
+                        engine.step()
+                    results[device] = _full_params(engine, stage).cpu()
+                    engine.destroy()
+                finally:
+                    torch.set_default_device("cpu")
+            assert ((results["cpu"] - results["cuda"]).norm() / results["cpu"].norm()).item() < 1e-2, (stage, master, state)
