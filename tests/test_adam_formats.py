@@ -76,6 +76,17 @@ def test_every_format_gives_the_same_bits_at_every_simd_level_thread_count_and_s
                 _step(fmt, got, grad, out, index=2**32 - 5000, simd=simd, num_threads=threads, split=split)
                 for a, b in zip(_bits(got + [out]), _bits(ref + [out_ref])):
                     assert torch.equal(a, b), (fmt, simd, threads, split)
+        # other gradient and copy-out dtypes (fp32 gradients, no copy, an fp16 copy), best level only
+        for gd, od in ((torch.float32, None), (torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)):
+            g2 = grad.to(gd)
+            runs = []
+            for simd in ("scalar", simd_levels()[0]):
+                st, o = _state(fmt, n), None if od is None else torch.empty(n, dtype=od)
+                p, m, v, ms, vs = st
+                cpu_adam_step_fmt(p, g2, m, v, fmt=fmt, m_scale=ms, v_scale=vs, out16=o, index=7, step=2,
+                                  simd=simd, num_threads=2, **HYPER)
+                runs.append(_bits(st + [o]))
+            assert all(torch.equal(a, b) for a, b in zip(*runs)), (fmt, gd, od)
         # torch's reference: the same roundings and codes; only an fp32 master may differ by round-off
         tor, out_t = _state(fmt, n), torch.empty(n, dtype=torch.bfloat16)
         torch_adam_step_fmt(tor[0], grad, tor[1], tor[2], m_scale=tor[3], v_scale=tor[4], out16=out_t, fmt=fmt, index=2**32 - 5000,

@@ -30,6 +30,17 @@ ZV_INLINE zvi ZV_NAME(fmt_word)(const zero_sr_key *k, uint64_t i0) {
     return ZV_NAME(fmt_hash)(zvi_xor(lo, zvi_blend(key, next, zvi_cmplt_u32(lo, lo0))));
 }
 
+/* zero_sr_word for elements i0 + 2 l + odd of lane l (the even or odd elements of 2 ZV_W). */
+ZV_INLINE zvi ZV_NAME(fmt_word_paired)(const zero_sr_key *k, uint64_t i0, int odd) {
+    const zvi lo0 = zvi_set1((int32_t)(uint32_t)i0);
+    const zvi lo = zvi_add32(lo0, zvi_add32(zvi_slli32(zvi_iota(), 1), zvi_set1(odd)));
+    const uint32_t hi = (uint32_t)(i0 >> 32);
+    const zvi key = zvi_set1((int32_t)(k->k0 + hi * 0x9e3779b9u));
+    if ((uint32_t)i0 <= UINT32_MAX - (2 * ZV_W - 1)) return ZV_NAME(fmt_hash)(zvi_xor(lo, key));
+    const zvi next = zvi_set1((int32_t)(k->k0 + (hi + 1u) * 0x9e3779b9u));
+    return ZV_NAME(fmt_hash)(zvi_xor(lo, zvi_blend(key, next, zvi_cmplt_u32(lo, lo0))));
+}
+
 /* ZV_W fp32 or bf16 values at p + i, widened. */
 ZV_INLINE zv ZV_NAME(fmt_load)(const void *p, int dtype, int64_t i) {
     if (dtype != ZERO_BF16) return zv_loadu((const float *)p + i);
@@ -37,17 +48,22 @@ ZV_INLINE zv ZV_NAME(fmt_load)(const void *p, int dtype, int64_t i) {
 }
 
 /* x rounded to bf16 (stochastically with the low 16 bits of r, else to nearest even; NaN ->
- * 0x7fc0), as 32-bit lanes holding the 16 bits. */
-ZV_INLINE zvi ZV_NAME(fmt_bf16)(zv x, int stochastic, zvi r) {
+ * 0x7fc0), in the high half of each 32-bit lane (the low half is not cleared). */
+ZV_INLINE zvi ZV_NAME(fmt_bf16_high)(zv x, int stochastic, zvi r) {
     const zvi u = zv_as_int(x);
     zvi h;
     if (stochastic) {
-        h = zvi_srli32(zvi_add32(u, zvi_and(r, zvi_set1(0xffff))), 16);
+        h = zvi_add32(u, zvi_and(r, zvi_set1(0xffff)));
     } else {
         const zvi lsb = zvi_and(zvi_srli32(u, 16), zvi_set1(1));
-        h = zvi_srli32(zvi_add32(u, zvi_add32(lsb, zvi_set1(0x7fff))), 16);
+        h = zvi_add32(u, zvi_add32(lsb, zvi_set1(0x7fff)));
     }
-    return zvi_blend(h, zvi_set1(0x7fc0), zv_isnan(x));
+    return zvi_blend(h, zvi_set1(0x7fc00000), zv_isnan(x));
+}
+
+/* The same, as 32-bit lanes holding the 16 bits. */
+ZV_INLINE zvi ZV_NAME(fmt_bf16)(zv x, int stochastic, zvi r) {
+    return zvi_srli32(ZV_NAME(fmt_bf16_high)(x, stochastic, r), 16);
 }
 
 /* Decode ZV_W 8-bit codes (zero_q8_decode_m / _v): `ebits` exponent bits, `signed_` codes keep
@@ -133,6 +149,62 @@ ZV_INLINE void ZV_NAME(fmt_vec)(int64_t i, void *p, const void *g, int gd, int p
     }
 }
 
+/* [Note: paired 16-bit lanes]
+ * With a bf16 master, bf16 moments and a bf16 gradient every stream is 16-bit, and the element
+ * order inside a step does not matter (each element's update is its own). So 2 ZV_W elements are
+ * loaded as ZV_W 32-bit lanes and split without a shuffle: the even elements are the low halves
+ * (shifted up), the odd ones the high halves (masked); they are stored back the same way. Widening
+ * and narrowing shuffles run on one vector port of the two that 512-bit code has; this leaves
+ * them out. Each element still gets exactly zero_adam_fmt_element's operations and random word. */
+ZV_INLINE void ZV_NAME(fmt_half16)(zv grad, zv *param, zv *mi, zv *vi, const zero_adam_coeffs *c,
+                                   const ZV_NAME(adam_coeffs) *k) {
+    if (c->scale_grad) grad = zv_div(grad, k->grad_scale);
+    if (c->adamw)
+        *param = zv_mul(*param, k->decay);
+    else
+        grad = zv_fmadd(k->l2, *param, grad);
+    *mi = zv_fmadd(k->one_minus_beta1, zv_sub(grad, *mi), *mi);
+    *vi = zv_fmadd(zv_mul(k->one_minus_beta2, grad), grad, zv_mul(*vi, k->beta2));
+    const zv denom = zv_fmadd(zv_sqrt(*vi), k->inv_bc2_sqrt, k->eps);
+    *param = zv_add(*param, zv_div(zv_mul(k->neg_step_size, *mi), denom));
+}
+
+ZV_INLINE void ZV_NAME(fmt_pair16)(int64_t i, uint16_t *p, const uint16_t *g, uint16_t *m, uint16_t *v,
+                                   uint16_t *out, int nt, int sr, const zero_adam_coeffs *c,
+                                   const ZV_NAME(adam_coeffs) *k, const zero_adam_format *f, const zero_sr_key *key) {
+    const zvi high = zvi_set1((int32_t)0xffff0000u);
+    const zvi G = zvi_loadu(g + i), P = zvi_loadu(p + i), M = zvi_loadu(m + i), V = zvi_loadu(v + i);
+    zv ge = zvi_as_float(zvi_slli32(G, 16)), go = zvi_as_float(zvi_and(G, high));
+    zv pe = zvi_as_float(zvi_slli32(P, 16)), po = zvi_as_float(zvi_and(P, high));
+    zv me = zvi_as_float(zvi_slli32(M, 16)), mo = zvi_as_float(zvi_and(M, high));
+    zv ve = zvi_as_float(zvi_slli32(V, 16)), vo = zvi_as_float(zvi_and(V, high));
+    ZV_NAME(fmt_half16)(ge, &pe, &me, &ve, c, k);
+    ZV_NAME(fmt_half16)(go, &po, &mo, &vo, c, k);
+    zvi we = zvi_set1(0), wo = zvi_set1(0), we2 = we, wo2 = wo;
+    if (sr) {
+        const uint64_t i0 = f->index + (uint64_t)i;
+        we = ZV_NAME(fmt_word_paired)(key, i0, 0);
+        wo = ZV_NAME(fmt_word_paired)(key, i0, 1);
+        const zvi k2 = zvi_set1((int32_t)key->k2), golden = zvi_set1((int32_t)0x9e3779b9u);
+        we2 = zvi_srli32(zvi_mullo32(zvi_xor(we, k2), golden), 16);
+        wo2 = zvi_srli32(zvi_mullo32(zvi_xor(wo, k2), golden), 16);
+    }
+    /* even results in the low halves (shifted down), odd ones in the high halves */
+#define PAIR16(E, O, RE, RO) \
+    zvi_or(zvi_srli32(ZV_NAME(fmt_bf16_high)(E, sr, RE), 16), zvi_and(ZV_NAME(fmt_bf16_high)(O, sr, RO), high))
+    const zvi Pn = PAIR16(pe, po, we, wo);
+    zvi_storeu(p + i, Pn);
+    if (out != NULL) {
+        if (nt)
+            zvi_stream(out + i, Pn);
+        else
+            zvi_storeu(out + i, Pn);
+    }
+    zvi_storeu(m + i, PAIR16(me, mo, zvi_srli32(we, 16), zvi_srli32(wo, 16)));
+    zvi_storeu(v + i, PAIR16(ve, vo, we2, wo2));
+#undef PAIR16
+}
+
 /* One tile: n elements from element `at` (a multiple of ZERO_Q8_BLOCK), block by block. gd, pd, sd
  * and sr are f's dtypes and rounding as constants (one instantiation each, no switch left inside). */
 ZV_INLINE void ZV_NAME(adam_fmt_tile_typed)(int64_t n, int64_t at, void *p, const void *g, int gd, int pd, int sd,
@@ -149,6 +221,7 @@ ZV_INLINE void ZV_NAME(adam_fmt_tile_typed)(int64_t n, int64_t at, void *p, cons
     const int q8 = sd == ZERO_Q8;
     /* the model's copy is write-only: streamed when aligned (see [Note: streaming stores]) */
     const int nt = od != ZERO_F32 && ((uintptr_t)((uint16_t *)out + at) % sizeof(zvh)) == 0;
+    const int nt_pair = od != ZERO_F32 && ((uintptr_t)((uint16_t *)out + at) % sizeof(zvi)) == 0;
     _Alignas(64) float mq[ZERO_Q8_BLOCK], vq[ZERO_Q8_BLOCK];
     for (int64_t b0 = 0; b0 < n; b0 += ZERO_Q8_BLOCK) {
         const int64_t nb = n - b0 < ZERO_Q8_BLOCK ? n - b0 : ZERO_Q8_BLOCK;
@@ -156,7 +229,12 @@ ZV_INLINE void ZV_NAME(adam_fmt_tile_typed)(int64_t n, int64_t at, void *p, cons
         float *bms = q8 ? ms + first / ZERO_Q8_BLOCK : NULL, *bvs = q8 ? vs + first / ZERO_Q8_BLOCK : NULL;
         const float msc = q8 ? *bms : 0.0f, vsc = q8 ? *bvs : 0.0f;
         zv mmax = zv_zero(), vmax = zv_zero();
-        for (int64_t j = 0; j < full; j += ZV_W)
+        int64_t j0 = 0;
+        if (pd == ZERO_BF16 && sd == ZERO_BF16 && gd == ZERO_BF16 && od != ZERO_F16) /* [Note: paired 16-bit lanes] */
+            for (; j0 + 2 * ZV_W <= full; j0 += 2 * ZV_W)
+                ZV_NAME(fmt_pair16)(first + j0, (uint16_t *)p, (const uint16_t *)g, (uint16_t *)m, (uint16_t *)v,
+                                    od == ZERO_BF16 ? (uint16_t *)out : NULL, nt_pair, sr, c, &k, f, key);
+        for (int64_t j = j0; j < full; j += ZV_W)
             ZV_NAME(fmt_vec)(first + j, p, g, gd, pd, sd, sr, m, v, msc, vsc, out, od, nt, c, &k, f, key, mq + j, vq + j,
                              &mmax, &vmax);
         float mtop = 0.0f, vtop = 0.0f;

@@ -114,6 +114,9 @@
 #define zvi_to_float ZV_(zvi_to_float_)   /* int32 -> fp32 (exact below 2^24) */
 #define zv_trunc_int ZV_(zv_trunc_int_)   /* fp32 -> int32, toward zero */
 #define zvb_load ZV_(zvb_load_)           /* (const uint8_t *p): ZV_W bytes, zero-extended to zvi */
+#define zvi_loadu ZV_(zvi_loadu_)         /* (const void *p): ZV_W 32-bit lanes */
+#define zvi_storeu ZV_(zvi_storeu_)       /* (void *p, zvi a) */
+#define zvi_stream ZV_(zvi_stream_)       /* the same, non-temporal: p aligned to a whole vector */
 #define zvb_store ZV_(zvb_store_)         /* (uint8_t *p, zvi a): the low byte of each lane */
 
 #define zvh_loadu ZV_(zvh_loadu_)         /* (const uint16_t *p) */
@@ -194,6 +197,9 @@ typedef int zv_lanes_256;   /* AVX2 loads and stores whole vectors: always ZV_AL
 #define zvi_to_float_256(a) _mm256_cvtepi32_ps(a)
 #define zv_trunc_int_256(a) _mm256_cvttps_epi32(a)
 #define zvb_load_256(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define zvi_loadu_256(p) _mm256_loadu_si256((const __m256i *)(p))
+#define zvi_storeu_256(p, a) _mm256_storeu_si256((__m256i *)(p), a)
+#define zvi_stream_256(p, a) _mm256_stream_si256((__m256i *)(p), a)
 #define zvb_store_256(p, a) _mm_storel_epi64((__m128i *)(p), zero_avx2_narrow8(a))
 
 #define zvh_loadu_256(p) _mm_loadu_si128((const __m128i *)(p))
@@ -302,6 +308,9 @@ typedef __mmask16 zv_lanes_512;
 #define zvi_to_float_512(a) _mm512_cvtepi32_ps(a)
 #define zv_trunc_int_512(a) _mm512_cvttps_epi32(a)
 #define zvb_load_512(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define zvi_loadu_512(p) _mm512_loadu_si512(p)
+#define zvi_storeu_512(p, a) _mm512_storeu_si512(p, a)
+#define zvi_stream_512(p, a) _mm512_stream_si512((void *)(p), a)
 #define zvb_store_512(p, a) _mm_storeu_si128((__m128i *)(p), _mm512_cvtepi32_epi8(a))
 
 #define zvh_loadu_512(p) _mm256_loadu_si256((const __m256i *)(p))
