@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import platform
 import resource
@@ -274,8 +275,9 @@ def _run_jobs(jobs: list[tuple], parallel: int) -> None:
     ctx = mp.get_context("spawn")
     running: list = []
     for n, (target, args) in enumerate(jobs):
-        while len(running) >= parallel:
-            running.pop(0).join()
+        while len(running) >= parallel:  # wait for whichever finishes first
+            mp.connection.wait([p.sentinel for p in running])
+            running = [p for p in running if p.is_alive()]
         p = ctx.Process(target=_with_env, args=(target, args, str(29600 + (os.getpid() % 300) * 40 + n)))
         p.start()
         running.append(p)
