@@ -172,13 +172,15 @@ def test_leaf_marks_after_initialize_are_refused():
     assert engine._zero3_consolidated_16bit_state_dict().keys() == model.state_dict().keys()
 
 
-def test_cpu_adam_with_low_precision_state_is_refused_not_ignored():
+def test_cpu_adam_with_low_precision_state_keeps_moments_in_the_training_dtype():
     """DeepSpeedCPUAdam(fp32_optimizer_states=False) keeps Adam's moments in the parameters' dtype in
-    DeepSpeed, which changes the result; zero's are fp32, so it refuses the argument by name."""
+    DeepSpeed; under zero.initialize that is optimizer.params.state_dtype = the training dtype (the
+    engine side is tests/test_adam_formats.py)."""
     params = list(nn.Linear(2, 2).parameters())
-    with pytest.raises(ValueError, match=r"fp32_optimizer_states=False.*zero keeps Adam's moments in fp32"):
-        deepspeed.ops.adam.DeepSpeedCPUAdam(params, lr=0.1, fp32_optimizer_states=False)
-    assert deepspeed.ops.adam.DeepSpeedCPUAdam(params, lr=0.1, fp32_optimizer_states=True).defaults["lr"] == 0.1
+    low = deepspeed.ops.adam.DeepSpeedCPUAdam(params, lr=0.1, fp32_optimizer_states=False)
+    assert low.zero_state_dtype == "model" and low.defaults["lr"] == 0.1
+    full = deepspeed.ops.adam.DeepSpeedCPUAdam(params, lr=0.1, fp32_optimizer_states=True)
+    assert not hasattr(full, "zero_state_dtype") and full.defaults["lr"] == 0.1
 
 
 @pytest.mark.parametrize("set_grad_none", [True, False])
