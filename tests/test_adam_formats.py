@@ -398,3 +398,15 @@ def test_the_engine_steps_each_format_on_the_gpu_like_on_the_cpu():
                 finally:
                     torch.set_default_device("cpu")
             assert ((results["cpu"] - results["cuda"]).norm() / results["cpu"].norm()).item() < 1e-2, (stage, master, state)
+
+
+def test_the_end_tables_format_rows_take_a_config_that_sets_the_rounding():
+    """The end table estimates every format from the run's config: a row that stores nothing in
+    bf16 drops `bf16.stochastic_rounding` instead of failing the config's check."""
+    from zero.estimate import estimate_memory
+
+    for rounding in (True, False):
+        cfg = _config(2, "bf16", "bf16")
+        cfg["bf16"]["stochastic_rounding"] = rounding
+        table = estimate_memory(_Net(), 2, config=cfg, state_formats=True)
+        assert "fp32 master + fp32 moments" in str(table) and "bf16 master + 8-bit moments" in str(table)

@@ -312,7 +312,11 @@ def _policies(config, stage: int, offload: str, dtype: str, world_size: int, mas
             given_state = state_dtype
     if dtype != "fp32":
         data[dtype] = {"enabled": True}
-    if any(bf16.values()) or dtype == "bf16":
+    state_now = (opt.get("params") or {}).get("state_dtype") if isinstance(opt, dict) else None
+    bf16_stored = dtype == "bf16" and (bf16.get("bf16_master_weights_and_grads") or bf16.get("bf16_optimizer_states"))
+    if not (bf16_stored or state_now == "bf16" or given_state == "bf16"):
+        bf16.pop("stochastic_rounding", None)  # this row stores nothing in bf16: the rounding has no say
+    if any(v is not None and v is not False for v in bf16.values()) or dtype == "bf16":
         data["bf16"] = {**bf16, "enabled": dtype == "bf16"}
     # batch sizes matter only through the accumulation count (fp32 gradient shards when > 1): keep it,
     # and drop the batch sizes the estimate's world size could contradict
