@@ -211,12 +211,11 @@ def part_largest(args) -> str:
 # ----------------------------------------------------------------------------- convergence
 
 
-def _converge_gpt(fmt: tuple, steps: int, lr_scale: float, out: str) -> None:
+def _converge_gpt(fmt: tuple, steps: int, lr_scale: float, out: str, corpus: str) -> None:
     """The demo GPT (its model, corpus and config) trained on one fixed sequence of batches, then
     its loss on 32 fixed held-out batches (the last 10% of the corpus): the same data for every
     format, and a final loss that does not depend on which training batches came last."""
     torch.set_num_threads(1)
-    import train_gpt
 
     import zero
     from zero.testing.models import GPT, CharDataset, GPTConfig
@@ -227,7 +226,7 @@ def _converge_gpt(fmt: tuple, steps: int, lr_scale: float, out: str) -> None:
     base["optimizer"]["params"]["lr"] *= lr_scale
     base["scheduler"]["params"].update(total_num_steps=steps, warmup_num_steps=max(1, min(20, steps // 10)))
     cfg = format_config(base, *fmt[1:])
-    text = train_gpt.corpus()
+    text = Path(corpus).read_text(encoding="utf-8")  # one snapshot for every run (the docs may change meanwhile)
     cut = int(len(text) * 0.9)
     train, held = CharDataset(text[:cut], 64), CharDataset(text[cut:], 64)
     torch.manual_seed(0)
@@ -291,13 +290,20 @@ def _with_env(target, args, port: str) -> None:
 
 
 def part_converge(args) -> str:
-    tmp = Path(tempfile.mkdtemp(prefix="zero_formats_"))
+    tmp = Path(args.converge_dir or tempfile.mkdtemp(prefix="zero_formats_"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    corpus = tmp / "corpus.txt"
+    if not corpus.exists():
+        import train_gpt
+
+        corpus.write_text(train_gpt.corpus(), encoding="utf-8")
     jobs = []
     for i, fmt in enumerate(FORMATS):
         for j, scale in enumerate((1.0, 0.1)):
-            jobs.append((_converge_gpt, (fmt, args.steps, scale, str(tmp / f"gpt{i}_{j}.json"))))
+            jobs.append((_converge_gpt, (fmt, args.steps, scale, str(tmp / f"gpt{i}_{j}.json"), str(corpus))))
         jobs.append((_converge_unet, (fmt, args.unet_steps, str(tmp / f"unet{i}.json"))))
-    _run_jobs(jobs, args.parallel)
+    _run_jobs([job for job in jobs if not Path(job[1][3 if job[0] is _converge_gpt else 2]).exists()],
+              args.parallel)  # runs whose result is already there stay
     read = lambda name: json.loads((tmp / name).read_text())  # noqa: E731
     rows = ["| format | GPT held-out loss, lr 3e-3 | vs fp32 states | GPT held-out loss, lr 3e-4 | vs fp32 states "
             "| U-Net final loss | vs fp32 states | U-Net Dice |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -341,6 +347,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000, help="converge: GPT steps")
     parser.add_argument("--unet-steps", type=int, default=200, help="converge: U-Net steps")
     parser.add_argument("--parallel", type=int, default=2, help="converge: runs at once (one thread each)")
+    parser.add_argument("--converge-dir", type=Path, default=None,
+                        help="converge: keep each run's result here; runs whose result is there are not repeated")
     parser.add_argument("--out", type=Path, default=HERE / "results", help="writes state_formats_<part>.md here")
     args = parser.parse_args()
     args.budget = int(args.budget)
