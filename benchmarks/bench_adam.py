@@ -38,16 +38,43 @@ to compare, install it next to (not over) your torch, e.g. into a separate direc
 (fused=True and foreach), with a device-to-device copy as the ceiling (bytes counted both ways);
 without a GPU it says so and exits 0.
 
+`--formats` measures zero's CPU step (`cpu_adam_step_fmt`) in each state format instead (see
+[Note: state formats] in csrc/adam/adam_formats.h), in the offload case: a bf16 gradient and a bf16
+copy-out. Fewer bytes per element should make a faster step. Bytes per element, reading param,
+grad, exp_avg, exp_avg_sq (+ the 8-bit scales) and writing param, exp_avg, exp_avg_sq, out16
+(+ the scales); an 8-bit moment has one fp32 scale per 256 elements, so m and v add 2 x 4 / 256
+bytes per element each way:
+
+    master  moments              read                   written                bytes/element
+    fp32    fp32                 4 + 2 + 4 + 4          4 + 4 + 4 + 2          28
+    fp32    bf16                 4 + 2 + 2 + 2          4 + 2 + 2 + 2          20
+    bf16    bf16 (SR / nearest)  2 + 2 + 2 + 2          2 + 2 + 2 + 2          16
+    fp32    int8                 4 + 2 + 1 + 1 + 8/256  4 + 1 + 1 + 2 + 8/256  16.0625
+    bf16    int8                 2 + 2 + 1 + 1 + 8/256  2 + 1 + 1 + 2 + 8/256  12.0625
+
+Each format has its own ceiling: the stream pass with exactly its traffic (the same element size
+per stream, the same threads and tiles, the copy-out streamed past the caches as the fp32 step
+writes it), paired with each timed step as above. The table prints bytes/element, ms/step (best of
+--reps), Gelem/s, GB/s, the best ceiling GB/s, the step's share of its own ceiling (median over
+pairs), and elements/s against the fp32-state step in the same rounds, beside the most the bytes
+allow (28 / bytes per element). It is also written to benchmarks/results/cpu_adam_formats.md.
+The targets, checked under the table: each low-precision format at least 1.5x the
+fp32-state elements/s (out of reach by bytes alone for fp32 master + bf16 moments: 28/20 = 1.4x),
+and the 8-bit formats at least 80% of their own ceiling.
+
 Usage:
     python benchmarks/bench_adam.py                     # 10M and 100M parameters
     python benchmarks/bench_adam.py --sizes 1M,10M --reps 5
     python benchmarks/bench_adam.py --gpu
+    python benchmarks/bench_adam.py --formats --sizes 100M
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import gc
+import itertools
 import os
 import statistics
 import subprocess
@@ -90,7 +117,8 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1] if scale > 1 else text) * scale)
 
 
-def paired_samples(steps: dict[str, Callable[[], None]], ceiling: Callable[[], None], reps: int, warmup: int,
+def paired_samples(steps: dict[str, Callable[[], None]],
+                   ceiling: Callable[[], None] | dict[str, Callable[[], None]], reps: int, warmup: int,
                    sync: Callable[[], None] = lambda: None,
                    calls: int = 1) -> dict[str, list[tuple[float, float]]]:  # fmt: skip
     """`reps` pairs (seconds of the step, seconds of the ceiling run just before it) per step function.
@@ -99,8 +127,10 @@ def paired_samples(steps: dict[str, Callable[[], None]], ceiling: Callable[[], N
     ceiling kernel. On a shared machine both load and memory bandwidth drift from second to second;
     a pair sees the same conditions, so the ratio within a pair is far steadier than either time.
     A timed sample is `calls` back-to-back calls between two `sync()`s, divided by `calls`.
+    `ceiling`: one kernel for every step, or one per step (a dict with the keys of `steps`).
     """
-    for step in [ceiling, *steps.values()]:
+    ceilings = ceiling if isinstance(ceiling, dict) else dict.fromkeys(steps, ceiling)
+    for step in [*(ceiling.values() if isinstance(ceiling, dict) else [ceiling]), *steps.values()]:
         for _ in range(warmup):
             step()
     sync()
@@ -116,7 +146,7 @@ def paired_samples(steps: dict[str, Callable[[], None]], ceiling: Callable[[], N
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
     for r in range(reps):
         for name in names[r % len(names):] + names[: r % len(names)]:
-            ceiling_s = timed(ceiling)
+            ceiling_s = timed(ceilings[name])
             samples[name].append((timed(steps[name]), ceiling_s))
     return samples
 
@@ -188,9 +218,9 @@ def measure(candidates: list[tuple[str, Callable | None, str | None, str]], n: i
 # ----------------------------------------------------------------------------- CPU
 
 
-def stream_pass(num_threads: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]:
-    """Build benchmarks/stream_pass.c with zero's C compiler and flags; return a function that runs
-    it over four contiguous float32 CPU tensors of one size."""
+@functools.cache
+def stream_pass_library() -> ctypes.CDLL:
+    """benchmarks/stream_pass.c, built (once per process) with zero's C compiler and flags."""
     from zero.ops.builder import _c_flags, c_compiler
 
     cc = c_compiler()
@@ -199,9 +229,21 @@ def stream_pass(num_threads: int) -> Callable[[torch.Tensor, torch.Tensor, torch
     source = Path(__file__).resolve().parent / "stream_pass.c"
     library = Path(tempfile.mkdtemp(prefix="zero_bench_")) / "stream_pass.so"
     subprocess.run([cc, *_c_flags(), "-shared", str(source), "-o", str(library)], check=True)
-    fn = ctypes.CDLL(str(library)).zero_stream_pass
-    fn.argtypes = [ctypes.c_int64, *[ctypes.c_void_p] * 4, ctypes.c_int]
-    fn.restype = ctypes.c_int
+    lib = ctypes.CDLL(str(library))
+    lib.zero_stream_pass.argtypes = [ctypes.c_int64, *[ctypes.c_void_p] * 4, ctypes.c_int]
+    lib.zero_stream_pass.restype = ctypes.c_int
+    # n, param, param_size, grad, grad_size, exp_avg, exp_avg_sq, state_size, m_scale, v_scale, out16, threads
+    lib.zero_stream_pass_sized.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]  # fmt: skip
+    lib.zero_stream_pass_sized.restype = ctypes.c_int
+    return lib
+
+
+def stream_pass(num_threads: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]:
+    """A function that runs benchmarks/stream_pass.c's fp32 pass (28 bytes per element) over four
+    contiguous float32 CPU tensors of one size."""
+    fn = stream_pass_library().zero_stream_pass
 
     def run(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         assert all(t.is_contiguous() and t.dtype == torch.float32 and t.numel() == param.numel()
@@ -255,6 +297,189 @@ def cpu_rows(n: int, reps: int, warmup: int, num_threads: int, with_deepspeed: b
     ceiling = bufs = None
     free_memory()
     return rows
+
+
+# ----------------------------------------------------------------------------- CPU, state formats
+
+
+def state_formats() -> list:
+    """The formats --formats measures, the fp32-state baseline first (zero.ops.adam_formats.AdamFormat)."""
+    from zero.ops.adam_formats import AdamFormat
+
+    return [AdamFormat("fp32", "fp32"), AdamFormat("fp32", "bf16"), AdamFormat("bf16", "bf16"),
+            AdamFormat("bf16", "bf16", stochastic=False), AdamFormat("fp32", "int8"),
+            AdamFormat("bf16", "int8")]  # fmt: skip
+
+
+def format_label(fmt) -> str:
+    """"master / moments", and how bf16 values are rounded where there are any: "bf16 / int8 (stochastic)"."""
+    rounding = " (stochastic)" if fmt.stochastic else " (nearest)"
+    return f"{fmt.master} / {fmt.state}" + (rounding if "bf16" in (fmt.master, fmt.state) else "")
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """The memory traffic of one Adam step, by stream: stream_pass.c's zero_stream_pass_sized arguments."""
+
+    param: int  # bytes per element of the master, read and written
+    grad: int  # bytes per element of the gradient, read
+    state: int  # bytes per element of exp_avg and of exp_avg_sq, each read and written
+    scale_block: int = 0  # 8-bit moments: elements per fp32 scale of m and of v (read and written); 0: none
+    out16: bool = True  # a 16-bit copy of the updated master is written
+
+    def blocks(self, n: int) -> int:
+        """Scales per moment over n elements (one per started block)."""
+        return -(-n // self.scale_block) if self.scale_block else 0
+
+    def bytes(self, n: int) -> int:
+        """Bytes one step over n elements moves: param, m, v both ways, grad in, out16 out, the scales both ways."""
+        return n * (2 * self.param + self.grad + 4 * self.state + 2 * self.out16) + 2 * 2 * 4 * self.blocks(n)
+
+    def per_element(self) -> float:
+        scales = 2 * 2 * 4 / self.scale_block if self.scale_block else 0.0
+        return 2 * self.param + self.grad + 4 * self.state + 2 * self.out16 + scales
+
+
+def format_traffic(fmt) -> Traffic:
+    """The traffic of a step in `fmt` with a bf16 gradient and a bf16 copy-out (the offload case)."""
+    from zero.ops.adam_formats import Q8_BLOCK
+
+    return Traffic(fmt.master_dtype.itemsize, 2, fmt.state_dtype.itemsize, Q8_BLOCK if fmt.quantized else 0)
+
+
+@dataclass
+class FormatRow:
+    name: str
+    n: int
+    traffic: Traffic
+    seconds: float  # best of the timed samples
+    ceiling_gbps: float  # the best stream pass with this format's traffic, in the same rounds
+    fraction: float  # median over pairs of the stream pass's time over the step's (the same bytes)
+
+    def gbps(self) -> float:
+        return self.traffic.bytes(self.n) / self.seconds / 1e9
+
+
+def format_step_fn(fmt, grad: torch.Tensor, out16: torch.Tensor, num_threads: int) -> Callable[[], None]:
+    """A closure doing one cpu_adam_step_fmt on its own master and moments in `fmt` (grad shared, read
+    only; out16 shared, written only). The first step runs here, through the checked entry point."""
+    from zero.ops.adam_formats import new_moment, new_scales
+    from zero.ops.cpu_adam import cpu_adam_step_fmt, cpu_adam_step_fmt_unchecked
+
+    n = grad.numel()
+    param = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(fmt.master_dtype)
+    m, v = new_moment(n, fmt, device="cpu"), new_moment(n, fmt, device="cpu")
+    kw = dict(fmt=fmt, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, out16=out16, num_threads=num_threads,
+              m_scale=new_scales(n, fmt, device="cpu"), v_scale=new_scales(n, fmt, device="cpu"))  # fmt: skip
+    steps = itertools.count(1)
+    cpu_adam_step_fmt(param, grad, m, v, step=next(steps), **kw)
+    return lambda: cpu_adam_step_fmt_unchecked(param, grad, m, v, step=next(steps), **kw)
+
+
+def format_stream_pass(traffic: Traffic, n: int, scratch: dict[str, torch.Tensor],
+                       num_threads: int) -> Callable[[], None]:  # fmt: skip
+    """A closure running the stream pass with `traffic` over n elements of the byte buffers `scratch`
+    (shared by every format's pass: one runs at a time)."""
+    fn = stream_pass_library().zero_stream_pass_sized
+    need = {"param": n * traffic.param, "grad": n * traffic.grad, "exp_avg": n * traffic.state,
+            "exp_avg_sq": n * traffic.state, "m_scale": 4 * traffic.blocks(n), "v_scale": 4 * traffic.blocks(n),
+            "out16": 2 * n}  # fmt: skip
+    assert all(scratch[k].numel() >= size for k, size in need.items())
+    ptr = {k: t.data_ptr() for k, t in scratch.items()}
+    args = (n, ptr["param"], traffic.param, ptr["grad"], traffic.grad, ptr["exp_avg"], ptr["exp_avg_sq"], traffic.state,
+            ptr["m_scale"] if traffic.scale_block else None, ptr["v_scale"] if traffic.scale_block else None,
+            ptr["out16"] if traffic.out16 else None, num_threads)  # fmt: skip
+
+    def run() -> None:
+        if fn(*args) != 0:
+            raise RuntimeError(f"zero_stream_pass_sized rejected {traffic}")
+
+    return run
+
+
+def format_rows(n: int, reps: int, warmup: int, num_threads: int) -> list[FormatRow]:
+    """Every state format's step over n elements, each paired with the stream pass of its own traffic."""
+    from zero.ops.adam_formats import q8_blocks
+
+    formats = state_formats()
+    traffics = {format_label(fmt): format_traffic(fmt) for fmt in formats}
+    grad = (torch.randn(n, generator=torch.Generator().manual_seed(1)) * 1e-2).to(torch.bfloat16)
+    out16 = torch.empty(n, dtype=torch.bfloat16)
+    # the stream passes' buffers, as bytes, sized for the widest format; filled, so that their pages exist
+    widest = {"param": 4 * n, "grad": 2 * n, "exp_avg": 4 * n, "exp_avg_sq": 4 * n, "m_scale": 4 * q8_blocks(n),
+              "v_scale": 4 * q8_blocks(n), "out16": 2 * n}  # fmt: skip
+    scratch = {k: torch.full((size,), 1, dtype=torch.uint8) for k, size in widest.items()}
+    steps = {format_label(fmt): format_step_fn(fmt, grad, out16, num_threads) for fmt in formats}
+    ceilings = {name: format_stream_pass(t, n, scratch, num_threads) for name, t in traffics.items()}
+    samples = paired_samples(steps, ceilings, reps, warmup)
+    rows = []
+    for name, pairs in samples.items():
+        t = traffics[name]
+        rows.append(FormatRow(name, n, t, min(s for s, _ in pairs), t.bytes(n) / min(c for _, c in pairs) / 1e9,
+                              statistics.median(c / s for s, c in pairs)))  # fmt: skip
+    del steps, ceilings, scratch, grad, out16, samples
+    free_memory()
+    return rows
+
+
+FORMAT_COLUMNS = ["master / moments", "B/elem", "ms/step", "Gelem/s", "GB/s", "ceiling GB/s", "of ceiling",
+                  "vs fp32 states", "bytes allow"]  # fmt: skip
+
+
+def format_table_cells(rows: list[FormatRow]) -> list[list[str]]:
+    """The table's cells, one list per row; "vs fp32 states" compares elements/s with the first
+    (fp32-state) row of the same rounds, "bytes allow" is the most its bytes permit (28 / B)."""
+    base = rows[0]
+    return [[r.name, f"{r.traffic.per_element():g}", f"{r.seconds * 1e3:.2f}", f"{r.n / r.seconds / 1e9:.3f}",
+             f"{r.gbps():.1f}", f"{r.ceiling_gbps:.1f}", f"{r.fraction:.0%}", f"{base.seconds / r.seconds:.2f}x",
+             f"{base.traffic.per_element() / r.traffic.per_element():.2f}x"] for r in rows]  # fmt: skip
+
+
+def format_checks(rows: list[FormatRow]) -> list[str]:
+    """The targets, one line per low-precision format: >= 1.5x the fp32-state elements/s,
+    and for 8-bit moments >= 80% of the format's own ceiling."""
+    base, lines = rows[0], []
+    for r in rows[1:]:
+        speedup, bound = base.seconds / r.seconds, base.traffic.per_element() / r.traffic.per_element()
+        verdict = "met" if speedup >= 1.5 else "missed"
+        verdict += f"; its bytes allow at most {bound:.2f}x" if speedup < 1.5 and bound < 1.5 else ""
+        line = f"{r.name}: {speedup:.2f}x the fp32-state elements/s (target 1.5x: {verdict})"
+        if r.traffic.scale_block:
+            line += f"; {r.fraction:.0%} of its ceiling (target 80%: {'met' if r.fraction >= 0.8 else 'missed'})"
+        lines.append(line)
+    return lines
+
+
+def print_format_table(title: str, rows: list[FormatRow]) -> None:
+    print(f"\n{title}")
+    cells = [FORMAT_COLUMNS, *format_table_cells(rows)]
+    widths = [max(len(line[j]) for line in cells) for j in range(len(FORMAT_COLUMNS))]
+    for i, line in enumerate(cells):
+        print("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(line, widths))))
+        if i == 0:
+            print("-" * (sum(widths) + 2 * (len(widths) - 1)))
+    for line in format_checks(rows):
+        print(f"  {line}")
+
+
+def write_format_results(results: list[tuple[str, list[FormatRow]]]) -> None:
+    """benchmarks/results/cpu_adam_formats.md: one table per size, stamped as report.py stamps its results."""
+    import report
+
+    sections = []
+    for title, rows in results:
+        checks = "\n".join(f"- {line}" for line in format_checks(rows))
+        sections.append(f"## {title}\n\n{report._table(FORMAT_COLUMNS, format_table_cells(rows))}\n\n{checks}")
+    body = "\n\n".join(sections) + (
+        "\n\nEvery step reads a bf16 gradient and writes a bf16 copy of the updated master (the offload case). "
+        "B/elem counts param, grad, exp_avg, exp_avg_sq read and param, exp_avg, exp_avg_sq, out16 written, plus two "
+        "fp32 scales per 256 elements each way for 8-bit moments. Each format's ceiling is a stream pass with exactly "
+        "its traffic, threads and tiles (benchmarks/stream_pass.c), run beside each timed step; \"of ceiling\" is the "
+        "median over those pairs. \"vs fp32 states\" compares elements/s with the fp32-state step of the same rounds; "
+        "\"bytes allow\" is 28 / B/elem, what it would be were both at their ceilings. Produced by "
+        "`python benchmarks/bench_adam.py --formats`.")  # fmt: skip
+    report._write("cpu_adam_formats", "CPU Adam throughput in each state format against its bandwidth ceiling", body,
+                  None)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -321,6 +546,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch.get_num_threads())")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeedCPUAdam even if importable")
     parser.add_argument("--gpu", action="store_true", help="benchmark zero.ops.FusedAdam on CUDA instead")
+    parser.add_argument("--formats", action="store_true",
+                        help="measure zero's CPU step in each state format against its own stream pass instead, and "
+                             "write benchmarks/results/cpu_adam_formats.md")  # fmt: skip
     parser.add_argument("--gpu-steps", type=int, default=20,
                         help="--gpu: back-to-back steps per timed sample (launch overhead overlaps the kernels)")
     args = parser.parse_args(argv)
@@ -347,6 +575,14 @@ def main(argv: list[str] | None = None) -> int:
     if load > 0.5:
         print(f"note: load average {load:.1f} before starting; other processes on this machine make every number "
               f"below noisier and lower (best-of-{args.reps} timings soften this)")  # fmt: skip
+    if args.formats:
+        results = []
+        for n in sizes:
+            title = f"{n / 1e6:g}M elements, {threads} thread{'s' if threads > 1 else ''}, {simd_levels()[0]}"
+            results.append((title, format_rows(n, args.reps, args.warmup, threads)))
+            print_format_table(title, results[-1][1])
+        write_format_results(results)
+        return 0
     for n in sizes:
         rows = cpu_rows(n, args.reps, args.warmup, threads, not args.no_deepspeed)
         print_table(f"{n / 1e6:g}M parameters", rows, "stream pass (28 B/param, same threads and tiles)")
