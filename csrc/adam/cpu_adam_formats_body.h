@@ -72,9 +72,11 @@ ZV_INLINE zv ZV_NAME(fmt_q8_decode)(const uint8_t *p, int ebits, int signed_, fl
     const int32_t fmax = (1 << ebits) - 1;
     const zvi c = zvb_load(p);
     const zvi mag = signed_ ? zvi_and(c, zvi_set1(0x7f)) : c;
-    const zv normal = zvi_as_float(zvi_slli32(zvi_add32(mag, zvi_set1((127 - fmax) << 3)), 20));
-    const zv sub = zv_mul(zvi_to_float(mag), zvi_as_float(zvi_set1((127 - fmax - 2) << 23)));
-    zv x = zv_mul(zv_blend(normal, sub, zvi_cmpgt32(zvi_set1(8), mag)), zv_set1(scale));
+    zv x = zvi_as_float(zvi_slli32(zvi_add32(mag, zvi_set1((127 - fmax) << 3)), 20));
+    const zv_mask small = zvi_cmpgt32(zvi_set1(8), mag);
+    if (zv_mask_any(small)) /* the few codes below the normal range (usually none in a vector) */
+        x = zv_blend(x, zv_mul(zvi_to_float(mag), zvi_as_float(zvi_set1((127 - fmax - 2) << 23))), small);
+    x = zv_mul(x, zv_set1(scale));
     if (signed_) x = zvi_as_float(zvi_or(zv_as_int(x), zvi_slli32(zvi_and(c, zvi_set1(0x80)), 24)));
     return x;
 }
@@ -85,10 +87,12 @@ ZV_INLINE void ZV_NAME(fmt_q8_encode)(uint8_t *p, zv x, int ebits, int signed_, 
     const zvi bits = zv_as_int(x);
     const zv r = zv_mul(signed_ ? zvi_as_float(zvi_and(bits, zvi_set1(0x7fffffff))) : x, inv);
     const zvi u = zv_as_int(r);
-    const zvi normal = zvi_sub32(zvi_srli32(zvi_add32(u, zvi_set1(0x80000)), 20), zvi_set1((127 - fmax) << 3));
-    const zv t = zv_mul(r, zvi_as_float(zvi_set1((127 + fmax + 2) << 23)));
-    const zvi sub = zv_trunc_int(zv_add(t, zv_set1(0.5f)));
-    zvi c = zvi_blend(sub, normal, zvi_cmpgt32(zvi_srli32(u, 23), zvi_set1(127 - fmax)));
+    zvi c = zvi_sub32(zvi_srli32(zvi_add32(u, zvi_set1(0x80000)), 20), zvi_set1((127 - fmax) << 3));
+    const zv_mask normal = zvi_cmpgt32(zvi_srli32(u, 23), zvi_set1(127 - fmax));
+    if (zv_mask_bits(normal) != (1u << ZV_W) - 1u) { /* some lane below the normal range (zeros, tiny values) */
+        const zv t = zv_mul(r, zvi_as_float(zvi_set1((127 + fmax + 2) << 23)));
+        c = zvi_blend(zv_trunc_int(zv_add(t, zv_set1(0.5f))), c, normal);
+    }
     c = zvi_min_u32(c, zvi_set1((fmax << 3) | 7));
     if (signed_) c = zvi_or(c, zvi_and(zvi_srli32(bits, 24), zvi_set1(0x80)));
     zvb_store(p, c);
