@@ -1,0 +1,113 @@
+"""DeepSpeed-Ulysses sequence parallelism: attention over whole sequences, heads split over ranks.
+
+[Note: the Ulysses exchange]
+P ranks of a sequence-parallel group each hold a contiguous slice of every sequence (rank r: tokens
+[r S/P, (r+1) S/P)) with all H attention heads. Attention mixes tokens, so it needs whole sequences;
+it does not mix heads. One all-to-all re-slices the query, key and value tensors: rank r sends its
+slice's heads [j H/P, (j+1) H/P) to rank j and receives, from every rank, that rank's slice of its
+own heads, which concatenated in rank order are the whole sequence for H/P heads. The local attention
+runs on that, and the inverse all-to-all returns each rank its own tokens with all heads. The
+backward of an all-to-all is the inverse all-to-all of the gradient, so autograd needs nothing else.
+Per rank and layer this moves 4 / P of the activations of q, k, v and the output, whatever the
+sequence length: the all-to-all scales where ring attention's passes do not.
+
+Key/value heads fewer than the group (grouped-query attention) are repeated up to it, as DeepSpeed
+does: rank r's query heads all use the same key/value head, floor(r H_kv / P), which the repeat puts
+on rank r; the gradients of the copies sum back through the repeat.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+class _SequenceAllToAll(torch.autograd.Function):
+    """All-to-all that splits `scatter_dim` over the group and joins `gather_dim` from it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
+        world = dist.get_world_size(group)
+        send = torch.stack(torch.tensor_split(x, world, dim=scatter_dim)).contiguous()
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=group)
+        return torch.cat(received.unbind(0), dim=gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        scatter_dim, gather_dim = ctx.dims
+        return _SequenceAllToAll.apply(grad.contiguous(), ctx.group, gather_dim, scatter_dim), None, None, None
+
+
+def sequence_all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Split `x` along `scatter_dim` into the group's size and send part j to rank j; concatenate
+    what arrives along `gather_dim` in rank order (see [Note: the Ulysses exchange]). Differentiable.
+
+    Raises:
+        ValueError: `scatter_dim` does not split evenly over the group.
+    """
+    world = dist.get_world_size(group)
+    if x.size(scatter_dim) % world:
+        raise ValueError(f"sequence parallelism over {world} ranks splits dimension {scatter_dim} of a tensor of "
+                         f"shape {tuple(x.shape)}, whose size {x.size(scatter_dim)} is not a multiple of {world}")
+    return _SequenceAllToAll.apply(x, group, scatter_dim, gather_dim)
+
+
+class DistributedAttention(nn.Module):
+    """DeepSpeed's `deepspeed.sequence.layer.DistributedAttention(local_attention,
+    sequence_process_group, scatter_idx=2, gather_idx=0)`: Ulysses attention around any attention
+    function.
+
+    Args:
+        local_attention: called as `local_attention(query, key, value, *args, **kwargs)` on whole
+            sequences and this rank's share of the heads, in the layout it was given; returns the
+            context in that layout.
+        sequence_process_group: the sequence-parallel group (None: the default group).
+        scatter_idx: the heads dimension of query/key/value (2 for [s, b, h, d] and [b, s, h, d]).
+        gather_idx: the sequence dimension for `batch_dim_idx=1` ([s, b, h, d]); with
+            `batch_dim_idx=0` ([b, s, h, d]) the sequence is dimension 1, as in DeepSpeed.
+    """
+
+    def __init__(self, local_attention, sequence_process_group=None, scatter_idx: int = 2, gather_idx: int = 0,
+                 sp_stream=None):
+        super().__init__()
+        if sp_stream is not None:
+            raise ValueError("DistributedAttention(sp_stream=...): overlapping the key/value all-to-alls on a side "
+                             "stream is not implemented; leave sp_stream as None")
+        self.local_attn = local_attention
+        self.spg = sequence_process_group
+        self.scatter_idx, self.gather_idx = scatter_idx, gather_idx
+
+    def _sequence_dim(self, batch_dim_idx: int | None) -> int:
+        if batch_dim_idx is None or batch_dim_idx == 1:
+            return self.gather_idx
+        if batch_dim_idx == 0:
+            return 1 if self.gather_idx == 0 else self.gather_idx
+        raise ValueError(f"batch_dim_idx must be 0 ([b, s, h, d]) or 1 ([s, b, h, d]), got {batch_dim_idx!r}")
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch_dim_idx: int | None = None,
+                *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Attention of this rank's sequence slice over the whole sequence; returns the context of
+        this rank's tokens with all heads, laid out as `query`."""
+        world = dist.get_world_size(self.spg)
+        heads_dim, seq_dim = self.scatter_idx, self._sequence_dim(batch_dim_idx)
+        heads, kv_heads = query.size(heads_dim), key.size(heads_dim)
+        if heads % world:
+            raise ValueError(f"DistributedAttention: {heads} query heads do not split over a sequence-parallel group "
+                             f"of {world}; use a group size that divides the number of heads")
+        if value.size(heads_dim) != kv_heads:
+            raise ValueError(f"DistributedAttention: key has {kv_heads} heads, value {value.size(heads_dim)}")
+        if kv_heads % world:
+            if world % kv_heads or heads % kv_heads:
+                raise ValueError(f"DistributedAttention: {kv_heads} key/value heads neither split over the group of "
+                                 f"{world} nor divide it (nor the {heads} query heads); grouped-query attention needs "
+                                 f"the group size to be a multiple or a divisor of the key/value heads")
+            # fewer key/value heads than ranks: repeat them up to the group (see [Note: the Ulysses exchange])
+            key = key.repeat_interleave(world // kv_heads, dim=heads_dim)
+            value = value.repeat_interleave(world // kv_heads, dim=heads_dim)
+        q, k, v = (sequence_all_to_all(t, self.spg, heads_dim, seq_dim) for t in (query, key, value))
+        context = self.local_attn(q, k, v, *args, **kwargs)
+        return sequence_all_to_all(context, self.spg, seq_dim, heads_dim)
