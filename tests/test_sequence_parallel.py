@@ -72,3 +72,121 @@ def _bad_heads():
 def test_heads_the_group_does_not_divide_are_a_clear_error(dist_run):
     for message in dist_run(2, _bad_heads):
         assert "3 query heads do not split over a sequence-parallel group of 2" in message
+
+
+# ------------------------------------------------------------------------------------ tiled compute
+
+class _MLP(torch.nn.Module):
+    def __init__(self, d=16, hidden=64):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = torch.nn.Linear(d, hidden), torch.nn.Linear(hidden, d)
+
+    def plain(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class _Head(torch.nn.Module):
+    def __init__(self, d=16, vocab=97):
+        super().__init__()
+        torch.manual_seed(1)
+        self.lm_head = torch.nn.Linear(d, vocab, bias=False)
+
+    def loss(self, x, y, mask=None):
+        return F.cross_entropy(self.lm_head(x).flatten(0, 1).float(), y.flatten())
+
+
+def test_tiled_mlp_and_tiled_logits_loss_equal_the_untiled_ones_and_hold_less():
+    from zero.deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP
+    from zero.testing.memory import AllocatorPeak
+
+    mlp, head = _MLP(), _Head()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 37, 16, generator=g)  # 37: tiles of unequal length
+    y = torch.randint(0, 97, (2, 37), generator=g)
+    runs = {}
+    for tiled in (False, True):
+        xi = x.clone().requires_grad_()
+        for p in [*mlp.parameters(), *head.parameters()]:
+            p.grad = None
+        if tiled:
+            h = TiledMLP.apply(_MLP.plain, mlp, xi, 4, list(mlp.parameters()))
+            loss = TiledFusedLogitsLoss.apply(_Head.loss, head, h, y, None, 5, list(head.parameters()), "mean")
+        else:
+            loss = head.loss(mlp.plain(xi), y)
+        loss.backward()
+        runs[tiled] = [loss.detach(), xi.grad, *(p.grad.clone() for p in [*mlp.parameters(), *head.parameters()])]
+    for a, b in zip(runs[False], runs[True]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+    # at a long sequence the tiled MLP and loss hold a tile's intermediates, not the whole sequence's
+    long_x, long_y = torch.randn(1, 4096, 16), torch.randint(0, 97, (1, 4096))
+    peaks = {}
+    for tiled in (False, True):
+        xi = long_x.clone().requires_grad_()
+        with AllocatorPeak() as peak:
+            if tiled:
+                h = TiledMLP.apply(_MLP.plain, mlp, xi, 16, list(mlp.parameters()))
+                loss = TiledFusedLogitsLoss.apply(_Head.loss, head, h, long_y, None, 16, list(head.parameters()), "mean")
+            else:
+                loss = head.loss(mlp.plain(xi), long_y)
+            loss.backward()
+        peaks[tiled] = peak.peak
+    assert peaks[True] < 0.5 * peaks[False], peaks
+
+
+def test_tiles_take_a_sensible_count_and_reduction():
+    from zero.sequence import TiledFusedLogitsLoss, TiledMLP
+
+    mlp, head = _MLP(), _Head()
+    x = torch.randn(1, 8, 16, requires_grad=True)
+    with pytest.raises(ValueError, match="shards must be an int >= 1"):
+        TiledMLP.apply(_MLP.plain, mlp, x, 0, list(mlp.parameters()))
+    with pytest.raises(ValueError, match="output_reduction must be 'mean' or 'sum'"):
+        TiledFusedLogitsLoss.apply(_Head.loss, head, x, torch.zeros(1, 8, dtype=torch.long), None, 2,
+                                   list(head.parameters()), "max")
+
+
+class _TiledNet(torch.nn.Module):
+    def __init__(self, tiled: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tiled = tiled
+        self.inp, self.mlp, self.head = torch.nn.Linear(8, 16), _MLP(), _Head()
+
+    def forward(self, x, y):
+        from zero.sequence import TiledFusedLogitsLoss, TiledMLP
+
+        h = self.inp(x)
+        if not self.tiled:
+            return self.head.loss(h + self.mlp.plain(h), y)
+        h = h + TiledMLP.apply(_MLP.plain, self.mlp, h, 3, list(self.mlp.parameters()))
+        return TiledFusedLogitsLoss.apply(_Head.loss, self.head, h, y, None, 4, list(self.head.parameters()), "mean")
+
+
+def _tiled_under_zero(stage: int):
+    import torch.distributed as dist
+
+    import zero
+
+    rank, out = dist.get_rank(), []
+    for tiled in (False, True):
+        engine, *_ = zero.initialize(model=_TiledNet(tiled), config={
+            "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            x, y = torch.randn(2, 24, 8, generator=g), torch.randint(0, 97, (2, 24), generator=g)
+            engine.backward(engine(x, y))
+            engine.step()
+        ctx = zero.GatheredParameters(list(engine.module.parameters())) if stage == 3 else torch.no_grad()
+        with ctx:
+            out.append(torch.cat([p.detach().reshape(-1).clone() for p in engine.module.parameters()]))
+        engine.destroy()
+    return ((out[0] - out[1]).abs().max() / out[0].abs().max()).item()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_tiled_compute_trains_like_untiled_under_zero(dist_run, stage):
+    for error in dist_run(2, _tiled_under_zero, stage):
+        assert error < 1e-5, error

@@ -2,8 +2,11 @@
 
 `DistributedAttention` (DeepSpeed-Ulysses) turns (sequence slice, all heads) into (whole sequence,
 head slice) with one all-to-all before attention and back after it, so any attention function runs
-unchanged on whole sequences for its share of the heads. See zero/sequence/ulysses.py.
+unchanged on whole sequences for its share of the heads. See zero/sequence/ulysses.py. `TiledMLP`
+and `TiledFusedLogitsLoss` compute an MLP and the logits + loss one sequence tile at a time
+(zero/sequence/tiled.py).
 """
+from zero.sequence.tiled import TiledFusedLogitsLoss, TiledMLP
 from zero.sequence.ulysses import DistributedAttention, sequence_all_to_all
 
-__all__ = ["DistributedAttention", "sequence_all_to_all"]
+__all__ = ["DistributedAttention", "TiledFusedLogitsLoss", "TiledMLP", "sequence_all_to_all"]
