@@ -190,3 +190,49 @@ def _tiled_under_zero(stage: int):
 def test_tiled_compute_trains_like_untiled_under_zero(dist_run, stage):
     for error in dist_run(2, _tiled_under_zero, stage):
         assert error < 1e-5, error
+
+
+# ------------------------------------------------------------------------------------ the engine
+
+def _gpt_with_sequence_parallelism(stage: int, offload: bool):
+    import torch.distributed as dist
+
+    import zero
+    from zero.models import GPT, GPTConfig
+    from zero.sequence import ulysses_attention
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=32)
+    torch.manual_seed(0)
+    reference = GPT(cfg)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    config = {"train_micro_batch_size_per_gpu": 2, "sequence_parallel_size": world,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    if offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    engine, *_ = zero.initialize(model=model, config=config)
+    ulysses_attention(engine.module, engine.seq_parallel_group)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
+    g = torch.Generator().manual_seed(0)  # every rank the same samples: one data-parallel replica
+    s = 16
+    part = slice(rank * s // world, (rank + 1) * s // world)
+    for _ in range(3):
+        idx, targets = torch.randint(0, 64, (2, s), generator=g), torch.randint(0, 64, (2, s), generator=g)
+        loss = engine(idx[:, part], targets[:, part], position_ids=torch.arange(s)[part])
+        engine.backward(loss)
+        engine.step()
+        opt.zero_grad()
+        reference(idx, targets).backward()
+        opt.step()
+    ctx = zero.GatheredParameters(list(engine.module.parameters())) if stage == 3 else torch.no_grad()
+    with ctx:
+        return max(((p.detach() - q.detach()).abs().max() / q.detach().abs().max()).item()
+                   for p, q in zip(engine.module.parameters(), reference.parameters()))
+
+
+@pytest.mark.parametrize("stage,offload", [(1, False), (2, False), (3, False), (3, True)])
+def test_sequence_parallel_gpt_trains_like_the_whole_sequence_in_one_process(dist_run, stage, offload):
+    for error in dist_run(2, _gpt_with_sequence_parallelism, stage, offload):
+        assert error < 1e-5, error

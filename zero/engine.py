@@ -73,6 +73,7 @@ from zero.partition.layout import local_tensor
 from zero.pipe.module import PipelineModule
 from zero.precision import NonFiniteGradientError
 from zero.progress import BackwardCounter, TrainingProgress, mark_scaled
+from zero.sequence.groups import sequence_parallel_group
 from zero.stages import build_optimizer
 from zero.stages.adam import ADAM_DEFAULTS, check_param_groups
 from zero.stages.choice import _optimizer_defaults, _param_groups, client_state_dtype, client_step
@@ -201,6 +202,9 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         self._in_no_sync = False
         self._times = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self.pipeline = None
+        # Ulysses sequence parallelism (zero.sequence): groups of consecutive ranks share samples
+        self.sequence_parallel_size = config.sequence_parallel_size
+        self.seq_parallel_group = sequence_parallel_group(config.sequence_parallel_size) if mesh is None else None
         if pipelined:
             from zero.pipe.schedule import PipelineSchedule
 
@@ -318,7 +322,7 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         """Count `micro_steps` micro-batches done."""
         p = self.progress
         p.micro_steps += micro_steps
-        p.global_samples += self.config.train_micro_batch_size_per_gpu * self.comm.world_size * micro_steps
+        p.global_samples += self.config.train_micro_batch_size_per_gpu * self.dp_world_size * micro_steps
         p.last_step_applied = p.last_step_skipped = False
         self.optimizer.at_boundary = self.is_gradient_accumulation_boundary()  # for the next backward
 

@@ -199,7 +199,8 @@ class DeepSpeedMethods:
 
     @property
     def dp_world_size(self) -> int:
-        return self.comm.world_size
+        """Data-parallel replicas: the ranks, divided by the sequence-parallel group's size."""
+        return self.comm.world_size // getattr(self, "sequence_parallel_size", 1)
 
     @property
     def mp_world_size(self) -> int:
@@ -222,8 +223,8 @@ class DeepSpeedMethods:
                                                sampler=data_sampler, collate_fn=collate_fn, pin_memory=pin_memory,
                                                num_workers=num_local_io_workers or 0)
         return ResumableLoader(dataset, batch_size=batch_size or self.config.train_micro_batch_size_per_gpu,
-                               num_replicas=self.comm.world_size, rank=self.comm.rank, collate_fn=collate_fn,
-                               drop_last=self.config.dataloader_drop_last)
+                               num_replicas=self.dp_world_size, rank=self.comm.rank // self.sequence_parallel_size,
+                               collate_fn=collate_fn, drop_last=self.config.dataloader_drop_last)
 
     @staticmethod
     def is_map_style_dataset(obj) -> bool:

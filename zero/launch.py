@@ -100,6 +100,7 @@ def initialize(
         from zero.data import ResumableLoader
 
         loader = engine.training_dataloader = ResumableLoader(
-            training_data, batch_size=cfg.train_micro_batch_size_per_gpu, num_replicas=engine.comm.world_size,
-            rank=engine.comm.rank, collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last)
+            training_data, batch_size=cfg.train_micro_batch_size_per_gpu, num_replicas=engine.dp_world_size,
+            rank=engine.comm.rank // engine.sequence_parallel_size,  # a sequence-parallel group shares samples
+            collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last)
     return engine, engine.optimizer, loader, engine.lr_scheduler

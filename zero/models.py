@@ -88,8 +88,11 @@ class GPT(nn.Module):
                 std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith(("proj.weight", "out.weight")) else 0.02
                 nn.init.normal_(p, std=std)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`position_ids`: each token's place in the whole sequence (a sequence-parallel rank's
+        slice starts past 0); default 0, 1, ..."""
+        pos = torch.arange(idx.shape[1], device=idx.device) if position_ids is None else position_ids
         x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
             x = block(x)

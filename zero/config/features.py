@@ -174,8 +174,6 @@ UNIMPLEMENTED_FEATURES: tuple[UnimplementedFeature, ...] = (
              "checkpoints would not go where you expect", bool),
     _refused("datastates.enabled", _raw("DataStates checkpointing (not implemented)."),
              "checkpoints would not go where you expect", bool),
-    _refused("sequence_parallel_size", _key(int, 1, "Ulysses sequence parallelism (> 1 not implemented).", ge=1),
-             "Ulysses sequence parallelism; zero is data-parallel only"),
     _refused("use_data_before_expert_parallelism", _flag(False, "MoE topology (not implemented)."),
              "zero has no expert parallelism"),
     _refused("managed_gradient_accumulation",

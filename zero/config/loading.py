@@ -225,7 +225,14 @@ def load_config(config: Union[Mapping[str, Any], str, pathlib.Path], world_size:
         _raise([(key, f"the world of {world_size} ranks does not split into pipeline.stages "
                  f"({stages}) x tensor_parallel.size ({cfg.tensor_parallel.size}) x a data-parallel size: "
                  f"{world_size} is not a multiple of {stages * cfg.tensor_parallel.size}")], source)
-    data_parallel = world_size // (stages * cfg.tensor_parallel.size)
+    sp = cfg.sequence_parallel_size
+    if sp > 1 and (stages > 1 or cfg.tensor_parallel.size > 1):
+        _raise([(("sequence_parallel_size",), f"is {sp} with pipeline or tensor parallelism, which zero's "
+                 f"sequence parallelism does not combine with yet; use one of them")], source)
+    if world_size % sp:
+        _raise([(("sequence_parallel_size",), f"is {sp}, which does not divide the world of {world_size} ranks "
+                 f"into sequence-parallel groups")], source)
+    data_parallel = world_size // (stages * cfg.tensor_parallel.size * sp)
     m, accum = pipe.micro_batches, cfg.gradient_accumulation_steps
     if m is not None and accum is not None and m != accum:
         _raise([(("pipeline", "micro_batches"), f"is {m} but gradient_accumulation_steps is {accum}: both count "

@@ -84,6 +84,10 @@ class ZeroConfig(_Section):
                                      "(see docs/parallelism.md).")
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig,
                                                   description="Tensor slicing (see docs/parallelism.md).")
+    sequence_parallel_size: int = Field(1, ge=1, description="DeepSpeed-Ulysses sequence parallelism: groups of "
+                                        "this many consecutive ranks each hold a slice of every sequence of the "
+                                        "same samples (zero.sequence); ZeRO partitions over all ranks, and the "
+                                        "batch sizes count world / sequence_parallel_size data-parallel ranks.")
 
     @model_validator(mode="before")
     @classmethod

@@ -111,3 +111,22 @@ class DistributedAttention(nn.Module):
         q, k, v = (sequence_all_to_all(t, self.spg, heads_dim, seq_dim) for t in (query, key, value))
         context = self.local_attn(q, k, v, *args, **kwargs)
         return sequence_all_to_all(context, self.spg, seq_dim, heads_dim)
+
+
+def _causal_bhsd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def ulysses_attention(model: nn.Module, group) -> nn.Module:
+    """Make the blocks of a zero.models GPT attend over whole sequences across `group` (each rank
+    passes its slice of the tokens, and `position_ids` with their places in the whole sequence).
+    Returns the model."""
+    from zero.models import Block
+
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    if not blocks:
+        raise ValueError(f"ulysses_attention: {type(model).__name__} has no zero.models Block to give sequence-"
+                         f"parallel attention; wrap your attention in DistributedAttention instead")
+    for block in blocks:  # the block's attention takes (batch, heads, sequence, head_dim)
+        block.attend = DistributedAttention(_causal_bhsd, group, scatter_idx=1, gather_idx=2)
+    return model
