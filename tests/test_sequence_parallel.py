@@ -236,3 +236,51 @@ def _gpt_with_sequence_parallelism(stage: int, offload: bool):
 def test_sequence_parallel_gpt_trains_like_the_whole_sequence_in_one_process(dist_run, stage, offload):
     for error in dist_run(2, _gpt_with_sequence_parallelism, stage, offload):
         assert error < 1e-5, error
+
+
+def _uneven_slices_and_ignored_labels(stage: int):
+    import torch.distributed as dist
+
+    import zero
+    from zero.models import GPT, GPTConfig
+    from zero.sequence import UlyssesSPDataLoaderAdapter, sequence_loss, ulysses_attention
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=32)
+    torch.manual_seed(0)
+    reference = GPT(cfg)
+    torch.manual_seed(0)
+    engine, *_ = zero.initialize(model=GPT(cfg), config={
+        "train_micro_batch_size_per_gpu": 2, "sequence_parallel_size": world,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
+    ulysses_attention(engine.module, engine.seq_parallel_group)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.0)
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(3):  # 15 tokens: the last slice is padded; a third of the labels ignored, unevenly
+        ids = torch.randint(0, 64, (2, 15), generator=g)
+        labels = ids.clone()
+        labels[torch.rand(2, 15, generator=g) < 0.33] = -100
+        labels[0, :9] = -100  # one slice with far fewer valid tokens than the other
+        batches.append({"input_ids": ids, "labels": labels})
+    for batch in UlyssesSPDataLoaderAdapter(batches, rank, engine.seq_parallel_group, world):
+        logits = engine(batch["input_ids"], position_ids=batch["position_ids"][0])
+        engine.backward(sequence_loss(logits, batch["shift_labels"], engine.seq_parallel_group))
+        engine.step()
+    for batch in batches:
+        opt.zero_grad()
+        logits = reference(batch["input_ids"])
+        shift = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+        torch.nn.functional.cross_entropy(logits.reshape(-1, 64), shift.reshape(-1)).backward()
+        opt.step()
+    ctx = zero.GatheredParameters(list(engine.module.parameters())) if stage == 3 else torch.no_grad()
+    with ctx:
+        return max(((p.detach() - q.detach()).abs().max() / q.detach().abs().max()).item()
+                   for p, q in zip(engine.module.parameters(), reference.parameters()))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_uneven_slices_and_ignored_labels_average_over_the_whole_sequence(dist_run, stage):
+    for error in dist_run(2, _uneven_slices_and_ignored_labels, stage):
+        assert error < 1e-5, error

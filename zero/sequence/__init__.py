@@ -6,9 +6,10 @@ unchanged on whole sequences for its share of the heads. See zero/sequence/ulyss
 and `TiledFusedLogitsLoss` compute an MLP and the logits + loss one sequence tile at a time
 (zero/sequence/tiled.py).
 """
+from zero.sequence.data import UlyssesSPDataLoaderAdapter, sequence_loss, shard_batch
 from zero.sequence.groups import sequence_parallel_group
 from zero.sequence.tiled import TiledFusedLogitsLoss, TiledMLP
 from zero.sequence.ulysses import DistributedAttention, sequence_all_to_all, ulysses_attention
 
-__all__ = ["DistributedAttention", "TiledFusedLogitsLoss", "TiledMLP", "sequence_all_to_all", "sequence_parallel_group",
-           "ulysses_attention"]
+__all__ = ["DistributedAttention", "TiledFusedLogitsLoss", "TiledMLP", "UlyssesSPDataLoaderAdapter", "sequence_all_to_all",
+           "sequence_loss", "sequence_parallel_group", "shard_batch", "ulysses_attention"]

@@ -1,0 +1,87 @@
+"""Batches and losses for sequence parallelism: slice each batch's sequence over the group, and
+average the loss over the whole sequence's tokens.
+
+[Note: labels across slices]
+A causal LM predicts token t+1 at position t. Slicing the sequence first and shifting inside each
+slice would lose the prediction across every slice boundary, so the labels are shifted over the
+whole sequence first (`shift_labels`: labels[t+1] at t, -100 at the end), padded to a multiple of
+the group with -100 (ignored), and sliced with the inputs. Padding at the end changes nothing before
+it under causal attention. `position_ids` keep each token's place in the whole sequence.
+
+[Note: the loss over a group]
+Each rank sees a slice. The whole sequence's mean loss is sum over ranks of (this slice's summed
+token losses) / (valid tokens of the whole sequence). ZeRO averages gradients over all ranks, data
+and sequence alike, so each rank's loss is that share times the group size: averaging over the group
+then gives the whole-sequence mean, with slices of any number of valid tokens (padding and -100
+labels included).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+IGNORE = -100
+
+
+def sequence_loss(logits: torch.Tensor, shift_labels: torch.Tensor, group) -> torch.Tensor:
+    """This rank's share of the whole sequence's mean cross-entropy (see [Note: the loss over a
+    group]); `logits` [b, s_local, vocab], `shift_labels` [b, s_local] (-100: ignored). Collective
+    over `group` (one all-reduce of the valid-token count)."""
+    summed = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), shift_labels.reshape(-1),
+                             ignore_index=IGNORE, reduction="sum")
+    valid = (shift_labels != IGNORE).sum().to(torch.float32).reshape(1)
+    size = 1
+    if group is not None:
+        dist.all_reduce(valid, group=group)
+        size = dist.get_world_size(group)
+    return summed * size / valid.clamp(min=1).squeeze(0)
+
+
+def shard_batch(batch: dict, rank: int, size: int) -> dict:
+    """One rank's slice of a batch of [b, s] tensors (input_ids, labels, attention_mask,
+    position_ids, ...): labels become `shift_labels`, shifted over the whole sequence; every [b, s]
+    tensor is padded to a multiple of `size` and sliced; `position_ids` are the tokens' places in the
+    whole sequence (see [Note: labels across slices])."""
+    if "input_ids" not in batch:
+        raise ValueError(f"a sequence-parallel batch needs input_ids; got keys {sorted(batch)}")
+    ids = batch["input_ids"]
+    b, s = ids.shape[:2]
+    padded = -(-s // size) * size
+    out = dict(batch)
+    if "labels" in out:
+        labels = out.pop("labels")
+        out["shift_labels"] = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+    if "position_ids" not in out:
+        out["position_ids"] = torch.arange(s, device=ids.device).expand(b, s)
+    part = slice(rank * padded // size, (rank + 1) * padded // size)
+    for key, value in list(out.items()):
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (b, s):
+            fill = IGNORE if key == "shift_labels" else 0
+            if key == "position_ids":  # the padding continues the positions
+                value = torch.arange(padded, device=value.device).expand(b, padded) if padded != s else value
+            elif padded != s:
+                value = F.pad(value, (0, 0) * (value.dim() - 2) + (0, padded - s), value=fill)
+            out[key] = value[:, part]
+    return out
+
+
+class UlyssesSPDataLoaderAdapter:
+    """DeepSpeed's `ulysses_sp.UlyssesSPDataLoaderAdapter(dl, sp_rank, sp_group, sp_world_size,
+    device)`: iterates `dl` and gives this rank its slice of every batch (`shard_batch`)."""
+
+    def __init__(self, dl, sp_rank: int, sp_group, sp_world_size: int, device=None):
+        self.dl, self.sp_rank, self.sp_group, self.sp_world_size, self.device = dl, sp_rank, sp_group, sp_world_size, device
+
+    def __len__(self) -> int:
+        return len(self.dl)
+
+    def __iter__(self):
+        for batch in self.dl:
+            if not isinstance(batch, dict):
+                raise TypeError(f"UlyssesSPDataLoaderAdapter slices dict batches (input_ids, labels, ...), got "
+                                f"{type(batch).__name__}")
+            shard = shard_batch(batch, self.sp_rank, self.sp_world_size)
+            if self.device is not None:
+                shard = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in shard.items()}
+            yield shard
