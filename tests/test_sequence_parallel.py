@@ -2,6 +2,8 @@
 attention over the whole sequence in one process, forward and backward."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -283,4 +285,59 @@ def _uneven_slices_and_ignored_labels(stage: int):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_uneven_slices_and_ignored_labels_average_over_the_whole_sequence(dist_run, stage):
     for error in dist_run(2, _uneven_slices_and_ignored_labels, stage):
+        assert error < 1e-5, error
+
+
+def _hf_llama_with_ulysses(stage: int, kv_heads: int = 2):
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import zero
+    from zero.deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
+    from zero.sequence import sequence_loss
+
+    world = dist.get_world_size()
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=kv_heads, max_position_embeddings=64, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(copy.deepcopy(cfg))  # its own config: the attention implementation is per config
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", world, 2)
+    # eps 1e-6: Adam turns round-off in near-zero gradient elements into lr-sized steps (see [Note:
+    # conditioning of the comparison] in zero/testing/training.py); 1e-6 damps them
+    engine, *_ = zero.initialize(model=model, mpu=mpu, config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-6}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.0)
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(3):
+        ids = torch.randint(0, 64, (2, 13), generator=g)
+        labels = ids.clone()
+        labels[:, :3] = -100
+        batches.append({"input_ids": ids, "labels": labels})
+    group = mpu.get_sequence_parallel_group()
+    for batch in UlyssesSPDataLoaderAdapter(batches, mpu.get_sequence_parallel_rank(), group, world):
+        logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        engine.backward(sequence_loss(logits, batch["shift_labels"], group))
+        engine.step()
+    for batch in batches:
+        opt.zero_grad()
+        logits = reference(input_ids=batch["input_ids"]).logits
+        shift = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+        torch.nn.functional.cross_entropy(logits.reshape(-1, 64), shift.reshape(-1)).backward()
+        opt.step()
+    ctx = zero.GatheredParameters(list(engine.module.parameters())) if stage == 3 else torch.no_grad()
+    with ctx:
+        return max(((p.detach() - q.detach()).abs().max() / q.detach().abs().max()).item()
+                   for p, q in zip(engine.module.parameters(), reference.parameters()))
+
+
+@pytest.mark.parametrize("stage,kv_heads", [(3, 2), (2, 1)])
+def test_hf_llama_with_ulysses_trains_like_the_whole_sequence(dist_run, stage, kv_heads):
+    """register_with_transformers + initialize(mpu=) + the loader adapter + sequence_loss; one key/value
+    head (fewer than the group) is repeated up to it."""
+    pytest.importorskip("transformers")
+    for error in dist_run(2, _hf_llama_with_ulysses, stage, kv_heads):
         assert error < 1e-5, error

@@ -34,6 +34,7 @@ def initialize(
     config: dict | str | os.PathLike | None = None,
     config_params: dict | None = None,
     dist_init_required: bool | None = None,
+    mpu=None,
 ):
     """Wrap `model` for ZeRO training; DeepSpeed's `deepspeed.initialize` signature and result.
 
@@ -51,6 +52,9 @@ def initialize(
         config: a DeepSpeed-style config dict or path to a JSON file.
         config_params: DeepSpeed's older name for `config`.
         dist_init_required: join torchrun's process group if not yet joined (default: yes).
+        mpu: what UlyssesSPAttentionHF.register_with_transformers returned (its sequence-parallel
+            size becomes `sequence_parallel_size`); a Megatron model-parallel mpu is refused (use
+            `tensor_parallel.size`).
 
     Returns:
         (engine, optimizer, training_dataloader or None, lr_scheduler or None)
@@ -68,6 +72,8 @@ def initialize(
             f"one of several ranks, but no torch.distributed process group exists, so every rank would train alone. "
             f"Call torch.distributed.init_process_group() first, or leave dist_init_required unset.")
     world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if mpu is not None:
+        config = _with_mpu(config, mpu)
     from zero.pipe.module import PipelineModule
 
     pipelined = isinstance(model, PipelineModule)
@@ -104,3 +110,21 @@ def initialize(
             rank=engine.comm.rank // engine.sequence_parallel_size,  # a sequence-parallel group shares samples
             collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last)
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _with_mpu(config, mpu):
+    """The config with `sequence_parallel_size` from a sequence-parallel mpu (checked against the
+    config's own key)."""
+    import json
+    import pathlib
+
+    size_of = getattr(mpu, "get_sequence_parallel_world_size", None)
+    if size_of is None:
+        raise ValueError("initialize(mpu=...): zero takes the mpu UlyssesSPAttentionHF.register_with_transformers "
+                         "returns; for Megatron-style tensor parallelism set tensor_parallel.size in the config")
+    data = json.loads(pathlib.Path(config).read_text()) if isinstance(config, (str, os.PathLike)) else dict(config)
+    size, given = size_of(), data.get("sequence_parallel_size")
+    if given not in (None, 1, size):
+        raise ValueError(f"initialize(mpu=...) has a sequence-parallel size of {size}, the config's "
+                         f"sequence_parallel_size is {given}: give the same number, or leave the key out")
+    return {**data, "sequence_parallel_size": size}

@@ -1,0 +1,101 @@
+"""Ulysses sequence parallelism for HuggingFace transformers models, as DeepSpeed's
+`UlyssesSPAttentionHF.register_with_transformers` does it: an attention implementation registered
+with transformers that wraps a core one ("sdpa", "flash_attention_2", ...) in the Ulysses exchange.
+Optional: needs transformers only when called.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from zero.sequence.groups import sequence_parallel_group
+from zero.sequence.ulysses import sequence_all_to_all
+
+NAME = "ulysses"
+
+
+class SequenceParallelState:
+    """The `mpu` register_with_transformers returns and `zero.initialize(mpu=...)` takes: this
+    rank's sequence-parallel group and its place in it (DeepSpeed's parallel_state_sp functions)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.group = sequence_parallel_group(size)
+
+    def get_sequence_parallel_group(self):
+        return self.group
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.size
+
+    def get_sequence_parallel_rank(self) -> int:
+        return dist.get_rank(self.group) if self.group is not None else 0
+
+    def get_sequence_data_parallel_group(self):
+        return dist.group.WORLD
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return dist.get_world_size()
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return dist.get_rank()
+
+
+class _LocalHeads:
+    """The attention module as the core implementation sees it: its own attributes, with the query
+    heads per key/value head of this rank's share."""
+
+    def __init__(self, module, groups: int):
+        self._module, self.num_key_value_groups = module, groups
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
+class UlyssesSPAttentionHF(torch.nn.Module):
+    """An HF attention implementation over whole sequences for a share of the heads: q, k, v come
+    as [batch, heads, local sequence, head_dim]; the core implementation sees the whole sequence
+    (causal; padding is expressed with ignored labels, not an attention mask) and returns
+    [batch, sequence, heads, head_dim], which goes back to this rank's tokens."""
+
+    def __init__(self, attn, group, size: int):
+        super().__init__()
+        self.attn, self.group, self.size = attn, group, size
+
+    def forward(self, module, query, key, value, attention_mask, *args, **kwargs):
+        heads, kv_heads = query.size(1), key.size(1)
+        if heads % self.size:
+            raise ValueError(f"Ulysses attention: {heads} query heads do not split over a sequence-parallel group of "
+                             f"{self.size}")
+        if kv_heads % self.size:  # fewer key/value heads than ranks: repeated up to the group
+            if self.size % kv_heads:
+                raise ValueError(f"Ulysses attention: {kv_heads} key/value heads neither split over nor divide the "
+                                 f"sequence-parallel group of {self.size}")
+            key = key.repeat_interleave(self.size // kv_heads, dim=1)
+            value = value.repeat_interleave(self.size // kv_heads, dim=1)
+        q, k, v = (sequence_all_to_all(t.contiguous(), self.group, 1, 2) for t in (query, key, value))
+        kwargs.pop("is_causal", None)
+        # the core repeats key/value heads by the module's ratio: this rank's ratio, after the exchange
+        local = _LocalHeads(module, q.size(1) // k.size(1))
+        out, _ = self.attn(local, q, k, v, None, *args, is_causal=True, **kwargs)  # [b, s, h_local, d]
+        return sequence_all_to_all(out.contiguous(), self.group, 1, 2), None
+
+    @classmethod
+    def register_with_transformers(cls, model_name_or_path, core_attn_implementation: str, sequence_parallel_size: int,
+                                   micro_batch_size: int | None = None, seq_length: int | None = None,
+                                   seq_length_is_variable: bool = True):
+        """Register attention implementation "ulysses" (the core one wrapped in the exchange) with
+        transformers and switch `model_name_or_path` to it when it is a model (a path: load it
+        with attn_implementation="ulysses"). Returns the mpu for `zero.initialize(mpu=...)`."""
+        from transformers import AttentionInterface
+
+        if core_attn_implementation not in AttentionInterface._global_mapping:
+            raise ValueError(f"core_attn_implementation {core_attn_implementation!r} is not a transformers attention "
+                             f"implementation ({sorted(AttentionInterface._global_mapping)}); 'eager' is model-specific "
+                             f"and cannot be wrapped: use 'sdpa'")
+        mpu = SequenceParallelState(sequence_parallel_size)
+        wrapper = cls(AttentionInterface._global_mapping[core_attn_implementation], mpu.group, sequence_parallel_size)
+        AttentionInterface.register(NAME, wrapper.forward)
+        if isinstance(model_name_or_path, torch.nn.Module):
+            model_name_or_path.set_attn_implementation(NAME)
+        return mpu
