@@ -1,30 +1,34 @@
 """`deepspeed.checkpointing`: activation checkpointing, on torch.utils.checkpoint."""
 from __future__ import annotations
 
-import torch.utils.checkpoint
-
+from zero import activations as _activations
 from zero.deepspeed._missing import missing
 
 _configured = False
 
 
 def checkpoint(function, *args):
-    """Run `function(*args)` without keeping its activations; they are recomputed in backward
-    (torch's non-reentrant checkpoint, which works with stage 3's gathering)."""
-    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+    """Run `function(*args)` without keeping its activations; they are recomputed in backward. With
+    `configure(partition_activations=True)` / `checkpoint_in_cpu=True` the kept inputs are partitioned
+    over the model-parallel group / held in host memory (zero.activations, ZeRO-R)."""
+    return _activations.checkpoint(function, *args)
 
 
 def configure(mpu_=None, deepspeed_config=None, partition_activations=None, contiguous_checkpointing=None,
               num_checkpoints=None, checkpoint_in_cpu=None, synchronize=None, profile=None) -> None:
-    """Accepted for DeepSpeed scripts. zero checkpoints activations with torch's checkpoint, which keeps
-    no extra copies; partitioning and CPU checkpointing of activations are not implemented."""
+    """DeepSpeed's configure: `partition_activations` splits the checkpointed inputs over `mpu_`'s
+    model-parallel group (`mpu_.get_model_parallel_group()`), `checkpoint_in_cpu` keeps them in host
+    memory (see [Note: ZeRO-R checkpoints] in zero/activations.py). `contiguous_checkpointing`,
+    `num_checkpoints`, `synchronize` and `profile` are DeepSpeed memory-layout and timing knobs with no
+    counterpart here (a warning if set)."""
     global _configured
-    if mpu_ is not None or partition_activations or checkpoint_in_cpu or contiguous_checkpointing:
+    group = mpu_.get_model_parallel_group() if mpu_ is not None and hasattr(mpu_, "get_model_parallel_group") else None
+    _activations.configure(partition_activations, checkpoint_in_cpu, group)
+    if contiguous_checkpointing or synchronize or profile:
         import warnings
 
-        warnings.warn("zero: deepspeed.checkpointing.configure: partition_activations, checkpoint_in_cpu, "
-                      "contiguous_checkpointing and mpu have no effect in zero (activations are checkpointed with "
-                      "torch.utils.checkpoint)", stacklevel=2)
+        warnings.warn("zero: deepspeed.checkpointing.configure: contiguous_checkpointing, synchronize and profile have "
+                      "no effect in zero", stacklevel=2)
     _configured = True
 
 
@@ -33,7 +37,7 @@ def is_configured() -> bool:
 
 
 def reset() -> None:
-    """Nothing to reset: torch's checkpoint keeps no state between steps."""
+    """Nothing to reset: the checkpoints keep no state between steps."""
 
 
 def __getattr__(name: str):
