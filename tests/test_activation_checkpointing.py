@@ -51,3 +51,20 @@ def test_partitioned_and_host_checkpoints_give_the_numbers_of_plain_ones(dist_ru
     for errors, kept, whole in dist_run(2, _zero_r_equals_plain):
         assert max(errors) < 1e-6, errors
         assert kept == whole // 2, (kept, whole)  # each of 2 ranks keeps half of the checkpointed input
+
+
+def test_the_config_section_switches_zero_r_on():
+    import zero
+    from zero import activations
+
+    try:
+        engine, *_ = zero.initialize(model=_Blocks(), config={
+            "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
+            "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True}})
+        assert activations.settings.partition and activations.settings.cpu
+        x = torch.randn(2, 32, requires_grad=True)
+        engine.backward(engine(x, activations.checkpoint))  # one rank: kept whole, in host memory already
+        engine.step()
+        engine.destroy()
+    finally:
+        activations.configure(partition_activations=False, checkpoint_in_cpu=False)

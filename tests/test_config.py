@@ -608,6 +608,7 @@ _SETTINGS = {  # a value that sets each row whose key is not a typed bool
     "zero_optimization.offload_param.nvme_path": "/local_nvme", "zero_optimization.offload_param.buffer_count": 8,
     "zero_optimization.offload_param.buffer_size": 10**6, "zero_optimization.offload_param.max_in_cpu": 10**6,
     "optimizer.params.comm_backend_name": "mpi",
+    "activation_checkpointing.number_checkpoints": 4,
 }
 ONEBIT_ONLY = {"optimizer.params.cuda_aware", "optimizer.params.comm_backend_name"}
 

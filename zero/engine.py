@@ -205,6 +205,12 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         # Ulysses sequence parallelism (zero.sequence): groups of consecutive ranks share samples
         self.sequence_parallel_size = config.sequence_parallel_size
         self.seq_parallel_group = sequence_parallel_group(config.sequence_parallel_size) if mesh is None else None
+        ac = config.activation_checkpointing  # ZeRO-R (zero/activations.py): for deepspeed.checkpointing.checkpoint
+        if ac.partition_activations or ac.cpu_checkpointing:
+            from zero import activations
+
+            activations.configure(ac.partition_activations, ac.cpu_checkpointing,
+                                  mesh.group("tp") if mesh is not None and mesh.tp > 1 else None)
         if pipelined:
             from zero.pipe.schedule import PipelineSchedule
 

@@ -12,6 +12,7 @@ from zero.config.optimizer import OptimizerConfig
 from zero.config.parallel import PipelineConfig, TensorParallelConfig
 from zero.config.rules import Caller, combination_issues
 from zero.config.sections import (
+    ActivationCheckpointingConfig,
     BF16Config,
     CheckpointConfig,
     DataTypesConfig,
@@ -79,6 +80,9 @@ class ZeroConfig(_Section):
     dump_state: bool = Field(False, description="Print the engine state after initialization.")
     dataloader_drop_last: bool = Field(False, description="Drop the last incomplete batch.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoint options.")
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig, description="ZeRO-R activation checkpoints "
+        "(deepspeed.checkpointing).")
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig, description="Extra dtypes.")
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Pipeline parallelism "
                                      "(see docs/parallelism.md).")

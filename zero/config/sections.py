@@ -511,6 +511,17 @@ class ParallelWriteConfig(_Section):
     """`checkpoint.parallel_write`: DeepSpeed's keys only (see UNIMPLEMENTED_FEATURES)."""
 
 
+@with_placeholders("activation_checkpointing")
+class ActivationCheckpointingConfig(_Section):
+    """`activation_checkpointing`: ZeRO-R's checkpoints for deepspeed.checkpointing.checkpoint (see
+    [Note: ZeRO-R checkpoints] in zero/activations.py); DeepSpeed's layout and timing knobs warn."""
+
+    partition_activations: bool = Field(False, description="Keep each checkpointed block's inputs as a 1/T slice "
+                                        "over the tensor-parallel group, all-gathered before the recomputation.")
+    cpu_checkpointing: bool = Field(False, description="Keep checkpointed inputs in host memory (a no-op, logged, "
+                                    "on a CPU-only run).")
+
+
 @with_placeholders("checkpoint")
 class CheckpointConfig(_Section):
     """`checkpoint`: training-checkpoint options (see docs/checkpoint.md). `async_save` is zero's;
