@@ -51,9 +51,10 @@ def _ulysses_matches_whole_sequence(heads: int, kv_heads: int, layout: str):
     return errors
 
 
-@pytest.mark.parametrize("heads,kv_heads,layout", [(4, 4, "bshd"), (4, 1, "bshd"), (4, 2, "sbhd")])
-def test_ulysses_attention_equals_attention_over_the_whole_sequence(dist_run, heads, kv_heads, layout):
-    for errors in dist_run(2, _ulysses_matches_whole_sequence, heads, kv_heads, layout):
+@pytest.mark.parametrize("world,heads,kv_heads,layout", [(2, 4, 4, "bshd"), (2, 4, 1, "bshd"), (2, 4, 2, "sbhd"),
+                                                         (4, 8, 2, "bshd")])
+def test_ulysses_attention_equals_attention_over_the_whole_sequence(dist_run, world, heads, kv_heads, layout):
+    for errors in dist_run(world, _ulysses_matches_whole_sequence, heads, kv_heads, layout):
         assert max(errors) < 1e-5, errors
 
 
@@ -234,9 +235,10 @@ def _gpt_with_sequence_parallelism(stage: int, offload: bool):
                    for p, q in zip(engine.module.parameters(), reference.parameters()))
 
 
-@pytest.mark.parametrize("stage,offload", [(1, False), (2, False), (3, False), (3, True)])
-def test_sequence_parallel_gpt_trains_like_the_whole_sequence_in_one_process(dist_run, stage, offload):
-    for error in dist_run(2, _gpt_with_sequence_parallelism, stage, offload):
+@pytest.mark.parametrize("world,stage,offload", [(2, 1, False), (2, 2, False), (2, 3, False), (2, 3, True),
+                                                 (4, 3, False)])
+def test_sequence_parallel_gpt_trains_like_the_whole_sequence_in_one_process(dist_run, world, stage, offload):
+    for error in dist_run(world, _gpt_with_sequence_parallelism, stage, offload):
         assert error < 1e-5, error
 
 
