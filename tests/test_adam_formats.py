@@ -99,7 +99,10 @@ def test_every_format_gives_the_same_bits_at_every_simd_level_thread_count_and_s
         if fmt.master == "bf16":
             assert torch.equal(tor[0].view(torch.int16), ref[0].view(torch.int16)), fmt
         else:
-            torch.testing.assert_close(tor[0], ref[0], rtol=1e-5, atol=1e-6)
+            # the update, not the weight, is what round-off is relative to (ATen and the kernel differ in
+            # fmas, and where ATen splits vector from scalar code)
+            update = (ref[0] - _state(fmt, n, tiny=False)[0]).abs()
+            assert ((tor[0] - ref[0]).abs() <= 1e-2 * update + 1e-7).all(), fmt
         same = [(a == b).float().mean().item() for a, b in zip(_bits(tor[1:]), _bits(ref[1:]))]
         assert min(same) > 0.999, (fmt, same)  # a code or rounding may flip where fp32 round-off differs
 
