@@ -197,6 +197,17 @@ def test_tiled_compute_trains_like_untiled_under_zero(dist_run, stage):
 
 # ------------------------------------------------------------------------------------ the engine
 
+def _max_error(engine, reference, stage: int) -> float:
+    """The largest difference between the engine's and the reference's parameters, relative to
+    each reference parameter's largest element."""
+    import zero
+
+    ctx = zero.GatheredParameters(list(engine.module.parameters())) if stage == 3 else torch.no_grad()
+    with ctx:
+        return max(((p.detach() - q.detach()).abs().max() / q.detach().abs().max()).item()
+                   for p, q in zip(engine.module.parameters(), reference.parameters()))
+
+
 def _gpt_with_sequence_parallelism(stage: int, offload: bool):
     import torch.distributed as dist
 
@@ -229,10 +240,7 @@ def _gpt_with_sequence_parallelism(stage: int, offload: bool):
         opt.zero_grad()
         reference(idx, targets).backward()
         opt.step()
-    ctx = zero.GatheredParameters(list(engine.module.parameters())) if stage == 3 else torch.no_grad()
-    with ctx:
-        return max(((p.detach() - q.detach()).abs().max() / q.detach().abs().max()).item()
-                   for p, q in zip(engine.module.parameters(), reference.parameters()))
+    return _max_error(engine, reference, stage)
 
 
 @pytest.mark.parametrize("world,stage,offload", [(2, 1, False), (2, 2, False), (2, 3, False), (2, 3, True),
@@ -278,10 +286,7 @@ def _uneven_slices_and_ignored_labels(stage: int):
         shift = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
         torch.nn.functional.cross_entropy(logits.reshape(-1, 64), shift.reshape(-1)).backward()
         opt.step()
-    ctx = zero.GatheredParameters(list(engine.module.parameters())) if stage == 3 else torch.no_grad()
-    with ctx:
-        return max(((p.detach() - q.detach()).abs().max() / q.detach().abs().max()).item()
-                   for p, q in zip(engine.module.parameters(), reference.parameters()))
+    return _max_error(engine, reference, stage)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -330,10 +335,7 @@ def _hf_llama_with_ulysses(stage: int, kv_heads: int = 2):
         shift = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
         torch.nn.functional.cross_entropy(logits.reshape(-1, 64), shift.reshape(-1)).backward()
         opt.step()
-    ctx = zero.GatheredParameters(list(engine.module.parameters())) if stage == 3 else torch.no_grad()
-    with ctx:
-        return max(((p.detach() - q.detach()).abs().max() / q.detach().abs().max()).item()
-                   for p, q in zip(engine.module.parameters(), reference.parameters()))
+    return _max_error(engine, reference, stage)
 
 
 @pytest.mark.parametrize("stage,kv_heads", [(3, 2), (2, 1)])

@@ -160,16 +160,27 @@ static adam_tile_fn adam_tile_for(int level) {
     return adam_tile_scalar;
 }
 
-int zero_cpu_adam_step(int64_t n, float *param, const void *grad, int32_t grad_dtype, float *exp_avg,
-                       float *exp_avg_sq, void *out16, int32_t out16_dtype, const zero_adam_config *cfg,
-                       int simd, int num_threads) {
+/* The checks both entry points make before anything is written: ZERO_OK and *level set, 1 for
+ * "nothing to do" (n == 0), or an error code. */
+static int check_step(int64_t n, const void *param, const void *grad, int32_t grad_dtype, const void *exp_avg,
+                      const void *exp_avg_sq, const void *out16, int32_t out16_dtype, const zero_adam_config *cfg,
+                      int simd, int *level) {
     if (n < 0 || !zero_adam_config_ok(cfg)) return ZERO_BAD_ARGUMENT;
     if (grad_dtype != ZERO_F32 && grad_dtype != ZERO_BF16 && grad_dtype != ZERO_F16) return ZERO_BAD_ARGUMENT;
     if (out16 != NULL && out16_dtype != ZERO_BF16 && out16_dtype != ZERO_F16) return ZERO_BAD_ARGUMENT;
-    const int level = zero_simd_resolve(simd);
-    if (level < 0) return level;
-    if (n == 0) return ZERO_OK;
+    *level = zero_simd_resolve(simd);
+    if (*level < 0) return *level;
+    if (n == 0) return 1;
     if (param == NULL || grad == NULL || exp_avg == NULL || exp_avg_sq == NULL) return ZERO_BAD_ARGUMENT;
+    return ZERO_OK;
+}
+
+int zero_cpu_adam_step(int64_t n, float *param, const void *grad, int32_t grad_dtype, float *exp_avg,
+                       float *exp_avg_sq, void *out16, int32_t out16_dtype, const zero_adam_config *cfg,
+                       int simd, int num_threads) {
+    int level;
+    const int rc = check_step(n, param, grad, grad_dtype, exp_avg, exp_avg_sq, out16, out16_dtype, cfg, simd, &level);
+    if (rc != ZERO_OK) return rc == 1 ? ZERO_OK : rc;
 
     const zero_adam_coeffs c = zero_adam_coeffs_of(cfg);
     const adam_tile_fn tile = adam_tile_for(level);
@@ -209,13 +220,9 @@ int zero_cpu_adam_step_fmt(int64_t n, void *param, const void *grad, int32_t gra
     if (pd == ZERO_F32 && sd == ZERO_F32)
         return zero_cpu_adam_step(n, (float *)param, grad, grad_dtype, (float *)exp_avg, (float *)exp_avg_sq, out16,
                                   out16_dtype, cfg, simd, num_threads);
-    if (n < 0 || !zero_adam_config_ok(cfg)) return ZERO_BAD_ARGUMENT;
-    if (grad_dtype != ZERO_F32 && grad_dtype != ZERO_BF16 && grad_dtype != ZERO_F16) return ZERO_BAD_ARGUMENT;
-    if (out16 != NULL && out16_dtype != ZERO_BF16 && out16_dtype != ZERO_F16) return ZERO_BAD_ARGUMENT;
-    const int level = zero_simd_resolve(simd);
-    if (level < 0) return level;
-    if (n == 0) return ZERO_OK;
-    if (param == NULL || grad == NULL || exp_avg == NULL || exp_avg_sq == NULL) return ZERO_BAD_ARGUMENT;
+    int level;
+    const int rc = check_step(n, param, grad, grad_dtype, exp_avg, exp_avg_sq, out16, out16_dtype, cfg, simd, &level);
+    if (rc != ZERO_OK) return rc == 1 ? ZERO_OK : rc;
     if (sd == ZERO_Q8 && (m_scale == NULL || v_scale == NULL)) return ZERO_BAD_ARGUMENT;
 
     const zero_adam_coeffs c = zero_adam_coeffs_of(cfg);
