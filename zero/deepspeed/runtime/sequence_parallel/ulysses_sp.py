@@ -1,10 +1,16 @@
-"""`deepspeed.runtime.sequence_parallel.ulysses_sp`: `TiledMLP` and `TiledFusedLogitsLoss` are
-zero.sequence's (zero/sequence/tiled.py), `UlyssesSPDataLoaderAdapter` (zero/sequence/data.py) and
-`UlyssesSPAttentionHF` (zero/sequence/hf.py) too; sequence_tiled_compute is not here yet."""
+"""`deepspeed.runtime.sequence_parallel.ulysses_sp`: `TiledMLP`, `TiledFusedLogitsLoss`,
+`sequence_tiled_compute` and `SequenceTiledCompute` are zero.sequence's (zero/sequence/tiled.py),
+`UlyssesSPDataLoaderAdapter` (zero/sequence/data.py) and `UlyssesSPAttentionHF` (zero/sequence/hf.py)
+too."""
 from zero.deepspeed._missing import missing
 from zero.sequence.data import UlyssesSPDataLoaderAdapter  # noqa: F401
 from zero.sequence.hf import UlyssesSPAttentionHF  # noqa: F401
-from zero.sequence.tiled import TiledFusedLogitsLoss, TiledMLP  # noqa: F401
+from zero.sequence.tiled import (  # noqa: F401
+    SequenceTiledCompute,
+    TiledFusedLogitsLoss,
+    TiledMLP,
+    sequence_tiled_compute,
+)
 
 
 def __getattr__(name: str):
