@@ -37,10 +37,10 @@ def __getattr__(name):  # keep `import zero` light: torch-heavy modules load on 
         from zero.monitor import TrainingMonitor
 
         return TrainingMonitor
-    if name == "estimate_memory":
-        from zero.estimate import estimate_memory
+    if name in ("estimate_memory", "estimate_activations"):
+        from zero import estimate
 
-        return estimate_memory
+        return getattr(estimate, name)
     if name == "ZeroRuntimeError":
         from zero.errors import ZeroRuntimeError
 
@@ -66,4 +66,5 @@ _DEEPSPEED_ONLY = {"add_config_arguments", "zero", "utils", "checkpointing", "op
 
 __all__ = ["initialize", "init_distributed", "Engine", "ConfigError", "load_config", "Init", "GatheredParameters",
            "register_external_parameter", "unregister_external_parameter", "set_z3_leaf_modules", "RankDivergenceError",
-           "CollectiveTimeout", "NonFiniteGradientError", "ZeroRuntimeError", "estimate_memory", "TrainingMonitor", "__version__"]
+           "CollectiveTimeout", "NonFiniteGradientError", "ZeroRuntimeError", "estimate_memory", "estimate_activations", "TrainingMonitor",
+           "__version__"]

@@ -96,6 +96,15 @@ class MemoryEstimate:
     host_bytes: int  # model states and staging in host memory
     master_dtype: str = "fp32"  # the master weights' format: "fp32" or "bf16"
     state_dtype: str = "fp32"  # Adam's moments' format: "fp32", "bf16" or "int8"
+    activations: int = 0  # one forward and backward's peak beyond the parameters (estimate_activations)
+    buffers_in_backward: int = 0  # the part of `buffers` alive while backward starts (see the note)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most device memory of a training step: model states on the device, then either the
+        activations' peak with the buffers alive beside it or all buffers, whichever is more
+        (see [Note: the estimator's numbers]); with no activations given, `device_bytes`."""
+        return self.device_bytes - self.buffers + max(self.buffers, self.activations + self.buffers_in_backward)
 
     @property
     def model_states_total(self) -> int:
@@ -145,15 +154,16 @@ class MemoryTable(list):
         head = (f"{self.psi:,} trainable parameters ({_human(self.psi)}), {self.dtype}, "
                 + ("every state format" if several else formats[0] if formats else "") + f", {n} rank(s)"
                 + (f", {self.persistent:,} kept whole under stage 3" if self.persistent else ""))
-        cols = ["option", *(["state format"] if several else []), "model states/rank", "device/rank", "host/rank",
-                f"host/node ({self.gpus_per_node} ranks)"]
+        peaks = any(r.activations for r in self)
+        cols = ["option", *(["state format"] if several else []), "model states/rank", "device/rank",
+                *(["peak/rank"] if peaks else []), "host/rank", f"host/node ({self.gpus_per_node} ranks)"]
         lines, last = [], None
         for r in self:
             label = r.label if r.label != last else ""  # with several formats: the option once per group
             last = r.label
             lines.append([label, *([r.state_format] if several else []), format_bytes(r.model_states_total),
-                          format_bytes(r.device_bytes), format_bytes(r.host_bytes),
-                          format_bytes(r.host_bytes * self.gpus_per_node)])
+                          format_bytes(r.device_bytes), *([format_bytes(r.peak_bytes)] if peaks else []),
+                          format_bytes(r.host_bytes), format_bytes(r.host_bytes * self.gpus_per_node)])
         text = 2 if several else 1  # left-aligned columns
         widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(cols)]
         out = [head, "  ".join(c.ljust(w) for c, w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
@@ -161,6 +171,9 @@ class MemoryTable(list):
                 for line in lines]
         out.append("device/rank includes the communication and gathering buffers of a step"
                    + (f" (stage 3: largest unit {self.largest_unit:,} elements)" if self.largest_unit else ""))
+        if peaks:
+            out.append(f"peak/rank adds one forward and backward's activations ({format_bytes(self[0].activations)}, "
+                       f"zero.estimate_activations) to the model states and the buffers alive beside them")
         if several:
             out.append("state format: how the optimizer stores the master weights and Adam's moments (8-bit: one "
                        "byte each, one fp32 scale per 256 elements); docs/config.md, 'State formats'")
@@ -172,7 +185,7 @@ def estimate_memory(model_or_param_count: nn.Module | int | float, world_size: i
                     config: dict | str | None = None, gpus_per_node: int | None = None,
                     persistent_params: int | None = None, largest_layer: int | None = None,
                     master_dtype: str | None = None, state_dtype: str | None = None,
-                    state_formats: bool = False) -> MemoryTable:
+                    state_formats: bool = False, activations=None) -> MemoryTable:
     """Per-rank memory of every stage and offload option (or the ones asked for).
 
     Args:
@@ -202,6 +215,10 @@ def estimate_memory(model_or_param_count: nn.Module | int | float, world_size: i
         state_formats: also each common state format (STATE_FORMATS: for bf16 training fp32 or bf16
             master with fp32, bf16 or 8-bit moments as listed there), after the one asked for:
             several rows per option, and the table gets a state-format column.
+        activations: one forward and backward's activation memory per rank: an ActivationEstimate
+            (zero.estimate_activations, which traces the model at a micro-batch and sequence
+            length) or bytes. Each row's `peak_bytes` adds it to the model states (see the note),
+            and the table gets a peak column.
 
     Returns:
         A MemoryTable (a list of MemoryEstimate) that prints as a table.
@@ -232,6 +249,10 @@ def estimate_memory(model_or_param_count: nn.Module | int | float, world_size: i
     if largest_layer is not None and (model is not None or not isinstance(largest_layer, int) or largest_layer < 1):
         raise ValueError("largest_layer is for a parameter count (a model's units are planned), and must be a "
                          f"positive integer, got {largest_layer!r}")
+    activation_bytes = getattr(activations, "peak", activations) or 0
+    if isinstance(activation_bytes, bool) or not isinstance(activation_bytes, int) or activation_bytes < 0:
+        raise TypeError(f"activations must be an ActivationEstimate (zero.estimate_activations) or a byte count, got "
+                        f"{activations!r}")
     others = STATE_FORMATS["bf16" if dtype_name == "bf16" else "other"] if state_formats else ()
     rows, persistent_seen, largest_seen = [], 0, 0
     for s in (0, 1, 2, 3) if stage is None else (stage,):
@@ -243,7 +264,7 @@ def estimate_memory(model_or_param_count: nn.Module | int | float, world_size: i
                 if (m, st) in {(r.master_dtype, r.state_dtype) for r in rows if (r.stage, r.offload) == (s, o)}:
                     continue
                 row, persistent, unit = _estimate(psi, model, world_size, s, o, dtype_name, config, persistent_params,
-                                                  largest_layer, m, st)
+                                                  largest_layer, m, st, activation_bytes)
                 rows.append(row)
                 persistent_seen = max(persistent_seen, persistent)
                 largest_seen = max(largest_seen, unit if s == 3 else 0)
@@ -334,7 +355,8 @@ def _policies(config, stage: int, offload: str, dtype: str, world_size: int, mas
 
 
 def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, config, persistent_given,
-              largest_layer: int | None, master_dtype: str | None = None, state_dtype: str | None = None):
+              largest_layer: int | None, master_dtype: str | None = None, state_dtype: str | None = None,
+              activations: int = 0):
     precision, step, reduce, s3, onebit, compressed_gather = _policies(config, stage, offload, dtype, n, master_dtype,
                                                                        state_dtype)
     from zero.ops.adam_formats import Q8_BLOCK, q8_blocks
@@ -385,24 +407,28 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
     host_staging = g * shard + tiles if offload_opt else 0
     if stage < 2:
         buffers = min(psi, reduce.bucket_elements) * r if precision.reduce != precision.grad else 0
+        in_backward = 0  # the casts come after backward
     elif stage == 2:  # staging buffers of whole buckets: one filling, two in flight (see the note)
         sizes = sorted((b.numel for b in layout.buckets), reverse=True) if model is not None else (
             [min(psi, reduce.bucket_elements)] * min(3, math.ceil(psi / reduce.bucket_elements)))
         buffers = sum(sizes[:3]) * r
+        in_backward = sizes[0] * r  # the bucket the first gradients fill
     else:  # gathered units, one all-gather output, (offload_param) one staged shard, two gradient sends
         gathered = min(psi - persistent, max(s3.max_live_elements, largest_unit))
         buffers = p * gathered + p * largest_unit + (p * largest_unit / n if offload_param else 0) + 2 * r * largest_unit
+        in_backward = p * gathered  # the units kept from forward for backward
     # OneBitAdam (stages 0-2) and ZeroOneAdam (stage 0), several ranks: a worker error per element, a
     # server error per owned element at stage 0; ZeroOneAdam also keeps u and the anchor (8 bytes each)
     errors = 4 * (psi + (psi / n if stage == 0 else 0)) if onebit and n > 1 and stage < 3 else 0
     local_state = 8 * psi if onebit == "ZeroOneAdam" and stage == 0 else 0
     buffers += errors + local_state + (p * shard if compressed_gather else 0)  # the owned slices before the step
+    in_backward += errors + local_state
     on_host = (fp32_master + states if offload_opt else 0) + (p * psi / n if offload_param else 0)
     host = on_host + host_staging
     device = params + grads + fp32_master + states + buffers - on_host
     values = dict(params=params, grads=grads, fp32_master=fp32_master, optimizer_states=states,
                   host_staging=host_staging, buffers=buffers, device_bytes=device, host_bytes=host,
-                  compression_errors=errors)
+                  compression_errors=errors, buffers_in_backward=in_backward, activations=activations)
     row = MemoryEstimate(stage=stage, offload=offload, world_size=n, **{k: int(round(v)) for k, v in values.items()},
                          master_dtype=fmt.master, state_dtype=fmt.state)
     return row, persistent, largest_unit
@@ -436,4 +462,7 @@ def _human(count: int) -> str:
     return str(count)
 
 
-__all__ = ["MemoryEstimate", "MemoryTable", "STATE_FORMATS", "estimate_memory", "format_bytes", "state_format_label"]
+from zero.estimate.activations import ActivationEstimate, estimate_activations  # noqa: E402
+
+__all__ = ["ActivationEstimate", "MemoryEstimate", "MemoryTable", "STATE_FORMATS", "estimate_activations",
+           "estimate_memory", "format_bytes", "state_format_label"]

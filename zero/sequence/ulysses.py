@@ -24,16 +24,41 @@ import torch.distributed as dist
 import torch.nn as nn
 
 
+class ShapeGroup:
+    """A stand-in for a sequence-parallel group of `size` ranks where nothing is sent: the memory
+    estimator traces a model with it (zero/estimate/activations.py). The exchange then allocates
+    what it would and leaves the received tensor unwritten."""
+
+    def __init__(self, size: int):
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def group_size(group) -> int:
+    """Ranks in `group` (a process group, None for the default one, or a ShapeGroup)."""
+    return group.size() if isinstance(group, ShapeGroup) else dist.get_world_size(group)
+
+
+def _shapes_only(x: torch.Tensor, group) -> bool:
+    """Nothing to send: a ShapeGroup, or tensors without data (meta, or fake while being traced)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return isinstance(group, ShapeGroup) or x.is_meta or is_fake(x)
+
+
 class _SequenceAllToAll(torch.autograd.Function):
     """All-to-all that splits `scatter_dim` over the group and joins `gather_dim` from it."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
         ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
-        world = dist.get_world_size(group)
+        world = group_size(group)
         send = torch.stack(torch.tensor_split(x, world, dim=scatter_dim)).contiguous()
         received = torch.empty_like(send)
-        dist.all_to_all_single(received, send, group=group)
+        if not _shapes_only(x, group):
+            dist.all_to_all_single(received, send, group=group)
         return torch.cat(received.unbind(0), dim=gather_dim)
 
     @staticmethod
@@ -49,7 +74,7 @@ def sequence_all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: in
     Raises:
         ValueError: `scatter_dim` does not split evenly over the group.
     """
-    world = dist.get_world_size(group)
+    world = group_size(group)
     if x.size(scatter_dim) % world:
         raise ValueError(f"sequence parallelism over {world} ranks splits dimension {scatter_dim} of a tensor of "
                          f"shape {tuple(x.shape)}, whose size {x.size(scatter_dim)} is not a multiple of {world}")
@@ -92,7 +117,7 @@ class DistributedAttention(nn.Module):
                 *args: Any, **kwargs: Any) -> torch.Tensor:
         """Attention of this rank's sequence slice over the whole sequence; returns the context of
         this rank's tokens with all heads, laid out as `query`."""
-        world = dist.get_world_size(self.spg)
+        world = group_size(self.spg)
         heads_dim, seq_dim = self.scatter_idx, self._sequence_dim(batch_dim_idx)
         heads, kv_heads = query.size(heads_dim), key.size(heads_dim)
         if heads % world:

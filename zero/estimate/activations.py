@@ -1,0 +1,362 @@
+"""What one forward and backward of a model take in memory beyond its parameters, found by running
+them on tensors without data.
+
+    act = zero.estimate_activations(model, micro_batch_size=1, seq_len=4096)   # HF causal LM, zero GPT
+    act = zero.estimate_activations(unet, (torch.empty(2, 1, 96, 96, 96),))     # any module: example inputs
+    zero.estimate_memory(model, 8, activations=act)                            # + model states = peak
+
+[Note: tracing activations]
+Activation memory depends on what the model's code does (which tensors autograd saves, what the
+attention kernel keeps, whether blocks are checkpointed, tiled or sequence-parallel), so the
+estimate runs that code instead of a formula: one forward, the loss and one backward on fake tensors
+(torch's FakeTensorMode: shapes, dtypes and devices, no data, nothing allocated), with the model's
+parameters swapped for fake ones of their full shapes (torch.func.functional_call). A dispatch mode
+sees every tensor each operation creates and a finalizer sees its storage die, so the count of live
+bytes is the allocator's count of a real run, operation by operation, and its maximum is the peak.
+Fake tensors are CPU tensors, so operations pick the CPU kernels: SDPA runs its flash kernel, whose
+memory (output plus a log-sum-exp per row) is that of CUDA's flash and memory-efficient kernels.
+
+What is counted: every tensor made in the forward, the loss and the backward, while it lives:
+activations saved for backward, temporaries, activation gradients, and each parameter's gradient
+until its hook hands it on (the engine copies it into a bucket or shard at once; where it then
+lives is a model state, counted by the estimator's other half, so the trace drops it there). Not
+counted: the parameters, the example inputs, and what the model's forward hooks do (ZeRO's gathers
+and the like are the `buffers` of the model-state estimate); the hooks do not run in the trace.
+`peak` is the most alive at once; `saved` is what is alive when backward starts.
+
+A sequence-parallel model traces with its own group size (each rank's slice of the sequence, the
+whole sequence for its heads after the exchange, which allocates what it would and sends nothing);
+`sequence_parallel_size` gives a zero GPT or an HF model that exchange for the trace only.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+
+@dataclass(frozen=True)
+class ActivationEstimate:
+    """Bytes of one forward and backward beyond the parameters (see [Note: tracing activations]).
+
+    Attributes:
+        peak: the most bytes alive at once, from the start of forward to the end of backward.
+        saved: bytes alive when backward starts (what forward keeps for it, and the loss).
+        inputs: the example's shapes, for the record ("input_ids [1, 4096] int64, ...").
+    """
+
+    peak: int
+    saved: int
+    inputs: str
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Counts the bytes of the storages operations create while they live."""
+
+    def __init__(self, known: list[torch.Tensor]):
+        super().__init__()
+        self.sizes: dict[int, int] = {}  # id of a live storage -> bytes (0 for the known ones)
+        self.now = self.peak = 0
+        for t in known:
+            self._track(t, count=False)
+
+    def _track(self, t: torch.Tensor, count: bool = True) -> None:
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key in self.sizes:
+            return
+        nbytes = storage.nbytes() if count else 0
+        self.sizes[key] = nbytes
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.now -= self.sizes.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        if func in _CONVOLUTIONS:  # its kernel's scratch memory, beside its outputs (see the note)
+            self.peak = max(self.peak, self.now + _convolution_workspace(func, args, out))
+        return out
+
+
+_CONVOLUTIONS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
+_WORKSPACE_EDGE = 16  # spatial size of the measured stand-in
+_workspace_per_element: dict[tuple, float] = {}  # a convolution's signature -> scratch bytes per input element
+
+
+def _convolution_workspace(func, args: tuple, out) -> int:
+    """Scratch bytes a convolution (or its backward) allocates inside its kernel, beyond its
+    outputs: measured once per signature by running it on random data of a small spatial size, and
+    scaled by the input's elements (see [Note: tracing activations])."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from zero.testing.memory import AllocatorPeak
+
+    backward = func is torch.ops.aten.convolution_backward.default
+    x, weight = (args[1], args[2]) if backward else (args[0], args[1])
+    rest = args[3:] if backward else args[2:]  # bias (sizes), stride, padding, ..., groups(, output_mask)
+    small = (*x.shape[:2], *(min(d, _WORKSPACE_EDGE) for d in x.shape[2:]))
+    key = (backward, small, tuple(weight.shape), x.dtype, *(tuple(r) if isinstance(r, list) else
+                                                           tuple(r.shape) if isinstance(r, torch.Tensor) else r
+                                                           for r in rest))
+    if key not in _workspace_per_element:
+        with _disable_current_modes(), torch.no_grad():
+            xs = torch.randn(small, dtype=x.dtype)
+            ws = torch.randn(weight.shape, dtype=weight.dtype)
+            if backward:
+                bias = torch.zeros(rest[0], dtype=x.dtype) if rest[0] is not None else None
+                ys = torch.ops.aten.convolution.default(xs, ws, bias, *rest[1:-1])
+                gs = torch.randn_like(ys)
+                with AllocatorPeak() as measured:
+                    outs = func(gs, xs, ws, *rest)
+            else:
+                bias = torch.randn(rest[0].shape, dtype=rest[0].dtype) if rest[0] is not None else None
+                with AllocatorPeak() as measured:
+                    outs = func(xs, ws, bias, *rest[1:])
+            made = sum(t.untyped_storage().nbytes() for t in tree_flatten(outs)[0] if isinstance(t, torch.Tensor))
+        _workspace_per_element[key] = max(0, measured.peak - made) / xs.numel()
+    return int(_workspace_per_element[key] * x.numel())
+
+
+def estimate_activations(model: nn.Module, example: Any = None, *, loss: Callable[[Any], torch.Tensor] | None = None,
+                         micro_batch_size: int = 1, seq_len: int | None = None, dtype: torch.dtype | None = None,
+                         sequence_parallel_size: int = 1) -> ActivationEstimate:
+    """Activation memory of one training step of `model` on one rank (see [Note: tracing activations]).
+
+    Args:
+        model: the module as it trains (checkpointing, tiling and attention as configured). Its
+            parameters are not touched: fake ones of their full shapes (stage 3's `ds_shape`) take
+            their place in the trace.
+        example: the forward's inputs: a tuple of positional arguments, a dict of keyword
+            arguments, or a (tuple, dict) pair; tensors give shape and dtype only (real, meta or
+            fake). None: token ids of [micro_batch_size, seq_len] for an HF causal LM
+            (`input_ids`, `labels`) or a zero.models GPT (`idx`, `targets`).
+        loss: output -> the scalar that backward starts from. Default: the output if it is a
+            scalar, else its `.loss`, else the sum of its floating-point tensors.
+        micro_batch_size, seq_len: the token example's shape (whole sequences: each rank of a
+            sequence-parallel group gets seq_len / sequence_parallel_size tokens).
+        dtype: the training dtype the engine casts the model to (None: the parameters' own);
+            floating-point inputs are cast too.
+        sequence_parallel_size: trace a zero GPT or an HF model with Ulysses attention over this
+            many ranks (a model that has it already traces with its own group).
+
+    Returns:
+        An ActivationEstimate (bytes per rank).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"estimate_activations takes an nn.Module, got {type(model).__name__}")
+    if not isinstance(sequence_parallel_size, int) or sequence_parallel_size < 1:
+        raise ValueError(f"sequence_parallel_size must be a positive integer, got {sequence_parallel_size!r}")
+    if example is None:
+        example = _token_example(model, micro_batch_size, seq_len, sequence_parallel_size)
+    args, kwargs = _split_example(example)
+    inputs = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tree_flatten((args, kwargs))[0]
+                       if isinstance(t, torch.Tensor))
+    fake = FakeTensorMode(allow_non_fake_inputs=False)
+    with fake, contextlib.ExitStack() as stack:
+        stack.enter_context(_without_module_hooks(model))
+        stack.enter_context(_hf_masks_for_trace())
+        if sequence_parallel_size > 1:
+            stack.enter_context(_ulysses_for_trace(model, sequence_parallel_size))
+        params = _fake_parameters(model, dtype)
+        args, kwargs = tree_map(lambda t: _fake_input(t, dtype), (args, kwargs))
+        known = [*params.values(), *(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))]
+        for p in {id(p): p for p in params.values()}.values():
+            if p.requires_grad:  # the engine hands each gradient on at once (see the note)
+                p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
+        step = _Step(model, loss or _default_loss)
+        with _LiveBytes(known) as live:
+            step.live = live
+            # backward inside the call too: a checkpointed block's recomputation reads the fake parameters
+            saved = torch.func.functional_call(step, {f"model.{k}": v for k, v in params.items()}, (args, kwargs),
+                                               tie_weights=True, strict=False)
+    return ActivationEstimate(peak=int(live.peak), saved=int(saved), inputs=inputs)
+
+
+class _Step(nn.Module):
+    """Forward, loss and backward of `model`, as one call; returns the bytes alive when backward starts."""
+
+    def __init__(self, model: nn.Module, loss: Callable[[Any], torch.Tensor]):
+        super().__init__()
+        self.model, self.loss, self.live = model, loss, None
+
+    def forward(self, args: tuple, kwargs: dict) -> int:
+        out = self.model(*args, **kwargs)
+        value = self.loss(out)
+        del out
+        saved = self.live.now
+        value.backward()
+        return saved
+
+
+def _default_loss(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return out
+    if getattr(out, "loss", None) is not None:
+        return out.loss
+    floats = [t for t in tree_flatten(out if not hasattr(out, "to_tuple") else out.to_tuple())[0]
+              if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    if not floats:
+        raise ValueError("estimate_activations: the model's output has no floating-point tensor to start backward "
+                         "from; pass loss=(output -> scalar)")
+    return sum(t.float().sum() for t in floats)
+
+
+def _split_example(example: Any) -> tuple[tuple, dict]:
+    if isinstance(example, dict):
+        return (), dict(example)
+    if isinstance(example, torch.Tensor):
+        return (example,), {}
+    if isinstance(example, tuple) and len(example) == 2 and isinstance(example[0], (tuple, list)) \
+            and isinstance(example[1], dict):
+        return tuple(example[0]), dict(example[1])
+    if isinstance(example, (tuple, list)):
+        return tuple(example), {}
+    raise TypeError(f"estimate_activations: example must be a tuple of arguments, a dict of keyword arguments or an "
+                    f"(args, kwargs) pair, got {type(example).__name__}")
+
+
+def _token_example(model: nn.Module, micro: int, seq_len: int | None, sp: int) -> tuple[tuple, dict]:
+    """Token ids (and labels) of one rank's slice for an HF causal LM or a zero.models GPT."""
+    from zero.models import GPT
+
+    if not isinstance(seq_len, int) or seq_len < 1 or not isinstance(micro, int) or micro < 1:
+        raise ValueError(f"estimate_activations without an example needs a positive seq_len and micro_batch_size, "
+                         f"got seq_len={seq_len!r}, micro_batch_size={micro!r}")
+    if seq_len % sp:
+        raise ValueError(f"seq_len {seq_len} does not split over sequence_parallel_size {sp}")
+    ids = torch.empty(micro, seq_len // sp, dtype=torch.long, device="meta")
+    if isinstance(model, GPT):
+        return (ids, ids), {}
+    if getattr(getattr(model, "config", None), "vocab_size", None) is not None:
+        return (), {"input_ids": ids, "labels": ids}
+    raise ValueError(f"estimate_activations: {type(model).__name__} is neither an HF causal LM nor a zero.models GPT; "
+                     f"pass example=(its forward's inputs)")
+
+
+def _fake_parameters(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Fake tensors of every parameter's and buffer's full shape, tied ones shared (call inside the
+    fake mode)."""
+    made: dict[int, torch.Tensor] = {}
+    out = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if id(t) not in made:
+            shape = tuple(getattr(t, "ds_shape", None) or t.shape)
+            cast = dtype if dtype is not None and t.is_floating_point() and isinstance(t, nn.Parameter) else t.dtype
+            made[id(t)] = torch.empty(shape, dtype=cast, requires_grad=isinstance(t, nn.Parameter) and t.requires_grad)
+        out[name] = made[id(t)]
+    return out
+
+
+def _fake_input(t: Any, dtype: torch.dtype | None) -> Any:
+    if not isinstance(t, torch.Tensor):
+        return t
+    cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+    return torch.empty(t.shape, dtype=cast, requires_grad=t.requires_grad)  # inside the fake mode: fake, on the CPU
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
+
+
+@contextlib.contextmanager
+def _without_module_hooks(model: nn.Module):
+    """The model's module hooks (ZeRO's gathers and the like) set aside for the trace."""
+    kept = [(m, {name: getattr(m, name) for name in _HOOK_DICTS if hasattr(m, name)}) for m in model.modules()]
+    try:
+        for m, hooks in kept:
+            for name, value in hooks.items():
+                setattr(m, name, type(value)())
+        yield
+    finally:
+        for m, hooks in kept:
+            for name, value in hooks.items():
+                setattr(m, name, value)
+
+
+@contextlib.contextmanager
+def _hf_masks_for_trace():
+    """transformers decides whether a causal mask can be left to SDPA's `is_causal` by reading the
+    attention and position values, which fake tensors do not have; it then builds the whole
+    [sequence x sequence] mask "to be safe". For the trace, its mask helpers see what a batch of
+    unpadded, unpacked sequences is (what the example is): no mask is built, as in the real run."""
+    import sys
+
+    masks = sys.modules.get("transformers.masking_utils")
+    if masks is None:  # transformers not in use
+        yield
+        return
+    from torch._subclasses.fake_tensor import is_fake
+
+    saved = {name: getattr(masks, name) for name in ("is_tracing", "fast_all", "find_packed_sequence_indices")
+             if hasattr(masks, name)}
+    replaced = {
+        "is_tracing": lambda tensor=None: saved["is_tracing"](None if tensor is not None and is_fake(tensor) else tensor),
+        "fast_all": lambda tensor: True if is_fake(tensor) else saved["fast_all"](tensor),
+        "find_packed_sequence_indices": lambda position_ids: None if is_fake(position_ids) else
+        saved["find_packed_sequence_indices"](position_ids),
+    }
+    try:
+        for name in saved:
+            setattr(masks, name, replaced[name])
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(masks, name, value)
+
+
+@contextlib.contextmanager
+def _ulysses_for_trace(model: nn.Module, size: int):
+    """A zero GPT's blocks or an HF model's attention given the Ulysses exchange over `size`
+    stand-in ranks, for the trace only."""
+    from zero.models import Block
+    from zero.sequence.ulysses import DistributedAttention, ShapeGroup, _causal_bhsd
+
+    group = ShapeGroup(size)
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    if blocks:
+        before = [b.attend for b in blocks]
+        for b in blocks:
+            b.attend = DistributedAttention(_causal_bhsd, group, scatter_idx=1, gather_idx=2)
+        try:
+            yield
+        finally:
+            for b, attend in zip(blocks, before):
+                b.attend = attend
+        return
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "set_attn_implementation"):
+        raise ValueError(f"sequence_parallel_size: {type(model).__name__} is neither a zero.models GPT nor an HF model; "
+                         f"give it DistributedAttention and trace it as it is")
+    from transformers import AttentionInterface
+
+    from zero.sequence.hf import UlyssesSPAttentionHF
+
+    core = config._attn_implementation
+    if core not in AttentionInterface._global_mapping:
+        raise ValueError(f"sequence_parallel_size: the model's attention {core!r} is not a transformers attention "
+                         f"implementation that can be wrapped; load it with attn_implementation='sdpa'")
+    name = "zero_ulysses_estimate"
+    AttentionInterface.register(name, UlyssesSPAttentionHF(AttentionInterface._global_mapping[core], group, size).forward)
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(core)
+
+
+__all__ = ["ActivationEstimate", "estimate_activations"]
