@@ -194,8 +194,9 @@ class DeepSpeedMethods:
         return self._coordinate("pp")
 
     def get_sequence_parallel_group(self):
-        """None: zero has no sequence parallelism (DeepSpeed's value when it is off)."""
-        return None
+        """The sequence-parallel group (`sequence_parallel_size` consecutive ranks), None when it is
+        off (DeepSpeed's value then)."""
+        return getattr(self, "seq_parallel_group", None)
 
     @property
     def dp_world_size(self) -> int:

@@ -19,15 +19,36 @@ Trainer's loop runs as it is; four of its methods hand the work to a zero engine
 - Checkpoints: `checkpoint-N/zero/` is a zero training checkpoint (docs/checkpoint.md), so
   `resume_from_checkpoint` also works on another world size; `save_model` gathers the model on
   every rank and writes safetensors from rank 0.
+
+[Note: sequence parallelism in Trainer]
+With `sequence_parallel_size: P` in the zero config, P consecutive ranks hold slices of the same
+samples' sequences (docs/sequence.md):
+- the model's attention is wrapped in the Ulysses exchange (`UlyssesSPAttentionHF`, around the
+  model's own implementation) inside `train()` only; evaluate, predict and generate run whole
+  sequences, each rank its own, with the model's own attention, as without sequence parallelism.
+- Trainer's loader is accelerate's, which gives every process its own batches: its shard becomes
+  the data-parallel rank's (rank // P of world // P), so a group shares its batches, and its collate
+  function slices each batch (`shard_batch`, what UlyssesSPDataLoaderAdapter does to a loader:
+  labels shifted over the whole sequence first, global position_ids). Slicing in the collate
+  function keeps Trainer's loader as it is: its length, set_epoch and the skipping on resume.
+- the loss is each rank's share of the mean over the whole sequences' valid tokens (see [Note: the
+  loss over a group] in zero/sequence/data.py). Where Trainer counts the tokens of the accumulation
+  window (`num_items_in_batch`), they are counted on the slices and summed over all ranks
+  (average_tokens_across_devices) or over the group; for a model that takes no loss arguments, per
+  micro-batch over the group (`sequence_loss`). Averaged over the ranks, losses and gradients are
+  those of the whole sequences in one process.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 try:
     import transformers
@@ -37,6 +58,8 @@ except ImportError as exc:  # pragma: no cover - the message is what matters
                       "(or pip install transformers accelerate)") from exc
 
 import zero
+from zero.sequence.data import IGNORE, sequence_loss, shard_batch
+from zero.sequence.groups import data_parallel_rank_and_size
 
 CHECKPOINT_TAG = "zero"
 
@@ -181,31 +204,195 @@ def _refuse_model_parallel(raw: dict) -> None:
                          f"with zero.initialize (docs/parallelism.md)")
 
 
+def _sequence_parallel_size(raw: dict) -> int:
+    size = raw.get("sequence_parallel_size", 1)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"zero_config sequence_parallel_size must be an int >= 1, got {size!r}")
+    return size
+
+
+class _SequenceSlices:
+    """A collate function that gives this rank its slice of every batch's sequences (`shard_batch`);
+    see [Note: sequence parallelism in Trainer]."""
+
+    def __init__(self, collate, rank: int, size: int):
+        self.collate, self.rank, self.size = collate, rank, size
+
+    def __call__(self, features):
+        batch = self.collate(features)
+        if not isinstance(batch, Mapping):
+            raise TypeError(f"sequence_parallel_size {self.size}: ZeroTrainer slices dict batches (input_ids, labels, "
+                            f"...), but the data collator returned {type(batch).__name__}")
+        return shard_batch(dict(batch), self.rank, self.size)
+
+
+def _shard_by_data_parallel_rank(loader, size: int) -> None:
+    """Make accelerate's loader shard by data-parallel rank (rank // size of world // size), so the
+    `size` ranks of a sequence-parallel group get the same batches."""
+    from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
+
+    if isinstance(loader, DataLoaderDispatcher):
+        raise ValueError(f"sequence_parallel_size {size}: accelerate dispatches this loader's batches from rank 0 by "
+                         f"process (an IterableDataset, or accelerator_config.dispatch_batches), which cannot give "
+                         f"a sequence-parallel group the same batches; use a map-style dataset and dispatch_batches "
+                         f"False")
+    rank, world = data_parallel_rank_and_size(size)
+    for shard in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None),
+                  getattr(loader, "dataset", None)):
+        if isinstance(shard, (BatchSamplerShard, IterableDatasetShard)):
+            shard.num_processes, shard.process_index = world, rank
+
+
 class ZeroTrainer(Trainer):
     """`transformers.Trainer` whose model trains with a zero engine; see [Note: Trainer on zero].
 
     Args:
         zero_config: a DeepSpeed-style config dict or JSON path; HF's "auto" values are resolved
-            from the TrainingArguments and the model.
+            from the TrainingArguments and the model. Its `sequence_parallel_size` trains with Ulysses
+            sequence parallelism (see [Note: sequence parallelism in Trainer]).
         *args, **kwargs: as for `transformers.Trainer`.
     """
 
     def __init__(self, *args, zero_config: dict | str | os.PathLike, **kwargs):
         _refuse_model_parallel(_raw(zero_config))
+        self.sequence_parallel_size = _sequence_parallel_size(_raw(zero_config))
+        self._sequence_mpu = None  # what register_with_transformers returns, with sequence parallelism
+        self._core_attention = None  # the model's own attention implementation, which Ulysses wraps
         super().__init__(*args, **kwargs)
         self.zero_config = zero_config
         self.engine = None
+        if self.sequence_parallel_size > 1:
+            self._wrap_attention_for_sequence_parallelism()
+
+    # -- sequence parallelism (see [Note: sequence parallelism in Trainer]) -------------------------
+
+    def _wrap_attention_for_sequence_parallelism(self) -> None:
+        """Check everything first, then build the sequence-parallel groups and register the Ulysses
+        attention around the model's own (the model keeps its own outside `train()`)."""
+        from transformers import AttentionInterface
+
+        from zero.sequence.hf import UlyssesSPAttentionHF
+
+        size = self.sequence_parallel_size
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        config = getattr(self.model, "config", None)
+        heads = getattr(config, "num_attention_heads", None)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        core = getattr(config, "_attn_implementation", None)
+        problems = []
+        if world % size:
+            problems.append(f"it does not divide the world of {world} ranks into sequence-parallel groups (launch a "
+                            f"multiple of {size} ranks)")
+        if isinstance(heads, int) and heads % size:
+            problems.append(f"the model's {heads} attention heads (config.num_attention_heads) do not split over "
+                            f"{size} ranks")
+        if isinstance(kv_heads, int) and kv_heads % size and size % kv_heads:
+            problems.append(f"the model's {kv_heads} key/value heads (config.num_key_value_heads) neither split over "
+                            f"nor divide {size} ranks")
+        if core not in AttentionInterface._global_mapping:
+            problems.append(f"the model's attention implementation {core!r} cannot be wrapped in the Ulysses "
+                            f"exchange (load the model with attn_implementation='sdpa')")
+        if self.model_init is not None:
+            problems.append("model_init builds a new model in train() (pass model= instead)")
+        if self.compute_loss_func is not None or self.args.label_smoothing_factor:
+            problems.append("compute_loss_func and label_smoothing_factor do not apply: each rank's loss is its "
+                            "slice's share of the whole sequences' (shift_labels), which ZeroTrainer computes itself "
+                            "(override compute_loss instead)")
+        if self.args.train_sampling_strategy == "batch_rebalance":
+            problems.append("train_sampling_strategy 'batch_rebalance' shards by process, not by data-parallel rank")
+        if problems:
+            raise ValueError(f"ZeroTrainer: zero_config sequence_parallel_size is {size}, but " + "; ".join(problems))
+        self._core_attention = core
+        self._sequence_mpu = UlyssesSPAttentionHF.register_with_transformers(
+            self.model, core_attn_implementation=core, sequence_parallel_size=size,
+            micro_batch_size=self.args.per_device_train_batch_size)
+        self.model.set_attn_implementation(core)
+
+    @contextlib.contextmanager
+    def _attention(self, implementation: str | None):
+        """The model's attention set to `implementation` for the block (nothing when None)."""
+        before = self.model.config._attn_implementation if implementation is not None else None
+        if implementation is None or implementation == before:
+            yield
+            return
+        self.model.set_attn_implementation(implementation)
+        try:
+            yield
+        finally:
+            self.model.set_attn_implementation(before)
+
+    def train(self, *args, **kwargs):
+        from zero.sequence.hf import NAME
+
+        with self._attention(NAME if self._sequence_mpu is not None else None):
+            return super().train(*args, **kwargs)
+
+    def get_train_dataloader(self):
+        """Trainer's loader; with sequence parallelism sharded by data-parallel rank, each batch
+        sliced for this rank."""
+        if self._sequence_mpu is None:
+            return super().get_train_dataloader()
+        collator = self.data_collator
+        self.data_collator = _SequenceSlices(collator, self._sequence_mpu.get_sequence_parallel_rank(),
+                                             self.sequence_parallel_size)
+        try:
+            loader = super().get_train_dataloader()
+        finally:
+            self.data_collator = collator
+        _shard_by_data_parallel_rank(loader, self.sequence_parallel_size)
+        return loader
+
+    def get_total_train_batch_size(self, args) -> int:
+        return super().get_total_train_batch_size(args) // self.sequence_parallel_size
+
+    def _token_count_group(self):
+        """The ranks whose valid tokens one loss is averaged over, and their number: all of them
+        (average_tokens_across_devices, as Trainer) or this rank's sequence-parallel group."""
+        if self.args.average_tokens_across_devices:
+            return None, torch.distributed.get_world_size()
+        return self._sequence_mpu.get_sequence_parallel_group(), self.sequence_parallel_size
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        """The valid tokens of the accumulation window, counted over this rank's slices and summed
+        over the ranks that share the loss (each token counted once)."""
+        sliced = self._sequence_mpu is not None and bool(batch_samples) and "shift_labels" in batch_samples[0]
+        if not sliced or not self.model_accepts_loss_kwargs:  # Trainer's count (evaluation batches too)
+            return super()._get_num_items_in_batch(batch_samples, device)
+        count = sum((batch["shift_labels"] != IGNORE).sum() for batch in batch_samples).to(device)
+        torch.distributed.all_reduce(count, group=self._token_count_group()[0])
+        return count
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self._sequence_mpu is None or not model.training:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        if "shift_labels" not in inputs:
+            raise ValueError(f"sequence_parallel_size {self.sequence_parallel_size}: a training batch without "
+                             f"shift_labels (keys {sorted(inputs)}); ZeroTrainer's train loader slices batches "
+                             f"with labels: give the dataset labels")
+        inputs = dict(inputs)
+        shift_labels = inputs.pop("shift_labels")
+        outputs = model(**inputs)
+        logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+        if num_items_in_batch is None:  # per micro-batch, over the group
+            loss = sequence_loss(logits, shift_labels, self._sequence_mpu.get_sequence_parallel_group())
+        else:  # over the window and the ranks that counted num_items_in_batch
+            summed = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), shift_labels.reshape(-1),
+                                     ignore_index=IGNORE, reduction="sum")
+            loss = summed * self._token_count_group()[1] / num_items_in_batch
+        return (loss, outputs) if return_outputs else loss
 
     # -- building the engine ---------------------------------------------------------------------
 
     def _ensure_engine(self, max_steps: int) -> None:
         """Build the engine (once), and a schedule for `max_steps` (for every `train()`, as Trainer does)."""
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        cfg = resolve_auto(self.zero_config, self.args, self.model, max(1, max_steps), world)
+        cfg = resolve_auto(self.zero_config, self.args, self.model, max(1, max_steps), world // self.sequence_parallel_size)
         if self.engine is None:
             # no optimizer section: Trainer's AdamW, with Trainer's no-decay group
             groups = self._trainer_param_groups() if "optimizer" not in _raw(self.zero_config) else None
-            self.engine, *_ = zero.initialize(model=self.model, model_parameters=groups, config=cfg)
+            self.engine, *_ = zero.initialize(model=self.model, model_parameters=groups, config=cfg,
+                                              mpu=self._sequence_mpu)
             _sync_generate(self.model, self.engine)
         if cfg.get("scheduler") is not None:
             from zero.lr_schedules import build_scheduler
@@ -243,11 +430,13 @@ class ZeroTrainer(Trainer):
 
     def evaluate(self, *args, **kwargs):
         self._ensure_model_usable()
-        return super().evaluate(*args, **kwargs)
+        with self._attention(self._core_attention):  # whole sequences: see [Note: sequence parallelism in Trainer]
+            return super().evaluate(*args, **kwargs)
 
     def predict(self, *args, **kwargs):
         self._ensure_model_usable()
-        return super().predict(*args, **kwargs)
+        with self._attention(self._core_attention):
+            return super().predict(*args, **kwargs)
 
     def _ensure_model_usable(self) -> None:
         """A model built sharded (zero.Init, our from_pretrained) needs the engine before any forward."""
