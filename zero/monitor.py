@@ -10,12 +10,20 @@
 
 [Note: what the monitor measures]
 - Time per step is the mean of a moving window of optimizer steps that never includes the first
-  one (which builds the native ops and records stage 3's unit order).
+  one (which builds the native ops and records stage 3's unit order) nor the second (whose peak
+  memory is measured).
 - Memory per rank: on CUDA the allocator's `memory_allocated`; on the CPU, which has no allocator
   statistics, the bytes `Engine.memory_report()` measures from the storages the engine holds
   (model states, offload staging, buffers alive now). All ranks' numbers are gathered every
   `memory_every` steps on the control group, so the counts of the data group stay those of
   training.
+- The peak of one step, measured and estimated: the second optimizer step (forward, backward and
+  step) is measured at the allocator (CUDA: `max_memory_allocated`; CPU: the bytes the engine
+  holds when it starts plus the most torch's CPU allocator adds during it, read from one step of
+  the profiler, which that step's time leaves out). The estimate is the model states and buffers
+  of zero.estimate_memory plus the activations of zero.estimate_activations, traced with the
+  shapes of the first micro-batch the model was given (its forward's inputs; backward starts from
+  the output's loss or sum, so a loss computed outside the model adds what it keeps).
 - The end table names the optimizer's state format (master weights and Adam's moments: fp32,
   bf16 or 8-bit; see docs/config.md, "State formats") and sets this run's measured model-state
   bytes beside the estimator's number for the same run in that format (zero.estimate_memory,
@@ -65,6 +73,17 @@ class TrainingMonitor:
         self.rank_memory: list[float] = []
         self.summary: dict = {}  # the end table's numbers (rank 0, after `report`)
         self.bar = tqdm(total=steps, desc=description, unit="step", disable=self.rank != 0, dynamic_ncols=True)
+        self.example = None  # the first micro-batch's inputs, as meta tensors (for the activations' trace)
+        self._capture = engine.module.register_forward_pre_hook(self._capture_inputs, with_kwargs=True)
+        self._peak: StepPeak | None = None
+        self.timed_from = 2  # the first step inside the wall-clock totals
+        self.step_peak: float | None = None  # this rank's measured peak of one step (bytes)
+
+    def _capture_inputs(self, module, args, kwargs) -> None:
+        as_meta = lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta", requires_grad=t.requires_grad) \
+            if isinstance(t, torch.Tensor) else t
+        self.example = (tuple(as_meta(a) for a in args), {k: as_meta(v) for k, v in kwargs.items()})
+        self._capture.remove()
 
     # -- during training ------------------------------------------------------------------------
 
@@ -74,12 +93,16 @@ class TrainingMonitor:
             return  # a micro-step inside an accumulation window
         self.seen_steps = self.engine.global_steps
         now = time.perf_counter()
-        if self.last_time is None:  # the first step: ops built, orders recorded; start the clocks here
+        if self.last_time is None:  # the first step: ops built, orders recorded; measure the next one's peak
+            self._peak = StepPeak(self.engine)
+        elif self._peak is not None:  # the measured step (slower on the CPU): the clocks start after it
+            self.step_peak, self._peak = self._peak.stop(), None
             self.engine.wall_clock_report(reset=True)
+            self.timed_from = self.seen_steps + 1
         else:
             self.durations.append(now - self.last_time)
             self.timed_steps += 1
-        self.last_time = now
+        self.last_time = time.perf_counter()
         if loss is not None and self.rank == 0:
             self.loss = float(loss.detach().float().item() if torch.is_tensor(loss) else loss)
         if self.seen_steps % self.memory_every == 0 or self.seen_steps == 1:
@@ -116,6 +139,19 @@ class TrainingMonitor:
         self.engine.comm.control().all_gather(out, mine)
         return out.tolist()
 
+    def _activations(self):
+        """(The activations of the first micro-batch's shapes, None) or (None, why there are none)."""
+        if self.example is None:
+            return None, "no forward seen"
+        if self.engine.mesh is not None and self.engine.mesh.pp > 1:
+            return None, "not for pipelines"
+        from zero.estimate import estimate_activations
+
+        try:
+            return estimate_activations(self.engine.module, self.example), None
+        except Exception as err:  # noqa: BLE001 - a model the trace cannot run must not end the run's report
+            return None, f"not traced ({type(err).__name__})"
+
     # -- at the end -----------------------------------------------------------------------------
 
     def report(self) -> str:
@@ -133,7 +169,7 @@ class TrainingMonitor:
         comm = engine.comm_report()
         times = engine.wall_clock_report()
         mine = [measured["model_states_total"], measured["device_bytes"], measured["host_bytes"], peak,
-                sum(c["bytes"] for c in comm.values())]
+                sum(c["bytes"] for c in comm.values()), -1.0 if self.step_peak is None else self.step_peak]
         k = len(mine)
         everyone = self._gather([float(v) for v in mine])
         if self.rank != 0:
@@ -141,7 +177,7 @@ class TrainingMonitor:
         per_rank = [everyone[r * k : (r + 1) * k] for r in range(self.world)]
         self.summary = {"model_states": [v[0] for v in per_rank], "device": [v[1] for v in per_rank],
                         "host": [v[2] for v in per_rank], "peak": [v[3] for v in per_rank],
-                        "comm_bytes": [v[4] for v in per_rank]}
+                        "comm_bytes": [v[4] for v in per_rank], "step_peak": [v[5] for v in per_rank]}
         zc = engine.config.zero_optimization
         opt = zc.offload_optimizer is not None and zc.offload_optimizer.device == "cpu"
         param = zc.stage == 3 and zc.offload_param is not None and zc.offload_param.device == "cpu"
@@ -156,20 +192,29 @@ class TrainingMonitor:
         formats = dict(master_dtype=fmt.master, state_dtype=fmt.state) if adam else {}
         if adam:
             config = {k: v for k, v in config.model_dump(by_alias=True, exclude_unset=True).items() if k != "optimizer"}
+        activations, why_not = self._activations()
         table = estimate_memory(engine.module, self.world, dtype=engine.config.precision, config=config,
-                                gpus_per_node=self.world, **formats)
+                                gpus_per_node=self.world, activations=activations, **formats)
         this = table.row(zc.stage, offload)
         formats_table = estimate_memory(engine.module, self.world, stage=zc.stage, offload=offload,
                                         dtype=engine.config.precision, config=config, gpus_per_node=self.world,
                                         state_formats=True, **formats) if adam else []  # this one first
-        self.summary.update(estimate=this, table=table, state_formats=formats_table)
+        on_cpu = engine.device.type != "cuda"  # one memory: the host's bytes are in the peak too
+        predicted = this.peak_bytes + (this.host_bytes if on_cpu else 0)
+        self.summary.update(estimate=this, table=table, state_formats=formats_table, activations=activations,
+                            predicted_peak=predicted if activations is not None else None)
 
         ranks = [f"rank {r}" for r in range(self.world)]
         rows = [("model states, measured", [_bytes(v[0]) for v in per_rank]),
                 ("model states, estimated", [_bytes(this.model_states_total)] * self.world),
                 ("on the device / on the host", [f"{_bytes(v[1])} / {_bytes(v[2])}" for v in per_rank]),
-                ("peak" + (" (CUDA allocator)" if engine.device.type == "cuda" else " (states + buffers)"),
+                ("peak" + (" (CUDA allocator, whole run)" if engine.device.type == "cuda" else " of the states + buffers"),
                  [_bytes(v[3]) for v in per_rank])]
+        if any(v[5] >= 0 for v in per_rank):
+            rows.append((f"peak of step {self.timed_from - 1}, measured (allocator)",
+                         [_bytes(v[5]) if v[5] >= 0 else "-" for v in per_rank]))
+        rows.append(("peak, estimated (+ activations)", [_bytes(predicted) if activations is not None else why_not]
+                     * self.world))
         lines = [f"{this.label} on {self.world} rank(s), {engine.config.precision}, {this.state_format}, "
                  f"{engine.device.type}; {table.psi:,} trainable parameters", ""]
         lines += _columns(["memory per rank", *ranks], [[name, *vals] for name, vals in rows])
@@ -196,7 +241,7 @@ class TrainingMonitor:
             ms = {key: times.get(key, 0.0) / n * 1e3 for key in ("forward", "backward", "step", "communication_wait")}
             wait = (f"; of which the host waited for collectives {ms['communication_wait']:.1f} ms"
                     if engine.comm.backend == "gloo" else "")
-            lines.append(f"time per step (mean of steps 2-{self.seen_steps}, rank 0): forward {ms['forward']:.1f} ms, "
+            lines.append(f"time per step (mean of steps {self.timed_from}-{self.seen_steps}, rank 0): forward {ms['forward']:.1f} ms, "
                          f"backward {ms['backward']:.1f} ms, optimizer step {ms['step']:.1f} ms{wait}")
         elif not engine.config.wall_clock_breakdown:
             lines.append("time split: set \"wall_clock_breakdown\": true in the config")
@@ -213,3 +258,30 @@ def _columns(head: list[str], rows: list[list[str]]) -> list[str]:
     return [fmt(head), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)]
 
 
+class StepPeak:
+    """The most memory this rank holds during one step, measured at the allocator from now until
+    `stop()` (see [Note: what the monitor measures]); None from `stop()` when it cannot be
+    measured (another profiler is running)."""
+
+    def __init__(self, engine):
+        self.device = engine.device
+        self.base, self.probe = 0, None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif not torch.autograd.profiler._is_profiler_enabled:
+            from zero.testing.memory import AllocatorPeak
+
+            report = engine.memory_report()  # what the engine holds as the step starts
+            self.base = (report["model_states_total"] + report["host_staging"] + report["reduce_buffers"]
+                         + report.get("gathered_bytes", 0))
+            self.probe = AllocatorPeak().__enter__()
+
+    def stop(self) -> float | None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return float(torch.cuda.max_memory_allocated(self.device))
+        if self.probe is None:
+            return None
+        self.probe.__exit__(None, None, None)
+        return float(self.base + self.probe.peak)
