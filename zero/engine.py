@@ -348,6 +348,10 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         if not updated:
             self._report_skip()
         self._last_comm = self.comm.report()
+        if getattr(self, "sequence_parallel_size", 1) > 1:  # Ulysses' all-to-alls, in the same window
+            from zero.sequence.ulysses import take_traffic
+
+            self._last_comm.update(take_traffic())
         self.comm.reset_counts()
         if self.traffic is not None:
             self.traffic.close_window()

@@ -5,6 +5,8 @@
     python -m zero.estimate --params 1.3e9 --gpus 4 --config ds_config.json
     python -m zero.estimate --params 7e9 --gpus 8 --master-dtype bf16 --state-dtype int8
     python -m zero.estimate --params 7e9 --gpus 8 --stage 3 --state-formats
+    python -m zero.estimate --model path/to/config.json --gpus 8 --seq-len 32768 --checkpointing
+    python -m zero.estimate --model path/to/config.json --gpus 8 --seq-len 262144 --sequence-parallel 8
 
 The table is in one state format (how the optimizer stores its master weights and Adam's moments):
 the config's (`bf16.bf16_master_weights_and_grads`, `bf16.bf16_optimizer_states`,
@@ -14,6 +16,11 @@ option, a line for each common format after that one: for bf16 training fp32 mas
 moments, bf16 master + bf16 moments, fp32 master + 8-bit moments and bf16 master + 8-bit moments
 (fp16/fp32 training: fp32 master with fp32, bf16 or 8-bit moments). See docs/config.md, "State
 formats".
+
+With --model and --seq-len the table gets a peak column: the model states plus one forward and
+backward's activations at --micro-batch sequences of --seq-len tokens (zero.estimate_activations
+traces the HF model's own code on fake tensors: its attention, --checkpointing, and Ulysses
+attention over --sequence-parallel ranks, each holding seq_len / that many tokens).
 """
 from __future__ import annotations
 
@@ -42,6 +49,19 @@ def _model_from(path: str):
             return AutoModel.from_config(config)
 
 
+def _activations(model, args):
+    import torch
+
+    from zero.estimate import estimate_activations
+
+    if args.checkpointing:  # transformers' newer name first
+        getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable()
+    model.train()
+    return estimate_activations(model, micro_batch_size=args.micro_batch, seq_len=args.seq_len,
+                                dtype={"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype],
+                                sequence_parallel_size=args.sequence_parallel)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zero.estimate", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 2)[2],
@@ -67,17 +87,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--persistent", type=int, default=None, help="with --params: elements stage 3 keeps whole")
     parser.add_argument("--largest-layer", type=int, default=None,
                         help="with --params: elements of the largest layer (sizes stage 3's buffers)")
+    parser.add_argument("--seq-len", type=int, help="with --model: tokens per sequence, for the activations")
+    parser.add_argument("--micro-batch", type=int, default=1, help="with --seq-len: sequences per micro-batch")
+    parser.add_argument("--checkpointing", action="store_true", help="with --seq-len: gradient checkpointing on")
+    parser.add_argument("--sequence-parallel", type=int, default=1,
+                        help="with --seq-len: Ulysses sequence parallelism over this many ranks")
     args = parser.parse_args(argv)
+    if args.seq_len is not None and not args.model:
+        parser.error("--seq-len needs --model (the activations are traced from the model's code)")
     for name in ("gpus", "nodes"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     subject = _model_from(args.model) if args.model else args.params
     try:
+        activations = None
+        if args.seq_len is not None:
+            activations = _activations(subject, args)
         table = estimate_memory(subject, args.gpus * args.nodes, stage=args.stage, offload=args.offload,
                                 dtype=args.dtype, config=args.config, gpus_per_node=args.gpus,
                                 persistent_params=args.persistent, largest_layer=args.largest_layer,
                                 master_dtype=args.master_dtype, state_dtype=args.state_dtype,
-                                state_formats=args.state_formats)
+                                state_formats=args.state_formats, activations=activations)
     except (TypeError, ValueError) as err:
         parser.error(str(err))
     print(table)

@@ -17,11 +17,23 @@ on rank r; the gradients of the copies sum back through the repeat.
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+TRAFFIC: dict = defaultdict(lambda: {"calls": 0, "elements": 0, "bytes": 0})
+"""This process's sequence-parallel all-to-alls since the engine's last step ("all_to_all
+(sequence)"): the engine's comm report adds them to its step's window and clears them."""
+
+
+def take_traffic() -> dict[str, dict[str, int]]:
+    """The all-to-alls counted since the last call, and a fresh count."""
+    out = {name: dict(c) for name, c in TRAFFIC.items()}
+    TRAFFIC.clear()
+    return out
 
 
 class ShapeGroup:
@@ -59,6 +71,10 @@ class _SequenceAllToAll(torch.autograd.Function):
         received = torch.empty_like(send)
         if not _shapes_only(x, group):
             dist.all_to_all_single(received, send, group=group)
+            count = TRAFFIC["all_to_all (sequence)"]
+            count["calls"] += 1
+            count["elements"] += send.numel()
+            count["bytes"] += send.numel() * send.element_size()
         return torch.cat(received.unbind(0), dim=gather_dim)
 
     @staticmethod
