@@ -350,3 +350,34 @@ def test_hf_llama_with_ulysses_trains_like_the_whole_sequence(dist_run, stage, k
     pytest.importorskip("transformers")
     for error in dist_run(2, _hf_llama_with_ulysses, stage, kv_heads):
         assert error < 1e-5, error
+
+
+def _a_rank_skips_the_exchange():
+    """Rank 1 of a sequence-parallel pair never reaches its attention (rank-divergent code)."""
+    import time
+
+    import torch.distributed as dist
+
+    from zero.comm import CollectiveTimeout
+    from zero.sequence import DistributedAttention, sequence_parallel_group
+
+    attention = DistributedAttention(_causal, sequence_parallel_group(2), scatter_idx=2, gather_idx=0)
+    if dist.get_rank() == 1:
+        time.sleep(8)
+        return "skipped"
+    q = torch.randn(4, 1, 2, 8)
+    start = time.perf_counter()
+    try:
+        attention(q, q, q)
+    except CollectiveTimeout as err:
+        return f"CollectiveTimeout after {time.perf_counter() - start:.1f} s: {err}"
+    return "returned"
+
+
+def test_a_rank_that_skips_the_exchange_fails_the_other_within_the_bound():
+    from zero.testing.dist import run_once
+
+    results, _ = run_once(2, _a_rank_skips_the_exchange, env={"ZERO_COLLECTIVE_TIMEOUT": "3"}, timeout=60)
+    assert results[1] == "skipped", results
+    assert results[0].startswith("CollectiveTimeout") and "all_to_all (sequence)" in results[0], results[0]
+    assert float(results[0].split(" after ")[1].split(" s:")[0]) < 6, results[0]

@@ -17,22 +17,37 @@ on rank r; the gradients of the copies sum back through the repeat.
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-TRAFFIC: dict = defaultdict(lambda: {"calls": 0, "elements": 0, "bytes": 0})
-"""This process's sequence-parallel all-to-alls since the engine's last step ("all_to_all
-(sequence)"): the engine's comm report adds them to its step's window and clears them."""
+LABEL = "all_to_all (sequence)"
+_comms: dict = {}  # id of a process group -> (the group, zero's counted Comm over it)
+
+
+def _comm(group):
+    """zero's Comm over `group`: its all-to-all waits at most ZERO_COLLECTIVE_TIMEOUT on gloo (a
+    rank that diverged raises CollectiveTimeout instead of hanging) and counts what it sends."""
+    from zero.comm import Comm
+
+    entry = _comms.get(id(group))
+    if entry is None or entry[0] is not group:
+        entry = _comms[id(group)] = (group, Comm(group))
+    return entry[1]
 
 
 def take_traffic() -> dict[str, dict[str, int]]:
-    """The all-to-alls counted since the last call, and a fresh count."""
-    out = {name: dict(c) for name, c in TRAFFIC.items()}
-    TRAFFIC.clear()
+    """This process's sequence-parallel all-to-alls since the last call ("all_to_all (sequence)"):
+    the engine's comm report adds them to its step's window."""
+    out: dict[str, dict[str, int]] = {}
+    for _, comm in _comms.values():
+        for name, count in comm.report().items():
+            total = out.setdefault(name, {"calls": 0, "elements": 0, "bytes": 0})
+            for key in total:
+                total[key] += count[key]
+        comm.reset_counts()
     return out
 
 
@@ -70,11 +85,7 @@ class _SequenceAllToAll(torch.autograd.Function):
         send = torch.stack(torch.tensor_split(x, world, dim=scatter_dim)).contiguous()
         received = torch.empty_like(send)
         if not _shapes_only(x, group):
-            dist.all_to_all_single(received, send, group=group)
-            count = TRAFFIC["all_to_all (sequence)"]
-            count["calls"] += 1
-            count["elements"] += send.numel()
-            count["bytes"] += send.numel() * send.element_size()
+            _comm(group).all_to_all(received, send, label=LABEL)
         return torch.cat(received.unbind(0), dim=gather_dim)
 
     @staticmethod
