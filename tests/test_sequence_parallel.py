@@ -300,7 +300,7 @@ def test_uneven_slices_and_ignored_labels_average_over_the_whole_sequence(dist_r
         assert error < 1e-5, error
 
 
-def _hf_llama_with_ulysses(stage: int, kv_heads: int = 2):
+def _hf_llama_with_ulysses(stage: int, kv_heads: int = 2, offload: bool = False):
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -320,7 +320,8 @@ def _hf_llama_with_ulysses(stage: int, kv_heads: int = 2):
     # conditioning of the comparison] in zero/testing/training.py); 1e-6 damps them
     engine, *_ = zero.initialize(model=model, mpu=mpu, config={
         "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-6}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
+                              **({"offload_optimizer": {"device": "cpu"}} if offload else {})}})
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.0)
     g = torch.Generator().manual_seed(0)
     batches = []
@@ -343,12 +344,13 @@ def _hf_llama_with_ulysses(stage: int, kv_heads: int = 2):
     return _max_error(engine, reference, stage)
 
 
-@pytest.mark.parametrize("stage,kv_heads", [(3, 2), (2, 1)])
-def test_hf_llama_with_ulysses_trains_like_the_whole_sequence(dist_run, stage, kv_heads):
-    """register_with_transformers + initialize(mpu=) + the loader adapter + sequence_loss; one key/value
-    head (fewer than the group) is repeated up to it."""
+@pytest.mark.parametrize("world,stage,kv_heads,offload", [(2, 3, 2, False), (2, 2, 1, False), (2, 1, 2, True),
+                                                         (4, 3, 2, True)])
+def test_hf_llama_with_ulysses_trains_like_the_whole_sequence(dist_run, world, stage, kv_heads, offload):
+    """register_with_transformers + initialize(mpu=) + the loader adapter + sequence_loss; key/value
+    heads fewer than the group are repeated up to it (1 over 2 ranks, 2 over 4)."""
     pytest.importorskip("transformers")
-    for error in dist_run(2, _hf_llama_with_ulysses, stage, kv_heads):
+    for error in dist_run(world, _hf_llama_with_ulysses, stage, kv_heads, offload):
         assert error < 1e-5, error
 
 
@@ -381,3 +383,35 @@ def test_a_rank_that_skips_the_exchange_fails_the_other_within_the_bound():
     assert results[1] == "skipped", results
     assert results[0].startswith("CollectiveTimeout") and "all_to_all (sequence)" in results[0], results[0]
     assert float(results[0].split(" after ")[1].split(" s:")[0]) < 6, results[0]
+
+
+def _a_sequence_the_group_cannot_split():
+    import torch.distributed as dist
+
+    from zero.sequence import DistributedAttention, sequence_all_to_all
+
+    x = torch.randn(1, 3, 4, 8)  # [b, s, h, d]: heads split over 2, the 3-token context does not
+    messages = []
+    for call in (lambda: sequence_all_to_all(x, dist.group.WORLD, 1, 2),
+                 lambda: DistributedAttention(_causal, dist.group.WORLD, sp_stream=object())):
+        try:
+            call()
+            messages.append("no error")
+        except ValueError as exc:
+            messages.append(str(exc))
+    return messages
+
+
+def test_bad_sequence_parallel_input_is_a_clear_error_before_anything_changes(dist_run):
+    from zero.config import ConfigError, load_config
+
+    for split, stream in dist_run(2, _a_sequence_the_group_cannot_split):
+        assert "splits dimension 1 of a tensor of shape (1, 3, 4, 8), whose size 3 is not a multiple of 2" in split
+        assert "sp_stream" in stream
+    for config, world, message in (
+            ({"sequence_parallel_size": 2, "pipeline": {"stages": 2}}, 4, "with pipeline or tensor parallelism"),
+            ({"sequence_parallel_size": 2, "tensor_parallel": {"size": 2}}, 4, "with pipeline or tensor parallelism"),
+            ({"sequence_parallel_size": 3}, 4, "3, which does not divide the world of 4 ranks"),
+            ({"sequence_parallel_size": 0}, 4, "sequence_parallel_size")):
+        with pytest.raises(ConfigError, match=message):
+            load_config({"train_micro_batch_size_per_gpu": 1, **config}, world)
