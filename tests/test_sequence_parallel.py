@@ -415,3 +415,40 @@ def test_bad_sequence_parallel_input_is_a_clear_error_before_anything_changes(di
             ({"sequence_parallel_size": 0}, 4, "sequence_parallel_size")):
         with pytest.raises(ConfigError, match=message):
             load_config({"train_micro_batch_size_per_gpu": 1, **config}, world)
+
+
+def _save_with_sequence_parallelism_and_resume_without(directory: str):
+    """A checkpoint of a sequence-parallel run resumes in plain data parallelism (and back): the
+    model states are partitioned over all ranks either way."""
+    import torch.distributed as dist
+
+    import zero
+    from zero.models import GPT, GPTConfig
+    from zero.sequence import ulysses_attention
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=32)
+    config = lambda sp: {"train_micro_batch_size_per_gpu": 2, "sequence_parallel_size": sp,  # noqa: E731
+                         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 3}}
+    torch.manual_seed(0)
+    engine, *_ = zero.initialize(model=GPT(cfg), config=config(world))
+    ulysses_attention(engine.module, engine.seq_parallel_group)
+    g = torch.Generator().manual_seed(0)
+    s, part = 16, slice(rank * 16 // world, (rank + 1) * 16 // world)
+    for _ in range(2):
+        idx = torch.randint(0, 64, (2, s), generator=g)
+        engine.backward(engine(idx[:, part], idx[:, part], position_ids=torch.arange(s)[part]))
+        engine.step()
+    engine.save_checkpoint(directory, tag="sp")
+    saved = {n: t.float().clone() for n, t in (engine.consolidated_16bit_state_dict() or {}).items()}
+    torch.manual_seed(1)  # other weights, replaced by the checkpoint's
+    plain, *_ = zero.initialize(model=GPT(cfg), config=config(1))
+    plain.load_checkpoint(directory, tag="sp")
+    loaded = plain.consolidated_16bit_state_dict() or {}
+    assert plain.global_steps == 2
+    return len(saved), max(((loaded[n].float() - t).abs().max().item() for n, t in saved.items()), default=0.0)
+
+
+def test_a_sequence_parallel_checkpoint_resumes_without_sequence_parallelism(dist_run, tmp_path):
+    (tensors, error), _ = dist_run(2, _save_with_sequence_parallelism_and_resume_without, str(tmp_path))
+    assert tensors > 10 and error == 0.0, (tensors, error)
