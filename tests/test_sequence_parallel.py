@@ -255,7 +255,10 @@ def test_sequence_parallel_gpt_trains_like_the_whole_sequence_in_one_process(dis
         assert error < 1e-5, error
 
 
-def _uneven_slices_and_ignored_labels(stage: int):
+def _uneven_slices_and_ignored_labels(stage: int, sp: int):
+    """Each rank's loader its own batches (a sampler over every rank, as DeepSpeed scripts have it);
+    the adapter trains each sequence-parallel group's batches one after the other, and with
+    world / sp data-parallel groups each step averages their batches."""
     import torch.distributed as dist
 
     import zero
@@ -268,35 +271,52 @@ def _uneven_slices_and_ignored_labels(stage: int):
     reference = GPT(cfg)
     torch.manual_seed(0)
     engine, *_ = zero.initialize(model=GPT(cfg), config={
-        "train_micro_batch_size_per_gpu": 2, "sequence_parallel_size": world,
+        "train_micro_batch_size_per_gpu": 2, "sequence_parallel_size": sp,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
     ulysses_attention(engine.module, engine.seq_parallel_group)
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.0)
     g = torch.Generator().manual_seed(0)
     batches = []
-    for _ in range(3):  # 15 tokens: the last slice is padded; a third of the labels ignored, unevenly
+    for _ in range(2 * world):  # 15 tokens: the last slice is padded; a third of the labels ignored, unevenly
         ids = torch.randint(0, 64, (2, 15), generator=g)
         labels = ids.clone()
         labels[torch.rand(2, 15, generator=g) < 0.33] = -100
         labels[0, :9] = -100  # one slice with far fewer valid tokens than the other
         batches.append({"input_ids": ids, "labels": labels})
-    for batch in UlyssesSPDataLoaderAdapter(batches, rank, engine.seq_parallel_group, world):
+    adapter = UlyssesSPDataLoaderAdapter(batches[rank::world], rank % sp, engine.seq_parallel_group, sp)
+    assert len(adapter) == 2 * sp
+    losses, norms = [], []
+    for batch in adapter:
         logits = engine(batch["input_ids"], position_ids=batch["position_ids"][0])
-        engine.backward(sequence_loss(logits, batch["shift_labels"], engine.seq_parallel_group))
+        loss = sequence_loss(logits, batch["shift_labels"], engine.seq_parallel_group)
+        engine.backward(loss)
         engine.step()
-    for batch in batches:
+        losses.append(loss.detach().clone())
+        norms.append(engine.get_global_grad_norm())
+    for j in range(2 * sp):  # step j: group k trains rank (k sp + j % sp)'s (j // sp)-th batch
         opt.zero_grad()
-        logits = reference(batch["input_ids"])
-        shift = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
-        torch.nn.functional.cross_entropy(logits.reshape(-1, 64), shift.reshape(-1)).backward()
+        total = 0.0
+        for k in range(world // sp):
+            batch = batches[(j // sp) * world + k * sp + j % sp]
+            logits = reference(batch["input_ids"])
+            shift = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+            total = total + torch.nn.functional.cross_entropy(logits.reshape(-1, 64), shift.reshape(-1)) / (world // sp)
+        total.backward()
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
+        assert abs(norms[j] - norm.item()) <= 1e-5 * norm.item(), (j, norms[j], norm.item())
+        whole = losses[j].clone()  # the ranks' shares, averaged over all of them: the step's loss
+        dist.all_reduce(whole)
+        assert abs(whole.item() / world - total.item()) <= 1e-5 * total.item(), (j, whole.item() / world, total.item())
         opt.step()
     return _max_error(engine, reference, stage)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_uneven_slices_and_ignored_labels_average_over_the_whole_sequence(dist_run, stage):
-    for error in dist_run(2, _uneven_slices_and_ignored_labels, stage):
+@pytest.mark.parametrize("world,sp,stage", [(2, 2, 2), (2, 2, 3), (4, 2, 1), (4, 2, 3)])
+def test_uneven_slices_and_ignored_labels_average_over_the_whole_sequence(dist_run, world, sp, stage):
+    """Loss, gradient norm and parameters of every step equal one process on the same batches, also
+    with 2 data-parallel groups of 2 sequence-parallel ranks."""
+    for error in dist_run(world, _uneven_slices_and_ignored_labels, stage, sp):
         assert error < 1e-5, error
 
 
@@ -325,13 +345,14 @@ def _hf_llama_with_ulysses(stage: int, kv_heads: int = 2, offload: bool = False)
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.0)
     g = torch.Generator().manual_seed(0)
     batches = []
-    for _ in range(3):
+    for _ in range(4):
         ids = torch.randint(0, 64, (2, 13), generator=g)
         labels = ids.clone()
         labels[:, :3] = -100
         batches.append({"input_ids": ids, "labels": labels})
-    group = mpu.get_sequence_parallel_group()
-    for batch in UlyssesSPDataLoaderAdapter(batches, mpu.get_sequence_parallel_rank(), group, world):
+    group = mpu.get_sequence_parallel_group()  # each rank loads its own batches; the group trains them in turn
+    rank = dist.get_rank()
+    for batch in UlyssesSPDataLoaderAdapter(batches[rank::world], mpu.get_sequence_parallel_rank(), group, world):
         logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
         engine.backward(sequence_loss(logits, batch["shift_labels"], group))
         engine.step()
@@ -402,9 +423,33 @@ def _a_sequence_the_group_cannot_split():
     return messages
 
 
+def _no_exchange_in_the_model():
+    """sequence_parallel_size 2, but the GPT's attention was never given the exchange."""
+    import zero
+    from zero.errors import ZeroRuntimeError
+    from zero.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=16))
+    engine, *_ = zero.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2,
+                                                      "optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2}})
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    idx = torch.randint(0, 64, (1, 8))
+    engine.backward(engine(idx, idx))
+    try:
+        engine.step()
+    except ZeroRuntimeError as exc:
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+        return str(exc), unchanged, engine.global_steps
+    return "no error", False, engine.global_steps
+
+
 def test_bad_sequence_parallel_input_is_a_clear_error_before_anything_changes(dist_run):
     from zero.config import ConfigError, load_config
 
+    for message, unchanged, steps in dist_run(2, _no_exchange_in_the_model):
+        assert "exchanged nothing over the sequence-parallel group" in message and "Nothing was updated" in message
+        assert unchanged and steps == 0
     for split, stream in dist_run(2, _a_sequence_the_group_cannot_split):
         assert "splits dimension 1 of a tensor of shape (1, 3, 4, 8), whose size 3 is not a multiple of 2" in split
         assert "sp_stream" in stream

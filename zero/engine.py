@@ -74,6 +74,7 @@ from zero.pipe.module import PipelineModule
 from zero.precision import NonFiniteGradientError
 from zero.progress import BackwardCounter, TrainingProgress, mark_scaled
 from zero.sequence.groups import sequence_parallel_group
+from zero.sequence.ulysses import refuse_without_exchange, take_traffic
 from zero.stages import build_optimizer
 from zero.stages.adam import ADAM_DEFAULTS, check_param_groups
 from zero.stages.choice import _optimizer_defaults, _param_groups, client_state_dtype, client_step
@@ -315,6 +316,8 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         # one would contribute stale or zero gradients), before its collectives
         steps, backwards = self.progress.global_steps + 1, self.progress.backwards
         self.comm.agree(Tag.STEP, steps, backwards, f"optimizer step {steps}")
+        if steps == 1 and backwards and self.sequence_parallel_size > 1:
+            refuse_without_exchange(self.sequence_parallel_size)
         if not backwards and not self._warned_count:
             self._warned_count = True
             warnings.warn(
@@ -348,9 +351,7 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         if not updated:
             self._report_skip()
         self._last_comm = self.comm.report()
-        if getattr(self, "sequence_parallel_size", 1) > 1:  # Ulysses' all-to-alls, in the same window
-            from zero.sequence.ulysses import take_traffic
-
+        if self.sequence_parallel_size > 1:  # Ulysses' all-to-alls, in the same window
             self._last_comm.update(take_traffic())
         self.comm.reset_counts()
         if self.traffic is not None:

@@ -58,8 +58,8 @@ def shard_batch(batch: dict, rank: int, size: int) -> dict:
     for key, value in list(out.items()):
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (b, s):
             fill = IGNORE if key == "shift_labels" else 0
-            if key == "position_ids":  # the padding continues the positions
-                value = torch.arange(padded, device=value.device).expand(b, padded) if padded != s else value
+            if key == "position_ids" and padded != s:  # the padding continues each row's positions
+                value = torch.cat([value, value[:, -1:] + torch.arange(1, padded - s + 1, device=value.device)], dim=1)
             elif padded != s:
                 value = F.pad(value, (0, 0) * (value.dim() - 2) + (0, padded - s), value=fill)
             out[key] = value[:, part]
@@ -68,20 +68,28 @@ def shard_batch(batch: dict, rank: int, size: int) -> dict:
 
 class UlyssesSPDataLoaderAdapter:
     """DeepSpeed's `ulysses_sp.UlyssesSPDataLoaderAdapter(dl, sp_rank, sp_group, sp_world_size,
-    device)`: iterates `dl` and gives this rank its slice of every batch (`shard_batch`)."""
+    device)`: every rank's `dl` gives its own batches (a sampler over all ranks, as usual); for each
+    of them the adapter gathers the batches of the whole sequence-parallel group and yields, one
+    after the other in rank order, this rank's slice of each (`shard_batch`). The group trains each
+    rank's batch together, so one pass over `dl` is sp_world_size x len(dl) micro-batches."""
 
     def __init__(self, dl, sp_rank: int, sp_group, sp_world_size: int, device=None):
         self.dl, self.sp_rank, self.sp_group, self.sp_world_size, self.device = dl, sp_rank, sp_group, sp_world_size, device
 
     def __len__(self) -> int:
-        return len(self.dl)
+        return len(self.dl) * self.sp_world_size
 
     def __iter__(self):
         for batch in self.dl:
             if not isinstance(batch, dict):
                 raise TypeError(f"UlyssesSPDataLoaderAdapter slices dict batches (input_ids, labels, ...), got "
                                 f"{type(batch).__name__}")
-            shard = shard_batch(batch, self.sp_rank, self.sp_world_size)
-            if self.device is not None:
-                shard = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in shard.items()}
-            yield shard
+            group_batches = [batch]
+            if self.sp_world_size > 1:
+                group_batches = [None] * self.sp_world_size
+                on_host = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                dist.all_gather_object(group_batches, on_host, group=self.sp_group)
+            for each in group_batches:
+                shard = shard_batch(each, self.sp_rank, self.sp_world_size)
+                device = self.device if self.device is not None else batch["input_ids"].device
+                yield {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in shard.items()}

@@ -51,6 +51,21 @@ def take_traffic() -> dict[str, dict[str, int]]:
     return out
 
 
+def refuse_without_exchange(size: int) -> None:
+    """Raise before the first optimizer step of a sequence-parallel run whose forward and backward
+    exchanged nothing: its attention saw only each rank's slice."""
+    if not any(count["calls"] for _, comm in _comms.values() for count in comm.report().values()):
+        from zero.errors import ZeroRuntimeError
+
+        raise ZeroRuntimeError(
+            f"sequence_parallel_size is {size}, but the first step's forward and backward exchanged nothing over the "
+            f"sequence-parallel group: the model's attention is not sequence-parallel, so each rank attended over its "
+            f"own slice only and the gradients are wrong. Give it the exchange: for an HF model "
+            f"UlyssesSPAttentionHF.register_with_transformers(model, ...) (or load it with "
+            f"attn_implementation='ulysses' after registering), for a zero GPT zero.sequence.ulysses_attention, else "
+            f"zero.sequence.DistributedAttention around its attention. Nothing was updated")
+
+
 class ShapeGroup:
     """A stand-in for a sequence-parallel group of `size` ranks where nothing is sent: the memory
     estimator traces a model with it (zero/estimate/activations.py). The exchange then allocates
