@@ -122,6 +122,25 @@ def test_tiled_mlp_and_tiled_logits_loss_equal_the_untiled_ones_and_hold_less():
     for a, b in zip(runs[False], runs[True]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
+    # DeepSpeed's call without a mask, fn(self, x, y); "mean" over the valid labels, ignored ones
+    # uneven across the tiles and one tile without any: the untiled mean, and finite
+    ignored = y.clone()
+    ignored[0, :20] = -100
+    ignored[:, 30:] = -100  # tile 5 (positions 30-36) has no valid label
+    ignored[1, ::3] = -100
+    three = lambda self, x, y: F.cross_entropy(self.lm_head(x).flatten(0, 1).float(), y.flatten())  # noqa: E731
+    grads = {}
+    for tiled in (False, True):
+        xi = x.clone().requires_grad_()
+        loss = (TiledFusedLogitsLoss.apply(three, head, xi, ignored, None, 5, list(head.parameters()), "mean")
+                if tiled else three(head, xi, ignored))
+        assert torch.isfinite(loss)
+        head.lm_head.weight.grad = None
+        loss.backward()
+        grads[tiled] = (loss.detach(), xi.grad, head.lm_head.weight.grad.clone())
+    for a, b in zip(grads[False], grads[True]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
     # at a long sequence the tiled MLP and loss hold a tile's intermediates, not the whole sequence's
     long_x, long_y = torch.randn(1, 4096, 16), torch.randint(0, 97, (1, 4096))
     peaks = {}
@@ -460,6 +479,15 @@ def test_bad_sequence_parallel_input_is_a_clear_error_before_anything_changes(di
             ({"sequence_parallel_size": 0}, 4, "sequence_parallel_size")):
         with pytest.raises(ConfigError, match=message):
             load_config({"train_micro_batch_size_per_gpu": 1, **config}, world)
+    transformers = pytest.importorskip("transformers")
+    from zero.sequence.hf import UlyssesSPAttentionHF
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=24, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=3, num_key_value_heads=3, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(cfg)
+    with pytest.raises(ValueError, match="3 query heads must split over it"):
+        UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1)
+    assert model.config._attn_implementation == "sdpa"  # untouched
 
 
 def _save_with_sequence_parallelism_and_resume_without(directory: str):

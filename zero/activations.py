@@ -6,9 +6,12 @@ A checkpointed block keeps only its inputs; backward recomputes the rest. Under 
 those inputs (the hidden states between blocks) are the same on every rank of the tensor-parallel
 group, so with `partition_activations` each rank keeps 1/P of them (a flat slice) and the group
 all-gathers them before the recomputation (ZeRO-R's Pa). With `checkpoint_in_cpu` the kept inputs
-(or slices) are copied to host memory, on a side stream from pinned buffers, and brought back
-before the recomputation (Pa+cpu); on a CPU-only run the activations already are in host memory,
-and this is a no-op, logged once. Without either, `checkpoint` is torch's non-reentrant checkpoint.
+(or slices) are copied to pinned host memory without blocking the host (on the current stream, so
+the copy is ordered before any reuse of the device memory) and copied back when the block's
+backward recomputes it (Pa+cpu); copying on a side stream and fetching ahead of the recomputation
+are not done (not yet measured on a GPU). On a CPU-only run the activations already are in host
+memory, and this is a no-op, logged once. The recomputation replays the CPU and (with CUDA) the
+current device's random-number states of the forward, so dropout draws the same. Without either, `checkpoint` is torch's non-reentrant checkpoint.
 The recomputation runs in backward as a reentrant checkpoint's does: each block's parameters get
 their gradients from its own backward (zero's hooks take them as they arrive).
 """
@@ -94,25 +97,37 @@ class _Kept:
         return self.flat.numel() * self.flat.element_size()
 
 
+def _rng_states() -> tuple:
+    """The CPU generator's state and, with CUDA, the current device's."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+
+
+def _set_rng_states(states: tuple) -> None:
+    cpu, cuda = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
+
+
 class _Checkpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, function, *args):
         ctx.function = function
         ctx.kept = [_Kept(a) if isinstance(a, torch.Tensor) else a for a in args]
-        ctx.rng = torch.get_rng_state()
+        ctx.rng = _rng_states()
         with torch.no_grad():
             return function(*args)
 
     @staticmethod
     def backward(ctx, *grads):
         inputs = [k.restore() if isinstance(k, _Kept) else k for k in ctx.kept]
-        rng = torch.get_rng_state()
-        torch.set_rng_state(ctx.rng)  # dropout draws what the forward drew
+        rng = _rng_states()
+        _set_rng_states(ctx.rng)  # dropout draws what the forward drew, on the CPU and the GPU
         try:
             with torch.enable_grad():
                 out = ctx.function(*inputs)
         finally:
-            torch.set_rng_state(rng)
+            _set_rng_states(rng)
         outs = out if isinstance(out, tuple) else (out,)
         pairs = [(o, g) for o, g in zip(outs, grads) if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
         if pairs:

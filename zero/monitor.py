@@ -18,7 +18,8 @@
   `memory_every` steps on the control group, so the counts of the data group stay those of
   training.
 - The peak of one step, measured and estimated: the second optimizer step (forward, backward and
-  step) is measured at the allocator (CUDA: `max_memory_allocated`; CPU: the bytes the engine
+  step) is measured at the allocator (CUDA: `max_memory_allocated` of that step, for which the
+  peak statistics are reset once, the run's peak before it kept for the table; CPU: the bytes the engine
   holds when it starts plus the most torch's CPU allocator adds during it, read from one step of
   the profiler, which that step's time leaves out). The estimate is the model states and buffers
   of zero.estimate_memory plus the activations of zero.estimate_activations, traced with the
@@ -78,6 +79,7 @@ class TrainingMonitor:
         self._peak: StepPeak | None = None
         self.timed_from = 2  # the first step inside the wall-clock totals
         self.step_peak: float | None = None  # this rank's measured peak of one step (bytes)
+        self.peak_before_step = 0  # CUDA: the allocator's peak before StepPeak reset it
 
     def _capture_inputs(self, module, args, kwargs) -> None:
         as_meta = lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta", requires_grad=t.requires_grad) \
@@ -95,6 +97,7 @@ class TrainingMonitor:
         now = time.perf_counter()
         if self.last_time is None:  # the first step: ops built, orders recorded; measure the next one's peak
             self._peak = StepPeak(self.engine)
+            self.peak_before_step = self._peak.before
         elif self._peak is not None:  # the measured step (slower on the CPU): the clocks start after it
             self.step_peak, self._peak = self._peak.stop(), None
             self.engine.wall_clock_report(reset=True)
@@ -162,7 +165,7 @@ class TrainingMonitor:
         engine = self.engine
         measured = engine.memory_report()
         if engine.device.type == "cuda":
-            peak = float(torch.cuda.max_memory_allocated(engine.device))
+            peak = float(max(torch.cuda.max_memory_allocated(engine.device), self.peak_before_step))
         else:
             peak = float(measured["model_states_total"] + measured["host_staging"] + measured["reduce_buffers_peak"]
                          + measured.get("gathered_peak", 0) + measured.get("gather_buffers_peak", 0))
@@ -265,9 +268,10 @@ class StepPeak:
 
     def __init__(self, engine):
         self.device = engine.device
-        self.base, self.probe = 0, None
-        if self.device.type == "cuda":
+        self.base, self.probe, self.before = 0, None, 0
+        if self.device.type == "cuda":  # the run's peak so far is kept in `before`
             torch.cuda.synchronize(self.device)
+            self.before = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         elif not torch.autograd.profiler._is_profiler_enabled:
             from zero.testing.memory import AllocatorPeak

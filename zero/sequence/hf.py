@@ -75,6 +75,9 @@ class UlyssesSPAttentionHF(torch.nn.Module):
             value = value.repeat_interleave(self.size // kv_heads, dim=1)
         q, k, v = (sequence_all_to_all(t.contiguous(), self.group, 1, 2) for t in (query, key, value))
         kwargs.pop("is_causal", None)
+        # this rank's positions would not describe the whole sequence the core sees; without them
+        # it is one causal sequence (packed sequences are not supported)
+        kwargs.pop("position_ids", None)
         # the core repeats key/value heads by the module's ratio: this rank's ratio, after the exchange
         local = _LocalHeads(module, q.size(1) // k.size(1))
         out, _ = self.attn(local, q, k, v, None, *args, is_causal=True, **kwargs)  # [b, s, h_local, d]
@@ -93,9 +96,24 @@ class UlyssesSPAttentionHF(torch.nn.Module):
             raise ValueError(f"core_attn_implementation {core_attn_implementation!r} is not a transformers attention "
                              f"implementation ({sorted(AttentionInterface._global_mapping)}); 'eager' is model-specific "
                              f"and cannot be wrapped: use 'sdpa'")
+        if isinstance(model_name_or_path, torch.nn.Module):  # its heads, checked before anything changes
+            _check_heads(model_name_or_path.config, sequence_parallel_size)
         mpu = SequenceParallelState(sequence_parallel_size)
         wrapper = cls(AttentionInterface._global_mapping[core_attn_implementation], mpu.group, sequence_parallel_size)
         AttentionInterface.register(NAME, wrapper.forward)
         if isinstance(model_name_or_path, torch.nn.Module):
             model_name_or_path.set_attn_implementation(NAME)
         return mpu
+
+
+def _check_heads(config, size: int) -> None:
+    """The query heads must split over the group; key/value heads must split over it or divide it
+    (then they are repeated up to it)."""
+    text = getattr(config, "get_text_config", lambda: config)()
+    heads = getattr(text, "num_attention_heads", None)
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    if heads is None:
+        return
+    if heads % size or (kv % size and size % kv):
+        raise ValueError(f"sequence_parallel_size {size} does not fit the model's heads: {heads} query heads must split "
+                         f"over it, and {kv} key/value heads must split over it or divide it")

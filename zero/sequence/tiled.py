@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+IGNORE_INDEX = -100  # a class label that counts for nothing (cross_entropy's default ignore_index)
 
 def _tiles(x: torch.Tensor, shards: int) -> list[torch.Tensor]:
     if not isinstance(shards, int) or shards < 1:
@@ -87,17 +88,21 @@ class _TiledLoss(torch.autograd.Function):
         ctx.params = params
         ctx.save_for_backward(x, y)
         with torch.no_grad():
-            total = sum(w * fn(module, xt, yt, mt) for w, xt, yt, mt in _loss_tiles(x, y, mask, shards, reduction))
-        return total.detach() if isinstance(total, torch.Tensor) else torch.tensor(float(total))
+            total = sum(w * _call(fn, module, xt, yt, mt) for w, xt, yt, mt in _loss_tiles(x, y, mask, shards, reduction)
+                        if w)
+        return total.detach() if isinstance(total, torch.Tensor) else x.new_zeros((), dtype=torch.float32)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (x, y), params = ctx.saved_tensors, list(ctx.params)
         x_grads, param_grads = [], [None] * len(params)
         for w, xt, yt, mt in _loss_tiles(x.detach(), y, ctx.mask, ctx.shards, ctx.reduction):
+            if not w:
+                x_grads.append(torch.zeros_like(xt))
+                continue
             xt = xt.requires_grad_(x.requires_grad)
             with torch.enable_grad():
-                loss = w * ctx.fn(ctx.module, xt, yt, mt)
+                loss = w * _call(ctx.fn, ctx.module, xt, yt, mt)
             got = _grads(loss, [xt, *params], grad)
             x_grads.append(got[0] if got[0] is not None else torch.zeros_like(xt))
             param_grads = _add(param_grads, got[1:])
@@ -105,20 +110,29 @@ class _TiledLoss(torch.autograd.Function):
         return (None, None, dx, None, None, None, None, *param_grads)
 
 
+def _call(fn: Callable, module, x: torch.Tensor, y: torch.Tensor, mask):
+    """`fn(module, x, y)`, or `fn(module, x, y, mask)` when there is a mask (DeepSpeed's call)."""
+    return fn(module, x, y) if mask is None else fn(module, x, y, mask)
+
+
 def _loss_tiles(x, y, mask, shards: int, reduction: str):
-    """(weight, x tile, y tile, mask tile) per tile; "mean" weights each tile's loss by its share of
-    the sequence (the exact mean when `fn` returns each tile's mean over equally weighted positions)."""
+    """(weight, x tile, y tile, mask tile) per tile. "mean" weighs each tile's loss by its share of
+    the valid labels (not -100) when `y` holds class labels, else of the positions: the exact mean
+    when `fn` returns its tile's mean. Weight 0: a tile without a valid label, which is not computed
+    (its gradient is zero, where its own mean would be 0/0)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"output_reduction must be 'mean' or 'sum', got {reduction!r}")
     xs = _tiles(x, shards)
     sizes = [t.size(1) for t in xs]
     ys = torch.split(y, sizes, dim=1)
     ms = torch.split(mask, sizes, dim=1) if mask is not None else [None] * len(xs)
-    total = sum(sizes)
-    for xt, yt, mt, n in zip(xs, ys, ms, sizes):
-        yield (n / total if reduction == "mean" else 1.0), xt, yt, mt
-
-
+    if reduction == "mean" and not y.is_floating_point():
+        counts = torch.stack([(yt != IGNORE_INDEX).sum() for yt in ys]).tolist()  # one device sync
+    else:
+        counts = sizes
+    total = max(1, sum(counts))
+    for xt, yt, mt, n in zip(xs, ys, ms, counts):
+        yield (1.0 if reduction == "sum" else n / total), xt, yt, mt
 class TiledFusedLogitsLoss:
     """DeepSpeed's `ulysses_sp.TiledFusedLogitsLoss`: `TiledFusedLogitsLoss.apply(fn, self, x, y,
     mask, shards, compute_params, output_reduction)` is the loss `fn(self, x, y, mask)` (the
