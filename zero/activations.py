@@ -11,9 +11,12 @@ the copy is ordered before any reuse of the device memory) and copied back when 
 backward recomputes it (Pa+cpu); copying on a side stream and fetching ahead of the recomputation
 are not done (not yet measured on a GPU). On a CPU-only run the activations already are in host
 memory, and this is a no-op, logged once. The recomputation replays the CPU and (with CUDA) the
-current device's random-number states of the forward, so dropout draws the same. Without either, `checkpoint` is torch's non-reentrant checkpoint.
-The recomputation runs in backward as a reentrant checkpoint's does: each block's parameters get
-their gradients from its own backward (zero's hooks take them as they arrive).
+current device's random-number states of the forward, so dropout draws the same. Without either,
+`checkpoint` is torch's non-reentrant checkpoint. With them, the recomputation runs in backward as a
+reentrant checkpoint's does (DeepSpeed's is one too): each block's parameters get their gradients
+from its own backward (zero's hooks take them as they arrive), and a block none of whose tensor
+inputs requires grad gives its parameters none (frozen embeddings before it: make the input
+require grad, as with torch's reentrant checkpoint).
 """
 from __future__ import annotations
 
