@@ -525,3 +525,31 @@ def _save_with_sequence_parallelism_and_resume_without(directory: str):
 def test_a_sequence_parallel_checkpoint_resumes_without_sequence_parallelism(dist_run, tmp_path):
     (tensors, error), _ = dist_run(2, _save_with_sequence_parallelism_and_resume_without, str(tmp_path))
     assert tensors > 10 and error == 0.0, (tensors, error)
+
+
+def test_hf_tiling_helpers_equal_the_untiled_model():
+    """tile_mlps routes a Llama's MLPs through TiledMLP and tiled_causal_lm_loss computes the logits
+    and loss in tiles: the same summed loss and gradients as the plain model."""
+    transformers = pytest.importorskip("transformers")
+    from zero.sequence import tile_mlps, tiled_causal_lm_loss
+
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    plain = transformers.LlamaForCausalLM(cfg)
+    tiled = copy.deepcopy(plain)
+    assert tile_mlps(tiled, tokens_per_tile=7) == 2
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 97, (2, 37), generator=g)
+    shift = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
+    shift[0, :11] = -100
+    want = F.cross_entropy(plain(input_ids=ids).logits.flatten(0, 1).float(), shift.flatten(), ignore_index=-100,
+                           reduction="sum")
+    got = tiled_causal_lm_loss(tiled, ids, shift, tokens_per_tile=5)
+    want.backward()
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for (name, a), b in zip(plain.named_parameters(), tiled.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+    with pytest.raises(ValueError, match="tokens_per_tile"):
+        tile_mlps(tiled, 0)

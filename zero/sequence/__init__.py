@@ -4,13 +4,15 @@
 head slice) with one all-to-all before attention and back after it, so any attention function runs
 unchanged on whole sequences for its share of the heads. See zero/sequence/ulysses.py. `TiledMLP`
 and `TiledFusedLogitsLoss` compute an MLP and the logits + loss one sequence tile at a time, and
-`sequence_tiled_compute` any function of sequence-shaped tensors (zero/sequence/tiled.py).
+`sequence_tiled_compute` any function of sequence-shaped tensors (zero/sequence/tiled.py). For HF
+models (zero/sequence/hf.py): `UlyssesSPAttentionHF`, `tile_mlps` and `tiled_causal_lm_loss`.
 """
 from zero.sequence.data import UlyssesSPDataLoaderAdapter, sequence_loss, shard_batch
 from zero.sequence.groups import sequence_parallel_group
+from zero.sequence.hf import UlyssesSPAttentionHF, tile_mlps, tiled_causal_lm_loss
 from zero.sequence.tiled import SequenceTiledCompute, TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute
 from zero.sequence.ulysses import DistributedAttention, sequence_all_to_all, ulysses_attention
 
-__all__ = ["DistributedAttention", "SequenceTiledCompute", "TiledFusedLogitsLoss", "TiledMLP", "UlyssesSPDataLoaderAdapter",
-           "sequence_all_to_all", "sequence_loss", "sequence_parallel_group", "sequence_tiled_compute", "shard_batch",
-           "ulysses_attention"]
+__all__ = ["DistributedAttention", "SequenceTiledCompute", "TiledFusedLogitsLoss", "TiledMLP", "UlyssesSPAttentionHF",
+           "UlyssesSPDataLoaderAdapter", "sequence_all_to_all", "sequence_loss", "sequence_parallel_group",
+           "sequence_tiled_compute", "shard_batch", "tile_mlps", "tiled_causal_lm_loss", "ulysses_attention"]

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from zero.sequence.groups import sequence_parallel_group
-from zero.sequence.ulysses import sequence_all_to_all
+from zero.sequence.ulysses import heads_for_group, sequence_all_to_all
 
 NAME = "ulysses"
 
@@ -63,16 +63,7 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         self.attn, self.group, self.size = attn, group, size
 
     def forward(self, module, query, key, value, attention_mask, *args, **kwargs):
-        heads, kv_heads = query.size(1), key.size(1)
-        if heads % self.size:
-            raise ValueError(f"Ulysses attention: {heads} query heads do not split over a sequence-parallel group of "
-                             f"{self.size}")
-        if kv_heads % self.size:  # fewer key/value heads than ranks: repeated up to the group
-            if self.size % kv_heads:
-                raise ValueError(f"Ulysses attention: {kv_heads} key/value heads neither split over nor divide the "
-                                 f"sequence-parallel group of {self.size}")
-            key = key.repeat_interleave(self.size // kv_heads, dim=1)
-            value = value.repeat_interleave(self.size // kv_heads, dim=1)
+        key, value = heads_for_group(query, key, value, self.size, 1, "Ulysses attention")
         q, k, v = (sequence_all_to_all(t.contiguous(), self.group, 1, 2) for t in (query, key, value))
         kwargs.pop("is_causal", None)
         # this rank's positions would not describe the whole sequence the core sees; without them
@@ -117,3 +108,47 @@ def _check_heads(config, size: int) -> None:
     if heads % size or (kv % size and size % kv):
         raise ValueError(f"sequence_parallel_size {size} does not fit the model's heads: {heads} query heads must split "
                          f"over it, and {kv} key/value heads must split over it or divide it")
+
+
+def tile_mlps(model: torch.nn.Module, tokens_per_tile: int = 256) -> int:
+    """Route every MLP of an HF decoder (its modules whose class name ends in "MLP": LlamaMLP,
+    Qwen2MLP, MistralMLP, ...) through `TiledMLP`, `tokens_per_tile` positions at a time, so the
+    MLP's wide hidden activations exist for one tile at a time. Returns how many were tiled."""
+    import functools
+
+    if not isinstance(tokens_per_tile, int) or tokens_per_tile < 1:
+        raise ValueError(f"tokens_per_tile must be a positive int, got {tokens_per_tile!r}")
+    mlps = [m for m in model.modules() if type(m).__name__.endswith("MLP")]
+    for mlp in mlps:
+        mlp.forward = functools.partial(_tiled_mlp_forward, mlp, tokens_per_tile)
+    return len(mlps)
+
+
+def _tiled_mlp_forward(mlp: torch.nn.Module, tokens_per_tile: int, x: torch.Tensor) -> torch.Tensor:
+    import math
+
+    from zero.sequence.tiled import TiledMLP
+
+    return TiledMLP.apply(type(mlp).forward, mlp, x, math.ceil(x.size(1) / tokens_per_tile), list(mlp.parameters()))
+
+
+def tiled_causal_lm_loss(model: torch.nn.Module, input_ids: torch.Tensor, shift_labels: torch.Tensor,
+                         position_ids: torch.Tensor | None = None, tokens_per_tile: int = 1024) -> torch.Tensor:
+    """The summed cross-entropy of an HF causal LM's predictions over valid `shift_labels` (-100:
+    ignored), with the vocabulary projection and the loss computed `tokens_per_tile` positions at a
+    time (`TiledFusedLogitsLoss`): the [sequence x vocabulary] logits never exist whole. Divide by
+    the valid tokens (or use the sequence-parallel share, as `sequence_loss` does) for a mean."""
+    import math
+
+    import torch.nn.functional as F
+
+    from zero.sequence.tiled import TiledFusedLogitsLoss
+
+    hidden = model.get_decoder()(input_ids=input_ids, position_ids=position_ids).last_hidden_state
+    head = model.get_output_embeddings()
+
+    def loss(head, x, y):
+        return F.cross_entropy(head(x).float().flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
+
+    return TiledFusedLogitsLoss.apply(loss, head, hidden, shift_labels, None, math.ceil(hidden.size(1) / tokens_per_tile),
+                                      list(head.parameters()), "sum")

@@ -51,6 +51,11 @@ def take_traffic() -> dict[str, dict[str, int]]:
     return out
 
 
+def exchange_wait_s() -> float:
+    """Seconds this process has waited for sequence-parallel all-to-alls (gloo; see Comm.wait_for)."""
+    return sum(comm.wait_s for _, comm in _comms.values())
+
+
 def refuse_without_exchange(size: int) -> None:
     """Raise before the first optimizer step of a sequence-parallel run whose forward and backward
     exchanged nothing: its attention saw only each rank's slice."""
@@ -123,6 +128,31 @@ def sequence_all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: in
     return _SequenceAllToAll.apply(x, group, scatter_dim, gather_dim)
 
 
+def heads_for_group(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, world: int, heads_dim: int,
+                    who: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value ready for the exchange over `world` ranks: as they are when their heads split
+    over it, repeated up to it when fewer (see [Note: the Ulysses exchange]).
+
+    Raises:
+        ValueError (naming `who` and the numbers): query heads that do not split over the group,
+            key/value heads that neither split over it nor divide it, key and value heads that differ.
+    """
+    heads, kv_heads = query.size(heads_dim), key.size(heads_dim)
+    if heads % world:
+        raise ValueError(f"{who}: {heads} query heads do not split over a sequence-parallel group of {world}; use a "
+                         f"group size that divides the number of heads")
+    if value.size(heads_dim) != kv_heads:
+        raise ValueError(f"{who}: key has {kv_heads} heads, value {value.size(heads_dim)}")
+    if kv_heads % world:
+        if world % kv_heads or heads % kv_heads:
+            raise ValueError(f"{who}: {kv_heads} key/value heads neither split over the group of {world} nor divide it "
+                             f"(nor the {heads} query heads); grouped-query attention needs the group size to be a "
+                             f"multiple or a divisor of the key/value heads")
+        key = key.repeat_interleave(world // kv_heads, dim=heads_dim)
+        value = value.repeat_interleave(world // kv_heads, dim=heads_dim)
+    return key, value
+
+
 class DistributedAttention(nn.Module):
     """DeepSpeed's `deepspeed.sequence.layer.DistributedAttention(local_attention,
     sequence_process_group, scatter_idx=2, gather_idx=0)`: Ulysses attention around any attention
@@ -161,20 +191,7 @@ class DistributedAttention(nn.Module):
         this rank's tokens with all heads, laid out as `query`."""
         world = group_size(self.spg)
         heads_dim, seq_dim = self.scatter_idx, self._sequence_dim(batch_dim_idx)
-        heads, kv_heads = query.size(heads_dim), key.size(heads_dim)
-        if heads % world:
-            raise ValueError(f"DistributedAttention: {heads} query heads do not split over a sequence-parallel group "
-                             f"of {world}; use a group size that divides the number of heads")
-        if value.size(heads_dim) != kv_heads:
-            raise ValueError(f"DistributedAttention: key has {kv_heads} heads, value {value.size(heads_dim)}")
-        if kv_heads % world:
-            if world % kv_heads or heads % kv_heads:
-                raise ValueError(f"DistributedAttention: {kv_heads} key/value heads neither split over the group of "
-                                 f"{world} nor divide it (nor the {heads} query heads); grouped-query attention needs "
-                                 f"the group size to be a multiple or a divisor of the key/value heads")
-            # fewer key/value heads than ranks: repeat them up to the group (see [Note: the Ulysses exchange])
-            key = key.repeat_interleave(world // kv_heads, dim=heads_dim)
-            value = value.repeat_interleave(world // kv_heads, dim=heads_dim)
+        key, value = heads_for_group(query, key, value, world, heads_dim, "DistributedAttention")
         q, k, v = (sequence_all_to_all(t, self.spg, heads_dim, seq_dim) for t in (query, key, value))
         context = self.local_attn(q, k, v, *args, **kwargs)
         return sequence_all_to_all(context, self.spg, seq_dim, heads_dim)
