@@ -15,8 +15,8 @@ parallelism over the 4 ranks; and what sequence parallelism costs per token.
   about the share of memory ALST's tiles take of an 80 GB GPU); (3) tiled + Ulysses: (2) with
   `UlyssesSPAttentionHF` over the 4 ranks, each holding a quarter of one sequence. In (1) and (2)
   each rank trains its own sequence (data parallelism).
-- Peak: one training step (forward, backward, AdamW step) after a warm-up step, measured as the
-  end table does (zero.monitor.StepPeak: the bytes the engine holds at the step's start plus the
+- Peak: the most of 3 training steps (forward, backward, AdamW step) at a length, after a warm-up
+  step, each measured as the end table does (zero.monitor.StepPeak: the bytes the engine holds at the step's start plus the
   most torch's CPU allocator adds during it), the most over the ranks. The longest length: the
   estimator (zero.estimate_activations + estimate_memory) proposes the longest multiple of 256 that
   fits, then measured steps move from there by 256 (or 2%) until one fits and the next does not;
@@ -30,8 +30,6 @@ parallelism over the 4 ranks; and what sequence parallelism costs per token.
 from __future__ import annotations
 
 import argparse
-import functools
-import math
 import sys
 import time
 from pathlib import Path
@@ -48,6 +46,7 @@ WORLD = 4
 TILE = 256  # tokens per tile of the tiled MLP
 LOSS_TILE = 64  # tokens per tile of the logits-loss: 64 x 2048 logits, 0.5 MiB (Llama-3-8B's tiles are ~1 GiB of 80)
 STEP = 256  # lengths are multiples of this
+REPEATS = 3  # steps measured per length
 VARIANTS = {"plain": "ZeRO-3 + checkpointing", "tiled": "+ tiled MLP and logits-loss",
             "ulysses": "+ Ulysses sequence parallelism over 4 ranks"}
 
@@ -62,40 +61,29 @@ def llama():
     return model.train()
 
 
-def _tiled_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    from zero.sequence import TiledMLP
-
-    return TiledMLP.apply(type(mlp).forward, mlp, x, math.ceil(x.size(1) / TILE), list(mlp.parameters()))
-
-
-def _logits_loss(head: nn.Module, x: torch.Tensor, y: torch.Tensor, mask=None) -> torch.Tensor:
-    logits = head(x).float()
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
+def _logits_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
 
 
 class LongContextLM(nn.Module):
     """The Llama and its loss, `scale` x the summed cross-entropy of this rank's tokens (scale:
     1 / valid tokens of the sequence, x the group size under sequence parallelism, as
-    zero.sequence.sequence_loss weighs it)."""
+    zero.sequence.sequence_loss weighs it). Tiled: zero.sequence.tile_mlps and tiled_causal_lm_loss."""
 
     def __init__(self, lm: nn.Module, tiled: bool):
         super().__init__()
         self.lm, self.tiled = lm, tiled
         if tiled:
-            for m in lm.modules():
-                if type(m).__name__.endswith("MLP"):
-                    m.forward = functools.partial(_tiled_mlp, m)
+            from zero.sequence import tile_mlps
+
+            tile_mlps(lm, tokens_per_tile=TILE)
 
     def forward(self, input_ids, shift_labels, position_ids, scale):
         if not self.tiled:
-            logits = self.lm(input_ids=input_ids, position_ids=position_ids).logits
-            return _logits_loss(nn.Identity(), logits, shift_labels, None) * scale
-        from zero.sequence import TiledFusedLogitsLoss
+            return _logits_loss(self.lm(input_ids=input_ids, position_ids=position_ids).logits, shift_labels) * scale
+        from zero.sequence import tiled_causal_lm_loss
 
-        hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
-        head = self.lm.lm_head
-        return TiledFusedLogitsLoss.apply(_logits_loss, head, hidden, shift_labels, None,
-                                          math.ceil(hidden.size(1) / LOSS_TILE), [head.weight], "sum") * scale
+        return tiled_causal_lm_loss(self.lm, input_ids, shift_labels, position_ids, tokens_per_tile=LOSS_TILE) * scale
 
 
 def _engine(variant: str):
@@ -137,12 +125,17 @@ def _step(engine, batch: dict) -> torch.Tensor:
 
 
 def _measured_peak(engine, variant: str, length: int) -> float:
+    """The most any rank reached in any of REPEATS steps at this length (the peak of a step varies
+    with the timing of the asynchronous gradient reductions: see the results)."""
     from zero.monitor import StepPeak
 
-    batch = _batch(variant, length, seed=length)
-    probe = StepPeak(engine)
-    _step(engine, batch)
-    peak = torch.tensor(probe.stop(), dtype=torch.float64)
+    peaks = []
+    for r in range(REPEATS):
+        batch = _batch(variant, length, seed=length + r)
+        probe = StepPeak(engine)
+        _step(engine, batch)
+        peaks.append(probe.stop())
+    peak = torch.tensor(max(peaks), dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return float(peak)
 
@@ -208,9 +201,11 @@ def same_numbers(variant: str) -> tuple[float, float]:
 
 
 def step_time(variant: str, length: int, reps: int) -> dict:
+    from zero.sequence.ulysses import exchange_wait_s
+
     engine, _ = _engine(variant)
     _step(engine, _batch(variant, length, seed=1))
-    times = []
+    times, waited = [], exchange_wait_s()
     for r in range(reps):
         dist.barrier()
         start = time.perf_counter()
@@ -218,7 +213,8 @@ def step_time(variant: str, length: int, reps: int) -> dict:
         times.append(time.perf_counter() - start)
     exchanged = engine.comm_report().get("all_to_all (sequence)", {"bytes": 0, "calls": 0})
     tokens = length * (1 if variant == "ulysses" else WORLD)
-    return {"variant": variant, "seconds": sum(times) / len(times), "tokens": tokens, "all_to_all": exchanged}
+    return {"variant": variant, "seconds": sum(times) / len(times), "tokens": tokens, "all_to_all": exchanged,
+            "all_to_all_s": (exchange_wait_s() - waited) / reps}
 
 
 def _mib(n: float) -> str:
@@ -269,22 +265,27 @@ def report(found: dict, numbers: dict, timed: dict, args) -> str:
         loss, norm = numbers[v]
         lines.append(f"| {name} | {f['longest']:,} | {f['longest'] / base:.1f}x | {_mib(at[1])} | {_mib(at[2])} | "
                      f"{f['first_over']:,} | {loss:.6f}, {norm:.6f} |")
-    lines += ["", "Every measured step (length: measured / estimated peak, MiB per rank):", ""]
+    lines += ["", "Every measured length (length: measured / estimated peak, MiB per rank; measured: the most of "
+              f"{REPEATS} steps, which differ by up to a few MiB at the longest lengths with the timing of the "
+              "asynchronous gradient reductions):", ""]
     for v, name in VARIANTS.items():
         pts = ", ".join(f"{n:,}: {_mib(m)} / {_mib(e)}" for n, m, e in found[v]["points"])
         lines.append(f"- {name}: {pts}")
     t, u = timed["tiled"], timed["ulysses"]
     per_tok = lambda r: r["seconds"] / r["tokens"]  # noqa: E731
     lines += ["", f"## Cost per token at {args.time_len:,} tokens", "",
-              "| variant | tokens per step (4 ranks) | seconds per step | ms per 1k tokens | all-to-all per step and rank |",
-              "|---|---:|---:|---:|---:|"]
+              "| variant | tokens per step (4 ranks) | seconds per step | ms per 1k tokens | all-to-all per step and rank "
+              "| waiting for them per step (rank 0) |",
+              "|---|---:|---:|---:|---:|---:|"]
     for r, name in ((t, "data parallel, tiled"), (u, "Ulysses over 4 ranks, tiled")):
         a2a = r["all_to_all"]
         lines.append(f"| {name} | {r['tokens']:,} | {r['seconds']:.2f} | {per_tok(r) * 1e6:.1f} | "
-                     f"{_mib(a2a['bytes'])} MiB in {a2a['calls']} |")
+                     f"{_mib(a2a['bytes'])} MiB in {a2a['calls']} | {r['all_to_all_s']:.3f} s |")
     lines += ["", f"Sequence parallelism costs {per_tok(u) / per_tok(t):.2f}x the time per token of data parallelism "
-              f"here: the same attention over a 4x longer sequence for a quarter of the heads (attention's cost grows "
-              f"with the square of the length), plus the all-to-alls; gloo on one 2-core host, so time is indicative "
+              f"here. Attention's work per token is the same in both (whole sequences of the same length; all heads "
+              f"on one rank, or a quarter of them on each of 4), so the difference is the all-to-alls (the waiting "
+              f"column: {u['all_to_all_s'] / u['seconds']:.0%} of the step) and the smaller matrix products and fixed "
+              f"costs of a quarter of the tokens per rank. Four gloo ranks share 2 cores here: times are indicative "
               f"only."]
     return "\n".join(lines) + "\n"
 
