@@ -57,7 +57,7 @@ def llama():
     cfg = LlamaConfig(vocab_size=2048, hidden_size=64, intermediate_size=224, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1 << 20, use_cache=False)
     model = LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
-    getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable()
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     return model.train()
 
 

@@ -136,3 +136,24 @@ def test_the_estimated_peak_of_a_step_is_within_ten_percent_of_the_allocator(dis
             assert abs(report["predicted"] / measured - 1) <= 0.10, (kind, size, report["predicted"], measured)
         activations.append(report["activations"].peak)
     assert activations == sorted(activations) and activations[-1] > 4 * activations[0], activations
+
+
+def test_the_command_line_prints_the_peak_with_activations(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from zero.estimate import format_bytes
+    from zero.estimate.__main__ import main
+
+    model = llama(checkpointing=True)
+    model.config.save_pretrained(tmp_path)
+    main(["--model", str(tmp_path), "--gpus", "2", "--stage", "3", "--offload", "none", "--dtype", "fp32",
+          "--seq-len", "512", "--checkpointing", "--sequence-parallel", "2"])
+    out = capsys.readouterr().out
+    act = estimate_activations(model, micro_batch_size=1, seq_len=512, sequence_parallel_size=2)
+    assert "peak/rank" in out and f"activations ({format_bytes(act.peak)}," in out, out
+    row = estimate_memory(model, 2, stage=3, offload="none", dtype="fp32", activations=act)[0]
+    assert format_bytes(row.peak_bytes) in out.splitlines()[3], out
+    for bad in (["--sequence-parallel", "3"], ["--seq-len", "64", "--params", "1e6"]):
+        args = ["--gpus", "2", *bad] + (["--model", str(tmp_path)] if "--params" not in bad else [])
+        with pytest.raises(SystemExit):
+            main(args)
+    assert "--sequence-parallel 3 must divide the 2 ranks" in capsys.readouterr().err

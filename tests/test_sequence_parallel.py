@@ -1,5 +1,8 @@
-"""Ulysses sequence parallelism (zero.sequence): attention over sequence slices on 2 ranks equals
-attention over the whole sequence in one process, forward and backward."""
+"""Long sequences (zero.sequence): Ulysses attention over sequence slices equals attention over the
+whole sequence in one process; GPT and HF Llama training under sequence parallelism (2 and 4 ranks,
+ZeRO 1-3 and offload, 2 data-parallel groups, padding and ignored labels, the ALST loss recipe)
+equals one process on whole sequences; tiled MLP and logits-loss equal the untiled ones and hold
+less; the exchange is counted and bounded, bad input is named, checkpoints resume without it."""
 from __future__ import annotations
 
 import copy

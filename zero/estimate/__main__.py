@@ -55,7 +55,7 @@ def _activations(model, args):
     from zero.estimate import estimate_activations
 
     if args.checkpointing:  # transformers' newer name first
-        getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable()
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     model.train()
     return estimate_activations(model, micro_batch_size=args.micro_batch, seq_len=args.seq_len,
                                 dtype={"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype],
@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.seq_len is not None and not args.model:
         parser.error("--seq-len needs --model (the activations are traced from the model's code)")
+    if args.sequence_parallel < 1 or (args.gpus * args.nodes) % args.sequence_parallel:
+        parser.error(f"--sequence-parallel {args.sequence_parallel} must divide the {args.gpus * args.nodes} ranks "
+                     f"(--gpus x --nodes)")
     for name in ("gpus", "nodes"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
