@@ -124,9 +124,9 @@ def _step(engine, batch: dict) -> torch.Tensor:
     return loss.detach()
 
 
-def _measured_peak(engine, variant: str, length: int) -> float:
-    """The most any rank reached in any of REPEATS steps at this length (the peak of a step varies
-    with the timing of the asynchronous gradient reductions: see the results)."""
+def _measured_peak(engine, variant: str, length: int) -> tuple[float, float]:
+    """(least, most) over REPEATS steps at this length of the most any rank reached in the step (the
+    peak of a step varies with the timing of the asynchronous gradient reductions: see the results)."""
     from zero.monitor import StepPeak
 
     peaks = []
@@ -134,10 +134,10 @@ def _measured_peak(engine, variant: str, length: int) -> float:
         batch = _batch(variant, length, seed=length + r)
         probe = StepPeak(engine)
         _step(engine, batch)
-        peaks.append(probe.stop())
-    peak = torch.tensor(max(peaks), dtype=torch.float64)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return float(peak)
+        peak = torch.tensor(probe.stop(), dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        peaks.append(float(peak))
+    return min(peaks), max(peaks)
 
 
 def _estimated_peak(engine, config: dict, variant: str, length: int) -> float:
@@ -160,11 +160,11 @@ def longest(variant: str, budget: float) -> dict:
     while hi - lo > STEP:  # the estimator's longest multiple of STEP
         mid = (lo + hi) // 2 // STEP * STEP
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    points = []  # (length, measured, estimated)
+    points = []  # (length, least measured, most measured, estimated)
 
-    def fits_measured(n: int) -> bool:
-        points.append((n, _measured_peak(engine, variant, n), _estimated_peak(engine, config, variant, n)))
-        return points[-1][1] <= budget
+    def fits_measured(n: int) -> bool:  # every step must fit
+        points.append((n, *_measured_peak(engine, variant, n), _estimated_peak(engine, config, variant, n)))
+        return points[-1][2] <= budget
 
     delta = lambda n: max(STEP, int(0.02 * n) // STEP * STEP)  # noqa: E731
     best = worst = None
@@ -256,20 +256,22 @@ def report(found: dict, numbers: dict, timed: dict, args) -> str:
     lines = [f"# Longest sequence at {args.budget_mib:g} MiB per rank (4 gloo ranks, HF Llama, ZeRO-3)", "",
              "Written by `python benchmarks/bench_long_context.py --write` (see its docstring for the method); "
              f"torch {torch.__version__}, CPU.", "",
-             "| variant | longest that fits (tokens) | x plain | peak there, measured (MiB/rank) | estimated (MiB/rank) "
-             "| first that does not fit | loss, grad norm on a shared 1024-token sequence |",
+             "| variant | longest that fits (tokens) | x plain | peak there, measured (MiB/rank, least-most of "
+             f"{REPEATS} steps) | estimated (MiB/rank) | first that does not fit | loss, grad norm on a shared "
+             "1024-token sequence |",
              "|---|---:|---:|---:|---:|---:|---|"]
     for v, name in VARIANTS.items():
         f = found[v]
         at = next(p for p in f["points"] if p[0] == f["longest"])
         loss, norm = numbers[v]
-        lines.append(f"| {name} | {f['longest']:,} | {f['longest'] / base:.1f}x | {_mib(at[1])} | {_mib(at[2])} | "
+        lines.append(f"| {name} | {f['longest']:,} | {f['longest'] / base:.1f}x | {_mib(at[1])}-{_mib(at[2])} | "
+                     f"{_mib(at[3])} | "
                      f"{f['first_over']:,} | {loss:.6f}, {norm:.6f} |")
-    lines += ["", "Every measured length (length: measured / estimated peak, MiB per rank; measured: the most of "
-              f"{REPEATS} steps, which differ by up to a few MiB at the longest lengths with the timing of the "
-              "asynchronous gradient reductions):", ""]
+    lines += ["", f"Every measured length (length: measured least-most of {REPEATS} steps / estimated peak, MiB per "
+              "rank; a length fits when its most does; the steps differ by up to a few MiB at the longest lengths "
+              "with the timing of the asynchronous gradient reductions, which the estimate does not model):", ""]
     for v, name in VARIANTS.items():
-        pts = ", ".join(f"{n:,}: {_mib(m)} / {_mib(e)}" for n, m, e in found[v]["points"])
+        pts = ", ".join(f"{n:,}: {_mib(lo)}-{_mib(hi)} / {_mib(e)}" for n, lo, hi, e in found[v]["points"])
         lines.append(f"- {name}: {pts}")
     t, u = timed["tiled"], timed["ulysses"]
     per_tok = lambda r: r["seconds"] / r["tokens"]  # noqa: E731
@@ -299,8 +301,8 @@ def plot(found: dict, budget: float, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for v, name in VARIANTS.items():
         pts = sorted(found[v]["points"])
-        ax.plot([p[0] for p in pts], [p[1] / 2**20 for p in pts], "o-", label=f"{name} (measured)")
-        ax.plot([p[0] for p in pts], [p[2] / 2**20 for p in pts], "x--", alpha=0.6, label=f"{name} (estimated)")
+        ax.plot([p[0] for p in pts], [p[2] / 2**20 for p in pts], "o-", label=f"{name} (measured, most)")
+        ax.plot([p[0] for p in pts], [p[3] / 2**20 for p in pts], "x--", alpha=0.6, label=f"{name} (estimated)")
     ax.axhline(budget / 2**20, color="grey", linestyle=":", label="budget")
     ax.set_xscale("log")
     ax.set_xlabel("sequence length (tokens)")
