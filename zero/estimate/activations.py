@@ -17,6 +17,15 @@ Fake tensors are CPU tensors, so operations pick the CPU kernels: SDPA runs its 
 memory (output plus a log-sum-exp per row) is what CUDA's flash and memory-efficient kernels keep
 too (not yet measured on a GPU: the ±10% of the tests is against the CPU allocator).
 
+Some kernels allocate scratch memory inside themselves, which no tensor shows: convolutions
+(oneDNN's reorders into blocked layouts and workspaces) and SDPA's CPU flash kernel (per-thread
+block buffers, copies of inputs not laid out [batch, sequence, heads, dim]). For these the trace
+adds a measured amount beside the outputs: the real kernel is run once per signature on random data
+of the same layouts at a small size (a convolution at spatial edge 16, scaled by the input's
+elements; attention at its real shape up to 2,048 tokens, else for one sequence and one head at
+1,024 and 2,048 tokens, extended along the line through them and scaled by batch x heads). These are
+this machine's CPU kernels; cuDNN's and the CUDA attention kernels' scratch is not modelled.
+
 What is counted: every tensor made in the forward, the loss and the backward, while it lives:
 activations saved for backward, temporaries, activation gradients, and each parameter's gradient
 until its hook hands it on (the engine copies it into a bucket or shard at once; where it then
