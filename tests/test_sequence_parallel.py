@@ -102,8 +102,18 @@ class _Head(torch.nn.Module):
         return F.cross_entropy(self.lm_head(x).flatten(0, 1).float(), y.flatten())
 
 
-def test_tiled_mlp_and_tiled_logits_loss_equal_the_untiled_ones_and_hold_less():
+def _mlp_and_loss(mlp: _MLP, head: _Head, x: torch.Tensor, y: torch.Tensor, shards: tuple[int, int] | None):
+    """The head's mean loss on the MLP's output: plain (shards None) or in (MLP, loss) tiles."""
     from zero.deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP
+
+    if shards is None:
+        return head.loss(mlp.plain(x), y)
+    h = TiledMLP.apply(_MLP.plain, mlp, x, shards[0], list(mlp.parameters()))
+    return TiledFusedLogitsLoss.apply(_Head.loss, head, h, y, None, shards[1], list(head.parameters()), "mean")
+
+
+def test_tiled_mlp_and_tiled_logits_loss_equal_the_untiled_ones_and_hold_less():
+    from zero.deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
     from zero.testing.memory import AllocatorPeak
 
     mlp, head = _MLP(), _Head()
@@ -115,11 +125,7 @@ def test_tiled_mlp_and_tiled_logits_loss_equal_the_untiled_ones_and_hold_less():
         xi = x.clone().requires_grad_()
         for p in [*mlp.parameters(), *head.parameters()]:
             p.grad = None
-        if tiled:
-            h = TiledMLP.apply(_MLP.plain, mlp, xi, 4, list(mlp.parameters()))
-            loss = TiledFusedLogitsLoss.apply(_Head.loss, head, h, y, None, 5, list(head.parameters()), "mean")
-        else:
-            loss = head.loss(mlp.plain(xi), y)
+        loss = _mlp_and_loss(mlp, head, xi, y, (4, 5) if tiled else None)
         loss.backward()
         runs[tiled] = [loss.detach(), xi.grad, *(p.grad.clone() for p in [*mlp.parameters(), *head.parameters()])]
     for a, b in zip(runs[False], runs[True]):
@@ -150,12 +156,7 @@ def test_tiled_mlp_and_tiled_logits_loss_equal_the_untiled_ones_and_hold_less():
     for tiled in (False, True):
         xi = long_x.clone().requires_grad_()
         with AllocatorPeak() as peak:
-            if tiled:
-                h = TiledMLP.apply(_MLP.plain, mlp, xi, 16, list(mlp.parameters()))
-                loss = TiledFusedLogitsLoss.apply(_Head.loss, head, h, long_y, None, 16, list(head.parameters()), "mean")
-            else:
-                loss = head.loss(mlp.plain(xi), long_y)
-            loss.backward()
+            _mlp_and_loss(mlp, head, xi, long_y, (16, 16) if tiled else None).backward()
         peaks[tiled] = peak.peak
     assert peaks[True] < 0.5 * peaks[False], peaks
 
