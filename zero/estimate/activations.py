@@ -96,11 +96,23 @@ class _LiveBytes(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._track(t)
-        if func in _CONVOLUTIONS:  # its kernel's scratch memory, beside its outputs (see the note)
-            self.peak = max(self.peak, self.now + _convolution_workspace(func, args, out))
-        elif func in _ATTENTION:
-            self.peak = max(self.peak, self.now + _attention_scratch(func, args, kwargs or {}))
+        # its kernel's scratch memory, beside its outputs (see the note); measuring it needs the
+        # profiler, which cannot run inside another one
+        if func in _CONVOLUTIONS + _ATTENTION and not torch.autograd.profiler._is_profiler_enabled:
+            scratch = _convolution_workspace(func, args) if func in _CONVOLUTIONS else \
+                _attention_scratch(func, args, kwargs or {})
+            self.peak = max(self.peak, self.now + scratch)
         return out
+
+
+def _scratch(func, *args, **kwargs) -> int:
+    """Bytes the real `func(*args, **kwargs)` allocates beyond its outputs, at the most."""
+    from zero.testing.memory import AllocatorPeak
+
+    with AllocatorPeak() as measured:
+        outs = func(*args, **kwargs)
+    made = sum(t.untyped_storage().nbytes() for t in tree_flatten(outs)[0] if isinstance(t, torch.Tensor))
+    return max(0, measured.peak - made)
 
 
 _CONVOLUTIONS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
@@ -123,13 +135,11 @@ def _attention_scratch(func, args: tuple, kwargs: dict) -> int:
     line through them and scaled by batch x heads (see [Note: tracing activations])."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from zero.testing.memory import AllocatorPeak
-
     backward = func is _ATTENTION[1]
     q = args[1] if backward else args[0]
     batch, heads, length = q.shape[:3]
-    if kwargs.get("attn_mask") is not None or torch.autograd.profiler._is_profiler_enabled:
-        return 0  # a mask's shape decides (not modelled); under a profiler nothing can be measured
+    if kwargs.get("attn_mask") is not None:
+        return 0  # a mask's own shape decides; not modelled
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     short = length <= _SCRATCH_LENGTHS[1]
     key = (backward, short and tuple(q.shape), *((t.dtype, _order(t)) for t in tensors),
@@ -143,10 +153,7 @@ def _attention_scratch(func, args: tuple, kwargs: dict) -> int:
                 if backward:  # out and logsumexp of the stand-in's own forward
                     out, lse = _ATTENTION[0](real[1], real[2], real[3], *real[6:8], **kwargs)[:2]
                     real[4], real[5] = _stand_in(args[4], (b, h, n), like=out), lse
-                with AllocatorPeak() as measured:
-                    outs = func(*real, **kwargs)
-                made = sum(t.untyped_storage().nbytes() for t in tree_flatten(outs)[0] if isinstance(t, torch.Tensor))
-                points.append((n, max(0, measured.peak - made)))
+                points.append((n, _scratch(func, *real, **kwargs)))
         if short:
             _attention_line[key] = (float(points[0][1]), 0.0)
         else:
@@ -173,16 +180,12 @@ def _stand_in(t: torch.Tensor, shape: tuple[int, int, int], like: torch.Tensor |
     return made.normal_() if t.is_floating_point() else made.zero_()
 
 
-def _convolution_workspace(func, args: tuple, out) -> int:
+def _convolution_workspace(func, args: tuple) -> int:
     """Scratch bytes a convolution (or its backward) allocates inside its kernel, beyond its
     outputs: measured once per signature by running it on random data of a small spatial size, and
     scaled by the input's elements (see [Note: tracing activations])."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from zero.testing.memory import AllocatorPeak
-
-    if torch.autograd.profiler._is_profiler_enabled:
-        return 0  # under a profiler nothing can be measured
     backward = func is torch.ops.aten.convolution_backward.default
     x, weight = (args[1], args[2]) if backward else (args[0], args[1])
     rest = args[3:] if backward else args[2:]  # bias (sizes), stride, padding, ..., groups(, output_mask)
@@ -197,15 +200,11 @@ def _convolution_workspace(func, args: tuple, out) -> int:
             if backward:
                 bias = torch.zeros(rest[0], dtype=x.dtype) if rest[0] is not None else None
                 ys = torch.ops.aten.convolution.default(xs, ws, bias, *rest[1:-1])
-                gs = torch.randn_like(ys)
-                with AllocatorPeak() as measured:
-                    outs = func(gs, xs, ws, *rest)
+                scratch = _scratch(func, torch.randn_like(ys), xs, ws, *rest)
             else:
                 bias = torch.randn(rest[0].shape, dtype=rest[0].dtype) if rest[0] is not None else None
-                with AllocatorPeak() as measured:
-                    outs = func(xs, ws, bias, *rest[1:])
-            made = sum(t.untyped_storage().nbytes() for t in tree_flatten(outs)[0] if isinstance(t, torch.Tensor))
-        _workspace_per_element[key] = max(0, measured.peak - made) / xs.numel()
+                scratch = _scratch(func, xs, ws, bias, *rest[1:])
+        _workspace_per_element[key] = scratch / xs.numel()
     return int(_workspace_per_element[key] * x.numel())
 
 
