@@ -126,7 +126,7 @@ def _step(engine, batch: dict) -> torch.Tensor:
 
 def _measured_peak(engine, variant: str, length: int) -> tuple[float, float]:
     """(least, most) over REPEATS steps at this length of the most any rank reached in the step (the
-    peak of a step varies with the timing of the asynchronous gradient reductions: see the results)."""
+    peak of a step varies with the timing of the collectives' threads: see the results)."""
     from zero.monitor import StepPeak
 
     peaks = []
@@ -269,7 +269,8 @@ def report(found: dict, numbers: dict, timed: dict, args) -> str:
                      f"{f['first_over']:,} | {loss:.6f}, {norm:.6f} |")
     lines += ["", f"Every measured length (length: measured least-most of {REPEATS} steps / estimated peak, MiB per "
               "rank; a length fits when its most does; the steps differ by up to a few MiB at the longest lengths "
-              "with the timing of the asynchronous gradient reductions, which the estimate does not model):", ""]
+              "with the timing of the collectives (most under sequence parallelism: gloo's all-to-alls), which the "
+              "estimate does not model):", ""]
     for v, name in VARIANTS.items():
         pts = ", ".join(f"{n:,}: {_mib(lo)}-{_mib(hi)} / {_mib(e)}" for n, lo, hi, e in found[v]["points"])
         lines.append(f"- {name}: {pts}")

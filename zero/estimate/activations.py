@@ -22,8 +22,8 @@ Some kernels allocate scratch memory inside themselves, which no tensor shows: c
 block buffers, copies of inputs not laid out [batch, sequence, heads, dim]). For these the trace
 adds a measured amount beside the outputs: the real kernel is run once per signature on random data
 of the same layouts at a small size (a convolution at spatial edge 16, scaled by the input's
-elements; attention at its real shape up to 2,048 tokens, else for one sequence and one head at
-1,024 and 2,048 tokens, extended along the line through them and scaled by batch x heads). These are
+elements; attention for one sequence, with one and two heads at its length up to 2,048 tokens, else
+with one head at 1,024 and 2,048 tokens, extended along those lines to its heads and length). These are
 this machine's CPU kernels; cuDNN's and the CUDA attention kernels' scratch is not modelled.
 
 What is counted: every tensor made in the forward, the loss and the backward, while it lives:
@@ -123,16 +123,17 @@ _workspace_per_element: dict[tuple, float] = {}  # a convolution's signature -> 
 _ATTENTION = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
               torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
 _SCRATCH_LENGTHS = (1024, 2048)  # beyond these the kernel's block sizes no longer change
-_attention_line: dict[tuple, tuple[float, float]] = {}  # signature -> (bytes, bytes per token x batch x head)
+_attention_line: dict[tuple, tuple[float, float]] = {}  # signature -> (bytes, bytes per head (x token))
 
 
 def _attention_scratch(func, args: tuple, kwargs: dict) -> int:
     """Scratch bytes SDPA's CPU flash kernel (or its backward) allocates inside itself beyond its
     outputs: per-thread block buffers, whose sizes stop growing past 1024 tokens, and copies of
     inputs that are not laid out [batch, sequence, heads, dim], which grow with batch x heads x
-    sequence. Measured once per signature on random data of the same layouts: at the real shape up
-    to 2048 tokens, else for one sequence and one head at 1024 and 2048 tokens, extended along the
-    line through them and scaled by batch x heads (see [Note: tracing activations])."""
+    sequence. Measured once per signature on random data of the same layouts, for one sequence: up
+    to 2048 tokens at the real length with one and two heads, scaled along that line to batch x
+    heads; beyond, with one head at 1024 and 2048 tokens, extended along that line to the length and
+    scaled by batch x heads (see [Note: tracing activations])."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     backward = func is _ATTENTION[1]
@@ -142,10 +143,11 @@ def _attention_scratch(func, args: tuple, kwargs: dict) -> int:
         return 0  # a mask's own shape decides; not modelled
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     short = length <= _SCRATCH_LENGTHS[1]
-    key = (backward, short and tuple(q.shape), *((t.dtype, _order(t)) for t in tensors),
+    key = (backward, short and length, *((t.dtype, _order(t)) for t in tensors),
            *(a for a in args if not isinstance(a, torch.Tensor)), tuple(sorted(kwargs.items())))
     if key not in _attention_line:
-        shapes = [(batch, heads, length)] if short else [(1, 1, n) for n in _SCRATCH_LENGTHS]
+        # one sequence: one and two heads at this length (up to 2048), or one head at 1024 and 2048
+        shapes = [(1, 1, length), (1, 2, length)] if short else [(1, 1, n) for n in _SCRATCH_LENGTHS]
         points = []
         with _disable_current_modes(), torch.no_grad():
             for b, h, n in shapes:
@@ -153,15 +155,12 @@ def _attention_scratch(func, args: tuple, kwargs: dict) -> int:
                 if backward:  # out and logsumexp of the stand-in's own forward
                     out, lse = _ATTENTION[0](real[1], real[2], real[3], *real[6:8], **kwargs)[:2]
                     real[4], real[5] = _stand_in(args[4], (b, h, n), like=out), lse
-                points.append((n, _scratch(func, *real, **kwargs)))
-        if short:
-            _attention_line[key] = (float(points[0][1]), 0.0)
-        else:
-            (n1, s1), (n2, s2) = points
-            slope = (s2 - s1) / (n2 - n1)
-            _attention_line[key] = (s1 - slope * n1, slope)
-    fixed, per_token = _attention_line[key]
-    return max(0, int(fixed + per_token * length * (1 if short else batch * heads)))
+                points.append(_scratch(func, *real, **kwargs))
+        step = points[1] - points[0]  # per head, or per 1024 tokens of one head
+        per_unit = step if short else step / (_SCRATCH_LENGTHS[1] - _SCRATCH_LENGTHS[0])
+        _attention_line[key] = (points[0] - per_unit * (1 if short else _SCRATCH_LENGTHS[0]), per_unit)
+    fixed, per_unit = _attention_line[key]
+    return max(0, int(fixed + per_unit * batch * heads * (1 if short else length)))
 
 
 def _order(t: torch.Tensor) -> tuple[int, ...]:
