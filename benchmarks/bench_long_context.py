@@ -268,7 +268,7 @@ def report(found: dict, numbers: dict, timed: dict, args) -> str:
                      f"{_mib(at[3])} | "
                      f"{f['first_over']:,} | {loss:.6f}, {norm:.6f} |")
     lines += ["", f"Every measured length (length: measured least-most of {REPEATS} steps / estimated peak, MiB per "
-              "rank; a length fits when its most does; the steps differ by up to a few MiB at the longest lengths "
+              "rank; a length fits when its most does; the steps differ by up to 10 MiB at the longest lengths "
               "with the timing of the collectives (most under sequence parallelism: gloo's all-to-alls), which the "
               "estimate does not model):", ""]
     for v, name in VARIANTS.items():

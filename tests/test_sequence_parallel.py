@@ -473,7 +473,17 @@ def _no_exchange_in_the_model():
     import zero
     from zero.errors import ZeroRuntimeError
     from zero.models import GPT, GPTConfig
+    from zero.sequence import DistributedAttention, UlyssesSPDataLoaderAdapter, sequence_parallel_group
 
+    group = sequence_parallel_group(2)
+    q = torch.randn(1, 4, 2, 8)
+    DistributedAttention(_causal, group, scatter_idx=2, gather_idx=1)(q, q, q, batch_dim_idx=0)  # before the engine
+    shared = [{"input_ids": torch.arange(8).view(1, 8)}]  # every rank the same batch
+    try:
+        next(iter(UlyssesSPDataLoaderAdapter(shared, torch.distributed.get_rank(), group, 2)))
+        adapter = "no error"
+    except ValueError as exc:
+        adapter = str(exc)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=16))
     engine, *_ = zero.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2,
@@ -485,16 +495,23 @@ def _no_exchange_in_the_model():
         engine.step()
     except ZeroRuntimeError as exc:
         unchanged = all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
-        return str(exc), unchanged, engine.global_steps
-    return "no error", False, engine.global_steps
+        return str(exc), unchanged, engine.global_steps, adapter
+    return "no error", False, engine.global_steps, adapter
 
 
 def test_bad_sequence_parallel_input_is_a_clear_error_before_anything_changes(dist_run):
     from zero.config import ConfigError, load_config
 
-    for message, unchanged, steps in dist_run(2, _no_exchange_in_the_model):
+    for message, unchanged, steps, adapter in dist_run(2, _no_exchange_in_the_model):
+        # an exchange before the engine was built does not count for it
         assert "exchanged nothing over the sequence-parallel group" in message and "Nothing was updated" in message
         assert unchanged and steps == 0
+        assert "every rank of the sequence-parallel group loaded the same batch" in adapter, adapter
+    from zero.sequence import shard_batch
+
+    packed = {"input_ids": torch.zeros(1, 6, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]])}
+    with pytest.raises(ValueError, match="packed sequences"):
+        shard_batch(packed, 0, 2)
     for split, stream in dist_run(2, _a_sequence_the_group_cannot_split):
         assert "splits dimension 1 of a tensor of shape (1, 3, 4, 8), whose size 3 is not a multiple of 2" in split
         assert "sp_stream" in stream

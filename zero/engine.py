@@ -74,7 +74,7 @@ from zero.pipe.module import PipelineModule
 from zero.precision import NonFiniteGradientError
 from zero.progress import BackwardCounter, TrainingProgress, mark_scaled
 from zero.sequence.groups import sequence_parallel_group
-from zero.sequence.ulysses import refuse_without_exchange, take_traffic
+from zero.sequence.ulysses import exchanges, refuse_without_exchange, take_traffic
 from zero.stages import build_optimizer
 from zero.stages.adam import ADAM_DEFAULTS, check_param_groups
 from zero.stages.choice import _optimizer_defaults, _param_groups, client_state_dtype, client_step
@@ -206,6 +206,7 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         # Ulysses sequence parallelism (zero.sequence): groups of consecutive ranks share samples
         self.sequence_parallel_size = config.sequence_parallel_size
         self.seq_parallel_group = sequence_parallel_group(config.sequence_parallel_size) if mesh is None else None
+        self._exchanges_at_start = exchanges(self.seq_parallel_group)  # see refuse_without_exchange
         ac = config.activation_checkpointing  # ZeRO-R (zero/activations.py): for deepspeed.checkpointing.checkpoint
         if ac.partition_activations or ac.cpu_checkpointing:
             from zero import activations
@@ -317,7 +318,7 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         steps, backwards = self.progress.global_steps + 1, self.progress.backwards
         self.comm.agree(Tag.STEP, steps, backwards, f"optimizer step {steps}")
         if steps == 1 and backwards and self.sequence_parallel_size > 1:
-            refuse_without_exchange(self.sequence_parallel_size)
+            refuse_without_exchange(self.sequence_parallel_size, self.seq_parallel_group, self._exchanges_at_start)
         if not backwards and not self._warned_count:
             self._warned_count = True
             warnings.warn(

@@ -151,7 +151,9 @@ class TrainingMonitor:
         from zero.estimate import estimate_activations
 
         try:
-            return estimate_activations(self.engine.module, self.example), None
+            # the CPU kernels' scratch is measured here: it is only this run's on the CPU
+            return estimate_activations(self.engine.module, self.example,
+                                        kernel_scratch=self.engine.device.type == "cpu"), None
         except Exception as err:  # noqa: BLE001 - a model the trace cannot run must not end the run's report
             return None, f"not traced ({type(err).__name__})"
 

@@ -70,8 +70,9 @@ class ActivationEstimate:
 class _LiveBytes(TorchDispatchMode):
     """Counts the bytes of the storages operations create while they live."""
 
-    def __init__(self, known: list[torch.Tensor]):
+    def __init__(self, known: list[torch.Tensor], scratch: bool = True):
         super().__init__()
+        self.scratch = scratch
         self.sizes: dict[int, int] = {}  # id of a live storage -> bytes (0 for the known ones)
         self.now = self.peak = 0
         for t in known:
@@ -98,7 +99,7 @@ class _LiveBytes(TorchDispatchMode):
                 self._track(t)
         # its kernel's scratch memory, beside its outputs (see the note); measuring it needs the
         # profiler, which cannot run inside another one
-        if func in _CONVOLUTIONS + _ATTENTION and not torch.autograd.profiler._is_profiler_enabled:
+        if self.scratch and func in _CONVOLUTIONS + _ATTENTION and not torch.autograd.profiler._is_profiler_enabled:
             scratch = _convolution_workspace(func, args) if func in _CONVOLUTIONS else \
                 _attention_scratch(func, args, kwargs or {})
             self.peak = max(self.peak, self.now + scratch)
@@ -209,7 +210,7 @@ def _convolution_workspace(func, args: tuple) -> int:
 
 def estimate_activations(model: nn.Module, example: Any = None, *, loss: Callable[[Any], torch.Tensor] | None = None,
                          micro_batch_size: int = 1, seq_len: int | None = None, dtype: torch.dtype | None = None,
-                         sequence_parallel_size: int = 1) -> ActivationEstimate:
+                         sequence_parallel_size: int = 1, kernel_scratch: bool = True) -> ActivationEstimate:
     """Activation memory of one training step of `model` on one rank (see [Note: tracing activations]).
 
     Args:
@@ -228,6 +229,8 @@ def estimate_activations(model: nn.Module, example: Any = None, *, loss: Callabl
             floating-point inputs are cast too.
         sequence_parallel_size: trace a zero GPT or an HF model with Ulysses attention over this
             many ranks (a model that has it already traces with its own group).
+        kernel_scratch: add the scratch memory this machine's CPU kernels allocate inside
+            convolutions and attention (see the note); False for a run on another kind of device.
 
     Returns:
         An ActivationEstimate (bytes per rank).
@@ -256,7 +259,7 @@ def estimate_activations(model: nn.Module, example: Any = None, *, loss: Callabl
             if p.requires_grad:  # the engine hands each gradient on at once (see the note)
                 p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
         step = _Step(model, loss or _default_loss)
-        with _LiveBytes(known) as live:
+        with _LiveBytes(known, kernel_scratch) as live:
             step.live = live
             # backward inside the call too: a checkpointed block's recomputation reads the fake parameters
             saved = torch.func.functional_call(step, {f"model.{k}": v for k, v in params.items()}, (args, kwargs),

@@ -11,8 +11,8 @@ from zero.sequence.data import UlyssesSPDataLoaderAdapter, sequence_loss, shard_
 from zero.sequence.groups import sequence_parallel_group
 from zero.sequence.hf import UlyssesSPAttentionHF, tile_mlps, tiled_causal_lm_loss
 from zero.sequence.tiled import SequenceTiledCompute, TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute
-from zero.sequence.ulysses import DistributedAttention, sequence_all_to_all, ulysses_attention
+from zero.sequence.ulysses import DistributedAttention, exchanged, sequence_all_to_all, ulysses_attention
 
 __all__ = ["DistributedAttention", "SequenceTiledCompute", "TiledFusedLogitsLoss", "TiledMLP", "UlyssesSPAttentionHF",
-           "UlyssesSPDataLoaderAdapter", "sequence_all_to_all", "sequence_loss", "sequence_parallel_group",
+           "UlyssesSPDataLoaderAdapter", "exchanged", "sequence_all_to_all", "sequence_loss", "sequence_parallel_group",
            "sequence_tiled_compute", "shard_batch", "tile_mlps", "tiled_causal_lm_loss", "ulysses_attention"]

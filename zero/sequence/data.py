@@ -54,6 +54,9 @@ def shard_batch(batch: dict, rank: int, size: int) -> dict:
         out["shift_labels"] = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
     if "position_ids" not in out:
         out["position_ids"] = torch.arange(s, device=ids.device).expand(b, s)
+    elif s > 1 and bool((out["position_ids"].diff(dim=-1) != 1).any()):
+        raise ValueError("shard_batch: position_ids restart inside a row (packed sequences), which sequence "
+                         "parallelism does not support: the attention over the whole row is one causal sequence")
     part = slice(rank * padded // size, (rank + 1) * padded // size)
     for key, value in list(out.items()):
         if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (b, s):
@@ -64,6 +67,18 @@ def shard_batch(batch: dict, rank: int, size: int) -> dict:
                 value = F.pad(value, (0, 0) * (value.dim() - 2) + (0, padded - s), value=fill)
             out[key] = value[:, part]
     return out
+
+
+def _refuse_shared_batches(batches: list[dict]) -> None:
+    """Each rank of a group must load its own batches: identical ones would be trained sp times."""
+    ids = [b.get("input_ids") for b in batches]
+    if all(isinstance(t, torch.Tensor) and t.shape == ids[0].shape and torch.equal(t, ids[0]) for t in ids[1:]):
+        raise ValueError(
+            "UlyssesSPDataLoaderAdapter: every rank of the sequence-parallel group loaded the same batch. The adapter "
+            "trains each rank's batch in turn, so each would be trained sequence_parallel_size times: give each rank "
+            "its own batches (a sampler over all ranks, e.g. DistributedSampler(dataset, num_replicas=world_size, "
+            "rank=rank)). A loader that gives the group one shared batch (zero's initialize(training_data=...) and "
+            "deepspeed_io shard by data-parallel rank) is sliced with zero.sequence.shard_batch instead")
 
 
 class UlyssesSPDataLoaderAdapter:
@@ -80,6 +95,7 @@ class UlyssesSPDataLoaderAdapter:
         return len(self.dl) * self.sp_world_size
 
     def __iter__(self):
+        first = True
         for batch in self.dl:
             if not isinstance(batch, dict):
                 raise TypeError(f"UlyssesSPDataLoaderAdapter slices dict batches (input_ids, labels, ...), got "
@@ -89,6 +105,9 @@ class UlyssesSPDataLoaderAdapter:
                 group_batches = [None] * self.sp_world_size
                 on_host = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
                 dist.all_gather_object(group_batches, on_host, group=self.sp_group)
+                if first:
+                    _refuse_shared_batches(group_batches)
+                first = False
             for each in group_batches:
                 shard = shard_batch(each, self.sp_rank, self.sp_world_size)
                 device = self.device if self.device is not None else batch["input_ids"].device

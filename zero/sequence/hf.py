@@ -129,6 +129,8 @@ def _tiled_mlp_forward(mlp: torch.nn.Module, tokens_per_tile: int, x: torch.Tens
 
     from zero.sequence.tiled import TiledMLP
 
+    if x.dim() != 3:  # not [batch, sequence, hidden] (a mixture-of-experts expert's [tokens, hidden]): as it was
+        return type(mlp).forward(mlp, x)
     return TiledMLP.apply(type(mlp).forward, mlp, x, math.ceil(x.size(1) / tokens_per_tile), list(mlp.parameters()))
 
 

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-IGNORE_INDEX = -100  # a class label that counts for nothing (cross_entropy's default ignore_index)
+from zero.sequence.data import IGNORE
+
 
 def _tiles(x: torch.Tensor, shards: int) -> list[torch.Tensor]:
     if not isinstance(shards, int) or shards < 1:
@@ -117,28 +118,34 @@ def _call(fn: Callable, module, x: torch.Tensor, y: torch.Tensor, mask):
 
 def _loss_tiles(x, y, mask, shards: int, reduction: str):
     """(weight, x tile, y tile, mask tile) per tile. "mean" weighs each tile's loss by its share of
-    the valid labels (not -100) when `y` holds class labels, else of the positions: the exact mean
-    when `fn` returns its tile's mean. Weight 0: a tile without a valid label, which is not computed
-    (its gradient is zero, where its own mean would be 0/0)."""
+    the positions that count (the mask's nonzero ones, else the labels that are not -100 when `y`
+    holds class labels, else all): the exact mean when `fn` returns its tile's mean. Weight 0: a tile
+    with none, which is not computed (its gradient is zero, where its own mean would be 0/0)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"output_reduction must be 'mean' or 'sum', got {reduction!r}")
     xs = _tiles(x, shards)
     sizes = [t.size(1) for t in xs]
     ys = torch.split(y, sizes, dim=1)
     ms = torch.split(mask, sizes, dim=1) if mask is not None else [None] * len(xs)
-    if reduction == "mean" and not y.is_floating_point():
-        counts = torch.stack([(yt != IGNORE_INDEX).sum() for yt in ys]).tolist()  # one device sync
+    if reduction == "mean" and (mask is not None or not y.is_floating_point()):  # one device sync
+        counts = torch.stack([mt.count_nonzero() if mt is not None else (yt != IGNORE).sum()
+                              for yt, mt in zip(ys, ms)]).tolist()
     else:
         counts = sizes
     total = max(1, sum(counts))
     for xt, yt, mt, n in zip(xs, ys, ms, counts):
         yield (1.0 if reduction == "sum" else n / total), xt, yt, mt
+
+
 class TiledFusedLogitsLoss:
     """DeepSpeed's `ulysses_sp.TiledFusedLogitsLoss`: `TiledFusedLogitsLoss.apply(fn, self, x, y,
-    mask, shards, compute_params, output_reduction)` is the loss `fn(self, x, y, mask)` (the
-    vocabulary projection and the loss, fused) computed in `shards` tiles of the sequence, so the
-    logits of one tile exist at a time (see [Note: tiles with recomputation]). "mean" averages the
-    tiles' losses weighted by their lengths, "sum" adds them."""
+    mask, shards, compute_params, output_reduction)` is the loss `fn(self, x, y)` (`fn(self, x, y,
+    mask)` with a mask: the vocabulary projection and the loss, fused) computed in `shards` tiles of
+    the sequence, so the logits of one tile exist at a time (see [Note: tiles with recomputation]).
+    "sum" adds the tiles' losses. "mean" weighs each tile's (mean) loss by its share of the positions
+    that count: the mask's nonzero ones, else the labels that are not -100 (class labels), else all;
+    a tile with none is skipped. That is the mean over the whole sequence, where DeepSpeed's plain
+    mean of the tiles differs when tiles count different numbers of positions."""
 
     @staticmethod
     def apply(fn: Callable, module, x: torch.Tensor, y: torch.Tensor, mask, shards: int,

@@ -56,10 +56,27 @@ def exchange_wait_s() -> float:
     return sum(comm.wait_s for _, comm in _comms.values())
 
 
-def refuse_without_exchange(size: int) -> None:
+_exchanges: dict[int, int] = {}  # id of a process group -> sequence-parallel exchanges over it, ever
+
+
+def exchanged(group) -> int:
+    """Count one sequence-parallel exchange over `group` and return the count so far. zero's
+    exchange calls it; an attention that exchanges over the group by other means (ring attention,
+    its own all-to-all) calls it too, so that the engine's first-step check sees it."""
+    _exchanges[id(group)] = _exchanges.get(id(group), 0) + 1
+    return _exchanges[id(group)]
+
+
+def exchanges(group) -> int:
+    """Sequence-parallel exchanges over `group` so far (see `exchanged`)."""
+    return _exchanges.get(id(group), 0)
+
+
+def refuse_without_exchange(size: int, group, before: int) -> None:
     """Raise before the first optimizer step of a sequence-parallel run whose forward and backward
-    exchanged nothing: its attention saw only each rank's slice."""
-    if not any(count["calls"] for _, comm in _comms.values() for count in comm.report().values()):
+    exchanged nothing over its group (`before`: the count when the engine was built): its
+    attention saw only each rank's slice."""
+    if exchanges(group) <= before:
         from zero.errors import ZeroRuntimeError
 
         raise ZeroRuntimeError(
@@ -68,7 +85,8 @@ def refuse_without_exchange(size: int) -> None:
             f"own slice only and the gradients are wrong. Give it the exchange: for an HF model "
             f"UlyssesSPAttentionHF.register_with_transformers(model, ...) (or load it with "
             f"attn_implementation='ulysses' after registering), for a zero GPT zero.sequence.ulysses_attention, else "
-            f"zero.sequence.DistributedAttention around its attention. Nothing was updated")
+            f"zero.sequence.DistributedAttention around its attention (an attention that exchanges by other means "
+            f"calls zero.sequence.exchanged(group)). Nothing was updated")
 
 
 class ShapeGroup:
@@ -106,6 +124,7 @@ class _SequenceAllToAll(torch.autograd.Function):
         received = torch.empty_like(send)
         if not _shapes_only(x, group):
             _comm(group).all_to_all(received, send, label=LABEL)
+            exchanged(group)
         return torch.cat(received.unbind(0), dim=gather_dim)
 
     @staticmethod
