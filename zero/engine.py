@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from zero.checkpoint.periodic import PeriodicSaves
 from zero.comm import Comm, Tag, compute_device
 from zero.config import ZeroConfig
 from zero.engine_accessors import ConfigAccessors
@@ -207,6 +208,8 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         self.sequence_parallel_size = config.sequence_parallel_size
         self.seq_parallel_group = sequence_parallel_group(config.sequence_parallel_size) if mesh is None else None
         self._exchanges_at_start = exchanges(self.seq_parallel_group)  # see refuse_without_exchange
+        ck = config.checkpoint  # periodic saves (zero/checkpoint/periodic.py)
+        self._periodic = PeriodicSaves(ck.dir, ck.save_interval, ck.keep_last) if ck.save_interval else None
         ac = config.activation_checkpointing  # ZeRO-R (zero/activations.py): for deepspeed.checkpointing.checkpoint
         if ac.partition_activations or ac.cpu_checkpointing:
             from zero import activations
@@ -360,6 +363,8 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         every = self.config.steps_per_print
         if every and p.global_steps % every == 0 and self.comm.rank == 0:
             self._print_progress(every)
+        if self._periodic is not None:
+            self._periodic.after_step(self)
 
     @torch.no_grad()
     def _sync_buffers(self) -> None:

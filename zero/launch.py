@@ -109,6 +109,10 @@ def initialize(
             training_data, batch_size=cfg.train_micro_batch_size_per_gpu, num_replicas=engine.dp_world_size,
             rank=engine.comm.rank // engine.sequence_parallel_size,  # a sequence-parallel group shares samples
             collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last)
+    if cfg.checkpoint.auto_resume:  # after the loader: its position is part of the state
+        from zero.checkpoint.periodic import auto_resume
+
+        auto_resume(engine, cfg.checkpoint.dir)
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 

@@ -1,0 +1,117 @@
+"""Periodic checkpoints and automatic resume (zero/checkpoint/periodic.py): saves every N steps keep
+the newest K; a restarted job resumes from the newest complete one, skipping a torn one, with the
+data loader's position, and ends with the parameters of an unbroken run, bit for bit."""
+import logging
+
+import pytest
+import torch
+
+STEPS, INTERVAL, KEEP = 7, 2, 2
+
+
+def _config(directory: str, stage: int, resume: bool) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if stage == 3 else {})},
+            "checkpoint": {"dir": directory, "save_interval": INTERVAL, "keep_last": KEEP, "auto_resume": resume}}
+
+
+def _train(directory: str, stage: int, resume: bool, until: int) -> tuple[int, list[torch.Tensor]]:
+    """A GPT on a token dataset through initialize's loader until `until` optimizer steps; returns
+    (the step it started from, the final parameters in full)."""
+    import zero
+    from zero.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randint(0, 64, (64, 9), generator=torch.Generator().manual_seed(1)))
+    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16))
+    engine, _, loader, _ = zero.initialize(model=model, training_data=data, config=_config(directory, stage, resume))
+    start = engine.global_steps
+    while engine.global_steps < until:
+        for (batch,) in loader:
+            engine.backward(engine(batch[:, :-1], batch[:, 1:]))
+            engine.step()
+            if engine.global_steps == until:
+                break
+    state = engine.consolidated_16bit_state_dict() or {}
+    return start, [t.float().clone() for _, t in sorted(state.items())]
+
+
+def _resume_after_a_torn_save(directory: str, stage: int):
+    import torch.distributed as dist
+
+    from zero.checkpoint.periodic import newest_complete
+
+    _, unbroken = _train(directory + "/unbroken", stage, resume=False, until=STEPS)
+    tags = sorted(p.name for p in __import__("pathlib").Path(directory + "/unbroken").glob("global_step*"))
+    # a job that saved at steps 2, 4, 6 and died while writing its save at step 6: that tag is torn
+    _train(directory + "/broken", stage, resume=False, until=6)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        torn = sorted((__import__("pathlib").Path(directory) / "broken" / "global_step6").rglob("*.safetensors"))[0]
+        torn.write_bytes(torn.read_bytes()[: torn.stat().st_size // 2])
+    dist.barrier()
+    found, skipped = newest_complete(directory + "/broken")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("zero").addHandler(handler)
+    try:
+        start, resumed = _train(directory + "/broken", stage, resume=True, until=STEPS)
+    finally:
+        logging.getLogger("zero").removeHandler(handler)
+    messages = [r.getMessage() for r in records]
+    same = all(torch.equal(a, b) for a, b in zip(unbroken, resumed)) and len(unbroken) == len(resumed)
+    return tags, found.name, skipped, start, same, messages
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_restarted_job_resumes_from_the_newest_complete_checkpoint_and_ends_as_an_unbroken_one(dist_run, tmp_path,
+                                                                                                 stage):
+    for rank, (tags, found, skipped, start, same, messages) in enumerate(
+            dist_run(2, _resume_after_a_torn_save, str(tmp_path), stage)):
+        assert tags == ["global_step4", "global_step6"], tags  # keep_last 2 of the saves at 2, 4, 6
+        assert found == "global_step4" and "global_step6" in skipped[0] and "contents changed" in skipped[0], skipped
+        assert start == 4  # resumed at the newest complete step
+        assert same  # bit for bit the unbroken run's parameters
+        if rank == 0:
+            assert any("skips global_step6" in m for m in messages), messages
+            assert any("resumed from" in m and "global_step4" in m for m in messages), messages
+
+
+def test_the_periodic_keys_need_a_directory():
+    from zero.config import ConfigError, load_config
+
+    for keys, named in (({"save_interval": 2}, "save_interval needs checkpoint.dir"),
+                        ({"auto_resume": True, "keep_last": 2}, "keep_last, auto_resume need checkpoint.dir")):
+        with pytest.raises(ConfigError, match=named):
+            load_config({"train_micro_batch_size_per_gpu": 1, "checkpoint": keys}, 1)
+    with pytest.raises(ConfigError, match="save_interval"):
+        load_config({"train_micro_batch_size_per_gpu": 1, "checkpoint": {"dir": "/tmp", "save_interval": 0}}, 1)
+
+
+def _torchrun(tmp, name: str, *args: str, restarts: int = 0) -> tuple[str, dict]:
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    out = tmp / f"{name}.safetensors"
+    # torch's shared rendezvous store keeps a dead attempt's addresses (pytorch/pytorch#135712)
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "--max-restarts", str(restarts), "-m", "zero.testing.resume_job", "--dir", str(tmp / name),
+                          "--out", str(out), *args], env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout + run.stderr, load_file(out)
+
+
+@pytest.mark.parametrize("stage,offload,kill_at,resumed_at", [(1, False, 5, 4), (3, True, 7, 6)])
+def test_a_killed_rank_under_torchrun_restarts_and_ends_as_an_unbroken_run(tmp_path, stage, offload, kill_at, resumed_at):
+    args = ["--steps", "9", "--stage", str(stage), *(["--offload"] if offload else [])]
+    _, unbroken = _torchrun(tmp_path, "unbroken", *args)
+    log, killed = _torchrun(tmp_path, "killed", *args, "--kill-at", str(kill_at), restarts=2)
+    assert "exitcode: -9" in log  # the rank really died
+    assert f"resumed from {tmp_path / 'killed'}/global_step{resumed_at} (global step {resumed_at})" in log, log[-2000:]
+    assert f"attempt 1 starts at step {resumed_at}" in log
+    assert unbroken.keys() == killed.keys() and all(torch.equal(unbroken[k], killed[k]) for k in unbroken)

@@ -1,0 +1,66 @@
+"""A small training job for the crash tests: a GPT on a token dataset, periodic checkpoints with
+auto_resume, and optionally one rank killed (SIGKILL) at a given step of the first attempt.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 --max-restarts 2 \\
+        -m zero.testing.resume_job --dir CKPT --out final.safetensors --steps 9 --kill-at 5
+
+Rank 0 writes the final parameters (safetensors) to --out and prints the step it started from.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", required=True, help="checkpoint.dir")
+    parser.add_argument("--out", required=True, help="where rank 0 writes the final parameters")
+    parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument("--interval", type=int, default=2, help="checkpoint.save_interval")
+    parser.add_argument("--stage", type=int, default=1)
+    parser.add_argument("--offload", action="store_true", help="offload_optimizer to the CPU")
+    parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--kill-at", type=int, default=0, help="first attempt: rank 1 kills itself after this step")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    import zero
+    from zero.models import GPT, GPTConfig
+
+    zo = {"stage": args.stage, **({"offload_optimizer": {"device": "cpu"}} if args.offload else {})}
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": zo,
+              "checkpoint": {"dir": args.dir, "save_interval": args.interval, "keep_last": 2, "auto_resume": True,
+                             "async_save": args.async_save}}
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randint(0, 64, (64, 9), generator=torch.Generator().manual_seed(1)))
+    engine, _, loader, _ = zero.initialize(model=GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2,
+                                                               n_embd=16)),
+                                           training_data=data, config=config)
+    rank, first_attempt = engine.comm.rank, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if rank == 0:
+        print(f"resume_job: attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} starts at step "
+              f"{engine.global_steps}", flush=True)
+    while engine.global_steps < args.steps:
+        for (batch,) in loader:
+            engine.backward(engine(batch[:, :-1], batch[:, 1:]))
+            engine.step()
+            if first_attempt and rank == 1 and engine.global_steps == args.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)  # a dead rank: no cleanup, no exit code of its own
+            if engine.global_steps == args.steps:
+                break
+    engine.wait_for_checkpoint()
+    state = engine.consolidated_16bit_state_dict()
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        save_file({k: v.detach().clone() for k, v in state.items()}, args.out)  # tied ones apart
+
+
+if __name__ == "__main__":
+    main()
