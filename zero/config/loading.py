@@ -225,6 +225,12 @@ def load_config(config: Union[Mapping[str, Any], str, pathlib.Path], world_size:
         _raise([(key, f"the world of {world_size} ranks does not split into pipeline.stages "
                  f"({stages}) x tensor_parallel.size ({cfg.tensor_parallel.size}) x a data-parallel size: "
                  f"{world_size} is not a multiple of {stages * cfg.tensor_parallel.size}")], source)
+    ck = cfg.checkpoint
+    needs_dir = [k for k in ("save_interval", "keep_last") if getattr(ck, k) is not None]
+    needs_dir += ["auto_resume"] if ck.auto_resume else []
+    if needs_dir and not ck.dir:
+        _raise([(("checkpoint", k), "needs checkpoint.dir (the directory to save to and resume from)")
+                for k in needs_dir], source)
     sp = cfg.sequence_parallel_size
     if sp > 1 and (stages > 1 or cfg.tensor_parallel.size > 1):
         _raise([(("sequence_parallel_size",), f"is {sp} with pipeline or tensor parallelism, which zero's "

@@ -535,29 +535,15 @@ class CheckpointConfig(_Section):
     tag_validation: Literal["Ignore", "Warn", "Fail"] = Field(
         "Warn", description="When ranks pass different tags to save_checkpoint: 'Warn' warns and saves under rank "
         "0's tag, 'Ignore' saves under rank 0's tag, 'Fail' raises naming the tags (case-insensitive).")
-    dir: str | None = Field(None, description="zero's: the directory of periodic checkpoints (save_interval) and of "
+    dir: Optional[str] = Field(None, description="zero's: the directory of periodic checkpoints (save_interval) and of "
                             "auto_resume, shared by all ranks.")
-    save_interval: int | None = Field(None, ge=1, description="zero's: save to `dir` after every this many optimizer "
+    save_interval: Optional[int] = Field(None, ge=1, description="zero's: save to `dir` after every this many optimizer "
                                       "steps (asynchronously with async_save).")
-    keep_last: int | None = Field(None, ge=1, description="zero's: keep only the newest this many periodic "
+    keep_last: Optional[int] = Field(None, ge=1, description="zero's: keep only the newest this many periodic "
                                   "checkpoints in `dir` (default: all).")
     auto_resume: bool = Field(False, description="zero's: initialize loads the newest complete checkpoint in `dir` "
                               "(every rank the same; incomplete ones skipped with a log line), data loader position "
                               "and RNG included; a fresh start when there is none.")
-
-    @model_validator(mode="after")
-    def _needs_dir(self):
-        given = [k for k in ("save_interval", "keep_last") if getattr(self, k) is not None]
-        given += ["auto_resume"] if self.auto_resume else []
-        if given and not self.dir:
-            verb = "needs" if len(given) == 1 else "need"
-            raise ValueError(f"{', '.join(given)} {verb} checkpoint.dir (the directory to save to and resume from)")
-        return self
-
-    @field_validator("tag_validation", mode="before")
-    @classmethod
-    def _tag(cls, v: Any) -> Any:
-        return v.capitalize() if isinstance(v, str) else v
 
 
 @with_placeholders("data_types")
