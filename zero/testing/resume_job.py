@@ -12,6 +12,8 @@ import argparse
 import logging
 import os
 import signal
+import sys
+import time
 
 import torch
 
@@ -46,11 +48,15 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         print(f"resume_job: attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} starts at step "
               f"{engine.global_steps}", flush=True)
+    resumed_at = engine.global_steps
     while engine.global_steps < args.steps:
         for (batch,) in loader:
             engine.backward(engine(batch[:, :-1], batch[:, 1:]))
             engine.step()
+            if rank == 0 and not first_attempt and engine.global_steps == resumed_at + 1:
+                print(f"resume_job: first step after the restart at {time.time():.3f}", flush=True)
             if first_attempt and rank == 1 and engine.global_steps == args.kill_at:
+                print(f"resume_job: rank 1 killed after step {args.kill_at} at {time.time():.3f}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)  # a dead rank: no cleanup, no exit code of its own
             if engine.global_steps == args.steps:
                 break
@@ -60,6 +66,12 @@ def main(argv: list[str] | None = None) -> None:
         from safetensors.torch import save_file
 
         save_file({k: v.detach().clone() for k, v in state.items()}, args.out)  # tied ones apart
+    torch.distributed.barrier()
+    # out of the interpreter without its teardown, where gloo's threads can still abort a process
+    # now and then ([Note: gloo at exit] in zero/comm.py): torchrun would count that as a failure
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
