@@ -545,6 +545,11 @@ class CheckpointConfig(_Section):
                               "(every rank the same; incomplete ones skipped with a log line), data loader position "
                               "and RNG included; a fresh start when there is none.")
 
+    @field_validator("tag_validation", mode="before")
+    @classmethod
+    def _tag(cls, v: Any) -> Any:
+        return v.capitalize() if isinstance(v, str) else v
+
 
 @with_placeholders("data_types")
 class DataTypesConfig(_Section):
