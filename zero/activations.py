@@ -57,14 +57,6 @@ def configure(partition_activations: bool | None = None, checkpoint_in_cpu: bool
         settings.group = group
 
 
-def configure_from_config(section, mesh) -> None:
-    """The config's `activation_checkpointing` section, for deepspeed.checkpointing.checkpoint:
-    partitioned over the mesh's tensor-parallel group (if any), and/or in host memory."""
-    if section.partition_activations or section.cpu_checkpointing:
-        configure(section.partition_activations, section.cpu_checkpointing,
-                  mesh.group("tp") if mesh is not None and mesh.tp > 1 else None)
-
-
 def _group_size() -> int:
     g = settings.group
     return dist.get_world_size(g) if g is not None and dist.is_initialized() else 1

@@ -57,7 +57,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zero.activations import configure_from_config as configure_activations
 from zero.checkpoint.periodic import PeriodicSaves
 from zero.comm import Comm, Tag, compute_device
 from zero.config import ZeroConfig
@@ -211,7 +210,12 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         self._exchanges_at_start = exchanges(self.seq_parallel_group)  # see refuse_without_exchange
         ck = config.checkpoint  # periodic saves (zero/checkpoint/periodic.py)
         self._periodic = PeriodicSaves(ck.dir, ck.save_interval, ck.keep_last) if ck.save_interval else None
-        configure_activations(config.activation_checkpointing, mesh)  # ZeRO-R (zero/activations.py)
+        ac = config.activation_checkpointing  # ZeRO-R (zero/activations.py): for deepspeed.checkpointing.checkpoint
+        if ac.partition_activations or ac.cpu_checkpointing:
+            from zero import activations
+
+            activations.configure(ac.partition_activations, ac.cpu_checkpointing,
+                                  mesh.group("tp") if mesh is not None and mesh.tp > 1 else None)
         if pipelined:
             from zero.pipe.schedule import PipelineSchedule
 
