@@ -5,10 +5,16 @@ DistributedSampler that remembers where it is, so a checkpoint resumes mid-epoch
 The sampler is a DistributedSampler on every world size (also a world of one), so each epoch's
 order depends only on the seed and the epoch (`loader.sampler.set_epoch(epoch)`, as with torch).
 The loader counts the batches it has handed out in the current pass; a checkpoint saves (epoch,
-batches) and a resumed loader skips that many samples of the same epoch's order at its next pass.
+batches) and the samples all ranks took in the pass, and a resumed loader skips that many samples
+of the same epoch's order at its next pass. Rank r of W takes the samples at r, r + W, r + 2W, ...
+of the epoch's order, so after S samples in all each rank has taken S / W: a loader on another
+number of ranks (an elastic restart) resumes where the whole job was, and each of its steps takes
+the next train_batch_size samples of the order, the same ones the old ranks would have taken
+(except in the epoch's last step, where DistributedSampler pads the order to a multiple of W).
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 
 from torch.utils.data import DataLoader, DistributedSampler
@@ -40,12 +46,12 @@ class ResumableLoader(DataLoader):
         sampler = ResumableSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True)
         super().__init__(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last)
         self.batches = 0  # batches handed out in the current pass (including skipped ones)
-        self._resume_at = 0  # set by load_state_dict: where the next pass starts
+        self._resume_at = 0  # set by load_state_dict: where the next pass starts, in this rank's samples
         self.post_process_func = None  # DeepSpeed's: applied to each batch (engine.set_data_post_process_func)
 
     def __iter__(self):
-        self.batches, self._resume_at = self._resume_at, 0
-        self.sampler.skip = self.batches * self.batch_size
+        skip, self._resume_at = self._resume_at, 0
+        self.batches, self.sampler.skip = skip // self.batch_size, skip
         chosen, self.sampler._epoch_set = self.sampler._epoch_set, False
         for batch in super().__iter__():
             self.batches += 1
@@ -55,12 +61,26 @@ class ResumableLoader(DataLoader):
             self.sampler.epoch += 1
 
     def state_dict(self) -> dict:
-        return {"epoch": self.sampler.epoch, "batches": self.batches, "seed": self.sampler.seed}
+        """The position: (epoch, seed) and this rank's batches of the pass, and the samples of the
+        pass all ranks took together, which a loader on another number of ranks resumes from."""
+        return {"epoch": self.sampler.epoch, "batches": self.batches, "seed": self.sampler.seed,
+                "samples": self.batches * self.batch_size * self.sampler.num_replicas}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume at the saved position; on another number of ranks or batch size (an elastic
+        restart, see [Note: resumable loader]) at the same sample of the epoch's order."""
         self.sampler.set_epoch(state["epoch"])
         self.sampler.seed = state["seed"]
-        self._resume_at = state["batches"]
+        samples = state.get("samples")
+        if samples is None:  # a checkpoint from before the samples were saved: same ranks and batch size
+            self._resume_at = state["batches"] * self.batch_size
+            return
+        ranks = self.sampler.num_replicas
+        if samples % ranks:
+            warnings.warn(f"the checkpoint's data loader had taken {samples} samples of the epoch, which the "
+                          f"{ranks} ranks of this run cannot split evenly: it resumes at sample "
+                          f"{samples // ranks * ranks}, so {samples % ranks} sample(s) are seen twice", stacklevel=2)
+        self._resume_at = samples // ranks
 
 
 class RepeatingLoader:

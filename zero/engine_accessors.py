@@ -432,7 +432,7 @@ class ConfigAccessors:
         info = self._config.autotuning_config.model_info
         return self.autotuning_enabled() and bool(info) and bool(info.get("profile", False))
 
-    # -- data efficiency, curriculum, layer drop, eigenvalue, elasticity (not in zero: off) -------
+    # -- data efficiency, curriculum, layer drop, eigenvalue (not in zero: off); elasticity -------
 
     def data_efficiency_enabled(self) -> bool:
         return self._config.data_efficiency_enabled
@@ -509,9 +509,11 @@ class ConfigAccessors:
     def elasticity_enabled(self) -> bool:
         return self._config.elasticity_enabled
 
-    def is_elastic_model_parallel_supported(self) -> None:
-        """DeepSpeed answers only with elasticity on (never in zero): None."""
-        return None
+    def is_elastic_model_parallel_supported(self) -> bool | None:
+        """With elasticity on: whether its version takes model parallelism (0.2); else None."""
+        if not self._config.elasticity_enabled:
+            return None
+        return self._config.elasticity_version >= 0.2
 
     def quantize_training(self) -> tuple:
         """MoQ's weight quantization settings (DeepSpeed 0.17; compression is refused here): in-forward,

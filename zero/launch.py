@@ -10,6 +10,7 @@ would shadow the function `zero.initialize` once imported.)
 """
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable
 
@@ -21,6 +22,8 @@ from zero.comm import Comm, compute_device, init_distributed
 from zero.config import load_config
 from zero.config.rules import check_optimizer_object
 from zero.engine import Engine
+
+log = logging.getLogger("zero")
 
 
 def initialize(
@@ -81,6 +84,12 @@ def initialize(
     # every config error is raised here, first, before anything is built or sliced
     cfg = load_config(config, world_size=world_size, pipeline_stages=model.num_stages if pipelined else None,
                       client_optimizer=client, model_is_pipeline=pipelined)
+    if cfg.elasticity.enabled and Comm().rank == 0:  # what this start trains with (zero/elasticity.py)
+        from zero.elasticity import plan
+
+        parallel = cfg.pipeline.stages * cfg.tensor_parallel.size * cfg.sequence_parallel_size
+        chosen = plan(cfg, world_size, parallel)
+        (log.info if chosen.kept else log.warning)("zero: elasticity: %s", chosen.describe())
     auto_plan = None
     if cfg.tensor_parallel.size > 1:
         from zero.tp.plans import auto_plan_for

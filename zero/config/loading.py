@@ -114,6 +114,26 @@ def _resolve_batch(cfg: ZeroConfig, world_size: int) -> dict[str, int]:
             "gradient_accumulation_steps": accum}
 
 
+def _elastic(cfg: ZeroConfig, world_size: int, model_parallel: int, source) -> ZeroConfig:
+    """The config with the three batch keys of the elasticity section's plan for this world size."""
+    from zero.elasticity import ElasticityError, plan
+
+    given = [k for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+             if getattr(cfg, k) is not None]
+    given += ["pipeline.micro_batches"] if cfg.pipeline.micro_batches is not None else []
+    if given and not cfg.elasticity.ignore_non_elastic_batch_info:
+        _raise([(tuple(k.split(".")), "is set while elasticity.enabled is true, which chooses the batch: remove it, "
+                 "or set elasticity.ignore_non_elastic_batch_info to let the section override it") for k in given],
+               source)
+    try:
+        p = plan(cfg, world_size, model_parallel)
+    except ElasticityError as exc:
+        _raise([(("elasticity",), str(exc))], source)
+    return cfg.model_copy(update={"train_batch_size": p.train_batch_size, "gradient_accumulation_steps": p.accumulation,
+                                  "train_micro_batch_size_per_gpu": p.micro_batch_size,
+                                  "pipeline": cfg.pipeline.model_copy(update={"micro_batches": None})})
+
+
 # ---------------------------------------------------------------------------------------------
 # Entry points
 # ---------------------------------------------------------------------------------------------
@@ -239,6 +259,8 @@ def load_config(config: Union[Mapping[str, Any], str, pathlib.Path], world_size:
         _raise([(("sequence_parallel_size",), f"is {sp}, which does not divide the world of {world_size} ranks "
                  f"into sequence-parallel groups")], source)
     data_parallel = world_size // (stages * cfg.tensor_parallel.size * sp)
+    if cfg.elasticity.enabled:  # the section decides the batch (zero/elasticity.py)
+        cfg = _elastic(cfg, world_size, world_size // data_parallel, source)
     m, accum = pipe.micro_batches, cfg.gradient_accumulation_steps
     if m is not None and accum is not None and m != accum:
         _raise([(("pipeline", "micro_batches"), f"is {m} but gradient_accumulation_steps is {accum}: both count "

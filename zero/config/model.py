@@ -16,6 +16,7 @@ from zero.config.sections import (
     BF16Config,
     CheckpointConfig,
     DataTypesConfig,
+    ElasticityConfig,
     FP16Config,
     SchedulerConfig,
     ZeroOptimizationConfig,
@@ -80,6 +81,8 @@ class ZeroConfig(_Section):
     dump_state: bool = Field(False, description="Print the engine state after initialization.")
     dataloader_drop_last: bool = Field(False, description="Drop the last incomplete batch.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoint options.")
+    elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig, description="Elastic batch sizes "
+                                         "(zero/elasticity.py).")
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig, description="ZeRO-R activation checkpoints "
         "(deepspeed.checkpointing).")

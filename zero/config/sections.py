@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from zero.config.errors import _fmt, _keys_of, _NestedIssues, _suggest, _validate_nested, _warn
 from zero.config.features import with_placeholders
+from zero.elasticity import LATEST_VERSION as LATEST_ELASTICITY_VERSION
 from zero.lr_schedules.build import mistyped_params
 
 AUTO = "auto"
@@ -541,6 +542,10 @@ class CheckpointConfig(_Section):
                                       "steps (asynchronously with async_save).")
     keep_last: Optional[int] = Field(None, ge=1, description="zero's: keep only the newest this many periodic "
                                   "checkpoints in `dir` (default: all).")
+    use_node_local_storage: bool = Field(False, description="Each node writes its own ranks' files to its own disk "
+                                         "(no shared filesystem needed); a load needs every node's files on that "
+                                         "node and refuses, naming the node and the missing rank files, when they "
+                                         "are absent.")
     auto_resume: bool = Field(False, description="zero's: initialize loads the newest complete checkpoint in `dir` "
                               "(every rank the same; incomplete ones skipped with a log line), data loader position "
                               "and RNG included; a fresh start when there is none.")
@@ -549,6 +554,61 @@ class CheckpointConfig(_Section):
     @classmethod
     def _tag(cls, v: Any) -> Any:
         return v.capitalize() if isinstance(v, str) else v
+
+
+@with_placeholders("elasticity")
+class ElasticityConfig(_Section):
+    """`elasticity`: DeepSpeed's elastic batch sizes, versions 0.1 and 0.2 (zero/elasticity.py,
+    docs/checkpoint.md "Restarting on another number of ranks")."""
+
+    enabled: bool = Field(False, description="Choose the global batch from this section, so that a restart on "
+                          "another number of ranks keeps it (the batch keys outside it are then errors unless "
+                          "ignore_non_elastic_batch_info).")
+    max_train_batch_size: Optional[int] = Field(None, ge=1, description="The largest global batch accepted "
+                                                "(needed when enabled).")
+    micro_batch_sizes: Optional[list[int]] = Field(None, min_length=1, description="The micro-batch sizes a rank "
+                                                   "may run (needed when enabled); the largest that divides a "
+                                                   "rank's share is used.")
+    min_gpus: int = Field(1, ge=1, description="The fewest ranks the batch should suit.")
+    max_gpus: int = Field(10000, ge=1, description="The most ranks the batch should suit.")
+    prefer_larger_batch: bool = Field(True, description="Of batches that suit equally many rank counts, take the "
+                                      "larger.")
+    ignore_non_elastic_batch_info: bool = Field(False, description="Let the section override the batch keys set "
+                                                "outside it (else setting them is an error).")
+    version: float = Field(LATEST_ELASTICITY_VERSION, description="0.1: count ranks, fail on a world size that "
+                           "cannot keep the batch; 0.2: count nodes of num_gpus_per_node ranks with "
+                           "model_parallel_size per replica, and give another size a batch of its own.")
+    num_gpus_per_node: int = Field(1, ge=1, description="Version 0.2: ranks per node.")
+    model_parallel_size: int = Field(1, ge=1, description="Version 0.2: ranks per model replica (pipeline stages x "
+                                     "tensor slices x sequence ranks).")
+
+    @field_validator("micro_batch_sizes")
+    @classmethod
+    def _positive(cls, v: Optional[list[int]]) -> Optional[list[int]]:
+        if v is not None and any(m < 1 for m in v):
+            raise ValueError(f"must be positive integers, got {v}")
+        return v
+
+    @field_validator("version")
+    @classmethod
+    def _version(cls, v: float) -> float:
+        if v not in (0.1, 0.2):
+            raise ValueError(f"must be 0.1 or 0.2, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _complete(self) -> ElasticityConfig:
+        if not self.enabled:
+            return self
+        missing = [k for k in ("max_train_batch_size", "micro_batch_sizes") if getattr(self, k) is None]
+        if missing:
+            raise ValueError(f"enabled elasticity needs {' and '.join(missing)}")
+        if self.max_gpus < self.min_gpus:
+            raise ValueError(f"max_gpus ({self.max_gpus}) is below min_gpus ({self.min_gpus})")
+        if max(self.micro_batch_sizes) > self.max_train_batch_size:
+            raise ValueError(f"micro_batch_sizes {self.micro_batch_sizes} has a size above max_train_batch_size "
+                             f"({self.max_train_batch_size})")
+        return self
 
 
 @with_placeholders("data_types")

@@ -338,6 +338,9 @@ class DeepSpeedConfig:
         self.load_universal_checkpoint = ck.load_universal
         self.use_node_local_storage = ck.use_node_local_storage
         self.checkpoint_parallel_write_pipeline = ck.parallel_write.pipeline_stage
+        self.elasticity_enabled = cfg.elasticity.enabled
+        self.elastic_model_parallel_size = cfg.elasticity.model_parallel_size
+        self.elasticity_version = cfg.elasticity.version
 
     def _features_off(self) -> None:
         """DeepSpeed features zero does not run: their settings with DeepSpeed's defaults."""
@@ -358,7 +361,6 @@ class DeepSpeedConfig:
         self.weight_quantization_config = None
         self.compression_config = {"weight_quantization": {"shared_parameters": dict(_WEIGHT_QUANTIZATION)}}
         self.sparse_attention = None
-        self.elasticity_enabled = False
         self.pld_enabled = False
         self.pld_params = False
         self.curriculum_enabled_legacy = False
