@@ -9,13 +9,15 @@ import torch
 STEPS, INTERVAL, KEEP = 7, 2, 2
 
 
-def _config(directory: str, stage: int, resume: bool) -> dict:
+def _config(directory: str, stage: int, resume: bool, node_local: bool = False) -> dict:
     return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
             "zero_optimization": {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if stage == 3 else {})},
-            "checkpoint": {"dir": directory, "save_interval": INTERVAL, "keep_last": KEEP, "auto_resume": resume}}
+            "checkpoint": {"dir": directory, "save_interval": INTERVAL, "keep_last": KEEP, "auto_resume": resume,
+                           "use_node_local_storage": node_local}}
 
 
-def _train(directory: str, stage: int, resume: bool, until: int) -> tuple[int, list[torch.Tensor]]:
+def _train(directory: str, stage: int, resume: bool, until: int, node_local: bool = False
+           ) -> tuple[int, list[torch.Tensor]]:
     """A GPT on a token dataset through initialize's loader until `until` optimizer steps; returns
     (the step it started from, the final parameters in full)."""
     import zero
@@ -24,7 +26,8 @@ def _train(directory: str, stage: int, resume: bool, until: int) -> tuple[int, l
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randint(0, 64, (64, 9), generator=torch.Generator().manual_seed(1)))
     model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16))
-    engine, _, loader, _ = zero.initialize(model=model, training_data=data, config=_config(directory, stage, resume))
+    engine, _, loader, _ = zero.initialize(model=model, training_data=data,
+                                           config=_config(directory, stage, resume, node_local))
     start = engine.global_steps
     while engine.global_steps < until:
         for (batch,) in loader:
@@ -76,6 +79,76 @@ def test_a_restarted_job_resumes_from_the_newest_complete_checkpoint_and_ends_as
         if rank == 0:
             assert any("skips global_step6" in m for m in messages), messages
             assert any("resumed from" in m and "global_step4" in m for m in messages), messages
+
+
+def _two_nodes(directory: str, stage: int):
+    """Four ranks as two "nodes" of two (GROUP_RANK, as torchrun sets it), each saving to a
+    directory of its own: save and resume; the nodes' directories copied into one; one node's file
+    lost; that node's whole directory lost."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from zero.checkpoint.training import CheckpointError
+
+    rank = dist.get_rank()
+    mine = f"{directory}/node{rank // 2}"
+
+    def everyone_then(step) -> None:
+        dist.barrier()
+        step()
+        dist.barrier()
+
+    def caught(fn) -> str | None:
+        try:
+            fn()
+        except CheckpointError as exc:
+            return str(exc)
+        return None
+
+    _, unbroken = _train(directory + "/unbroken", stage, resume=False, until=STEPS)
+    os.environ["GROUP_RANK"] = str(rank // 2)
+    try:
+        _train(mine, stage, resume=False, until=6, node_local=True)  # saves at 2, 4, 6; keeps 4 and 6
+        files = sorted(str(p.relative_to(mine)) for p in Path(mine).rglob("*.safetensors"))
+        start, resumed = _train(mine, stage, resume=True, until=STEPS, node_local=True)
+        os.environ.pop("GROUP_RANK")
+        everyone_then(lambda: rank == 0 and [shutil.copytree(f"{directory}/node{n}/global_step6",
+                                                             f"{directory}/shared/global_step6", dirs_exist_ok=True)
+                                             for n in (0, 1)])
+        shared_start, from_shared = _train(directory + "/shared", stage, resume=True, until=STEPS)
+        os.environ["GROUP_RANK"] = str(rank // 2)
+        # node 1 loses the tensor file of one of its ranks: loading that tag fails on every rank,
+        # naming the node and the file; auto_resume takes the tag before it
+        everyone_then(lambda: rank == 2 and next(Path(mine, "global_step6", "tensors").glob("*.safetensors")).unlink())
+        import zero
+        from zero.models import GPT, GPTConfig
+
+        engine, *_ = zero.initialize(model=GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)),
+                                     config=_config(mine, stage, False, True))
+        torn = caught(lambda: engine.load_checkpoint(mine, tag="global_step6"))
+        fallback = _train(mine, stage, resume=True, until=5, node_local=True)[0]
+        everyone_then(lambda: rank == 2 and shutil.rmtree(mine))  # node 1 loses everything
+        gone = caught(lambda: _train(mine, stage, resume=True, until=STEPS, node_local=True))
+    finally:
+        os.environ.pop("GROUP_RANK", None)
+    same = [len(unbroken) == len(r) and all(torch.equal(a, b) for a, b in zip(unbroken, r))
+            for r in (resumed, from_shared)]
+    return files, (start, shared_start, fallback), same, (torn, gone)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_node_local_storage_saves_each_nodes_files_on_its_node_and_refuses_a_node_without_them(dist_run, tmp_path,
+                                                                                                stage):
+    for rank, (files, starts, same, (torn, gone)) in enumerate(dist_run(4, _two_nodes, str(tmp_path), stage)):
+        ranks = (0, 1) if rank < 2 else (2, 3)
+        assert [f for f in files if f.startswith("global_step6/rng/")] == \
+            [f"global_step6/rng/rank{r}.safetensors" for r in ranks], files  # each node holds its own ranks' files
+        assert starts == (6, 6, 4) and same == [True, True], (starts, same)
+        assert torn is not None and "/node1 (ranks 2, 3)" in torn and "missing: tensors/" in torn, torn
+        assert gone is not None and "no checkpoint" in gone and "/node1 (ranks 2, 3) holds none" in gone, gone
 
 
 def test_the_periodic_keys_need_a_directory():

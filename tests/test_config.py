@@ -608,7 +608,7 @@ _SETTINGS = {  # a value that sets each row whose key is not a typed bool
     "zero_optimization.offload_param.nvme_path": "/local_nvme", "zero_optimization.offload_param.buffer_count": 8,
     "zero_optimization.offload_param.buffer_size": 10**6, "zero_optimization.offload_param.max_in_cpu": 10**6,
     "optimizer.params.comm_backend_name": "mpi",
-    "activation_checkpointing.number_checkpoints": 4,
+    "activation_checkpointing.number_checkpoints": 4, "elasticity.min_time": 20,
 }
 ONEBIT_ONLY = {"optimizer.params.cuda_aware", "optimizer.params.comm_backend_name"}
 
@@ -675,7 +675,7 @@ def test_deepspeed_memory_knobs_warn_from_load_config_only_when_changed(key, val
     ({"vocabulary_size": 50257}, "vocabulary_size"),
     ({"zero_optimization": {"memory_efficient_linear": False}}, "zero_optimization.memory_efficient_linear"),
     ({"zero_optimization": {"elastic_checkpoint": True}}, "zero_optimization.elastic_checkpoint"),
-    ({"checkpoint": {"use_node_local_storage": True}}, "checkpoint.use_node_local_storage"),
+    ({"elasticity": {"min_time": 20}}, "elasticity.min_time"),
     ({"optimizer": {"type": "Adam", "params": {"torch_adam": True}}}, "optimizer.params.torch_adam"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "buffer_count": 8}}},
      "zero_optimization.offload_param.buffer_count"),

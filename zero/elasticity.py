@@ -42,7 +42,12 @@ LATEST_VERSION = 0.2
 
 
 class ElasticityError(ValueError):
-    """The elasticity section cannot give a batch for this world size; the message says which sizes can."""
+    """The elasticity section cannot give a batch for this world size; the message says which sizes can.
+    `keys`: the config keys at fault."""
+
+    def __init__(self, message: str, keys: tuple[str, ...] = ("elasticity",)):
+        super().__init__(message)
+        self.keys = keys
 
 
 @dataclass(frozen=True)
@@ -199,6 +204,20 @@ def plan(config: Any, world_size: int, model_parallel: int = 1) -> ElasticPlan:
     own = max(fitting) if section.prefer_larger_batch else min(fitting)
     m = _micro_for(own, dp, micro)
     return ElasticPlan(own, m, own // (m * dp), dp, tuple(valid), kept=False)
+
+
+def batch_keys(config: Any, world_size: int, model_parallel: int = 1) -> dict[str, int]:
+    """The three batch keys an elastic config gives this world size (see `plan`). The batch keys
+    set outside the section are an error unless `ignore_non_elastic_batch_info`."""
+    given = [k for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+             if getattr(config, k) is not None]
+    given += ["pipeline.micro_batches"] if config.pipeline.micro_batches is not None else []
+    if given and not config.elasticity.ignore_non_elastic_batch_info:
+        raise ElasticityError("is set while elasticity.enabled is true, which chooses the batch: remove it, or set "
+                              "elasticity.ignore_non_elastic_batch_info to let the section override it", tuple(given))
+    p = plan(config, world_size, model_parallel)
+    return {"train_batch_size": p.train_batch_size, "train_micro_batch_size_per_gpu": p.micro_batch_size,
+            "gradient_accumulation_steps": p.accumulation}
 
 
 def compute_elastic_config(ds_config: dict, target_deepspeed_version: str | None = None, world_size: int = 0,

@@ -31,6 +31,8 @@ def _what_ranks_must_share(module: nn.Module, config: ZeroConfig, world_size: in
         return [f"config {prefix[:-1]} = {value!r}"]
 
     shared = {k: v for k, v in config.model_dump().items() if k not in _PER_RANK_KEYS}
+    if config.checkpoint.use_node_local_storage:  # each node's own disk, which may be mounted elsewhere
+        shared["checkpoint"] = {k: v for k, v in shared["checkpoint"].items() if k != "dir"}
     lines = [f"world size {world_size}", *flat("", shared)]
     lines += [f"parameter {n!r}: shape {tuple(p.shape)}, {p.dtype}, requires_grad={p.requires_grad}"
               for n, p in module.named_parameters()]

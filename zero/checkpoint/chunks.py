@@ -20,6 +20,7 @@ reshards.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import warnings
 from dataclasses import dataclass
 
@@ -115,3 +116,96 @@ def load_chunks(chunks: list[Chunk], path: str, process_group=None) -> None:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load({}, storage_reader=HuggingFaceStorageReader(path), planner=_LoadChunks(chunks),
                  process_group=process_group, no_dist=not dist.is_initialized())
+
+
+def local_coverage(path: str) -> dict[str, list[tuple[int, int]]]:
+    """The pieces of each global tensor that the files in `path` visible to this rank hold:
+    name -> sorted [start, end) spans (safetensors headers only)."""
+    md = HuggingFaceStorageReader(path).read_metadata().state_dict_metadata
+    return {name: sorted((int(c.offsets[0]), int(c.offsets[0]) + int(c.sizes[0])) for c in m.chunks)
+            for name, m in md.items()}
+
+
+def _missing(spans: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The parts of [lo, hi) that the sorted `spans` do not cover."""
+    out, at = [], lo
+    for a, b in spans:
+        if b <= at or a >= hi:
+            continue
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+        if at >= hi:
+            break
+    return out + ([(at, hi)] if at < hi else [])
+
+
+def _pieces(coverage: list[dict[str, list[tuple[int, int]]]], wanted: list[tuple[str, int, int, str]]):
+    """Who reads what of the `wanted` spans (every rank's, merged): (name, start, end, dtype,
+    serving rank) for each piece, a piece read by the lowest rank whose files hold it."""
+    merged: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    for name, lo, hi, dtype in sorted(set(wanted)):
+        spans = merged.setdefault((name, dtype), [])
+        if spans and lo <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], hi))
+        else:
+            spans.append((lo, hi))
+    pieces, unheld = [], []
+    for (name, dtype), spans in sorted(merged.items()):
+        for lo, hi in spans:
+            left = [(lo, hi)]
+            for rank, held in enumerate(coverage):
+                for a, b in held.get(name, []):
+                    still = []
+                    for x, y in left:
+                        s, e = max(x, a), min(y, b)
+                        if s >= e:
+                            still.append((x, y))
+                            continue
+                        pieces.append((name, s, e, dtype, rank))
+                        still += [p for p in ((x, s), (e, y)) if p[0] < p[1]]
+                    left = still
+            unheld += [f"{name}[{x}:{y}]" for x, y in left]
+    if unheld:
+        raise FileNotFoundError(f"no rank's files hold {len(unheld)} piece(s) of the checkpoint: {unheld[:6]}"
+                                f"{' ...' if len(unheld) > 6 else ''}")
+    return sorted(pieces, key=lambda p: (p[4], p[3], p[0], p[1]))
+
+
+def load_chunks_across_nodes(chunks: list[Chunk], path: str, io) -> None:
+    """`load_chunks` where each rank sees only its own node's files (node-local storage, see [Note:
+    node-local storage] in zero/checkpoint/nodes.py): each rank reads what its node holds; every
+    other piece is read by a rank whose node holds it and broadcast, one flat buffer per rank and
+    dtype. Every rank of the io group calls it."""
+    from zero.checkpoint.nodes import gather_objects
+
+    group = io.group if io.distributed else None
+    mine = local_coverage(path)
+    def end(c: Chunk) -> int:  # a staging span may reach past its tensor's end: that part is never read
+        return min(c.offset + c.tensor.numel(), c.numel)
+
+    here, away = [], []
+    for c in (c for c in chunks if c.offset < end(c)):
+        (away if _missing(mine.get(c.name, []), c.offset, end(c)) else here).append(c)
+    load_chunks(here, path, process_group=group)
+    coverage = gather_objects(io, mine)
+    wanted = [w for ws in gather_objects(io, [(c.name, c.offset, end(c), str(c.tensor.dtype)) for c in away])
+              for w in ws]
+    pieces = _pieces(coverage, wanted)
+    dtype = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+                                 torch.int32, torch.uint8, torch.int8, torch.bool)}
+    serve = [Chunk(n, lo, torch.empty(hi - lo, dtype=dtype[d]), hi) for n, lo, hi, d, r in pieces if r == io.rank]
+    load_chunks(serve, path, process_group=group)
+    served = {(c.name, c.offset): c.tensor for c in serve}
+    for (rank, d), group_pieces in itertools.groupby(pieces, key=lambda p: (p[4], p[3])):
+        group_pieces = list(group_pieces)
+        flat = (torch.cat([served[(n, lo)] for n, lo, *_ in group_pieces]) if rank == io.rank else
+                torch.empty(sum(hi - lo for _, lo, hi, *_ in group_pieces), dtype=dtype[d]))
+        io.broadcast(flat, src=rank)
+        at = 0
+        for n, lo, hi, *_ in group_pieces:
+            for c in away:
+                s, e = max(lo, c.offset), min(hi, c.offset + c.tensor.numel())
+                if c.name == n and s < e and str(c.tensor.dtype) == d:
+                    c.tensor[s - c.offset:e - c.offset].copy_(flat[at + s - lo:at + e - lo])
+            at += hi - lo

@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from zero.checkpoint.training import STATE_FILE, CheckpointError, read_state, verify_files
+from zero.checkpoint.nodes import Nodes, gather_objects
+from zero.checkpoint.placement import Placement
+from zero.checkpoint.training import NODE_LOCAL_HINT, STATE_FILE, CheckpointError, node_check, read_state, verify_files
 
 log = logging.getLogger("zero")
 _TAG = re.compile(r"global_step(\d+)")
@@ -53,17 +55,21 @@ def newest_complete(root: str | Path) -> tuple[Path | None, list[str]]:
 
 
 def auto_resume(engine, root: str) -> str | None:
-    """Load the newest complete checkpoint under `root` on every rank (rank 0 picks it); returns its
-    path, or None for a fresh start. Collective."""
-    choice = [None]
-    if engine.comm.rank == 0:
-        path, skipped = newest_complete(root)
-        for reason in skipped:
-            log.warning("zero: auto_resume skips %s", reason)
-        choice = [path.name if path is not None else None]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(choice, src=0)
-    tag = choice[0]
+    """Load the newest complete checkpoint under `root` on every rank (rank 0 picks it; with
+    node-local storage the newest complete on every node); returns its path, or None for a fresh
+    start. Collective."""
+    if engine.config.checkpoint.use_node_local_storage:
+        tag = _newest_on_every_node(Placement(engine).io, Path(root))
+    else:
+        choice = [None]
+        if engine.comm.rank == 0:
+            path, skipped = newest_complete(root)
+            for reason in skipped:
+                log.warning("zero: auto_resume skips %s", reason)
+            choice = [path.name if path is not None else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(choice, src=0)
+        tag = choice[0]
     if tag is None:
         if engine.comm.rank == 0:
             log.info("zero: auto_resume found no complete checkpoint in %s; starting fresh", root)
@@ -74,11 +80,48 @@ def auto_resume(engine, root: str) -> str | None:
     return str(path)
 
 
+def _newest_on_every_node(io, root: Path) -> str | None:
+    """The newest periodic tag complete on every node's storage (see [Note: node-local storage]):
+    the tags every node has, newest first, each checked by every node's leader until one passes.
+    Raises if nodes hold checkpoints but none that all of them hold complete: a node whose files
+    are gone must not make the job start again from nothing."""
+    nodes = Nodes.of(io)
+    k, leader = nodes.index_of(io.rank), nodes.is_leader(io.rank)
+    have = ([p.name for _, p in _tags(root) if (p / STATE_FILE).is_file()] if root.is_dir() else []) if leader else None
+    by_node = {nodes.index_of(r): tags for r, tags in enumerate(gather_objects(io, have)) if tags is not None}
+    common = [t for t in by_node[0] if all(t in tags for tags in by_node.values())]
+    for tag in by_node[0]:
+        if tag not in common and io.rank == 0:
+            lacking = [nodes.describe(n) for n, tags in by_node.items() if tag not in tags]
+            log.warning("zero: auto_resume skips %s: not on %s", tag, ", ".join(lacking))
+    for tag in common:
+        problem = None
+        if leader:
+            try:
+                state = read_state(root / tag)
+                problem = node_check(root / tag, state, nodes, io.rank)[0] if "storages" in state else None
+                if "storages" not in state:
+                    verify_files(root / tag, state)
+            except CheckpointError as exc:
+                problem = f"{nodes.describe(k)}: {exc}"
+        problems = [p for p in gather_objects(io, problem) if p]
+        if not problems:
+            return tag
+        if io.rank == 0:
+            log.warning("zero: auto_resume skips %s: %s", tag, "; ".join(problems))
+    if any(by_node.values()):
+        held = "; ".join(f"{nodes.describe(n)} holds {tags or 'none'}" for n, tags in sorted(by_node.items()))
+        raise CheckpointError(f"auto_resume: no checkpoint in {root} is complete on every node ({held}). {NODE_LOCAL_HINT} "
+                              f"Or point checkpoint.dir somewhere new to start afresh.")
+    return None
+
+
 class PeriodicSaves:
     """Saves to `dir` after every `save_interval` optimizer steps and keeps the newest `keep_last`."""
 
     def __init__(self, directory: str, interval: int | None, keep_last: int | None):
         self.root, self.interval, self.keep_last = Path(directory), interval, keep_last
+        self._nodes = None  # with node-local storage: which ranks share a node (asked at the first prune)
 
     def after_step(self, engine) -> None:
         if not self.interval or engine.global_steps % self.interval:
@@ -88,9 +131,17 @@ class PeriodicSaves:
             self._prune(engine, self.keep_last if not engine.config.checkpoint.async_save else self.keep_last + 1)
 
     def _prune(self, engine, keep: int) -> None:
-        """Remove the periodic tags beyond the newest `keep` (rank 0; the newest may still be being
-        written asynchronously, so with async_save one more is kept until the next save)."""
-        if engine.comm.rank != 0 or not self.root.is_dir():
+        """Remove the periodic tags beyond the newest `keep` (rank 0, or each node's leader with
+        node-local storage; the newest may still be being written asynchronously, so with async_save
+        one more is kept until the next save)."""
+        if engine.config.checkpoint.use_node_local_storage:
+            world = Placement(engine).world  # not the io group: a background save may be using it now
+            if self._nodes is None:
+                self._nodes = Nodes.of(world)
+            first = self._nodes.is_leader(world.rank)
+        else:
+            first = engine.comm.rank == 0
+        if not first or not self.root.is_dir():
             return
         for _, path in _tags(self.root)[keep:]:
             shutil.rmtree(path, ignore_errors=True)

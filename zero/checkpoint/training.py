@@ -38,7 +38,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from zero.checkpoint.chunks import Chunk, load_chunks, save_chunks, saved_tensors
+from zero.checkpoint.chunks import Chunk, load_chunks, load_chunks_across_nodes, save_chunks, saved_tensors
+from zero.checkpoint.nodes import Nodes, expected_here, gather_objects, mark, publishes, storage_ranks, unmark
 from zero.checkpoint.placement import Placement, from_whole, layout_of, piece_offset, to_whole
 from zero.comm import Tag
 from zero.errors import ZeroRuntimeError
@@ -198,8 +199,10 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
         "tied": _tied_aliases(engine.module),
         "dataloader": engine.training_dataloader.state_dict() if engine.training_dataloader is not None else None,
     }
+    node_local = engine.config.checkpoint.use_node_local_storage  # each node's save_dir may differ (its own disk)
     # every rank, or none (see [Note: rank-agreement tags]), then one tag
-    comm.agree(Tag.SAVE_CHECKPOINT, 0, zlib.crc32(str(root).encode()), f"save_checkpoint({str(root)!r})")
+    comm.agree(Tag.SAVE_CHECKPOINT, 0, 0 if node_local else zlib.crc32(str(root).encode()),
+               f"save_checkpoint({str(root)!r})")
     tag = _agreed_tag(place, tag, engine.config.checkpoint.tag_validation)
     final = root / tag
     if place.mesh is not None:  # each pipeline stage knows its own tensors: the JSON lists all of them
@@ -218,7 +221,8 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
     rng = _rng_state()
     own = {k: v.detach().to("cpu", copy=True) for k, v in engine.optimizer.rank_state().items()}
     io = place.io
-    write = functools.partial(_write, io, root, tag, state_json, chunks, rng, save_latest, own)
+    nodes = Nodes.of(io) if node_local else None
+    write = functools.partial(_write, io, root, tag, state_json, chunks, rng, save_latest, own, nodes)
     if not async_save:
         write()
         return str(final)
@@ -262,22 +266,29 @@ def _finish_pending_saves() -> None:
 
 
 def _write(io, root: Path, tag: str, state_json: str, chunks: list[Chunk], rng, save_latest: bool,
-           own: dict[str, torch.Tensor]) -> None:
-    """Write a snapshot under a temporary name, then (rank 0) rename it into place and point
-    `latest` at it; uses only the io group, so it may run in a background thread."""
+           own: dict[str, torch.Tensor], nodes: Nodes | None) -> None:
+    """Write a snapshot under a temporary name, then (rank 0, or each node's leader with node-local
+    storage: see [Note: node-local storage]) rename it into place and point `latest` at it; uses
+    only the io group, so it may run in a background thread."""
     from safetensors.torch import save_file
 
     final, tmp = root / tag, root / f".{tag}.tmp"
+    leader = io.rank == 0 if nodes is None else nodes.is_leader(io.rank)
+    if leader:
+        shutil.rmtree(tmp, ignore_errors=True)  # a save that died before
+    if nodes is not None:
+        io.any_rank(False, f"clearing {tmp}")  # no leader removes what another (on the same storage) makes next
     error = None
     try:
-        if io.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # a save that died before
-            (tmp / "rng").mkdir(parents=True)
-            (tmp / "optimizer").mkdir()
+        if leader:
+            (tmp / "rng").mkdir(parents=True, exist_ok=True)
+            (tmp / "optimizer").mkdir(exist_ok=True)
+            if nodes is not None:
+                mark(tmp, nodes.index_of(io.rank))
     except OSError as exc:
         error = exc
     if io.any_rank(error is not None):  # the directory exists before anyone writes into it
-        raise CheckpointError(f"save_checkpoint: could not create {tmp} on rank 0 ({error or 'see rank 0'})")
+        raise CheckpointError(f"save_checkpoint: could not create {tmp} ({error or 'on another rank, see its log'})")
     try:
         save_chunks(chunks, str(tmp / "tensors"), process_group=io.group if io.distributed else None)
         tensors, meta = rng
@@ -291,10 +302,20 @@ def _write(io, root: Path, tag: str, state_json: str, chunks: list[Chunk], rng, 
         raise CheckpointError(f"save_checkpoint: writing {tmp} failed on "
                               f"{'this rank' if error else 'another rank'} ({error or 'see its log'}); the "
                               f"previous checkpoints and 'latest' are unchanged") from None
+    publisher = leader and (nodes is None or publishes(tmp, nodes.index_of(io.rank)))
     try:
-        if io.rank == 0:  # the state, with a checksum of every file, then the tag into place, then latest
+        files = _file_checksums(tmp) if publisher else None
+        storages = None
+        if nodes is not None:  # every storage's files, for every storage's state file
+            mine = {"ranks": storage_ranks(tmp, nodes), "files": sorted(files)} if publisher else None
+            storages = [s for s in gather_objects(io, (mine, files)) if s[0] is not None]
+            files = {name: crc for _, f in storages for name, crc in f.items()}
+        if publisher:  # the state, with a checksum of every file, then the tag into place, then latest
             state = json.loads(state_json)
-            state["files"] = _file_checksums(tmp)
+            state["files"] = files
+            if storages is not None:
+                state["storages"] = [s for s, _ in storages]
+                unmark(tmp)
             _write_json(tmp / STATE_FILE, state)
             old = root / f".{tag}.old"
             shutil.rmtree(old, ignore_errors=True)
@@ -311,7 +332,8 @@ def _write(io, root: Path, tag: str, state_json: str, chunks: list[Chunk], rng, 
     except OSError as exc:
         error = exc
     if io.any_rank(error is not None, f"publishing checkpoint {final}"):
-        raise CheckpointError(f"save_checkpoint: putting {final} in place failed on rank 0 ({error or 'see rank 0'})")
+        raise CheckpointError(f"save_checkpoint: putting {final} in place failed "
+                              f"({error or 'on another rank, see its log'})")
 
 
 _OURS = {STATE_FILE}
@@ -430,6 +452,92 @@ def verify_files(path: Path, state: dict) -> None:
         raise CheckpointError(f"{path}: {'; '.join(problems)}")
 
 
+def _resolve_everywhere(io, load_dir, tag: str | None) -> tuple[Path, dict]:
+    """The tag's directory and state on every rank, or on every rank the same error: each rank
+    looks in its own `load_dir` (with node-local storage, its node's disk), so a node that lacks
+    the tag makes every rank raise, naming the node, instead of leaving the others waiting."""
+    from zero.checkpoint.nodes import node_name
+
+    path = state = None
+    try:
+        path = resolve_tag(load_dir, tag)
+        state = read_state(path)
+        found = (path.name, None)
+    except CheckpointError as exc:
+        found = (None, str(exc))
+    everyone = gather_objects(io, (*found, node_name()))
+    errors: dict[str, list[tuple[int, str]]] = {}
+    for rank, (_, error, node) in enumerate(everyone):
+        if error:
+            errors.setdefault(error, []).append((rank, node))
+    if len(errors) == 1 and sum(map(len, errors.values())) == io.world_size:
+        raise CheckpointError(next(iter(errors)))
+    if errors:
+        raise CheckpointError("; ".join(f"{_where(where)}: {error}" for error, where in errors.items()))
+    tags = {name for name, _, _ in everyone}
+    if len(tags) > 1:
+        by_rank = ", ".join(f"rank {r}: {name}" for r, (name, _, _) in enumerate(everyone))
+        raise CheckpointError(f"the ranks found different checkpoints in {load_dir} ({by_rank}): a save was cut short "
+                              f"on some node's storage; pass tag= to load one every node has")
+    return path, state
+
+
+def _where(ranks: list[tuple[int, str]]) -> str:
+    nodes = sorted({node for _, node in ranks})
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r, _ in ranks)} (node {', '.join(nodes)})"
+
+
+def _verify_everywhere(io, path: Path, state: dict) -> bool:
+    """Check the tag's files against their checksums before anything is read; every rank raises
+    the same error if one is missing or damaged. A checkpoint on shared storage is checked once, by
+    rank 0; a node-local one by each node's leader, for the files its storage should hold (see
+    [Note: node-local storage]). Returns whether the files are split over the nodes' storages."""
+    if "storages" not in state:
+        error = None
+        if io.rank == 0:  # one rank reads every file once and checks it against its checksum
+            try:
+                verify_files(path, state)
+            except CheckpointError as exc:
+                error = exc
+        found = gather_objects(io, str(error) if error is not None else None)[0]
+        if found is not None:  # every rank raises rank 0's error
+            raise error or CheckpointError(found)
+        return False
+    nodes = Nodes.of(io)
+    problem, whole = node_check(path, state, nodes, io.rank) if nodes.is_leader(io.rank) else (None, True)
+    everyone = gather_objects(io, (problem, whole))
+    problems = [p for p, _ in everyone if p]
+    if problems:
+        raise CheckpointError("; ".join(problems) + f". {NODE_LOCAL_HINT} Nothing was loaded.")
+    return not all(w for _, w in everyone)
+
+
+def node_check(path: Path, state: dict, nodes: Nodes, rank: int) -> tuple[str | None, bool]:
+    """On a node's leader, for a checkpoint saved with node-local storage: what is wrong with the
+    files this node's storage should hold (None: nothing), and whether it holds every file."""
+    k = nodes.index_of(rank)
+    listed, found = state["files"], _file_checksums(path)
+    expected = expected_here(state, nodes.ranks[k])
+    want = listed if expected is None else {f: listed[f] for f in expected[0] if f in listed}
+    missing = [f for f in want if f not in found]
+    damaged = [f for f in want if f in found and found[f] != want[f]] + [f for f in found if f not in listed]
+    whole = all(f in found for f in listed)
+    if not missing and not damaged:
+        return None, whole
+    saved_by = [s["ranks"] for s in state["storages"]]
+    whose = ("the files its ranks wrote" if expected is not None else
+             f"files it needs: the checkpoint was saved by nodes holding ranks {saved_by}, and on another "
+             f"arrangement every node needs every file")
+    return (f"{nodes.describe(k)}: {path} lacks {whose}"
+            + (f"; missing: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}" if missing else "")
+            + (f"; damaged or unknown: {', '.join(damaged[:8])}" if damaged else "")), whole
+
+
+NODE_LOCAL_HINT = ("With checkpoint.use_node_local_storage each node loads the files its own ranks saved on its own "
+                   "disk: put them back on that node, or copy every node's tag directory into one directory that "
+                   "every node reads (which then loads at any world size).")
+
+
 def _trainable(engine) -> set:
     return {id(p) for p in engine.optimizer.params}
 
@@ -443,16 +551,8 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
 
     place = Placement(engine)
     io = place.io  # DCP's own collectives go over gloo, whatever the data group is
-    path = resolve_tag(load_dir, tag)
-    state = read_state(path)
-    error = None
-    if io.rank == 0:  # one rank reads every file once and checks it against its checksum
-        try:
-            verify_files(path, state)
-        except CheckpointError as exc:
-            error = exc
-    if io.any_rank(error is not None, f"checking checkpoint {path}"):
-        raise error or CheckpointError(f"{path}: rank 0 found damaged or missing files (see its error)")
+    path, state = _resolve_everywhere(io, load_dir, tag)
+    split = _verify_everywhere(io, path, state)  # a node-local checkpoint whose nodes each hold their own files
     saved = state["tensors"]
     mine = {n: (_shape(t), is_param) for n, t, is_param in _named_tensors(engine.module)}
     problems = [f"{n}: shape {saved[n]['shape']} in the checkpoint, {s} in the model"
@@ -465,10 +565,17 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
         raise CheckpointError(f"{path}: the checkpoint does not match the model ({len(problems)} problem(s)): "
                               + "; ".join(problems) if problems else
                               f"{path}: the checkpoint does not match another rank's part of the model (see its error)")
+    stored, error = {}, None
     try:
         stored = saved_tensors(str(path / "tensors"))
     except BaseException as exc:  # noqa: BLE001 - safetensors and DCP raise many kinds on a damaged file
-        raise CheckpointError(f"{path / 'tensors'}: a tensor file is truncated or corrupt ({exc})") from None
+        error = exc
+    if io.any_rank(error is not None, f"reading checkpoint {path}"):
+        raise CheckpointError(f"{path / 'tensors'}: a tensor file is truncated or corrupt "
+                              f"({error or 'on another rank, see its error'})") from None
+    if split:  # each node sees its own files: the tensors of all of them
+        for theirs in gather_objects(io, stored):
+            stored.update({k: max(n, stored.get(k, 0)) for k, n in theirs.items()})
     short = [f"{k} ({stored[k]} of {n} elements)" for k, n in
              ((k, math.prod(saved[k.split("/", 1)[1]]["shape"])) for k in stored if k.split("/", 1)[1] in saved)
              if stored[k] != n]
@@ -508,7 +615,10 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
     staged = {n: Chunk(n, lo, torch.empty(hi - lo, dtype=dtype), numel) for n, (lo, hi, dtype, numel) in spans.items()}
     error = None
     try:
-        load_chunks(list(staged.values()), str(path / "tensors"), process_group=io.group if io.distributed else None)
+        if split:  # what this node's files do not hold comes from a rank whose node's files do
+            load_chunks_across_nodes(list(staged.values()), str(path / "tensors"), io)
+        else:
+            load_chunks(list(staged.values()), str(path / "tensors"), process_group=io.group if io.distributed else None)
         for name in moved:
             n = name.split("/", 1)[1]
             staged[name].tensor = from_whole(to_whole(staged[name].tensor, saved[n]["shape"], saved[n].get("layout")),

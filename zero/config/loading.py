@@ -116,22 +116,13 @@ def _resolve_batch(cfg: ZeroConfig, world_size: int) -> dict[str, int]:
 
 def _elastic(cfg: ZeroConfig, world_size: int, model_parallel: int, source) -> ZeroConfig:
     """The config with the three batch keys of the elasticity section's plan for this world size."""
-    from zero.elasticity import ElasticityError, plan
+    from zero.elasticity import ElasticityError, batch_keys
 
-    given = [k for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-             if getattr(cfg, k) is not None]
-    given += ["pipeline.micro_batches"] if cfg.pipeline.micro_batches is not None else []
-    if given and not cfg.elasticity.ignore_non_elastic_batch_info:
-        _raise([(tuple(k.split(".")), "is set while elasticity.enabled is true, which chooses the batch: remove it, "
-                 "or set elasticity.ignore_non_elastic_batch_info to let the section override it") for k in given],
-               source)
     try:
-        p = plan(cfg, world_size, model_parallel)
+        keys = batch_keys(cfg, world_size, model_parallel)
     except ElasticityError as exc:
-        _raise([(("elasticity",), str(exc))], source)
-    return cfg.model_copy(update={"train_batch_size": p.train_batch_size, "gradient_accumulation_steps": p.accumulation,
-                                  "train_micro_batch_size_per_gpu": p.micro_batch_size,
-                                  "pipeline": cfg.pipeline.model_copy(update={"micro_batches": None})})
+        _raise([(tuple(k.split(".")), str(exc)) for k in exc.keys], source)
+    return cfg.model_copy(update={**keys, "pipeline": cfg.pipeline.model_copy(update={"micro_batches": None})})
 
 
 # ---------------------------------------------------------------------------------------------
