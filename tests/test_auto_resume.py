@@ -163,17 +163,22 @@ def test_the_periodic_keys_need_a_directory():
         load_config({"train_micro_batch_size_per_gpu": 1, "checkpoint": {"dir": "/tmp", "save_interval": 0}}, 1)
 
 
-def _torchrun(tmp, name: str, *args: str, restarts: int = 0) -> tuple[str, dict]:
+def _env() -> dict:
     import os
+
+    # torch's shared rendezvous store keeps a dead attempt's addresses (pytorch/pytorch#135712)
+    return {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _torchrun(tmp, name: str, *args: str, restarts: int = 0, nproc: int = 2) -> tuple[str, dict]:
     import subprocess
     import sys
 
     from safetensors.torch import load_file
 
     out = tmp / f"{name}.safetensors"
-    # torch's shared rendezvous store keeps a dead attempt's addresses (pytorch/pytorch#135712)
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    env = _env()
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                           "--max-restarts", str(restarts), "-m", "zero.testing.resume_job", "--dir", str(tmp / name),
                           "--out", str(out), *args], env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -194,3 +199,52 @@ def test_a_killed_rank_under_torchrun_restarts_and_ends_as_an_unbroken_run(tmp_p
     assert any(f"resumed from {tmp_path / 'killed'}/global_step{n} (global step {n})" in log
                and f"attempt 1 starts at step {n}" in log for n in resumed_at), log[-2000:]
     assert unbroken.keys() == killed.keys() and all(torch.equal(unbroken[k], killed[k]) for k in unbroken)
+
+
+def _two_agents(tmp, name: str, *args: str) -> tuple[list[str], list[int], float]:
+    """Two torchrun agents on this host as two nodes of two ranks (static rendezvous on localhost),
+    each keeping its checkpoints in a directory of its own (`{node}`); their outputs, exit codes
+    and the seconds they took."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**_env(), "ZERO_COLLECTIVE_TIMEOUT": "60"}
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(k),
+                                "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                                "-m", "zero.testing.resume_job", "--dir", str(tmp / name / "node{node}"), "--node-local",
+                                "--out", str(tmp / f"{name}.safetensors"), *args],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for k in (0, 1)]
+    began = time.time()
+    outputs = [a.communicate(timeout=240)[0] for a in agents]
+    return outputs, [a.returncode for a in agents], time.time() - began
+
+
+def test_two_nodes_with_node_local_storage_save_resume_and_refuse_a_node_without_its_files(tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    _, unbroken = _torchrun(tmp_path, "unbroken", "--steps", "9", nproc=4)
+    outputs, codes, _ = _two_agents(tmp_path, "nodes", "--steps", "6")
+    assert codes == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    for rank in range(4):  # what each rank was given and what zero reads from it
+        node, local = rank // 2, rank % 2
+        assert (f"resume_job: rank {rank} node {node} LOCAL_RANK {local} LOCAL_WORLD_SIZE 2 engine.local_rank {local} "
+                f"comm.get_local_rank {local} world 4") in outputs[node], outputs[node][-2000:]
+    for node in (0, 1):  # each node's disk holds its own ranks' files
+        ranks = sorted(p.name for p in (tmp_path / "nodes" / f"node{node}" / "global_step6" / "rng").iterdir())
+        assert ranks == [f"rank{r}.safetensors" for r in (2 * node, 2 * node + 1)], ranks
+    outputs, codes, _ = _two_agents(tmp_path, "nodes", "--steps", "9")
+    assert codes == [0, 0] and "attempt 0 starts at step 6" in outputs[0], outputs[0][-3000:]
+    resumed = load_file(tmp_path / "nodes.safetensors")
+    assert unbroken.keys() == resumed.keys() and all(torch.equal(unbroken[k], resumed[k]) for k in unbroken)
+    shutil.rmtree(tmp_path / "nodes" / "node1")  # node 1's disk lost its checkpoints
+    outputs, codes, took = _two_agents(tmp_path, "nodes", "--steps", "12")
+    assert codes[0] != 0 and codes[1] != 0 and took < 120, (codes, took)
+    for output in outputs:  # every rank, on both nodes, says why
+        assert output.count("/node1 (ranks 2, 3) holds none") >= 2, output[-3000:]

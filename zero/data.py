@@ -69,7 +69,7 @@ class ResumableLoader(DataLoader):
     def load_state_dict(self, state: dict) -> None:
         """Resume at the saved position; on another number of ranks or batch size (an elastic
         restart, see [Note: resumable loader]) at the same sample of the epoch's order."""
-        self.sampler.set_epoch(state["epoch"])
+        self.sampler.epoch = state["epoch"]  # not set_epoch: the pass's end still moves on to the next epoch
         self.sampler.seed = state["seed"]
         samples = state.get("samples")
         if samples is None:  # a checkpoint from before the samples were saved: same ranks and batch size

@@ -4,7 +4,10 @@ auto_resume, and optionally one rank killed (SIGKILL) at a given step of the fir
     python -m torch.distributed.run --standalone --nproc_per_node 2 --max-restarts 2 \\
         -m zero.testing.resume_job --dir CKPT --out final.safetensors --steps 9 --kill-at 5
 
-Rank 0 writes the final parameters (safetensors) to --out and prints the step it started from.
+Rank 0 writes the final parameters (safetensors) to --out and prints the step it started from;
+every rank prints the node, local rank and local world size it was given and the engine reads.
+`--dir` may name `{node}`, torchrun's node rank (GROUP_RANK), so that two agents on one host each
+keep their checkpoints in a directory of their own, as nodes with node-local storage do.
 """
 from __future__ import annotations
 
@@ -27,24 +30,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stage", type=int, default=1)
     parser.add_argument("--offload", action="store_true", help="offload_optimizer to the CPU")
     parser.add_argument("--async-save", action="store_true")
-    parser.add_argument("--kill-at", type=int, default=0, help="first attempt: rank 1 kills itself after this step")
+    parser.add_argument("--kill-at", type=int, default=0, help="first attempt: --kill-rank kills itself after this step")
+    parser.add_argument("--kill-rank", type=int, default=1)
+    parser.add_argument("--node-local", action="store_true", help="checkpoint.use_node_local_storage")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     import zero
+    from zero.deepspeed import comm as ds_comm
     from zero.models import GPT, GPTConfig
 
+    directory = args.dir.replace("{node}", os.environ.get("GROUP_RANK", "0"))
     zo = {"stage": args.stage, **({"offload_optimizer": {"device": "cpu"}} if args.offload else {})}
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": zo,
-              "checkpoint": {"dir": args.dir, "save_interval": args.interval, "keep_last": 2, "auto_resume": True,
-                             "async_save": args.async_save}}
+              "checkpoint": {"dir": directory, "save_interval": args.interval, "keep_last": 2, "auto_resume": True,
+                             "async_save": args.async_save, "use_node_local_storage": args.node_local}}
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randint(0, 64, (64, 9), generator=torch.Generator().manual_seed(1)))
     engine, _, loader, _ = zero.initialize(model=GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2,
                                                                n_embd=16)),
                                            training_data=data, config=config)
     rank, first_attempt = engine.comm.rank, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    print(f"resume_job: rank {rank} node {os.environ.get('GROUP_RANK')} LOCAL_RANK {os.environ.get('LOCAL_RANK')} "
+          f"LOCAL_WORLD_SIZE {os.environ.get('LOCAL_WORLD_SIZE')} engine.local_rank {engine.local_rank} "
+          f"comm.get_local_rank {ds_comm.get_local_rank()} world {ds_comm.get_world_size()}", flush=True)
     if rank == 0:
         print(f"resume_job: attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} starts at step "
               f"{engine.global_steps}", flush=True)
@@ -55,8 +65,8 @@ def main(argv: list[str] | None = None) -> None:
             engine.step()
             if rank == 0 and not first_attempt and engine.global_steps == resumed_at + 1:
                 print(f"resume_job: first step after the restart at {time.time():.3f}", flush=True)
-            if first_attempt and rank == 1 and engine.global_steps == args.kill_at:
-                print(f"resume_job: rank 1 killed after step {args.kill_at} at {time.time():.3f}", flush=True)
+            if first_attempt and rank == args.kill_rank and engine.global_steps == args.kill_at:
+                print(f"resume_job: rank {rank} killed after step {args.kill_at} at {time.time():.3f}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)  # a dead rank: no cleanup, no exit code of its own
             if engine.global_steps == args.steps:
                 break
