@@ -185,20 +185,37 @@ def _torchrun(tmp, name: str, *args: str, restarts: int = 0, nproc: int = 2) -> 
     return run.stdout + run.stderr, load_file(out)
 
 
-# the third: killed right after step 6's save began in the background, so that tag may be torn
-@pytest.mark.parametrize("stage,offload,async_save,kill_at,resumed_at", [(1, False, False, 5, (4,)),
-                                                                          (3, True, False, 7, (6,)),
-                                                                          (1, False, True, 6, (4, 6))])
-def test_a_killed_rank_under_torchrun_restarts_and_ends_as_an_unbroken_run(tmp_path, stage, offload, async_save,
-                                                                           kill_at, resumed_at):
-    args = ["--steps", "9", "--stage", str(stage), *(["--offload"] if offload else []),
-            *(["--async-save"] if async_save else [])]
-    _, unbroken = _torchrun(tmp_path, "unbroken", *args)
-    log, killed = _torchrun(tmp_path, "killed", *args, "--kill-at", str(kill_at), restarts=2)
+def _killed_run_matches(tmp, unbroken: dict, args: list[str], kill_at: int, kill_rank: int, resumed_at) -> None:
+    name = f"killed-{kill_rank}-{kill_at}-{'-'.join(args)}"
+    log, killed = _torchrun(tmp, name, *args, "--kill-at", str(kill_at), "--kill-rank", str(kill_rank), restarts=2)
     assert "exitcode: -9" in log  # the rank really died
-    assert any(f"resumed from {tmp_path / 'killed'}/global_step{n} (global step {n})" in log
+    assert any(f"resumed from {tmp / name}/global_step{n} (global step {n})" in log
                and f"attempt 1 starts at step {n}" in log for n in resumed_at), log[-2000:]
-    assert unbroken.keys() == killed.keys() and all(torch.equal(unbroken[k], killed[k]) for k in unbroken)
+    assert unbroken.keys() == killed.keys() and all(torch.equal(unbroken[k], killed[k]) for k in unbroken), \
+        f"killed rank {kill_rank} at step {kill_at}: the parameters differ from the unbroken run's"
+
+
+@pytest.mark.parametrize("stage,offload", [(1, False), (3, True)])
+def test_a_rank_killed_at_a_random_step_under_torchrun_restarts_and_ends_as_an_unbroken_run(tmp_path, stage, offload):
+    """Kill -9 one rank (chosen at random, as is the step, for each seed) under torchrun
+    --max-restarts 2: the job finishes by itself, resumed from the newest checkpoint before the kill
+    (saves every 2 steps), with the unbroken run's parameters bit for bit."""
+    import random
+
+    args = ["--steps", "9", "--stage", str(stage), *(["--offload"] if offload else [])]
+    _, unbroken = _torchrun(tmp_path, "unbroken", *args)
+    for seed in (stage, stage + 10):
+        draw = random.Random(seed)
+        kill_at, kill_rank = draw.randint(2, 8), draw.randint(0, 1)
+        _killed_run_matches(tmp_path, unbroken, args, kill_at, kill_rank, (kill_at - kill_at % INTERVAL,))
+
+
+def test_a_rank_killed_while_a_background_save_is_written_resumes_from_a_complete_one(tmp_path):
+    """Killed right after step 6's save began in the background: that tag may be torn (then the
+    one at step 4 is taken) or complete; either way the job ends as an unbroken run."""
+    args = ["--steps", "9", "--stage", "1", "--async-save"]
+    _, unbroken = _torchrun(tmp_path, "unbroken", *args)
+    _killed_run_matches(tmp_path, unbroken, args, 6, 1, (4, 6))
 
 
 def _two_agents(tmp, name: str, *args: str) -> tuple[list[str], list[int], float]:
