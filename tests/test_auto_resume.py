@@ -265,3 +265,66 @@ def test_two_nodes_with_node_local_storage_save_resume_and_refuse_a_node_without
     assert codes[0] != 0 and codes[1] != 0 and took < 120, (codes, took)
     for output in outputs:  # every rank, on both nodes, says why
         assert output.count("/node1 (ranks 2, 3) holds none") >= 2, output[-3000:]
+
+
+ELASTIC = {"enabled": True, "max_train_batch_size": 12, "micro_batch_sizes": [1, 2], "version": 0.1}
+
+
+def _elastic_leg(directory: str, until: int):
+    """A GPT trained with the elastic section (batch 12 for 1, 2, 3, 4, 6 or 12 ranks) and a save
+    every 3 steps, resuming from `directory` if it holds one; (the step it started at, the final
+    parameters, the micro-batch and accumulation it chose, the log line saying so)."""
+    import zero
+    from zero.models import GPT, GPTConfig
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("zero").addHandler(handler)
+    try:
+        torch.manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randint(0, 64, (96, 9), generator=torch.Generator().manual_seed(1)))
+        engine, _, loader, _ = zero.initialize(
+            model=GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)), training_data=data,
+            config={"elasticity": ELASTIC, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                    "zero_optimization": {"stage": 2},
+                    "checkpoint": {"dir": directory, "save_interval": 3, "auto_resume": True}})
+    finally:
+        logging.getLogger("zero").removeHandler(handler)
+    start = engine.global_steps
+    while engine.global_steps < until:
+        for (batch,) in loader:
+            engine.backward(engine(batch[:, :-1], batch[:, 1:]))
+            if engine.is_gradient_accumulation_boundary():
+                engine.step()
+                if engine.global_steps == until:
+                    break
+            else:
+                engine.step()
+    state = engine.consolidated_16bit_state_dict() or {}
+    said = [r.getMessage() for r in records if "elasticity" in r.getMessage()]
+    return (start, [t.float().clone() for _, t in sorted(state.items())],
+            (engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()), said)
+
+
+def test_an_elastic_job_restarted_on_fewer_or_more_ranks_keeps_its_batch_and_its_course(dist_run, tmp_path):
+    """4 ranks restarted on 2, and 2 on 3: the global batch stays 12 (micro-batch and accumulation
+    chosen for each size, and logged), the loader resumes at the same sample, and the run ends
+    within 1e-6 of the unbroken one (each step sums the same samples, grouped otherwise)."""
+    from zero.config import ConfigError, load_config
+
+    unbroken = {}
+    for ranks, plan in ((4, (1, 3)), (2, (2, 3))):  # the runs that will be interrupted, unbroken
+        _, unbroken[ranks], chosen, said = dist_run(ranks, _elastic_leg, str(tmp_path / f"unbroken{ranks}"), 6)[0]
+        assert chosen == plan and f"micro-batch {plan[0]} x accumulation {plan[1]} x {ranks} data" in said[0], said
+    for before, after, chosen in ((4, 2, (2, 3)), (2, 3, (2, 2))):
+        reference, directory = unbroken[before], str(tmp_path / f"{before}to{after}")
+        dist_run(before, _elastic_leg, directory, 3)
+        start, params, plan, said = dist_run(after, _elastic_leg, directory, 6)[0]
+        assert start == 3 and plan == chosen, (start, plan)
+        assert said and f"train_batch_size 12 = micro-batch {chosen[0]} x accumulation {chosen[1]} x {after}" in said[0]
+        worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(params, reference))
+        assert len(params) == len(reference) and worst < 1e-6, f"{before} -> {after} ranks: {worst:.2e}"
+    with pytest.raises(ConfigError, match=r"5 ranks cannot keep the elastic train_batch_size 12 .*the world sizes "
+                                          r"that can: \[1, 2, 3, 4, 6, 12\]"):
+        load_config({"elasticity": ELASTIC}, 5)

@@ -89,7 +89,7 @@ def initialize(
 
         parallel = cfg.pipeline.stages * cfg.tensor_parallel.size * cfg.sequence_parallel_size
         chosen = plan(cfg, world_size, parallel)
-        (log.info if chosen.kept else log.warning)("zero: elasticity: %s", chosen.describe())
+        log.warning("zero: elasticity: %s", chosen.describe())  # shown by default, as auto_resume's line is
     auto_plan = None
     if cfg.tensor_parallel.size > 1:
         from zero.tp.plans import auto_plan_for
