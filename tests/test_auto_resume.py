@@ -328,3 +328,38 @@ def test_an_elastic_job_restarted_on_fewer_or_more_ranks_keeps_its_batch_and_its
     with pytest.raises(ConfigError, match=r"5 ranks cannot keep the elastic train_batch_size 12 .*the world sizes "
                                           r"that can: \[1, 2, 3, 4, 6, 12\]"):
         load_config({"elasticity": ELASTIC}, 5)
+
+
+def test_torchrun_with_one_to_two_nodes_loses_a_node_and_goes_on_with_the_same_global_batch(tmp_path):
+    """`torchrun --nnodes 1:2` (c10d rendezvous on localhost), two agents of two ranks, the batch
+    from the elasticity section: node 1 dies (its agent and ranks, SIGKILL) after step 3; node 0's
+    agent restarts its ranks as a world of 2, which resume from step 2's checkpoint with micro-batch
+    2 x accumulation 3 instead of 1 x 3 on 4 ranks, and end within 1e-6 of the unbroken 4-rank run."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from safetensors.torch import load_file
+
+    _, unbroken = _torchrun(tmp_path, "unbroken", "--steps", "8", "--elastic", nproc=4)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    agents = []
+    for _ in range(2):  # the first holds the rendezvous store and, started first, becomes node 0
+        agents.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic",
+             "--rdzv-conf", "last_call_timeout=1", "--max-restarts", "2", "--monitor-interval", "0.5",
+             "-m", "zero.testing.resume_job", "--dir", str(tmp_path / "elastic"), "--out",
+             str(tmp_path / "elastic.safetensors"), "--steps", "8", "--elastic", "--kill-node-at", "3"],
+            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        time.sleep(0.5)
+    survivor, lost = (a.communicate(timeout=240)[0] for a in agents)
+    assert agents[0].returncode == 0 and "node 1 dies after step 3" in lost, survivor[-3000:] + lost[-2000:]
+    assert "micro-batch 2 x accumulation 3 x 2 data-parallel rank(s)" in survivor, survivor[-3000:]
+    assert f"resumed from {tmp_path / 'elastic'}/global_step2 (global step 2)" in survivor, survivor[-3000:]
+    resumed = load_file(tmp_path / "elastic.safetensors")
+    worst = max(((unbroken[k] - resumed[k]).abs().max() / unbroken[k].abs().max()).item() for k in unbroken)
+    assert unbroken.keys() == resumed.keys() and worst < 1e-6, worst

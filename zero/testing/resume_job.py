@@ -33,6 +33,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill-at", type=int, default=0, help="first attempt: --kill-rank kills itself after this step")
     parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--node-local", action="store_true", help="checkpoint.use_node_local_storage")
+    parser.add_argument("--elastic", action="store_true", help="the batch from an elasticity section (12 for 1, 2, "
+                        "3, 4, 6 or 12 ranks) instead of 2 per rank")
+    parser.add_argument("--kill-node-at", type=int, default=0, help="first attempt: node 1 dies after this step "
+                        "(its agent and its ranks, SIGKILL)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -42,12 +46,15 @@ def main(argv: list[str] | None = None) -> None:
 
     directory = args.dir.replace("{node}", os.environ.get("GROUP_RANK", "0"))
     zo = {"stage": args.stage, **({"offload_optimizer": {"device": "cpu"}} if args.offload else {})}
-    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    batch = ({"elasticity": {"enabled": True, "max_train_batch_size": 12, "micro_batch_sizes": [1, 2], "version": 0.1}}
+             if args.elastic else {"train_micro_batch_size_per_gpu": 2})
+    config = {**batch, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": zo,
               "checkpoint": {"dir": directory, "save_interval": args.interval, "keep_last": 2, "auto_resume": True,
                              "async_save": args.async_save, "use_node_local_storage": args.node_local}}
     torch.manual_seed(0)
-    data = torch.utils.data.TensorDataset(torch.randint(0, 64, (64, 9), generator=torch.Generator().manual_seed(1)))
+    samples = 96 if args.elastic else 64
+    data = torch.utils.data.TensorDataset(torch.randint(0, 64, (samples, 9), generator=torch.Generator().manual_seed(1)))
     engine, _, loader, _ = zero.initialize(model=GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2,
                                                                n_embd=16)),
                                            training_data=data, config=config)
@@ -62,12 +69,20 @@ def main(argv: list[str] | None = None) -> None:
     while engine.global_steps < args.steps:
         for (batch,) in loader:
             engine.backward(engine(batch[:, :-1], batch[:, 1:]))
+            boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
+            if not boundary:
+                continue
             if rank == 0 and not first_attempt and engine.global_steps == resumed_at + 1:
                 print(f"resume_job: first step after the restart at {time.time():.3f}", flush=True)
             if first_attempt and rank == args.kill_rank and engine.global_steps == args.kill_at:
                 print(f"resume_job: rank {rank} killed after step {args.kill_at} at {time.time():.3f}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)  # a dead rank: no cleanup, no exit code of its own
+            if first_attempt and os.environ.get("GROUP_RANK") == "1" and engine.global_steps == args.kill_node_at:
+                if int(os.environ["LOCAL_RANK"]) == 0:
+                    print(f"resume_job: node 1 dies after step {args.kill_node_at} at {time.time():.3f}", flush=True)
+                    os.kill(os.getppid(), signal.SIGKILL)  # its torchrun agent
+                os.kill(os.getpid(), signal.SIGKILL)
             if engine.global_steps == args.steps:
                 break
     engine.wait_for_checkpoint()
