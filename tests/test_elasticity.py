@@ -74,3 +74,32 @@ def test_the_engine_says_it_is_elastic_and_initialize_logs_the_choice(caplog):
     assert engine.train_batch_size() == 12 and engine.gradient_accumulation_steps() == 6
     assert any("elasticity: train_batch_size 12 = micro-batch 2 x accumulation 6 x 1" in r.getMessage()
                for r in caplog.records)
+
+
+def test_the_loader_resumes_at_the_same_sample_on_another_number_of_ranks():
+    """After 12 samples taken by 2 ranks, 3 ranks (or 4) take the next 12 samples of the epoch's
+    order as 2 ranks would have: the same samples per step, grouped otherwise."""
+    import torch
+
+    from zero.data import ResumableLoader
+
+    data = torch.utils.data.TensorDataset(torch.arange(48))
+
+    def loaders(ranks: int, batch: int):
+        return [ResumableLoader(data, batch_size=batch, num_replicas=ranks, rank=r) for r in range(ranks)]
+
+    two = loaders(2, 2)
+    its = [iter(dl) for dl in two]
+    first = [next(it)[0] for it in its for _ in range(3)]  # one step of 12: 3 micro-batches of 2 on each rank
+    state = two[0].state_dict()
+    assert state["samples"] == 12 and state["batches"] == 3
+    after_two = {int(x) for it in its for _ in range(3) for x in next(it)[0]}
+    for ranks, batch, micro in ((3, 2, 2), (4, 1, 3)):  # 12 = batch x micro-batches x ranks
+        others = loaders(ranks, batch)
+        for dl in others:
+            dl.load_state_dict(state)
+        assert others[0].state_dict()["samples"] == 12  # loaded, not iterated yet: still the loaded position
+        its = [iter(dl) for dl in others]
+        after = {int(x) for it in its for _ in range(micro) for x in next(it)[0]}
+        assert after == after_two and not after & {int(x) for b in first for x in b}, (ranks, sorted(after))
+        assert others[0].state_dict()["samples"] == 24

@@ -51,20 +51,29 @@ class ResumableLoader(DataLoader):
 
     def __iter__(self):
         skip, self._resume_at = self._resume_at, 0
-        self.batches, self.sampler.skip = skip // self.batch_size, skip
+        self.batches, self.sampler.skip, self._skipped = skip // self.batch_size, skip, skip
         chosen, self.sampler._epoch_set = self.sampler._epoch_set, False
         for batch in super().__iter__():
             self.batches += 1
             yield batch if self.post_process_func is None else self.post_process_func(batch)
-        self.batches = 0
+        self.batches = self._skipped = 0
         if not chosen and not self.sampler._epoch_set:  # a complete pass: the next one is the next epoch
             self.sampler.epoch += 1
+
+    _skipped = 0  # samples of this rank skipped at the pass's start (a resumed position)
+
+    def taken(self) -> int:
+        """Samples of the pass this rank has taken: those skipped at its start and those of the
+        batches handed out since (the last one may be short)."""
+        handed = self.batches - self._skipped // self.batch_size
+        return min(self._skipped + handed * self.batch_size, self.sampler.num_samples)
 
     def state_dict(self) -> dict:
         """The position: (epoch, seed) and this rank's batches of the pass, and the samples of the
         pass all ranks took together, which a loader on another number of ranks resumes from."""
-        return {"epoch": self.sampler.epoch, "batches": self.batches, "seed": self.sampler.seed,
-                "samples": self.batches * self.batch_size * self.sampler.num_replicas}
+        taken = self._resume_at or self.taken()  # loaded but not iterated yet: the loaded position
+        return {"epoch": self.sampler.epoch, "batches": taken // self.batch_size if self._resume_at else self.batches,
+                "seed": self.sampler.seed, "samples": taken * self.sampler.num_replicas}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at the saved position; on another number of ranks or batch size (an elastic

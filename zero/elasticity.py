@@ -192,6 +192,10 @@ def plan(config: Any, world_size: int, model_parallel: int = 1) -> ElasticPlan:
     m = _micro_for(batch, dp, micro) if dp in valid else None
     if m is not None:
         return ElasticPlan(batch, m, batch // (m * dp), dp, tuple(valid))
+    if not valid:
+        raise ElasticityError(f"no world size from min_gpus {section.min_gpus} to max_gpus {section.max_gpus} can keep "
+                              f"any batch the section allows (micro_batch_sizes {micro}, max_train_batch_size "
+                              f"{section.max_train_batch_size}): widen the range or allow larger batches")
     if v01:
         raise ElasticityError(f"{world_size} ranks cannot keep the elastic train_batch_size {batch} "
                               f"(micro_batch_sizes {micro}, max_train_batch_size {section.max_train_batch_size}); "
@@ -243,8 +247,8 @@ def compute_elastic_config(ds_config: dict, target_deepspeed_version: str | None
         raise ElasticityError("compute_elastic_config: the config's elasticity.enabled is not true")
     mp = section.model_parallel_size if float(section.version) >= 0.2 else 1
     if world_size > 0:
-        p = plan(config, world_size, mp)
-        return p.train_batch_size, list(p.valid_sizes), p.micro_batch_size
+        p = plan(config, world_size, mp)  # version 0.2 off the list: a batch of its own, valid for this size only
+        return p.train_batch_size, list(p.valid_sizes) if p.kept else [p.data_parallel_size], p.micro_batch_size
     batch, valid = elastic_batch(config)
     if return_microbatch:
         return batch, valid, _micro_for(batch, valid[0], sorted(set(section.micro_batch_sizes))) if valid else None

@@ -624,7 +624,8 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         ranks call it. See docs/checkpoint.md for the layout and guarantees.
 
         Args:
-            save_dir: the checkpoint directory (shared by all ranks).
+            save_dir: the checkpoint directory: shared by all ranks, or with
+                checkpoint.use_node_local_storage each node's own.
             tag: the sub-directory name; `latest` then names it (with `save_latest`).
             client_state: your own JSON-serialisable values, returned by `load_checkpoint`.
             save_latest: point `save_dir/latest` at this tag once it is complete.

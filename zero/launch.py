@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zero.comm import Comm, compute_device, init_distributed
-from zero.config import load_config
+from zero.config import ConfigError, load_config
 from zero.config.rules import check_optimizer_object
 from zero.engine import Engine
 
@@ -84,6 +84,13 @@ def initialize(
     # every config error is raised here, first, before anything is built or sliced
     cfg = load_config(config, world_size=world_size, pipeline_stages=model.num_stages if pipelined else None,
                       client_optimizer=client, model_is_pipeline=pipelined)
+    per_node = os.environ.get("LOCAL_WORLD_SIZE")
+    if cfg.elasticity.enabled and cfg.elasticity.version >= 0.2 and per_node and \
+            int(per_node) != cfg.elasticity.num_gpus_per_node:  # version 0.2 counts nodes of this many ranks
+        why = (f"is {cfg.elasticity.num_gpus_per_node}, but torchrun started {per_node} ranks per node "
+               f"(LOCAL_WORLD_SIZE): version 0.2 counts nodes, so give the ranks per node (or use version 0.1, "
+               f"which counts ranks)")
+        raise ConfigError(f"invalid config: elasticity.num_gpus_per_node: {why}", [("elasticity.num_gpus_per_node", why)])
     if cfg.elasticity.enabled and Comm().rank == 0:  # what this start trains with (zero/elasticity.py)
         from zero.elasticity import plan
 

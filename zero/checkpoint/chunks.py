@@ -192,15 +192,16 @@ def load_chunks_across_nodes(chunks: list[Chunk], path: str, io) -> None:
     wanted = [w for ws in gather_objects(io, [(c.name, c.offset, end(c), str(c.tensor.dtype)) for c in away])
               for w in ws]
     pieces = _pieces(coverage, wanted)
-    dtype = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
-                                 torch.int32, torch.uint8, torch.int8, torch.bool)}
-    serve = [Chunk(n, lo, torch.empty(hi - lo, dtype=dtype[d]), hi) for n, lo, hi, d, r in pieces if r == io.rank]
+    def dtype(name: str) -> torch.dtype:  # "torch.float32" -> torch.float32
+        return getattr(torch, name.removeprefix("torch."))
+
+    serve = [Chunk(n, lo, torch.empty(hi - lo, dtype=dtype(d)), hi) for n, lo, hi, d, r in pieces if r == io.rank]
     load_chunks(serve, path, process_group=group)
     served = {(c.name, c.offset): c.tensor for c in serve}
     for (rank, d), group_pieces in itertools.groupby(pieces, key=lambda p: (p[4], p[3])):
         group_pieces = list(group_pieces)
         flat = (torch.cat([served[(n, lo)] for n, lo, *_ in group_pieces]) if rank == io.rank else
-                torch.empty(sum(hi - lo for _, lo, hi, *_ in group_pieces), dtype=dtype[d]))
+                torch.empty(sum(hi - lo for _, lo, hi, *_ in group_pieces), dtype=dtype(d)))
         io.broadcast(flat, src=rank)
         at = 0
         for n, lo, hi, *_ in group_pieces:

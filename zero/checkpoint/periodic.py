@@ -25,7 +25,15 @@ import torch.distributed as dist
 
 from zero.checkpoint.nodes import Nodes, gather_objects
 from zero.checkpoint.placement import Placement
-from zero.checkpoint.training import NODE_LOCAL_HINT, STATE_FILE, CheckpointError, node_check, read_state, verify_files
+from zero.checkpoint.training import (
+    NODE_LOCAL_HINT,
+    STATE_FILE,
+    CheckpointError,
+    node_check,
+    read_state,
+    remember_verified,
+    verify_files,
+)
 
 log = logging.getLogger("zero")
 _TAG = re.compile(r"global_step(\d+)")
@@ -47,9 +55,10 @@ def newest_complete(root: str | Path) -> tuple[Path | None, list[str]]:
             if not (path / STATE_FILE).is_file():
                 raise CheckpointError(f"{path / STATE_FILE} is missing (the save did not finish)")
             verify_files(path, read_state(path))
-        except CheckpointError as exc:
+        except (CheckpointError, OSError) as exc:
             skipped.append(f"{path.name}: {exc}")
             continue
+        remember_verified(path)  # the load that follows need not read every file again
         return path, skipped
     return None, skipped
 
@@ -99,10 +108,14 @@ def _newest_on_every_node(io, root: Path) -> str | None:
         if leader:
             try:
                 state = read_state(root / tag)
-                problem = node_check(root / tag, state, nodes, io.rank)[0] if "storages" in state else None
-                if "storages" not in state:
+                if "storages" in state:
+                    problem, whole = node_check(root / tag, state, nodes, io.rank)
+                else:
                     verify_files(root / tag, state)
-            except CheckpointError as exc:
+                    whole = True
+                if problem is None:
+                    remember_verified(root / tag, whole)
+            except (CheckpointError, OSError) as exc:
                 problem = f"{nodes.describe(k)}: {exc}"
         problems = [p for p in gather_objects(io, problem) if p]
         if not problems:

@@ -302,15 +302,19 @@ def _write(io, root: Path, tag: str, state_json: str, chunks: list[Chunk], rng, 
         raise CheckpointError(f"save_checkpoint: writing {tmp} failed on "
                               f"{'this rank' if error else 'another rank'} ({error or 'see its log'}); the "
                               f"previous checkpoints and 'latest' are unchanged") from None
-    publisher = leader and (nodes is None or publishes(tmp, nodes.index_of(io.rank)))
+    publisher, files, mine = leader and (nodes is None or publishes(tmp, nodes.index_of(io.rank))), None, None
     try:
-        files = _file_checksums(tmp) if publisher else None
-        storages = None
-        if nodes is not None:  # every storage's files, for every storage's state file
-            mine = {"ranks": storage_ranks(tmp, nodes), "files": sorted(files)} if publisher else None
-            storages = [s for s in gather_objects(io, (mine, files)) if s[0] is not None]
-            files = {name: crc for _, f in storages for name, crc in f.items()}
-        if publisher:  # the state, with a checksum of every file, then the tag into place, then latest
+        if publisher:
+            files = _file_checksums(tmp)
+            mine = {"ranks": storage_ranks(tmp, nodes), "files": sorted(files)} if nodes is not None else None
+    except OSError as exc:
+        error = exc
+    storages = None
+    if nodes is not None:  # every storage's files, for every storage's state file (every rank, even after an error)
+        storages = [s for s in gather_objects(io, (mine, files)) if s[0] is not None]
+        files = {name: crc for _, f in storages for name, crc in f.items()}
+    try:
+        if publisher and error is None:  # the state, with a checksum of every file, then the tag into place, latest
             state = json.loads(state_json)
             state["files"] = files
             if storages is not None:
@@ -462,7 +466,7 @@ def _resolve_everywhere(io, load_dir, tag: str | None) -> tuple[Path, dict]:
     try:
         path = resolve_tag(load_dir, tag)
         state = read_state(path)
-        found = (path.name, None)
+        found = (path.name.removeprefix(".").removesuffix(".old") if path.name.endswith(".old") else path.name, None)
     except CheckpointError as exc:
         found = (None, str(exc))
     everyone = gather_objects(io, (*found, node_name()))
@@ -494,17 +498,21 @@ def _verify_everywhere(io, path: Path, state: dict) -> bool:
     [Note: node-local storage]). Returns whether the files are split over the nodes' storages."""
     if "storages" not in state:
         error = None
-        if io.rank == 0:  # one rank reads every file once and checks it against its checksum
+        if io.rank == 0 and remembered(path) is None:  # one rank reads every file once and checks its checksum
             try:
                 verify_files(path, state)
-            except CheckpointError as exc:
+            except (CheckpointError, OSError) as exc:
                 error = exc
         found = gather_objects(io, str(error) if error is not None else None)[0]
         if found is not None:  # every rank raises rank 0's error
-            raise error or CheckpointError(found)
+            raise CheckpointError(found)
         return False
     nodes = Nodes.of(io)
-    problem, whole = node_check(path, state, nodes, io.rank) if nodes.is_leader(io.rank) else (None, True)
+    problem, whole = None, True
+    if nodes.is_leader(io.rank):
+        whole = remembered(path)
+        if whole is None:
+            problem, whole = node_check(path, state, nodes, io.rank)
     everyone = gather_objects(io, (problem, whole))
     problems = [p for p, _ in everyone if p]
     if problems:
@@ -516,7 +524,11 @@ def node_check(path: Path, state: dict, nodes: Nodes, rank: int) -> tuple[str | 
     """On a node's leader, for a checkpoint saved with node-local storage: what is wrong with the
     files this node's storage should hold (None: nothing), and whether it holds every file."""
     k = nodes.index_of(rank)
-    listed, found = state["files"], _file_checksums(path)
+    try:
+        found = _file_checksums(path)
+    except OSError as exc:  # unreadable: a problem to report on every rank, not an exception on this one
+        return f"{nodes.describe(k)}: {path} cannot be read ({exc})", False
+    listed = state["files"]
     expected = expected_here(state, nodes.ranks[k])
     want = listed if expected is None else {f: listed[f] for f in expected[0] if f in listed}
     missing = [f for f in want if f not in found]
@@ -531,6 +543,25 @@ def node_check(path: Path, state: dict, nodes: Nodes, rank: int) -> tuple[str | 
     return (f"{nodes.describe(k)}: {path} lacks {whose}"
             + (f"; missing: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}" if missing else "")
             + (f"; damaged or unknown: {', '.join(damaged[:8])}" if damaged else "")), whole
+
+
+# Tags whose files this process checked moments ago (auto_resume, before it loads one): path ->
+# (the state file's mtime, whether this storage holds every file), so the load does not read them again.
+_VERIFIED: dict[str, tuple[int, bool]] = {}
+
+
+def remember_verified(path: Path, whole: bool = True) -> None:
+    _VERIFIED[str(path)] = ((path / STATE_FILE).stat().st_mtime_ns, whole)
+
+
+def remembered(path: Path) -> bool | None:
+    """Whether the storage holds every file of a tag checked by `remember_verified` and unchanged
+    since (None: not checked, or changed), once."""
+    seen = _VERIFIED.pop(str(path), None)
+    try:
+        return seen[1] if seen is not None and (path / STATE_FILE).stat().st_mtime_ns == seen[0] else None
+    except OSError:
+        return None
 
 
 NODE_LOCAL_HINT = ("With checkpoint.use_node_local_storage each node loads the files its own ranks saved on its own "
@@ -579,8 +610,9 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
     short = [f"{k} ({stored[k]} of {n} elements)" for k, n in
              ((k, math.prod(saved[k.split("/", 1)[1]]["shape"])) for k in stored if k.split("/", 1)[1] in saved)
              if stored[k] != n]
-    if short:
-        raise CheckpointError(f"{path / 'tensors'}: incomplete tensors {short[:4]}: a rank's file is missing")
+    if io.any_rank(bool(short), f"checking checkpoint {path}"):
+        raise CheckpointError(f"{path / 'tensors'}: incomplete tensors {short[:4] or '(on another rank)'}: a rank's "
+                              f"file is missing")
     with_optimizer = load_optimizer_states and not load_module_only
     trainable = [n for n, t, is_param in _named_tensors(engine.module) if is_param and id(t) in _trainable(engine)]
     if with_optimizer:

@@ -537,7 +537,7 @@ class CheckpointConfig(_Section):
         "Warn", description="When ranks pass different tags to save_checkpoint: 'Warn' warns and saves under rank "
         "0's tag, 'Ignore' saves under rank 0's tag, 'Fail' raises naming the tags (case-insensitive).")
     dir: Optional[str] = Field(None, description="zero's: the directory of periodic checkpoints (save_interval) and of "
-                            "auto_resume, shared by all ranks.")
+                            "auto_resume: shared by all ranks, or each node's own with use_node_local_storage.")
     save_interval: Optional[int] = Field(None, ge=1, description="zero's: save to `dir` after every this many optimizer "
                                       "steps (asynchronously with async_save).")
     keep_last: Optional[int] = Field(None, ge=1, description="zero's: keep only the newest this many periodic "

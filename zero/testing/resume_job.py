@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--node-local", action="store_true", help="checkpoint.use_node_local_storage")
     parser.add_argument("--elastic", action="store_true", help="the batch from an elasticity section (12 for 1, 2, "
                         "3, 4, 6 or 12 ranks) instead of 2 per rank")
+    parser.add_argument("--kill-in-save", type=int, default=0, help="first attempt: --kill-rank dies while writing "
+                        "the save of this step (after its tensors, before the tag is published)")
     parser.add_argument("--kill-node-at", type=int, default=0, help="first attempt: node 1 dies after this step "
                         "(its agent and its ranks, SIGKILL)")
     args = parser.parse_args(argv)
@@ -59,6 +61,8 @@ def main(argv: list[str] | None = None) -> None:
                                                                n_embd=16)),
                                            training_data=data, config=config)
     rank, first_attempt = engine.comm.rank, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if first_attempt and args.kill_in_save and rank == args.kill_rank:
+        _die_in_save(engine, args.kill_in_save)
     print(f"resume_job: rank {rank} node {os.environ.get('GROUP_RANK')} LOCAL_RANK {os.environ.get('LOCAL_RANK')} "
           f"LOCAL_WORLD_SIZE {os.environ.get('LOCAL_WORLD_SIZE')} engine.local_rank {engine.local_rank} "
           f"comm.get_local_rank {ds_comm.get_local_rank()} world {ds_comm.get_world_size()}", flush=True)
@@ -97,6 +101,22 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _die_in_save(engine, step: int) -> None:
+    """Make this rank die (SIGKILL) inside the save of `step`, right after writing its tensor file:
+    the tag is then never published, whether the save runs in the foreground or in the background."""
+    from zero.checkpoint import training
+
+    write = training.save_chunks
+
+    def save_chunks(chunks, path, process_group=None):
+        write(chunks, path, process_group=process_group)
+        if f".global_step{step}.tmp" in str(path):  # not global_steps: a background save runs while training goes on
+            print(f"resume_job: rank {engine.comm.rank} killed while writing {path} at {time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    training.save_chunks = save_chunks
 
 
 if __name__ == "__main__":
