@@ -266,7 +266,8 @@ def test_two_nodes_with_node_local_storage_save_resume_and_refuse_a_node_without
     for rank in range(4):  # what each rank was given and what zero reads from it
         node, local = rank // 2, rank % 2
         assert (f"resume_job: rank {rank} node {node} LOCAL_RANK {local} LOCAL_WORLD_SIZE 2 engine.local_rank {local} "
-                f"comm.get_local_rank {local} world 4") in outputs[node], outputs[node][-2000:]
+                f"comm.get_local_rank {local} world 4 devices 2 nodes [[0, 1], [2, 3]]") in outputs[node], \
+            outputs[node][-2000:]
     for node in (0, 1):  # each node's disk holds its own ranks' files
         ranks = sorted(p.name for p in (tmp_path / "nodes" / f"node{node}" / "global_step6" / "rng").iterdir())
         assert ranks == [f"rank{r}.safetensors" for r in (2 * node, 2 * node + 1)], ranks

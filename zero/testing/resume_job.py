@@ -63,9 +63,15 @@ def main(argv: list[str] | None = None) -> None:
     rank, first_attempt = engine.comm.rank, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if first_attempt and args.kill_in_save and rank == args.kill_rank:
         _die_in_save(engine, args.kill_in_save)
+    from zero.checkpoint.nodes import Nodes
+    from zero.checkpoint.placement import Placement
+    from zero.deepspeed.accelerator import get_accelerator
+
+    nodes = Nodes.of(Placement(engine).io)  # which ranks zero finds on one node
     print(f"resume_job: rank {rank} node {os.environ.get('GROUP_RANK')} LOCAL_RANK {os.environ.get('LOCAL_RANK')} "
           f"LOCAL_WORLD_SIZE {os.environ.get('LOCAL_WORLD_SIZE')} engine.local_rank {engine.local_rank} "
-          f"comm.get_local_rank {ds_comm.get_local_rank()} world {ds_comm.get_world_size()}", flush=True)
+          f"comm.get_local_rank {ds_comm.get_local_rank()} world {ds_comm.get_world_size()} "
+          f"devices {get_accelerator().device_count()} nodes {[list(r) for r in nodes.ranks]}", flush=True)
     if rank == 0:
         print(f"resume_job: attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} starts at step "
               f"{engine.global_steps}", flush=True)
