@@ -21,7 +21,7 @@ LAYER_BYTES = WIDTH * WIDTH * 4  # fp32 weight
 SLACK = 1 << 20  # the saved inputs of 8 layers at batch 2, and the biases: far below 1 MB
 
 
-def held_after_forward(extra: dict, offload_param: bool):
+def held_after_forward(extra: dict, offload_param: bool, compiled: bool = False):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
     zc = {"stage": 3, **extra}
@@ -29,6 +29,12 @@ def held_after_forward(extra: dict, offload_param: bool):
         zc["offload_param"] = {"device": "cpu"}
     engine, *_ = zero.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}, "zero_optimization": zc})
+    if compiled:  # each Linear (a unit) compiled: its graph reads the gathered weight, saves it for backward
+        from torch._dynamo import reset
+
+        reset()
+        engine.compile(backend="aot_eager")
+        assert len(engine._compiled_blocks) == LAYERS
     x = torch.randn(2, WIDTH)
     results = []
     for _ in range(2):  # the second step follows the traces recorded by the first (prefetch, reuse)
@@ -55,6 +61,16 @@ def test_at_most_two_layers_are_alive_between_forward_and_backward(dist_run, ext
             # allocated during forward: the live layers plus one all-gather landing in a new layer
             assert peak <= 3 * LAYER_BYTES + SLACK, (peak / LAYER_BYTES, extra)
         assert report["gathered_peak"] <= 2 * LAYER_BYTES, report
+
+
+def test_compiled_layers_free_what_they_gather_too(dist_run):
+    """The same bound with every layer compiled (engine.compile): the graphs keep no gathered
+    weight alive once their unit is released."""
+    extra = {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 1}
+    for results, _ in dist_run(2, held_after_forward, extra, False, True):
+        for held, peak, gathered, _ in results:
+            assert held <= 2 * LAYER_BYTES + SLACK and gathered <= 2 * LAYER_BYTES, held / LAYER_BYTES
+            assert peak <= 3 * LAYER_BYTES + SLACK, peak / LAYER_BYTES
 
 
 def test_the_memory_report_accounts_for_what_autograd_holds_with_the_default_config(dist_run):

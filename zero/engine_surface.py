@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
 import os
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+
+log = logging.getLogger("zero")
 
 
 class DeepSpeedMethods:
@@ -309,11 +314,40 @@ class DeepSpeedMethods:
 
         log_dist(f"time (ms) | fwd: {fwd_time:.2f}", ranks=[0])
 
+    def compile(self, backend: str | Callable = "inductor", compile_kwargs: dict | None = None, schedule=None,
+                compiled_autograd_enabled: bool = False, modules: list[nn.Module] | None = None) -> None:
+        """Compile the model's repeated blocks with torch.compile, zero's hooks outside the graphs
+        (DeepSpeed's signature; see [Note: compiled blocks] in zero/compilation.py).
+
+        Args:
+            backend: torch.compile's backend ("inductor", "aot_eager", a callable).
+            compile_kwargs: torch.compile's other keyword arguments (mode, fullgraph, dynamic, ...).
+            schedule: DeepCompile's pass schedule: not implemented (an error when given).
+            compiled_autograd_enabled: refused: compiled autograd would trace zero's backward hooks.
+            modules: zero's: the blocks to compile (default: found from the model's repeated modules).
+        """
+        from zero.compilation import backend_name, compile_blocks
+
+        if schedule is not None:
+            raise NotImplementedError("engine.compile(schedule=...): DeepCompile's pass schedules are not "
+                                      "implemented; zero compiles each block with its hooks outside the graphs")
+        if compiled_autograd_enabled:
+            raise NotImplementedError("engine.compile(compiled_autograd_enabled=True): compiled autograd would trace "
+                                      "zero's gradient hooks into the backward graph; leave it off")
+        if self.mesh is not None and (self.mesh.pp > 1 or self.mesh.tp > 1):
+            raise NotImplementedError("engine.compile with pipeline stages or tensor slicing is not implemented yet: "
+                                      "their send/receive and DTensor collectives run inside the layers; compile "
+                                      "without them, or run eagerly")
+        self._compiled_blocks = compile_blocks(self.module, backend, compile_kwargs, modules)
+        if self.comm.rank == 0:
+            log.info("zero: compiled %d block(s) (%s) with backend %r", len(self._compiled_blocks),
+                     ", ".join(sorted({type(b).__name__ for b in self._compiled_blocks})) or "none found",
+                     backend_name(backend))
+
     @property
     def is_compiled(self) -> bool:
-        """Whether the module was compiled with torch.compile through the engine (it is not: zero
-        does not compile it; a module the user compiled is run as it is)."""
-        return False
+        """Whether `compile` (or the config's compile.enabled) compiled the model's blocks."""
+        return bool(getattr(self, "_compiled_blocks", None))
 
     def get_compile_time(self) -> dict:
         """Time per DeepCompile pass: none ran."""

@@ -64,6 +64,9 @@ def initialize(
     """
     if model is None:
         raise ValueError("initialize() needs model=")
+    from zero.compilation import backend_name, unwrap_compiled
+
+    model, compiled_with = unwrap_compiled(model)  # a whole-model graph would hold zero's hooks: its blocks instead
     config = config if config is not None else config_params
     if config is None:
         raise ValueError("initialize() needs config= (a dict or a JSON path)")
@@ -117,6 +120,15 @@ def initialize(
         if isinstance(optimizer, torch.optim.Optimizer):  # the rules load_config checks for an optimizer passed
             check_optimizer_object(cfg, type(optimizer))
     engine = Engine(model, cfg, mesh, model_parameters=model_parameters, optimizer=optimizer, lr_scheduler=lr_scheduler)
+    section = cfg.compile if isinstance(cfg.compile, dict) else {}
+    if compiled_with is not None:
+        if engine.comm.rank == 0:
+            log.warning("zero: the model was compiled whole with torch.compile (backend %r); zero compiles its blocks "
+                        "instead, with its hooks outside the graphs (engine.compile(); see docs/compile.md)",
+                        backend_name(compiled_with))
+        engine.compile(backend=section.get("backend", compiled_with), compile_kwargs=section.get("kwargs"))
+    elif section.get("enabled"):
+        engine.compile(backend=section.get("backend", "inductor"), compile_kwargs=section.get("kwargs"))
     loader = None
     if training_data is not None:  # its position in the epoch goes into checkpoints
         from zero.data import ResumableLoader

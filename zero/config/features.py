@@ -166,8 +166,10 @@ UNIMPLEMENTED_FEATURES: tuple[UnimplementedFeature, ...] = (
     _refused("eigenvalue.enabled", _raw("Not implemented."), "the eigenvalue schedule of MoQ", bool),
     _refused("hybrid_engine.enabled", _raw("Not implemented."), "the RLHF hybrid engine", bool),
     _refused("weight_quantization", _raw("Not implemented."), "quantized weights", _present),
-    _refused("compile.deepcompile", _raw("DeepCompile (not implemented)."),
-             "DeepCompile; call torch.compile on the model yourself", bool),
+    _refused("compile.deepcompile", _raw("DeepCompile (not implemented); zero's compile.enabled, backend and kwargs "
+                                         "compile each block with zero's hooks outside the graphs."),
+             "DeepCompile; set compile.enabled (or call engine.compile()), which compiles each block with zero's "
+             "hooks outside the graphs", bool),
     _refused("nebula.enabled", _raw("Nebula checkpoint service (not implemented)."),
              "checkpoints would not go where you expect", bool),
     _refused("datastates.enabled", _raw("DataStates checkpointing (not implemented)."),

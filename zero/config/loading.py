@@ -236,6 +236,11 @@ def load_config(config: Union[Mapping[str, Any], str, pathlib.Path], world_size:
         _raise([(key, f"the world of {world_size} ranks does not split into pipeline.stages "
                  f"({stages}) x tensor_parallel.size ({cfg.tensor_parallel.size}) x a data-parallel size: "
                  f"{world_size} is not a multiple of {stages * cfg.tensor_parallel.size}")], source)
+    from zero.compilation import check_compile_section
+
+    compile_problems = check_compile_section(cfg.compile)
+    if compile_problems:
+        _raise(compile_problems, source)
     ck = cfg.checkpoint
     needs_dir = [k for k in ("save_interval", "keep_last") if getattr(ck, k) is not None]
     needs_dir += ["auto_resume"] if ck.auto_resume else []
