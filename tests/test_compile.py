@@ -117,3 +117,56 @@ def test_what_cannot_be_compiled_is_refused_clearly():
         load_config({**_config(1), "compile": {"deepcompile": True}}, 1)
     with pytest.raises(ConfigError, match=r"compile.backend.*expected a torch.compile backend name"):
         load_config({**_config(1), "compile": {"enabled": True, "backend": 3}}, 1)
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class _Checkpointed(torch.nn.Module):
+    """Blocks called through activation checkpointing: torch's, or DeepSpeed's (zero.activations)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.blocks = how, torch.nn.ModuleList(_MLP() for _ in range(3))
+
+    def forward(self, x, y):
+        from zero.deepspeed import checkpointing
+
+        for block in self.blocks:
+            x = (torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.how == "torch"
+                 else checkpointing.checkpoint(block, x))
+        return torch.nn.functional.mse_loss(x, y)
+
+
+def _train_checkpointed(how: str, compiled: bool):
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import zero
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    engine, *_ = zero.initialize(model=_Checkpointed(how), config=_config(3))
+    if compiled:
+        engine.compile(backend="aot_eager")
+    g = torch.Generator().manual_seed(engine.comm.rank)
+    for _ in range(STEPS):
+        engine.backward(engine(torch.randn(2, 16, generator=g), torch.randn(2, 16, generator=g)))
+        engine.step()
+    state = engine.consolidated_16bit_state_dict() or {}
+    return [t.clone() for _, t in sorted(state.items())], sum(counters["graph_break"].values()), engine.is_compiled
+
+
+@pytest.mark.parametrize("how", ["torch", "deepspeed"])
+def test_compiled_blocks_under_activation_checkpointing_train_as_eager(dist_run, how):
+    for (eager, *_), (compiled, breaks, flag) in zip(dist_run(2, _train_checkpointed, how, False),
+                                                     dist_run(2, _train_checkpointed, how, True)):
+        assert flag and breaks == 0 and len(eager) == len(compiled)
+        assert all(torch.equal(a, b) for a, b in zip(eager, compiled)), how

@@ -12,9 +12,10 @@ of a compiled forward is one autograd node per block; the gradients it produces 
 parameters' post-accumulate hooks as in eager mode, and stage 3's re-gather runs from the hooks
 on the block's outputs before it.
 
-Which modules are blocks: those of the class that repeats most by parameters among the modules not
-inside another repeated one (GPT's `Block`, Llama's `LlamaDecoderLayer`), or the modules the user
-names. A block must not contain a module with hooks of its own (at stage 3, a unit inside a
+Which modules are blocks: among the classes with two or more instances not inside another repeated
+module, the one with the most instances of the same parameter shapes (GPT's `Block`, Llama's
+`LlamaDecoderLayer`; not GPT's two embeddings of different sizes), then the most instances, then
+the most parameters; or the modules the user names. A block must not contain a module with hooks of its own (at stage 3, a unit inside a
 block): such a block is left eager, with a log line. Parameters are inputs of the graphs (dynamo
 inlines nn.Modules), so one graph serves every block of the same shapes, and gathered values are
 read at each call, never baked in.
@@ -41,7 +42,8 @@ def _hooked(m: nn.Module) -> bool:
 
 
 def _params(m: nn.Module) -> int:
-    return sum(p.numel() for p in m.parameters())
+    """Parameter elements of `m`, whole also where stage 3 holds only a shard (`ds_numel`)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in m.parameters())
 
 
 def find_blocks(root: nn.Module) -> list[nn.Module]:
@@ -58,7 +60,14 @@ def find_blocks(root: nn.Module) -> list[nn.Module]:
     top = {cls: tops for cls, ms in repeated.items() if len(tops := [m for m in ms if id(m) not in inside]) >= 2}
     if not top:
         return []
-    cls = max(top, key=lambda c: (sum(_params(m) for m in top[c]), c.__name__))
+
+    def alike(ms: list[nn.Module]) -> int:  # the most instances with the same parameter shapes
+        shapes = [tuple(tuple(getattr(p, "ds_shape", p.shape)) for p in m.parameters()) for m in ms]
+        return max(shapes.count(s) for s in shapes)
+
+    # the class repeated most alike (a transformer's layers, not its two embeddings), then most often,
+    # then the largest
+    cls = max(top, key=lambda c: (alike(top[c]), len(top[c]), sum(_params(m) for m in top[c]), c.__name__))
     return top[cls]
 
 

@@ -1,0 +1,155 @@
+"""torch.compile under ZeRO-3: zero eager, zero + engine.compile(), FSDP2 eager, FSDP2 + per-block
+compile (torchtitan's recipe), the same GPT on the same gloo ranks in the same run.
+
+    python benchmarks/bench_compile.py [--world 2] [--layers 4] [--embd 256] [--backend inductor] [--write]
+
+Each configuration runs in fresh rank processes (one thread each): warm-up steps (the first
+compiles), then `--steps` timed steps. Reported per configuration:
+- step time (median over ranks of the median step), and its ratio to zero eager;
+- graph breaks (dynamo's counter) and graphs compiled: after the warm-up and at the end, so a
+  recompilation during the timed steps shows as a difference;
+- the allocator peak of one untimed step after the warm-up (see [Note: measuring memory on the CPU]
+  in zero/testing/memory.py): compiled graphs must not keep gathered parameters alive.
+Both systems shard per transformer block, release after forward and prefetch one block ahead.
+FSDP2 compiles each block with `block.compile()` before `fully_shard` (torchtitan's order; dynamo
+skips FSDP2's hooks); zero with `engine.compile()` (its hooks outside the graphs). On CPU the
+backend is inductor's C++ code; gloo emulates the collectives, so the ratios measure compute and
+overheads, not a network.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from zero.testing.dist import DistPool  # noqa: E402
+from zero.testing.memory import AllocatorPeak  # noqa: E402
+from zero.testing.models import GPT, GPTConfig  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+KINDS = ("zero3", "zero3_compiled", "fsdp2", "fsdp2_compiled")
+
+
+def run_one(kind: str, layers: int, embd: int, vocab: int, seq: int, batch: int, warmup: int, steps: int,
+            backend: str) -> dict:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=max(1, embd // 64), n_embd=embd))
+    psi = sum(p.numel() for p in model.parameters())
+    lr = 1e-4
+    if kind.startswith("fsdp2"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.blocks:
+            if kind.endswith("compiled"):
+                block.compile(backend=backend)
+            fully_shard(block, mesh=mesh, reshard_after_forward=True)
+        fully_shard(model, mesh=mesh, reshard_after_forward=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+
+        def step(x, y):
+            opt.zero_grad(set_to_none=False)
+            model(x, y).backward()
+            opt.step()
+    else:
+        import zero
+
+        zero.set_z3_leaf_modules(model, [type(model.blocks[0])])  # one unit per block, as fully_shard per block
+        config = {"train_micro_batch_size_per_gpu": batch, "optimizer": {"type": "AdamW", "params": {"lr": lr}},
+                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                        "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 1}}
+        engine, *_ = zero.initialize(model=model, config=config)
+        if kind.endswith("compiled"):
+            engine.compile(backend=backend)
+
+        def step(x, y):
+            engine.backward(engine(x, y))
+            engine.step()
+
+    g = torch.Generator().manual_seed(100 + rank)
+
+    def batch_():
+        idx = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        return idx[:, :-1], idx[:, 1:]
+
+    times, after_warmup = [], None
+    for i in range(warmup + steps):
+        x, y = batch_()
+        dist.barrier()
+        start = time.perf_counter()
+        step(x, y)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+        if i == warmup - 1:
+            after_warmup = counters["stats"]["unique_graphs"]
+    x, y = batch_()
+    with AllocatorPeak() as mem:
+        step(x, y)
+    return {"seconds": statistics.median(times), "breaks": sum(counters["graph_break"].values()),
+            "graphs": (after_warmup, counters["stats"]["unique_graphs"]), "peak": mem.peak,
+            "params": psi}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--embd", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--only", nargs="*", default=list(KINDS))
+    parser.add_argument("--write", action="store_true", help="write benchmarks/results/compile.md")
+    args = parser.parse_args(argv)
+    rows, psi = {}, None
+    for kind in args.only:
+        pool = DistPool(args.world)
+        try:
+            out = pool.run(run_one, kind, args.layers, args.embd, args.vocab, args.seq, args.batch, args.warmup,
+                           args.steps, args.backend, timeout=1800)
+            pool.close()
+            rows[kind] = {"seconds": statistics.median(r["seconds"] for r in out),
+                          "breaks": max(r["breaks"] for r in out), "graphs": out[0]["graphs"],
+                          "peak": max(r["peak"] for r in out)}
+            psi = out[0]["params"]
+        except Exception as exc:  # a peer may not run on this torch or backend: say so, go on
+            rows[kind] = f"n/a ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:120]})"
+            pool.close(kill=True)
+        print(f"  done: {kind}", file=sys.stderr, flush=True)
+    base = rows.get("zero3")
+    lines = [f"# torch.compile under ZeRO-3: GPT {args.layers}x{args.embd} ({psi or 0:,} parameters), {args.world} "
+             f"gloo ranks x 1 thread, batch {args.batch}x{args.seq}, backend {args.backend}, torch {torch.__version__}",
+             "", "Written by `python benchmarks/bench_compile.py --write` (method in its docstring).", "",
+             "| configuration | step ms | vs zero eager | graph breaks | graphs after warm-up / at the end | "
+             "peak MB (one step) |", "|---|---:|---:|---:|---:|---:|"]
+    for kind, r in rows.items():
+        if isinstance(r, str):
+            lines.append(f"| {kind} | {r} | | | | |")
+            continue
+        ratio = f"{r['seconds'] / base['seconds']:.2f}x" if isinstance(base, dict) else "-"
+        lines.append(f"| {kind} | {r['seconds'] * 1e3:.1f} | {ratio} | {r['breaks']} | {r['graphs'][0]} / "
+                     f"{r['graphs'][1]} | {r['peak'] / 2**20:.1f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.write:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "compile.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
