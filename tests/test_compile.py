@@ -170,3 +170,51 @@ def test_compiled_blocks_under_activation_checkpointing_train_as_eager(dist_run,
                                                      dist_run(2, _train_checkpointed, how, True)):
         assert flag and breaks == 0 and len(eager) == len(compiled)
         assert all(torch.equal(a, b) for a, b in zip(eager, compiled)), how
+
+
+def _tensor_parallel_compile():
+    import zero
+    from zero.testing.models import GPT, GPTConfig
+
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}, "tensor_parallel": {"size": 2}}
+    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16, fused_qkv=False))
+    zero.tp.parallelize(model, zero.tp.mesh(config), "gpt")
+    engine, *_ = zero.initialize(model=model, config=config)
+    try:
+        engine.compile(backend="aot_eager")
+    except NotImplementedError as exc:
+        return str(exc), engine.is_compiled
+    return None, engine.is_compiled
+
+
+def test_the_tensor_parallel_engine_refuses_to_compile_clearly(dist_run):
+    for message, compiled in dist_run(2, _tensor_parallel_compile):
+        assert message and "tensor slicing is not implemented yet" in message and not compiled, message
+
+
+def _engine_compiled_whole(stage: int, wrap: bool):
+    import torch._dynamo
+
+    import zero
+
+    torch._dynamo.reset()
+    engine, *_ = zero.initialize(model=_gpt(), config=_config(stage))
+    run = torch.compile(engine, backend="aot_eager") if wrap else engine
+    g = torch.Generator().manual_seed(1 + engine.comm.rank)
+    for _ in range(STEPS):
+        x = torch.randint(0, 64, (2, 9), generator=g)
+        engine.backward(run(x[:, :-1], x[:, 1:]))
+        engine.step()
+    return [t.clone() for _, t in sorted((engine.consolidated_16bit_state_dict() or {}).items())]
+
+
+def test_torch_compile_of_the_engine_after_initialize_gives_the_eager_numbers(dist_run):
+    """torch.compile(engine): dynamo breaks its graphs at zero's hooks (use engine.compile() for
+    whole blocks), and the numbers stay those of eager mode."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for eager, compiled in zip(dist_run(2, _engine_compiled_whole, 3, False),
+                                   dist_run(2, _engine_compiled_whole, 3, True)):
+            assert len(eager) == len(compiled) and all(torch.equal(a, b) for a, b in zip(eager, compiled))
