@@ -218,3 +218,33 @@ def test_torch_compile_of_the_engine_after_initialize_gives_the_eager_numbers(di
         for eager, compiled in zip(dist_run(2, _engine_compiled_whole, 3, False),
                                    dist_run(2, _engine_compiled_whole, 3, True)):
             assert len(eager) == len(compiled) and all(torch.equal(a, b) for a, b in zip(eager, compiled))
+
+
+def _graph_targets(stage: int):
+    """What the graphs dynamo hands the backend call, for a stage-`stage` engine's compiled blocks."""
+    import torch._dynamo
+
+    import zero
+
+    torch._dynamo.reset()
+    seen = []
+
+    def recording(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module"))
+        return gm.forward
+
+    engine, *_ = zero.initialize(model=_gpt(), config=_config(stage, offload=stage == 3))
+    engine.compile(backend=recording)
+    x = torch.randint(0, 64, (2, 9))
+    for _ in range(2):
+        engine.backward(engine(x[:, :-1], x[:, 1:]))
+        engine.step()
+    return seen
+
+
+def test_the_graphs_hold_no_collective_and_no_hook_of_zeros(dist_run):
+    for targets in dist_run(2, _graph_targets, 3):
+        assert any("linear" in t for t in targets), targets  # the block's own work is there
+        offending = [t for t in targets if any(w in t.lower() for w in ("c10d", "all_gather", "reduce_scatter",
+                                                                         "all_reduce", "broadcast", "zero."))]
+        assert not offending, offending
