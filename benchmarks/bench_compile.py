@@ -21,7 +21,9 @@ overheads, not a network.
 With --gpu each configuration runs in a fresh process as one NCCL rank on the GPU (a bigger GPT,
 bf16 compute with fp32 master weights in both systems: zero's bf16 config, FSDP2's
 MixedPrecisionPolicy), the peak is torch.cuda.max_memory_allocated of the untimed step, and the
-table goes to results/compile_gpu.md with the card's name.
+table goes to results/compile_gpu.md with the card's name. With one rank zero's stage 3 gathers
+nothing, while FSDP2 still copies its parameters in and out: the GPU run measures the compiled
+compute, and favours zero on sharding overheads.
 """
 from __future__ import annotations
 

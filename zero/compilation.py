@@ -110,21 +110,55 @@ def compile_blocks(root: nn.Module, backend: str | Callable = "inductor", compil
     stray = [type(m).__name__ for m in blocks if id(m) not in mine]
     if stray:
         raise ValueError(f"compile: modules {stray} are not part of the engine's model")
-    done = []
+    done, left = [], {}
     for block in blocks:
         hooked = [type(d).__name__ for d in block.modules() if d is not block and _hooked(d)]
         if hooked:
-            log.warning("zero: compile leaves a %s eager: it contains modules with hooks (%s), which a graph "
-                        "would hold", type(block).__name__, ", ".join(sorted(set(hooked))))
+            left.setdefault(type(block).__name__, set()).update(hooked)
             continue
-        if getattr(block, "_zero_compiled", False):
-            done.append(block)
-            continue
-        eager = block.forward
-        block.forward = torch.compile(eager, backend=backend, **(compile_kwargs or {}))
-        block._zero_eager_forward, block._zero_compiled = eager, True
+        block.forward = CompiledForward(block, _compiled(type(block), backend, compile_kwargs or {}))  # again: anew
         done.append(block)
+    for name, hooked in left.items():
+        log.warning("zero: compile leaves the %s blocks eager: they contain modules with hooks (%s), which a graph "
+                    "would hold. At stage 3 make each block one unit (zero.set_z3_leaf_modules(model, [%s]), or "
+                    "compile.enabled in the config, which does it)", name, ", ".join(sorted(hooked)), name)
     return done
+
+
+_COMPILED: dict[tuple, Callable] = {}
+
+
+def _compiled(cls: type, backend, kwargs: dict) -> Callable:
+    """`cls.forward` compiled once per class, backend and options, for all its blocks."""
+    key = (cls, backend if isinstance(backend, str) else id(backend), repr(sorted(kwargs.items())))
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(cls.forward, backend=backend, **kwargs)
+    return _COMPILED[key]
+
+
+def _eager_forward(block: nn.Module):
+    return block.forward if "forward" not in block.__dict__ else type(block).forward.__get__(block)
+
+
+class CompiledForward:
+    """A block's compiled forward (its instance attribute `forward`): the class's forward compiled
+    once, called on this block. A deep copy of the block (an EMA copy, a reference model) runs
+    its own weights through the same compiled function; a pickled block (torch.save(model))
+    comes back eager."""
+
+    def __init__(self, block: nn.Module, compiled: Callable):
+        self.block, self.compiled = block, compiled
+
+    def __call__(self, *args, **kwargs):
+        return self.compiled(self.block, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> CompiledForward:
+        import copy
+
+        return CompiledForward(copy.deepcopy(self.block, memo), self.compiled)
+
+    def __reduce__(self):
+        return _eager_forward, (self.block,)
 
 
 def check_compile_section(section: Any) -> list[tuple[tuple[str, ...], str]]:

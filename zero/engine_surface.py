@@ -338,6 +338,20 @@ class DeepSpeedMethods:
             raise NotImplementedError("engine.compile with pipeline stages or tensor slicing is not implemented yet: "
                                       "their send/receive and DTensor collectives run inside the layers; compile "
                                       "without them, or run eagerly")
+        if self.sequence_parallel_size > 1:
+            raise NotImplementedError("engine.compile with sequence_parallel_size > 1 is not implemented yet: "
+                                      "Ulysses' all-to-all runs inside the attention of each layer")
+        mode = (compile_kwargs or {}).get("mode") if isinstance(compile_kwargs, dict) else None
+        if mode in ("reduce-overhead", "max-autotune") and self.zero_optimization_stage() == 3:
+            raise ValueError(f"engine.compile(compile_kwargs={{'mode': {mode!r}}}): that mode records CUDA graphs, "
+                             f"which need each parameter at a fixed address, and stage 3 frees and gathers them "
+                             f"again; use 'max-autotune-no-cudagraphs' or the default mode")
+        hf = getattr(self.module, "config", None)
+        if getattr(hf, "use_cache", False) is True:  # a key/value cache in training forwards makes each layer
+            hf.use_cache = False  # a graph of its own (its layer index); generate() passes use_cache itself
+            if self.comm.rank == 0:
+                log.info("zero: compile sets the model's config.use_cache = False for training (HF Trainer does the "
+                         "same under gradient checkpointing)")
         self._compiled_blocks = compile_blocks(self.module, backend, compile_kwargs, modules)
         if self.comm.rank == 0:
             log.info("zero: compiled %d block(s) (%s) with backend %r", len(self._compiled_blocks),

@@ -100,6 +100,14 @@ def initialize(
         parallel = cfg.pipeline.stages * cfg.tensor_parallel.size * cfg.sequence_parallel_size
         chosen = plan(cfg, world_size, parallel)
         log.warning("zero: elasticity: %s", chosen.describe())  # shown by default, as auto_resume's line is
+    section = cfg.compile if isinstance(cfg.compile, dict) else {}
+    if (compiled_with is not None or section.get("enabled")) and cfg.zero_optimization.stage == 3:
+        from zero.compilation import find_blocks
+        from zero.init import set_z3_leaf_modules
+
+        blocks = find_blocks(model)  # each block one unit, so no unit (no hook) lies inside a compiled block
+        if blocks:
+            set_z3_leaf_modules(model, [type(blocks[0])])
     auto_plan = None
     if cfg.tensor_parallel.size > 1:
         from zero.tp.plans import auto_plan_for
@@ -120,7 +128,6 @@ def initialize(
         if isinstance(optimizer, torch.optim.Optimizer):  # the rules load_config checks for an optimizer passed
             check_optimizer_object(cfg, type(optimizer))
     engine = Engine(model, cfg, mesh, model_parameters=model_parameters, optimizer=optimizer, lr_scheduler=lr_scheduler)
-    section = cfg.compile if isinstance(cfg.compile, dict) else {}
     if compiled_with is not None:
         if engine.comm.rank == 0:
             log.warning("zero: the model was compiled whole with torch.compile (backend %r); zero compiles its blocks "
