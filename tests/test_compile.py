@@ -343,3 +343,36 @@ def test_a_compiled_block_copies_with_its_own_weights_and_pickles_back_eager():
     buffer.seek(0)
     back = torch.load(buffer, weights_only=False)
     assert not isinstance(back.blocks[0].forward, CompiledForward) and torch.equal(back(x, x), ref)
+
+
+def _hf_trainer(compiled: bool, out: str):
+    import torch._dynamo
+    from test_hf_trainer import Tokens, _config, _gathered, arguments, tiny
+    from torch._dynamo.utils import counters
+
+    from zero.integrations.hf import ZeroTrainer
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny("llama")
+    extra = {"torch_compile": True, "torch_compile_backend": "aot_eager"} if compiled else {}
+    trainer = ZeroTrainer(model=model, args=arguments(out, 2, 3, **extra), train_dataset=Tokens(),
+                          eval_dataset=Tokens(16), zero_config=_config(3, False))
+    trainer.train()
+    params = _gathered(model)
+    loss = trainer.evaluate()["eval_loss"]
+    return params, loss, trainer.engine.is_compiled, counters["stats"]["unique_graphs"], \
+        sum(counters["graph_break"].values())
+
+
+def test_hf_trainers_torch_compile_compiles_the_blocks_under_zero(dist_run, tmp_path):
+    """TrainingArguments(torch_compile=True) with ZeroTrainer: zero compiles the decoder layers
+    (stage 3, one unit each), accelerate does not wrap the whole model for evaluation, and training
+    and evaluation give the eager numbers."""
+    pytest.importorskip("transformers")
+    for (ref, ref_loss, *_), (params, loss, flag, graphs, breaks) in zip(
+            dist_run(2, _hf_trainer, False, str(tmp_path / "eager")), dist_run(2, _hf_trainer, True, str(tmp_path / "c"))):
+        assert flag and breaks == 0 and 1 <= graphs <= 2, (flag, graphs, breaks)  # training's graph, and eval's
+        # each block one unit sums the clipping norm in another order: equal up to round-off
+        worst = max(((params[n] - ref[n]).abs().max() / ref[n].abs().max()).item() for n in ref)
+        assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss) and worst <= 1e-6, (loss, ref_loss, worst)

@@ -259,6 +259,11 @@ class ZeroTrainer(Trainer):
         self._sequence_mpu = None  # what register_with_transformers returns, with sequence parallelism
         self._core_attention = None  # the model's own attention implementation, which Ulysses wraps
         super().__init__(*args, **kwargs)
+        plugin = getattr(self.accelerator.state, "dynamo_plugin", None)
+        if self.args.torch_compile and plugin is not None:  # accelerate would compile the whole model (hooks
+            from accelerate.utils import DynamoBackend  # included) around evaluation: zero compiles the blocks
+
+            plugin.backend = DynamoBackend.NO
         self.zero_config = zero_config
         self.engine = None
         if self.sequence_parallel_size > 1:
@@ -388,6 +393,10 @@ class ZeroTrainer(Trainer):
         """Build the engine (once), and a schedule for `max_steps` (for every `train()`, as Trainer does)."""
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         cfg = resolve_auto(self.zero_config, self.args, self.model, max(1, max_steps), world // self.sequence_parallel_size)
+        if self.args.torch_compile and "compile" not in cfg:  # zero compiles the blocks (docs/compile.md)
+            mode = self.args.torch_compile_mode
+            cfg = {**cfg, "compile": {"enabled": True, "backend": self.args.torch_compile_backend or "inductor",
+                                      **({"kwargs": {"mode": mode}} if mode else {})}}
         if self.engine is None:
             # no optimizer section: Trainer's AdamW, with Trainer's no-decay group
             groups = self._trainer_param_groups() if "optimizer" not in _raw(self.zero_config) else None
