@@ -58,8 +58,8 @@ def _train(config: dict, how: str | None, backend: str = "aot_eager"):
 
 
 @pytest.mark.parametrize("stage,offload,accumulation,bf16", [(0, False, 1, False), (1, False, 2, False),
-                                                             (2, False, 1, True), (3, False, 2, False),
-                                                             (3, True, 1, False)])
+                                                             (2, False, 1, True), (2, True, 2, False),
+                                                             (3, False, 2, False), (3, True, 1, False)])
 def test_compiled_blocks_train_as_eager_at_every_stage(dist_run, stage, offload, accumulation, bf16):
     config = _config(stage, offload, accumulation, bf16)
     for (eager, _, none, eager_flag), (compiled, seen, blocks, flag) in zip(
