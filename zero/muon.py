@@ -1,0 +1,155 @@
+"""Muon's pieces that do not depend on partitioning: which parameters Muon updates, how the config's
+keys reach its two halves, and the update of one whole matrix (issue 34; the stages' use of them
+comes next, and until then the engine refuses Muon).
+
+[Note: Muon and partitions]
+Muon updates a matrix with its momentum orthogonalised by Newton-Schulz iterations, which need the
+whole matrix; Adam's element-wise update does not, which is why ZeRO's flat chunks suit Adam. Under
+ZeRO each 2-D Muon matrix gets one owner rank (matrices assigned whole, balanced by their
+Newton-Schulz work); the owner updates it from the reduced gradient with `update_matrix`, which is
+torch.optim.Muon's own update, and ZeRO's all-gather of updated parameters, which runs anyway,
+carries the result to the ranks holding its shards. Every other parameter (1-D, embeddings, the
+output head) goes to AdamW, as DeepSpeed splits them.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+# the config's optimizer params and the half they go to (DeepSpeed's routing; torch's Muon names)
+MUON_ONLY = ("momentum", "nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn")
+ADAMW_ONLY = ("betas", "eps")
+BOTH = ("weight_decay",)
+ZERO_KEYS = ("lr", "muon_lr", "adam_lr", "ns_method")
+NS_METHODS = ("standard",)  # torch.optim.Muon's Newton-Schulz; DeepSpeed's "gram" variant is not implemented
+
+
+class MuonConfigError(ValueError):
+    """A Muon setting zero cannot honour; the message names the key or the parameter."""
+
+
+def uses_muon(name: str, param: torch.Tensor) -> bool:
+    """DeepSpeed's split: a parameter whose layer shape (`ds_shape` under zero.Init) has two or more
+    dimensions and whose name contains neither "embed" nor "lm_head" gets Muon; `param.use_muon`
+    set by the user decides instead.
+
+    Raises:
+        MuonConfigError: `use_muon` is True on a parameter of fewer than two dimensions.
+    """
+    shape = tuple(getattr(param, "ds_shape", param.shape))
+    forced = getattr(param, "use_muon", None)
+    if forced is not None:
+        if forced and len(shape) < 2:
+            raise MuonConfigError(f"parameter {name!r} has use_muon=True but shape {shape}: Muon orthogonalises "
+                                  f"matrices, so a parameter of fewer than 2 dimensions must stay with AdamW")
+        return bool(forced)
+    return len(shape) >= 2 and "embed" not in name and "lm_head" not in name
+
+
+def split(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[str], list[str]]:
+    """(names of the Muon parameters, names of the AdamW ones), trainable parameters only, each once."""
+    muon, adamw, seen = [], [], set()
+    for name, p in named:
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (muon if uses_muon(name, p) else adamw).append(name)
+    return muon, adamw
+
+
+@dataclass
+class MuonSettings:
+    """The config's Muon params split for its two halves (torch.optim.Muon's and AdamW's arguments)."""
+
+    muon: dict[str, Any] = field(default_factory=dict)
+    adamw: dict[str, Any] = field(default_factory=dict)
+
+
+def route(params: dict[str, Any]) -> MuonSettings:
+    """DeepSpeed's routing of `"optimizer": {"type": "Muon", "params": {...}}`: `muon_lr` / `adam_lr`
+    override `lr` for each half; momentum, nesterov, ns_coefficients, ns_steps and adjust_lr_fn go to
+    Muon, betas and eps to AdamW, weight_decay to both. What is not given keeps torch's defaults
+    (torch.optim.Muon's: Nesterov, 5 Newton-Schulz steps in bf16, the original lr adjustment).
+
+    Raises:
+        MuonConfigError: an unknown key, an unknown ns_method or adjust_lr_fn, or a bad ns_coefficients.
+    """
+    unknown = sorted(set(params) - set(MUON_ONLY) - set(ADAMW_ONLY) - set(BOTH) - set(ZERO_KEYS))
+    if unknown:
+        raise MuonConfigError(f"optimizer.params: {unknown} are not Muon keys (Muon takes "
+                              f"{sorted(MUON_ONLY + ADAMW_ONLY + BOTH + ZERO_KEYS)})")
+    method = params.get("ns_method", "standard")
+    if method not in NS_METHODS:
+        raise MuonConfigError(f"optimizer.params.ns_method: {method!r} is not implemented; zero runs torch.optim.Muon's "
+                              f"Newton-Schulz ({', '.join(map(repr, NS_METHODS))}; DeepSpeed's 'gram' variant is not "
+                              f"implemented)")
+    fn = params.get("adjust_lr_fn")
+    if fn not in (None, "original", "match_rms_adamw"):
+        raise MuonConfigError(f"optimizer.params.adjust_lr_fn: {fn!r}; torch.optim.Muon takes 'original' or "
+                              f"'match_rms_adamw'")
+    coefficients = params.get("ns_coefficients")
+    if coefficients is not None and (not isinstance(coefficients, (list, tuple)) or len(coefficients) != 3):
+        raise MuonConfigError(f"optimizer.params.ns_coefficients: expected three numbers (a, b, c), got {coefficients!r}")
+    out = MuonSettings()
+    lr = params.get("lr")
+    for half, own in ((out.muon, "muon_lr"), (out.adamw, "adam_lr")):
+        value = params.get(own, lr)
+        if value is not None:
+            half["lr"] = value
+    out.muon.update({k: tuple(params[k]) if k == "ns_coefficients" else params[k] for k in MUON_ONLY if k in params})
+    out.adamw.update({k: tuple(params[k]) if k == "betas" else params[k] for k in ADAMW_ONLY if k in params})
+    for k in BOTH:
+        if k in params:
+            out.muon[k] = out.adamw[k] = params[k]
+    return out
+
+
+def muon_defaults() -> dict[str, Any]:
+    """torch.optim.Muon's defaults, read from torch (so they follow the installed version)."""
+    probe = torch.optim.Muon([nn.Parameter(torch.zeros(2, 2))])
+    return {k: v for k, v in probe.defaults.items() if k not in ("differentiable", "foreach", "fused", "maximize")}
+
+
+@torch.no_grad()
+def update_matrix(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor, **settings: Any) -> None:
+    """torch.optim.Muon's step on one whole matrix, in place: `param` and `momentum_buffer` change.
+
+    `settings` are torch.optim.Muon's arguments (lr, weight_decay, momentum, nesterov,
+    ns_coefficients, eps, ns_steps, adjust_lr_fn); missing ones take torch's defaults. The matrix is
+    updated by torch's own functional Muon, so an owner rank under ZeRO computes exactly what a
+    single-process torch.optim.Muon does.
+    """
+    from torch.optim._muon import muon
+
+    if param.ndim != 2 or grad.shape != param.shape or momentum_buffer.shape != param.shape:
+        raise ValueError(f"update_matrix: a 2-D parameter, and its gradient and momentum of the same shape, got "
+                         f"{tuple(param.shape)}, {tuple(grad.shape)}, {tuple(momentum_buffer.shape)}")
+    merged = {**muon_defaults(), **settings}
+    muon([param], [grad], [momentum_buffer], lr=merged["lr"], weight_decay=merged["weight_decay"],
+         momentum=merged["momentum"], nesterov=merged["nesterov"], ns_coefficients=tuple(merged["ns_coefficients"]),
+         eps=merged["eps"], ns_steps=merged["ns_steps"], adjust_lr_fn=merged["adjust_lr_fn"],
+         has_complex=torch.is_complex(param))
+
+
+def ns_cost(shape: tuple[int, ...]) -> int:
+    """The Newton-Schulz work of one matrix, up to a constant: each iteration multiplies the
+    (short x long) matrix by its Gram matrix, short^2 x long."""
+    short, long_ = sorted(shape[:2]) if len(shape) >= 2 else (1, shape[0] if shape else 1)
+    return short * short * long_
+
+
+def assign_owners(shapes: list[tuple[int, ...]], world_size: int) -> list[int]:
+    """The rank that updates each Muon matrix, whole: largest first, each to the rank with the least
+    work so far (ties to the lowest rank), so no rank does more than the others by more than one
+    matrix's work. The same on every rank (it depends only on the shapes)."""
+    load = [0] * world_size
+    owners = [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: (-ns_cost(shapes[i]), i)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owners[i] = rank
+        load[rank] += ns_cost(shapes[i])
+    return owners
