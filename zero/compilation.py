@@ -15,10 +15,12 @@ on the block's outputs before it.
 Which modules are blocks: among the classes with two or more instances not inside another repeated
 module, the one with the most instances of the same parameter shapes (GPT's `Block`, Llama's
 `LlamaDecoderLayer`; not GPT's two embeddings of different sizes), then the most instances, then
-the most parameters; or the modules the user names. A block must not contain a module with hooks of its own (at stage 3, a unit inside a
-block): such a block is left eager, with a log line. Parameters are inputs of the graphs (dynamo
-inlines nn.Modules), so one graph serves every block of the same shapes, and gathered values are
-read at each call, never baked in.
+the most parameters; or the modules the user names. A block must not contain a module with hooks
+of its own (at stage 3, a unit inside a block): such blocks are left eager, with one warning, and
+`compile.enabled` makes each block one stage-3 unit before the units are built. Parameters are
+inputs of the graphs (dynamo inlines nn.Modules), so one graph serves every block of the same
+shapes, and gathered values are read at each call, never baked in. Each block class is compiled
+once; a block's `forward` becomes a `CompiledForward` that runs it on that block.
 
 A model compiled whole before `initialize` (`torch.compile(model)`) is unwrapped and its blocks
 compiled with the same backend instead, with a warning: a whole-model graph would contain the
