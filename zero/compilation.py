@@ -139,7 +139,8 @@ def _compiled(cls: type, backend, kwargs: dict) -> Callable:
 
 
 def _eager_forward(block: nn.Module):
-    return block.forward if "forward" not in block.__dict__ else type(block).forward.__get__(block)
+    """What an unpickled compiled block's `forward` becomes: its class's, eager."""
+    return type(block).forward.__get__(block)
 
 
 class CompiledForward:

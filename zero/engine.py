@@ -624,8 +624,7 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         ranks call it. See docs/checkpoint.md for the layout and guarantees.
 
         Args:
-            save_dir: the checkpoint directory: shared by all ranks, or with
-                checkpoint.use_node_local_storage each node's own.
+            save_dir: the checkpoint directory (each node's own with use_node_local_storage).
             tag: the sub-directory name; `latest` then names it (with `save_latest`).
             client_state: your own JSON-serialisable values, returned by `load_checkpoint`.
             save_latest: point `save_dir/latest` at this tag once it is complete.
