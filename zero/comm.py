@@ -388,24 +388,43 @@ class Comm:
             else:
                 dist.all_to_all_single(output, input, group=self.group)
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False, label: str = "broadcast"):
         """In-place broadcast from the group's rank `src` (its place in this group, which is the
-        global rank for the default group)."""
+        global rank for the default group). `label` names it in the counts."""
         src = dist.get_global_rank(self.group, src) if self.distributed and self.group is not None else src
-        self._count("broadcast", tensor)
-        with record_function("zero::broadcast"):
+        self._count(label, tensor)
+        with record_function(f"zero::{label}"):
             if self.world_size == 1:
-                return
+                return _Done() if async_op else None
             staged = self._staged([], [tensor])
             if staged is not None:
                 _, (t,) = staged
                 dist.broadcast(t, src=src, group=self.group)
                 tensor.copy_(t)
-            elif self.backend == "gloo":
+                return _Done() if async_op else None
+            if self.backend == "gloo":
                 work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
-                self._bounded(work, False, f"a broadcast of {tensor.numel():,} elements from rank {src}")
-            else:
-                dist.broadcast(tensor, src=src, group=self.group)
+                return self._bounded(work, async_op, f"a broadcast of {tensor.numel():,} elements from rank {src}")
+            return dist.broadcast(tensor, src=src, group=self.group, async_op=async_op)
+
+    def reduce(self, tensor: torch.Tensor, dst: int, async_op: bool = False, label: str = "reduce"):
+        """In-place SUM over ranks into the group's rank `dst` (other ranks' `tensor` is left
+        undefined, as torch's reduce leaves it). `label` names it in the counts."""
+        dst = dist.get_global_rank(self.group, dst) if self.distributed and self.group is not None else dst
+        self._count(label, tensor)
+        with record_function(f"zero::{label}"):
+            if self.world_size == 1:
+                return _Done() if async_op else None
+            staged = self._staged([], [tensor])
+            if staged is not None:
+                _, (t,) = staged
+                dist.reduce(t, dst=dst, op=dist.ReduceOp.SUM, group=self.group)
+                tensor.copy_(t)
+                return _Done() if async_op else None
+            if self.backend == "gloo":
+                work = dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+                return self._bounded(work, async_op, f"a reduce of {tensor.numel():,} elements to rank {dst}")
+            return dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
     # -- bounded waits and rank agreement
 

@@ -78,7 +78,7 @@ from zero.sequence.groups import sequence_parallel_group
 from zero.sequence.ulysses import exchanges, refuse_without_exchange, take_traffic
 from zero.stages import build_optimizer
 from zero.stages.adam import ADAM_DEFAULTS, check_param_groups
-from zero.stages.choice import _optimizer_defaults, _param_groups, client_state_dtype, client_step
+from zero.stages.choice import _optimizer_defaults, _param_groups, client_state_dtype, client_step, muon_param_groups
 from zero.stages.policies import strict_tag_checks
 from zero.stages.relocation import BACKWARD_NEEDS
 
@@ -163,9 +163,12 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         # see [Note: an engine without an optimizer]
         self.trains = optimizer is not None or config.optimizer is not None
         if self.trains:
-            client = client_step(config, optimizer)  # another optimizer than Adam, run on the shards
-            defaults = _optimizer_defaults(config, optimizer, client)
-            groups = _param_groups(module, model_parameters if optimizer is None else optimizer.param_groups, defaults)
+            muon = muon_param_groups(config, optimizer, module, model_parameters)
+            client = None if muon is not None else client_step(config, optimizer)  # another optimizer than
+            # Adam, run on the shards
+            defaults = {} if muon is not None else _optimizer_defaults(config, optimizer, client)
+            groups = _param_groups(module, muon or (model_parameters if optimizer is None else optimizer.param_groups),
+                                   defaults)
             check_param_groups(groups, "Check model_parameters / the optimizer's param groups.")
             if any(g.get("eps") == 0 for g in groups):
                 warnings.warn("zero: Adam eps is 0: an element whose gradient is 0 (an unused parameter, a padding "

@@ -13,6 +13,8 @@ output head) goes to AdamW, as DeepSpeed splits them.
 """
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,10 +110,66 @@ def route(params: dict[str, Any]) -> MuonSettings:
     return out
 
 
+# what a Muon param group passes to the update (torch.optim.Muon's hyperparameters)
+MUON_SETTINGS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn")
+_TORCH_ONLY = ("differentiable", "foreach", "fused", "maximize", "capturable")
+
+
+@functools.cache
+def _torch_defaults(cls: type) -> tuple[tuple[str, Any], ...]:
+    probe = cls([nn.Parameter(torch.zeros(2, 2))])
+    return tuple((k, v) for k, v in probe.defaults.items() if k not in _TORCH_ONLY and k != "amsgrad")
+
+
 def muon_defaults() -> dict[str, Any]:
     """torch.optim.Muon's defaults, read from torch (so they follow the installed version)."""
-    probe = torch.optim.Muon([nn.Parameter(torch.zeros(2, 2))])
-    return {k: v for k, v in probe.defaults.items() if k not in ("differentiable", "foreach", "fused", "maximize")}
+    return dict(_torch_defaults(torch.optim.Muon))
+
+
+def adamw_defaults() -> dict[str, Any]:
+    """The AdamW half's defaults: torch.optim.AdamW's, as zero's Adam param group keys."""
+    return {**dict(_torch_defaults(torch.optim.AdamW)), "bias_correction": True, "adamw_mode": True}
+
+
+def matrix_shape(param: torch.Tensor) -> tuple[int, int]:
+    """The matrix Muon orthogonalises for `param`: its layer shape, a convolution's (out, rest) as
+    DeepSpeed flattens it (torch.optim.Muon itself takes 2-D parameters only)."""
+    shape = tuple(getattr(param, "ds_shape", param.shape))
+    return shape[0], math.prod(shape[1:])
+
+
+def param_groups(module: nn.Module, model_parameters, settings: MuonSettings) -> list[dict]:
+    """The config's Muon: each of the caller's groups (or the model's parameters) split into a
+    Muon half (`use_muon: True`, torch.optim.Muon's hyperparameters) and an AdamW half, by
+    `uses_muon`; a group's own keys (an lr) apply to both halves. Empty halves are dropped later."""
+    names = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(p, n)  # a tied weight keeps its first name (DeepSpeed's split sees that one)
+    items = list(module.parameters() if model_parameters is None else model_parameters)
+    groups = items if items and isinstance(items[0], dict) else [{"params": items}]
+    muon = {**muon_defaults(), **settings.muon, "use_muon": True}
+    adamw = {**adamw_defaults(), **settings.adamw, "use_muon": False}
+    out = []
+    for g in groups:
+        own = {k: v for k, v in g.items() if k != "params"}
+        params = list(g["params"])
+        chosen = [uses_muon(names.get(p, ""), p) if p.requires_grad else False for p in params]
+        out.append({**muon, **own, "params": [p for p, c in zip(params, chosen) if c]})
+        out.append({**adamw, **own, "params": [p for p, c in zip(params, chosen) if not c]})
+    return out
+
+
+def client_param_groups(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict]:
+    """A client torch.optim.Muon: its groups are the Muon half, with their own hyperparameters;
+    every other trainable parameter of the model goes to AdamW with torch's defaults and the first
+    group's lr and weight decay (as DeepSpeed's Muon gives `adam_lr` the lr when unset)."""
+    first = optimizer.param_groups[0]
+    muon = [{**{k: v for k, v in g.items() if k not in _TORCH_ONLY}, "use_muon": True} for g in optimizer.param_groups]
+    taken = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    rest = [p for p in module.parameters() if p.requires_grad and id(p) not in taken]
+    adamw = {**adamw_defaults(), "lr": first["lr"], "weight_decay": first["weight_decay"], "use_muon": False,
+             "params": rest}
+    return muon + [adamw]
 
 
 @torch.no_grad()

@@ -12,7 +12,7 @@ from zero.config.errors import _fmt
 from zero.config.features import with_placeholders
 from zero.config.sections import _lr, _Section
 
-SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "Lion", "OneBitAdam", "ZeroOneAdam")
+SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "Lion", "Muon", "OneBitAdam", "ZeroOneAdam")
 CLIENT_OPTIMIZERS = ("SGD", "Adagrad", "Lion")  # run as element-wise optimizers on the shards; params as their own
 NOT_ON_SHARDS = {"Lamb": "LAMB's trust ratio needs each parameter's whole norm, which a shard does not have",
                  "OneBitLamb": "LAMB's trust ratio needs each parameter's whole norm, which a shard does not have"}
@@ -145,11 +145,11 @@ class OneBit:
 class OptimizerConfig(_Section):
     """`optimizer`: which optimizer the engine builds when the caller passes none."""
 
-    type: str = Field(..., description="Adam, AdamW, SGD, Adagrad, Lion, OneBitAdam or ZeroOneAdam "
+    type: str = Field(..., description="Adam, AdamW, SGD, Adagrad, Lion, Muon, OneBitAdam or ZeroOneAdam "
                       "(case-insensitive).")
     params: AdamParams = Field(default_factory=AdamParams, description="Constructor arguments.")
     other_params: dict[str, Any] = Field(default_factory=dict, description="For SGD, Adagrad and Lion: their "
-                                         "constructor arguments (written as `params`).")
+                                         "constructor arguments; for Muon: its keys (written as `params`).")
 
     @model_validator(mode="before")
     @classmethod
@@ -158,6 +158,15 @@ class OptimizerConfig(_Section):
             kind = next((n for n in CLIENT_OPTIMIZERS if n.lower() == data["type"].lower()), None)
             if kind is not None:  # its own constructor's arguments, checked against it
                 data = {**data, "type": kind, "other_params": _client_params(kind, data.get("params") or {})}
+                data.pop("params", None)
+            elif data["type"].lower() == "muon":  # DeepSpeed's keys, routed to its two halves (zero/muon.py)
+                from zero.muon import route
+
+                params = data.get("params") or {}
+                if not isinstance(params, dict):
+                    raise ValueError(f"optimizer.params must be an object for Muon, got {type(params).__name__}")
+                route(params)
+                data = {**data, "type": "Muon", "other_params": dict(params)}
                 data.pop("params", None)
         if isinstance(data, dict):
             for key in ("adam_w_mode", "torch_adam", "lr", "betas", "eps", "weight_decay"):

@@ -45,7 +45,7 @@ class Caller:
 def combination_issues(cfg: ZeroConfig, caller: Caller) -> Issues:
     """Every broken rule of [Note: rules that combine settings], as (key path, message) pairs."""
     return (_onebit_and_stage(cfg) + _pipeline_and_model(cfg, caller) + _optimizer_object(cfg, caller)
-            + _state_formats(cfg, caller))
+            + _state_formats(cfg, caller) + _muon(cfg, caller))
 
 
 def check_optimizer_object(cfg: ZeroConfig, client_optimizer: type) -> None:
@@ -133,6 +133,29 @@ def _optimizer_object(cfg: ZeroConfig, caller: Caller) -> Issues:
         what = f"the optimizer object's class {client}" if given is not None else f"optimizer.type {client}"
         issues.append((("zero_optimization", "offload_optimizer"), f"optimizer offload runs zero's CPU Adam, so "
                        f"{what} cannot be offloaded: remove zero_optimization.offload_optimizer, or use Adam/AdamW"))
+    return issues
+
+
+def _muon(cfg: ZeroConfig, caller: Caller) -> Issues:
+    """Muon (config type, or a client torch.optim.Muon) where zero runs it: see docs/muon.md."""
+    import torch
+
+    given = caller.client_optimizer
+    if not (given is not None and issubclass(given, torch.optim.Muon)
+            or given is None and cfg.optimizer is not None and cfg.optimizer.type == "Muon"):
+        return []
+    what, issues = "Muon" if given is None else "a client torch.optim.Muon", []
+    z = cfg.zero_optimization
+    if z.stage == 3:
+        issues.append((("zero_optimization", "stage"), f"{what} runs at stages 0-2 so far; stage 3's units shard "
+                       f"every matrix over the ranks, and Muon's owner ranks there are not implemented yet: use "
+                       f"stage 2, or Adam/AdamW at stage 3"))
+    if _offloaded(cfg):
+        issues.append((("zero_optimization", "offload_optimizer"), f"{what} with optimizer offload is not "
+                       f"implemented yet: remove zero_optimization.offload_optimizer"))
+    if cfg.tensor_parallel.size > 1:
+        issues.append((("tensor_parallel", "size"), f"{what} orthogonalises whole matrices, and tensor slicing "
+                       f"gives each rank a slice of each: use tensor_parallel.size 1 (pipeline stages are fine)"))
     return issues
 
 

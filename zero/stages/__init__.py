@@ -89,5 +89,9 @@ def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], confi
                                     offload=step.offload, gauges=gauges, reduce=reduce, options=stage3,
                                     predivide=step.predivide, device=device)
     else:
-        storage = functools.partial(FlatParams, module, params, groups, master_is_params=fp32_in_place, **flat)
+        from zero.muon import matrix_shape
+
+        matrices = {i: matrix_shape(p) for i, p in enumerate(params) if param_groups[groups[i]].get("use_muon")}
+        storage = functools.partial(FlatParams, module, params, groups, master_is_params=fp32_in_place,
+                                    matrices=matrices, **flat)
     return ShardedAdam(param_groups, storage, **common)

@@ -283,8 +283,16 @@ class ShardedAdam(torch.optim.Optimizer):
             for _, _, grad, _, _, _ in slots:
                 grad.div_(grad_scale / 1e30)
             grad_scale = 1e30
+        matrices = [s for s in slots if s.matrix is not None]
+        if matrices:  # Muon's (see [Note: Muon and partitions] in zero/muon.py); Adam takes the rest
+            slots = [s for s in slots if s.matrix is None]
+            with record_function("zero::muon"):
+                for slot in matrices:
+                    self._muon(self.param_groups[slot[0]], slot, grad_scale)
         with record_function("zero::adam"):
-            if self.client is not None:
+            if not slots:
+                pass
+            elif self.client is not None:
                 self.client.step(self.param_groups, slots, grad_scale)
             elif self.offload is not None:
                 threads = self.offload.num_threads
@@ -310,6 +318,18 @@ class ShardedAdam(torch.optim.Optimizer):
         self.skipped = (norm, before, self.loss_scaler.scale)
         self.global_grad_norm = None
         self.zero_grad()
+
+    @staticmethod
+    def _muon(group: dict, slot: Slot, grad_scale: float) -> None:
+        """torch.optim.Muon's step on one whole matrix this rank owns (zero.muon.update_matrix)."""
+        from zero.muon import MUON_SETTINGS, update_matrix
+
+        _, master, grad, momentum, _, out16 = slot
+        shape = slot.matrix
+        update_matrix(master.view(shape), (grad.float() / grad_scale).view(shape), momentum.view(shape),
+                      **{k: group[k] for k in MUON_SETTINGS if k in group})
+        if out16 is not None:
+            out16.copy_(master)
 
     def _adam(self, group, master, grad, exp_avg, exp_avg_sq, grad_scale: float, out16, num_threads=None, *,
               scales=None, index: int = 0) -> None:

@@ -39,6 +39,7 @@ import torch.nn as nn
 from torch.autograd.profiler import record_function
 
 from zero.comm import Comm, Tag
+from zero.muon import assign_owners
 from zero.memory_report import Gauges
 from zero.partition.layout import Bucket, ShardLayout, local_grad, local_tensor
 from zero.stages.policies import OffloadOptions, Precision, ReduceOptions
@@ -80,12 +81,15 @@ class FlatParams(ParamStorage):
         master_is_params: keep no separate master: the parameters are their own (fp32 training, or
             bf16 training with a bf16 master, without offload).
         grad_final, step_number: see ParamStorage.
+        matrices: parameter index -> matrix shape of the parameters Muon updates (in param groups
+            of their own, so their buckets hold nothing else); see [Note: Muon in buckets].
     """
 
     def __init__(self, module: nn.Module, params: list[nn.Parameter], groups: list[int], *, stage: int, comm: Comm,
                  precision: Precision, offload: OffloadOptions | None, gauges: Gauges, reduce: ReduceOptions,
                  predivide: float, device: torch.device, master_is_params: bool,
-                 grad_final: Callable[[torch.Tensor], None], step_number: Callable[[], int]):
+                 grad_final: Callable[[torch.Tensor], None], step_number: Callable[[], int],
+                 matrices: dict[int, tuple[int, int]] | None = None):
         super().__init__(params, {p: n for n, p in module.named_parameters()}, comm, precision, offload, gauges,
                          grad_final=grad_final, step_number=step_number)
         self.stage = stage
@@ -96,6 +100,7 @@ class FlatParams(ParamStorage):
         self.layout = ShardLayout([local_tensor(p).numel() for p in params], groups, self.partitions,
                                   reduce.bucket_elements)
         self._index = {p: i for i, p in enumerate(params)}
+        self._plan_matrices(matrices or {})
         self._place_parameters(device, master_is_params)
         self.hook_state_dict_loads(module)
         if not master_is_params:
@@ -103,13 +108,64 @@ class FlatParams(ParamStorage):
         path = FlatGradients if stage < 2 else BucketGradients
         self.grads: GradPath = path(self, module, device)
 
+    def _plan_matrices(self, matrices: dict[int, tuple[int, int]]) -> None:
+        """[Note: Muon in buckets]
+        Muon's matrices (zero/muon.py) lie in buckets of their own. Such a bucket is not cut into
+        equal slices: each matrix has one owner rank (whole matrices assigned by their
+        Newton-Schulz work, `assign_owners`), which keeps its fp32 master and momentum. Its
+        gradient is reduced to the owner (one reduce per matrix, in place of the bucket's
+        reduce-scatter) and its updated values are broadcast from the owner (in place of the
+        all-gather): the same bytes as Adam's path. Stage 0 keeps every matrix on every rank."""
+        self.matrices = matrices
+        whole = sorted(matrices)
+        owners = assign_owners([matrices[i] for i in whole], self.partitions) if self.partitions > 1 else [0] * len(whole)
+        self.owner = dict(zip(whole, owners))
+        self.muon_buckets = set()
+        self.muon_pos: dict[int, int] = {}  # an owned matrix's place in its bucket's gradient shard
+        for bucket in self.layout.buckets:
+            held = [i in matrices for i in bucket.params]
+            if any(held):
+                if not all(held):
+                    raise ValueError(f"bucket {bucket.index} mixes Muon matrices with other parameters: Muon's "
+                                     f"parameters need param groups of their own")
+                self.muon_buckets.add(bucket.index)
+                at = 0
+                for i in bucket.params:
+                    if self.owner[i] == self.rank:
+                        self.muon_pos[i] = at
+                        at += self.layout.numels[i]
+
+    def owns(self, i: int) -> bool:
+        """Does this rank update parameter i's matrix (Muon's; see [Note: Muon in buckets])?"""
+        return i in self.muon_pos
+
+    def mine(self, bucket: Bucket) -> list[tuple[int, int, int]]:
+        """(begin, end, place in the gradient shard) of each range of `bucket` whose reduced
+        gradient this rank keeps: its slice, or the matrices it owns in a Muon bucket."""
+        if bucket.index not in self.muon_buckets:
+            lo, hi = self.own(bucket)
+            return [(lo, hi, 0)]
+        layout = self.layout
+        return [(layout.offsets[i], layout.offsets[i] + layout.numels[i], self.muon_pos[i])
+                for i in bucket.params if self.owns(i)]
+
+    def shard_numel(self, bucket: Bucket) -> int:
+        """Elements of this rank's gradient shard of `bucket`."""
+        return sum(hi - lo for lo, hi, _ in self.mine(bucket))
+
     @torch.no_grad()
     def _place_parameters(self, device: torch.device, alias: bool) -> None:
         """See [Note: flat parameters]."""
         layout, dtype = self.layout, self.precision.param
         self.flat = torch.zeros(layout.numel, dtype=dtype, device=device)
-        self.master = [self.new_master(self.flat[slice(*self.own(b))], device, alias) for b in layout.buckets]
-        moments = [self.new_moments(m, device) for m in self.master]
+        muon = self.muon_buckets
+        nothing = torch.empty(0)
+        self.master = [self.new_state(nothing, device) if b.index in muon else
+                       self.new_master(self.flat[slice(*self.own(b))], device, alias) for b in layout.buckets]
+        moments = [(m, self.new_state(nothing, device), None) if b.index in muon else self.new_moments(m, device)
+                   for b, m in zip(layout.buckets, self.master)]
+        self.muon_master: dict[int, torch.Tensor] = {}  # owned matrices: fp32 master (flat) and momentum
+        self.momentum: dict[int, torch.Tensor] = {}
         self.exp_avg = [m for m, _, _ in moments]
         self.exp_avg_sq = [v for _, v, _ in moments]
         self.scales = [s for _, _, s in moments]  # 8-bit moments' block scales (m, v), else None
@@ -118,10 +174,14 @@ class FlatParams(ParamStorage):
             self.comm.broadcast(full, src=0)  # every rank starts from rank 0's values
             off, n = layout.offsets[i], layout.numels[i]
             self.flat[off : off + n].copy_(full)
+            if self.owns(i):
+                view = self.flat[off : off + n]
+                self.muon_master[i] = view if alias else self.new_state(view, device).copy_(full)
+                self.momentum[i] = self.new_state(view, device)
             bucket = layout.buckets[layout.bucket_of[i]]
             lo, hi = self.own(bucket)
             a, b = max(lo, off), min(hi, off + n)
-            if not alias and a < b:  # the exact fp32 values of the part this rank owns
+            if not alias and a < b and bucket.index not in muon:  # the exact fp32 values of the part this rank owns
                 self.master[bucket.index][a - lo : b - lo].copy_(full[a - off : b - off])
             local = local_tensor(p)  # a DTensor's own piece (see [Note: sliced parameters])
             local.data = self.flat[off : off + n].view_as(local)
@@ -147,6 +207,11 @@ class FlatParams(ParamStorage):
             buf.div_(self.predivide)
         if self.partitions == 1 or not self.reduce.reduce_scatter:
             return self.comm.all_reduce(buf, "sum", async_op=async_op)
+        if bucket.index in self.muon_buckets:  # each matrix to its owner (see [Note: Muon in buckets])
+            layout = self.layout
+            works = [self.comm.reduce(buf[layout.offsets[i] - bucket.start : layout.offsets[i] - bucket.start
+                                          + layout.numels[i]], self.owner[i], async_op=True) for i in bucket.params]
+            return _Each(works).done(async_op)
         lo, hi = bucket.slice_range(self.rank)
         return self.comm.reduce_scatter(buf[lo - bucket.start : hi - bucket.start], buf, async_op=async_op)
 
@@ -156,12 +221,35 @@ class FlatParams(ParamStorage):
         out = []
         for bucket in self.layout.buckets:
             b = bucket.index
+            if b in self.muon_buckets:
+                out += self._matrix_slots(bucket)
+                continue
             lo, hi = self.own(bucket)
             aliased = self.master[b].data_ptr() == self.flat[lo:hi].data_ptr()
             out16 = None if aliased else self.flat[lo:hi]
             out.append(Slot(bucket.group, self.master[b], self.grads.shards[b], self.exp_avg[b], self.exp_avg_sq[b], out16,
                             scales=self.scales[b], index=lo))
         return out
+
+    def _matrix_slots(self, bucket: Bucket) -> list[Slot]:
+        """One slot per matrix this rank owns in a Muon bucket (see Slot)."""
+        out = []
+        for i in bucket.params:
+            if self.owns(i):
+                off, n = self.layout.offsets[i], self.layout.numels[i]
+                master, view = self.muon_master[i], self.flat[off : off + n]
+                out.append(Slot(bucket.group, master, self.muon_grad(i), self.momentum[i], self.exp_avg_sq[bucket.index],
+                                None if master.data_ptr() == view.data_ptr() else view, index=off,
+                                matrix=self.matrices[i]))
+        return out
+
+    def muon_grad(self, i: int) -> torch.Tensor:
+        """The reduced gradient of matrix i, which this rank owns."""
+        if isinstance(self.grads, FlatGradients):
+            off = self.layout.offsets[i]
+            return self.grads.flat[off : off + self.layout.numels[i]]
+        at = self.muon_pos[i]
+        return self.grads.shards[self.layout.bucket_of[i]][at : at + self.layout.numels[i]]
 
     def reduce_gradients(self, communicate: bool = True) -> None:
         """See GradPath.reduce."""
@@ -175,8 +263,15 @@ class FlatParams(ParamStorage):
 
     def publish(self) -> None:
         if self.partitions > 1:
-            works = [self.comm.all_gather(self.flat[bk.start : bk.start + bk.numel], self.flat[slice(*self.own(bk))],
-                                          async_op=True) for bk in self.layout.buckets]
+            layout, works = self.layout, []
+            for bk in layout.buckets:
+                if bk.index in self.muon_buckets:  # each matrix from its owner (see [Note: Muon in buckets])
+                    works += [self.comm.broadcast(self.flat[layout.offsets[i] : layout.offsets[i] + layout.numels[i]],
+                                                  self.owner[i], async_op=True, label="broadcast_params")
+                              for i in bk.params]
+                else:
+                    works.append(self.comm.all_gather(self.flat[bk.start : bk.start + bk.numel],
+                                                      self.flat[slice(*self.own(bk))], async_op=True))
             for w in works:
                 w.wait()
 
@@ -185,14 +280,18 @@ class FlatParams(ParamStorage):
 
     def owned_grad(self, param: nn.Parameter) -> torch.Tensor | None:
         i = self._index.get(param)
-        if i is None:
+        if i is None or (i in self.matrices and not self.owns(i)):
             return None
+        if i in self.matrices:
+            return self.muon_grad(i)
         bucket, lo, _, a, b = self.owned_part(i)
         return self.grads.shards[bucket.index][a - lo : b - lo] if a < b else None
 
     def memory_parts(self) -> tuple[dict[str, list[torch.Tensor]], set[str]]:
-        return {"params": [self.flat], "grads": self.grads.buffers(), "fp32_master": self.master,
-                "optimizer_states": self.exp_avg + self.exp_avg_sq + [t for s in self.scales if s for t in s]}, set()
+        return {"params": [self.flat], "grads": self.grads.buffers(),
+                "fp32_master": self.master + list(self.muon_master.values()),
+                "optimizer_states": self.exp_avg + self.exp_avg_sq + [t for s in self.scales if s for t in s]
+                + list(self.momentum.values())}, set()
 
     # -- checkpoints ----------------------------------------------------------------------------------
 
@@ -201,6 +300,8 @@ class FlatParams(ParamStorage):
         if i is None:  # frozen: replicated on every rank, written by rank 0
             whole = local_tensor(param).detach().reshape(-1)
             return [("model", 0, whole)] if not saving or self.comm.rank == 0 else []
+        if i in self.matrices:
+            return self._matrix_chunks(i, saving)
         bucket, lo, off, a, b = self.owned_part(i)
         n = self.layout.numels[i]
         out = []
@@ -216,6 +317,15 @@ class FlatParams(ParamStorage):
             out.append((kind, a - off, t[a - lo : b - lo]))
         return out
 
+    def _matrix_chunks(self, i: int, saving: bool) -> list[tuple[str, int, torch.Tensor]]:
+        """A Muon matrix's chunks: whole, from (or into) its owner; every rank reads the model."""
+        off, n = self.layout.offsets[i], self.layout.numels[i]
+        writes = self.owns(i) if self.partitions > 1 else self.comm.rank == 0
+        out = [("model", 0, self.flat[off : off + n])] if writes or not saving else []
+        if (writes if saving else self.owns(i)):
+            out += [("master", 0, self.muon_master[i]), ("momentum_buffer", 0, self.momentum[i])]
+        return out
+
     def grad_piece(self, param: nn.Parameter) -> tuple[int, torch.Tensor, bool]:
         return self.grads.piece(self._index[param])
 
@@ -225,6 +335,11 @@ class FlatParams(ParamStorage):
         """The master's part of `param` takes `value` exactly (torch then writes the 16-bit param)."""
         i = self._index.get(param)
         if i is None:
+            return None
+        if i in self.matrices:
+            master = self.muon_master.get(i)
+            if master is not None and master.data_ptr() != self.flat[self.layout.offsets[i]].data_ptr():
+                master.copy_(value.detach().reshape(-1))
             return None
         bucket, lo, off, a, b = self.owned_part(i)
         master = self.master[bucket.index]
@@ -280,8 +395,8 @@ class FlatGradients:
             s.gauges.reduce_buffers.add(0 if buf is full else buf.untyped_storage().nbytes())
             s.reduce_bucket(bucket, buf, async_op=False)
             if buf is not full:
-                lo, hi = s.own(bucket)
-                full[lo - bucket.start : hi - bucket.start].copy_(buf[lo - bucket.start : hi - bucket.start])
+                for lo, hi, _ in s.mine(bucket):
+                    full[lo - bucket.start : hi - bucket.start].copy_(buf[lo - bucket.start : hi - bucket.start])
                 s.gauges.reduce_buffers.sub(buf.untyped_storage().nbytes())
             s.grad_final(self.shards[bucket.index])
 
@@ -303,7 +418,7 @@ class BucketGradients:
     def __init__(self, storage: FlatParams, module: nn.Module, device: torch.device):
         self.storage = storage
         s = storage
-        self.shards = [torch.zeros(b.slice_numel, dtype=s.precision.grad, device=device) for b in s.layout.buckets]
+        self.shards = [torch.zeros(s.shard_numel(b), dtype=s.precision.grad, device=device) for b in s.layout.buckets]
         self._staging: dict[int, torch.Tensor] = {}
         self._work: dict[int, Any] = {}
         self.readiness = GradReadiness(
@@ -355,8 +470,8 @@ class BucketGradients:
                 work.wait()
             staging = self._staging.pop(b)
             bucket = s.layout.buckets[b]
-            lo, hi = s.own(bucket)
-            self.shards[b].add_(staging[lo - bucket.start : hi - bucket.start])
+            for lo, hi, at in s.mine(bucket):
+                self.shards[b][at : at + hi - lo].add_(staging[lo - bucket.start : hi - bucket.start])
             s.gauges.reduce_buffers.sub(staging.untyped_storage().nbytes())
         s.grad_final(self.shards[b])
 
@@ -371,7 +486,11 @@ class BucketGradients:
         """Nothing is owed at the step: every bucket was reduced during backward."""
 
     def piece(self, i: int) -> tuple[int, torch.Tensor, bool]:
-        bucket, lo, off, a, b = self.storage.owned_part(i)
+        s = self.storage
+        if i in s.matrices:  # whole on its owner, nothing elsewhere
+            shard = self.shards[s.layout.bucket_of[i]]
+            return 0, s.muon_grad(i) if s.owns(i) else shard[:0], True
+        bucket, lo, off, a, b = s.owned_part(i)
         return a - off, self.shards[bucket.index][a - lo : b - lo], True
 
     def zero(self) -> None:
@@ -382,3 +501,24 @@ class BucketGradients:
     def buffers(self) -> list[torch.Tensor]:
         return self.shards
 
+
+
+class _Each:
+    """The handles of several collectives as one: `wait` waits for them all."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self, timeout=None) -> None:
+        for w in self.works:
+            w.wait()
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def done(self, async_op: bool):
+        """This handle when asynchronous; otherwise wait now and return None."""
+        if async_op:
+            return self
+        self.wait()
+        return None

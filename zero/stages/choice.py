@@ -44,7 +44,7 @@ _ELEMENTWISE = (torch.optim.SGD, torch.optim.Adagrad, torch.optim.Adadelta, torc
                 torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD)
 _WHOLE_TENSOR = {"LBFGS": "its line search needs the whole model in one closure",
                  "Adafactor": "its factored second moments need whole matrices",
-                 "Muon": "it orthogonalises whole matrices", "SparseAdam": "it takes sparse gradients",
+                 "SparseAdam": "it takes sparse gradients",
                  "Lamb": "its trust ratio needs each parameter's whole norm", "LARS": "its trust ratio needs each "
                  "parameter's whole norm", "Shampoo": "its preconditioners need whole matrices"}
 
@@ -95,6 +95,19 @@ class ClientStep:
             p.grad = None
             if out16 is not None:
                 out16.copy_(master)
+
+
+def muon_param_groups(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None, module: nn.Module,
+                      model_parameters) -> list[dict] | None:
+    """The param groups of a Muon run (config type Muon, or a client torch.optim.Muon), each with
+    `use_muon`; None when the run is not Muon's. See [Note: Muon and partitions] in zero/muon.py."""
+    from zero import muon
+
+    if optimizer is not None:
+        return muon.client_param_groups(module, optimizer) if isinstance(optimizer, torch.optim.Muon) else None
+    if cfg.optimizer is None or cfg.optimizer.type != "Muon":
+        return None
+    return muon.param_groups(module, model_parameters, muon.route(cfg.optimizer.other_params))
 
 
 def client_step(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None) -> ClientStep | None:

@@ -31,13 +31,17 @@ class Slot(tuple):
     Besides the six, what the low-precision state formats need (zero.ops.adam_formats):
     `scales`, the 8-bit moments' block scales (m_scale, v_scale) or None, and `index`, the
     global position of the range's first element in the model's layout (the stochastic-rounding
-    counter, so that rounding does not depend on how the model is split)."""
+    counter, so that rounding does not depend on how the model is split).
+
+    A Muon slot is one whole matrix (see [Note: Muon and partitions] in zero/muon.py): `matrix`
+    is its shape, exp_avg is its momentum buffer and exp_avg_sq is empty."""
 
     def __new__(cls, group: int, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                 exp_avg_sq: torch.Tensor, out16: torch.Tensor | None, *,
-                scales: tuple[torch.Tensor, torch.Tensor] | None = None, index: int = 0) -> Slot:
+                scales: tuple[torch.Tensor, torch.Tensor] | None = None, index: int = 0,
+                matrix: tuple[int, int] | None = None) -> Slot:
         slot = super().__new__(cls, (group, master, grad, exp_avg, exp_avg_sq, out16))
-        slot.scales, slot.index = scales, index
+        slot.scales, slot.index, slot.matrix = scales, index, matrix
         return slot
 
 
