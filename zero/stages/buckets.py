@@ -39,8 +39,8 @@ import torch.nn as nn
 from torch.autograd.profiler import record_function
 
 from zero.comm import Comm, Tag
-from zero.muon import assign_owners
 from zero.memory_report import Gauges
+from zero.muon import assign_owners
 from zero.partition.layout import Bucket, ShardLayout, local_grad, local_tensor
 from zero.stages.policies import OffloadOptions, Precision, ReduceOptions
 from zero.stages.readiness import GradReadiness, UnusedParameterError
