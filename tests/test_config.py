@@ -224,7 +224,7 @@ def test_negative_gradient_clipping_and_bad_offload_device():
 
 def test_unsupported_optimizer_lists_supported_ones():
     msg = error({"optimizer": {"type": "MuAdam", "params": {}}})
-    assert "optimizer.type" in msg and "Adam, AdamW, SGD, Adagrad, Lion, OneBitAdam" in msg
+    assert "optimizer.type" in msg and "Adam, AdamW, SGD, Adagrad, Lion, Muon, OneBitAdam" in msg
 
 
 def test_max_grad_norm_in_optimizer_params_points_to_gradient_clipping():

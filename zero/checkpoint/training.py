@@ -48,7 +48,7 @@ FORMAT = "zero-checkpoint"
 VERSION = 2  # 2: "progress" and "optimizer" are engine.progress's and engine.optimizer's state_dict() (1: their
 # fields at the top level, still read)
 STATE_FILE = "zero_checkpoint.json"
-OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq")
+OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq", "momentum_buffer")  # the last: Muon's
 
 
 class CheckpointError(ZeroRuntimeError):
@@ -614,9 +614,8 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
         raise CheckpointError(f"{path / 'tensors'}: incomplete tensors {short[:4] or '(on another rank)'}: a rank's "
                               f"file is missing")
     with_optimizer = load_optimizer_states and not load_module_only
-    trainable = [n for n, t, is_param in _named_tensors(engine.module) if is_param and id(t) in _trainable(engine)]
     if with_optimizer:
-        absent = [f"{k}/{n}" for n in trainable for k in OPTIMIZER_KINDS if f"{k}/{n}" not in stored]
+        absent = sorted({c.name for c in _chunks(engine, place, saving=False, kinds=OPTIMIZER_KINDS)} - set(stored))
         if io.any_rank(bool(absent), f"checking checkpoint {path}"):
             raise CheckpointError(f"{path}: the checkpoint lacks optimizer states ({absent[:4]}...); load with "
                                   f"load_optimizer_states=False to take the model only")

@@ -1,0 +1,170 @@
+"""Muon under ZeRO (zero/muon.py, [Note: Muon in buckets]): every stage and world size equals
+single-process torch.optim.Muon + torch.optim.AdamW on DeepSpeed's split, on a model with awkward
+shapes; a checkpoint resumes at another world size and stage; the bytes sent equal Adam's."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zero
+from zero.config.errors import ConfigError
+
+SETTINGS = dict(lr=0.02, adam_lr=0.003, momentum=0.9, weight_decay=0.01, betas=[0.9, 0.95], eps=1e-8)
+VOCAB, BATCH = 11, 12
+
+
+class Awkward(nn.Module):
+    """Matrices of 13x8, 8x13, 7x8 and 8x7 (sizes 2 and 3 ranks do not all divide), a token
+    embedding tied to the output head, a frozen matrix and biases."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, 8)
+        self.fc1, self.fc2 = nn.Linear(8, 13), nn.Linear(13, 8)
+        self.mid, self.back = nn.Linear(8, 7, bias=False), nn.Linear(7, 8, bias=False)
+        self.frozen = nn.Linear(8, 8)
+        self.lm_head = nn.Linear(8, VOCAB, bias=False)
+        self.lm_head.weight = self.embed_tokens.weight
+        self.frozen.requires_grad_(False)
+
+    def matrices(self) -> list[nn.Parameter]:
+        return [self.fc1.weight, self.fc2.weight, self.mid.weight, self.back.weight]
+
+    def forward(self, idx, targets):
+        h = self.embed_tokens(idx)
+        h = h + self.fc2(F.gelu(self.fc1(h)))
+        h = self.frozen(h + self.back(torch.tanh(self.mid(h))))
+        return F.cross_entropy(self.lm_head(h).flatten(0, 1), targets.flatten())
+
+
+def _batch(step: int):
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, VOCAB, (BATCH, 6), generator=g), torch.randint(0, VOCAB, (BATCH, 6), generator=g)
+
+
+def _engine(stage: int, client: bool, model: nn.Module, **zc):
+    config = {"train_micro_batch_size_per_gpu": BATCH // dist.get_world_size(), "gradient_clipping": 1.0,
+              "zero_optimization": {"stage": stage, **zc}}
+    if client:  # torch's own Muon for the matrices; zero gives the rest AdamW with its lr and weight decay
+        optimizer = torch.optim.Muon(model.matrices(), lr=0.02, momentum=0.9, weight_decay=0.01)
+        return zero.initialize(model=model, optimizer=optimizer, config=config)[0]
+    return zero.initialize(model=model, config={**config, "optimizer": {"type": "Muon", "params": SETTINGS}})[0]
+
+
+def _train(engine, steps: range) -> None:
+    rank, m = dist.get_rank(), BATCH // dist.get_world_size()
+    for step in steps:
+        x, y = _batch(step)
+        engine.backward(engine(x[rank * m : (rank + 1) * m], y[rank * m : (rank + 1) * m]))
+        engine.step()
+
+
+def _reference(model: Awkward, client: bool, steps: int) -> None:
+    """torch.optim.Muon on the matrices and torch.optim.AdamW on the rest, one process, whole batch."""
+    muon = torch.optim.Muon(model.matrices(), lr=0.02, momentum=0.9, weight_decay=0.01)
+    taken = {id(p) for p in model.matrices()}
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in taken]
+    adamw = torch.optim.AdamW(rest, lr=0.02, weight_decay=0.01) if client else \
+        torch.optim.AdamW(rest, lr=0.003, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    for step in range(steps):
+        muon.zero_grad()
+        adamw.zero_grad()
+        model(*_batch(step)).backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+        muon.step()
+        adamw.step()
+
+
+def _errors(stages: tuple[int, ...]) -> dict:
+    out = {}
+    for stage in stages:
+        for client in (False, True):
+            torch.manual_seed(0)
+            model = Awkward()
+            reference = copy.deepcopy(model)
+            engine = _engine(stage, client, model, reduce_bucket_size=60)  # several buckets of each kind
+            _train(engine, range(5))
+            _reference(reference, client, 5)
+            out[f"stage {stage} {'client' if client else 'config'}"] = max(
+                ((p.detach() - q.detach()).norm() / q.detach().norm()).item()
+                for p, q in zip(model.parameters(), reference.parameters()))
+            assert torch.equal(model.frozen.weight, reference.frozen.weight)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_stage_equals_torch_muon_and_adamw_in_one_process(dist_run, world):
+    errors = dist_run(world, _errors, (0, 1, 2))
+    assert errors[0] == errors[-1]  # every rank holds the same model
+    assert len(errors[0]) == 6 and max(errors[0].values()) < 1e-5, errors[0]
+
+
+def _resume(stage: int, path: str, part: str) -> dict:
+    torch.manual_seed(0)
+    model = Awkward()
+    engine = _engine(stage, False, model)
+    if part == "second half":
+        engine.load_checkpoint(path)
+    _train(engine, {"whole": range(4), "first half": range(2), "second half": range(2, 4)}[part])
+    if part == "first half":
+        engine.save_checkpoint(path, tag="half")
+    return {n: p.detach().tolist() for n, p in model.named_parameters()}
+
+
+def test_a_checkpoint_resumes_at_another_world_size_and_stage(dist_run, tmp_path):
+    whole = dist_run(2, _resume, 1, str(tmp_path), "whole")[0]
+    half = dist_run(2, _resume, 1, str(tmp_path), "first half")[0]
+    for world, stage in ((3, 2), (1, 0)):
+        resumed = dist_run(world, _resume, stage, str(tmp_path), "second half")[0]
+        for name in whole:  # the momentum, the masters and AdamW's moments came back
+            a, b = torch.tensor(resumed[name]), torch.tensor(whole[name])
+            assert ((a - b).norm() / b.norm()).item() < 1e-6, (world, stage, name)
+    from zero.checkpoint.consolidate import get_fp32_state_dict
+
+    fp32 = get_fp32_state_dict(str(tmp_path), tag="half")  # Muon's masters are whole on their owners
+    for name in ("fc1.weight", "mid.weight", "embed_tokens.weight", "fc2.bias"):
+        assert torch.equal(fp32[name], torch.tensor(half[name])), name
+
+
+def _bytes_per_step(kind: str, stage: int) -> dict[str, int]:
+    from zero.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=96, n_layer=2, n_embd=48))
+    optimizer = {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 3e-3}} if kind == "Muon" else \
+        {"type": "AdamW", "params": {"lr": 3e-3}}
+    engine, *_ = zero.initialize(model=model, config={"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+                                                      "zero_optimization": {"stage": stage}, "optimizer": optimizer})
+    for step in range(2):
+        x = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(step))
+        engine.backward(engine(x, x))
+        engine.step()
+    return {name: count["bytes"] for name, count in engine.comm_report().items()}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_muon_sends_the_bytes_adam_sends(dist_run, stage):
+    adam, muon = (dist_run(2, _bytes_per_step, kind, stage)[0] for kind in ("AdamW", "Muon"))
+    # the matrices' reduce-scatter and all-gather become a reduce to, and a broadcast from, each owner
+    assert muon["reduce"] > 0 and muon["broadcast_params"] == muon["reduce"]
+    assert sum(muon.values()) <= 1.1 * sum(adam.values()), (muon, adam)
+
+
+def test_what_muon_cannot_do_is_refused_by_name():
+    model = Awkward()
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Muon", "params": {}}}
+    for params, says in (({"ns_method": "gram"}, "'gram' variant is not implemented"),
+                         ({"betas2": 0.9}, r"\['betas2'\] are not Muon keys")):
+        with pytest.raises(ConfigError, match=says):
+            zero.initialize(model=model, config={**config, "optimizer": {"type": "muon", "params": params}})
+    for zc, says in (({"stage": 2, "offload_optimizer": {"device": "cpu"}}, "offload_optimizer"),):
+        with pytest.raises(ConfigError, match=says):
+            zero.initialize(model=model, config={**config, "zero_optimization": zc})
+    with pytest.raises(ConfigError, match="tensor_parallel.size"):
+        zero.config.load_config({**config, "tensor_parallel": {"size": 2}}, world_size=2)
+    model.fc1.bias.use_muon = True
+    with pytest.raises(ValueError, match=r"'fc1.bias' has use_muon=True but shape \(13,\)"):
+        zero.initialize(model=model, config=config)
