@@ -217,6 +217,8 @@ class GatheredParameters:
         self.comm.agree(Tag.GATHERED_PARAMETERS, len(self.params), sum(p._zero.numel for p in self.params),
                         "GatheredParameters")
         with torch.no_grad():
+            for unit in dict.fromkeys(p._zero.unit for p in self.params if p._zero.unit is not None):
+                unit.freshen()  # Muon's matrices updated since their last gather (see [Note: Muon in units])
             for p in self.params:
                 info: ShardedParam = p._zero
                 if local_tensor(p).numel() == info.numel and info.numel > 0:

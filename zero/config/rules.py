@@ -145,11 +145,6 @@ def _muon(cfg: ZeroConfig, caller: Caller) -> Issues:
             or given is None and cfg.optimizer is not None and cfg.optimizer.type == "Muon"):
         return []
     what, issues = "Muon" if given is None else "a client torch.optim.Muon", []
-    z = cfg.zero_optimization
-    if z.stage == 3:
-        issues.append((("zero_optimization", "stage"), f"{what} runs at stages 0-2 so far; stage 3's units shard "
-                       f"every matrix over the ranks, and Muon's owner ranks there are not implemented yet: use "
-                       f"stage 2, or Adam/AdamW at stage 3"))
     if _offloaded(cfg):
         issues.append((("zero_optimization", "offload_optimizer"), f"{what} with optimizer offload is not "
                        f"implemented yet: remove zero_optimization.offload_optimizer"))

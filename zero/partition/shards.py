@@ -154,6 +154,8 @@ def _all_gather(p, param_list=None, async_op: bool = False, hierarchy: int = 0):
     """DeepSpeed's `param.all_gather()`: the full value in `p.data` until `partition()`."""
     for q in param_list or [p]:
         if q.ds_status is not ZeroParamStatus.AVAILABLE:
+            if q._zero.unit is not None:
+                q._zero.unit.freshen()  # Muon's matrices updated since their last gather
             local_tensor(q).data = gather_param(q._zero.shard(), q._zero.numel, q._zero.comm()).view(q._zero.shape)
             q.ds_status = ZeroParamStatus.AVAILABLE
             q._zero_gathered_by_user = True

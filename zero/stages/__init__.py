@@ -84,14 +84,15 @@ def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], confi
                                     freeze_step=o.freeze_step, loss_scaler=scaler, **flat)
         return OneBitAdam(param_groups, storage, freeze_step=o.freeze_step,
                           compress_param_gather=o.compress_param_gather, **common)
+    muon = [i for i, p in enumerate(params) if param_groups[groups[i]].get("use_muon")]  # see zero/muon.py
     if stage == 3:
         storage = functools.partial(UnitParams, module, params, groups, comm=comm, precision=precision,
                                     offload=step.offload, gauges=gauges, reduce=reduce, options=stage3,
-                                    predivide=step.predivide, device=device)
+                                    predivide=step.predivide, device=device, matrices={params[i] for i in muon})
     else:
         from zero.muon import matrix_shape
 
-        matrices = {i: matrix_shape(p) for i, p in enumerate(params) if param_groups[groups[i]].get("use_muon")}
+        matrices = {i: matrix_shape(params[i]) for i in muon}
         storage = functools.partial(FlatParams, module, params, groups, master_is_params=fp32_in_place,
                                     matrices=matrices, **flat)
     return ShardedAdam(param_groups, storage, **common)

@@ -452,12 +452,14 @@ class UnitParams(ParamStorage):
         predivide: gradients are divided by this before their reduction.
         device: where the model computes.
         grad_final, step_number: see ParamStorage.
+        matrices: the parameters Muon updates (see [Note: Muon in units] in zero/stages/unit.py).
     """
 
     def __init__(self, module: nn.Module, params: list[nn.Parameter], groups: list[int], *, comm: Comm,
                  precision: Precision, offload: OffloadOptions | None, gauges: Gauges, reduce: ReduceOptions,
                  options: Stage3Options, predivide: float, device: torch.device,
-                 grad_final: Callable[[torch.Tensor], None], step_number: Callable[[], int]):
+                 grad_final: Callable[[torch.Tensor], None], step_number: Callable[[], int],
+                 matrices: set[nn.Parameter] | None = None):
         super().__init__(params, {p: n for n, p in module.named_parameters()}, comm, precision, offload, gauges,
                          grad_final=grad_final, step_number=step_number)
         self.offload_param = options.offload_param
@@ -467,6 +469,7 @@ class UnitParams(ParamStorage):
         planned, persistent = plan_units(module, options.persistence_threshold, options.unit_elements,
                                          options.persistence_budget)
         modules = dict(module.named_modules())
+        owners = _matrix_owners(params, matrices or set(), comm.world_size)
         self.units: list[ParamUnit] = []
         unit_modules: list[nn.Module | None] = []
         host_empty = self.host_memory.empty if options.pin_memory else self.host_memory.empty_pageable
@@ -477,7 +480,7 @@ class UnitParams(ParamStorage):
                              lambda shard: self.new_master(shard, device, alias), lambda like: self.new_moments(like, device),
                              alias_master=alias,
                              persistent=path == "<persistent>", offload_param=options.offload_param,
-                             host_empty=host_empty, gauges=gauges)
+                             host_empty=host_empty, gauges=gauges, owners=owners)
             self.units.append(unit)
             unit_modules.append(None if unit.persistent else modules.get(path))
         self.hook_state_dict_loads(module)
@@ -499,10 +502,15 @@ class UnitParams(ParamStorage):
                 index = (unit.index << 40) + self.comm.rank * unit.numel + r.lo  # unique over ranks and units
                 out.append(Slot(r.group, r.master, r.grad, r.exp_avg, r.exp_avg_sq, out16, scales=r.scales,
                                 index=index))
+            for i, m in unit.matrices.items():
+                if m.master is not None:  # the owner's (a world of one: the shard is the parameter)
+                    out.append(Slot(m.group, m.master, m.grad, m.momentum, m.master[:0],
+                                    unit.shard[unit.offsets[i] : unit.offsets[i] + m.master.numel()] if unit.aliased
+                                    else None, index=(unit.index << 40) + unit.offsets[i], matrix=m.shape))
         return out
 
     def param_chunks(self, param: nn.Parameter, saving: bool) -> list[tuple[str, int, torch.Tensor]]:
-        return param._zero.unit.param_chunks(param, self.state_view)
+        return param._zero.unit.param_chunks(param, self.state_view, saving)
 
     def grad_piece(self, param: nn.Parameter) -> tuple[int, torch.Tensor, bool]:
         return param._zero.unit.grad_piece(param)
@@ -531,6 +539,7 @@ class UnitParams(ParamStorage):
         """Gathered copies are stale after an update: release them; refresh persistent units."""
         self.runtime.release_all()
         for unit in self.units:
+            unit.mark_updated()
             if unit.persistent:
                 unit.refresh(lambda work: work.wait())
 
@@ -546,9 +555,10 @@ class UnitParams(ParamStorage):
         return {
             "params": [u.shard for u in self.units],
             "persistent_full": [u.full for u in self.units if u.persistent],
-            "grads": [r.grad for u in self.units for r in u.ranges],
-            "fp32_master": [r.master for u in self.units for r in u.ranges],
-            "optimizer_states": [t for u in self.units for r in u.ranges for t in (r.exp_avg, r.exp_avg_sq, *(r.scales or ()))],
+            "grads": [r.grad for u in self.units for r in u.ranges] + _owned(self.units, "grad"),
+            "fp32_master": [r.master for u in self.units for r in u.ranges] + _owned(self.units, "master"),
+            "optimizer_states": [t for u in self.units for r in u.ranges for t in (r.exp_avg, r.exp_avg_sq, *(r.scales or ()))]
+            + _owned(self.units, "momentum"),
         }, {"params"} if self.offload_param else set()
 
     def memory_extras(self, report: dict[str, int]) -> None:
@@ -559,6 +569,19 @@ class UnitParams(ParamStorage):
         report["gathered_peak"] = self.gauges.gathered.peak
         report["gather_buffers_peak"] = self.gauges.gather_buffers.peak
         report["persistent_params"] = sum(u.full_numel for u in self.units if u.persistent)
+
+
+def _owned(units: list[ParamUnit], kind: str) -> list[torch.Tensor]:
+    """This rank's tensors of one kind for the Muon matrices it owns."""
+    return [getattr(m, kind) for u in units for m in u.matrices.values() if m.master is not None]
+
+
+def _matrix_owners(params: list[nn.Parameter], matrices: set[nn.Parameter], world_size: int) -> dict[nn.Parameter, int]:
+    """Each Muon matrix's owner rank, whole matrices balanced by Newton-Schulz work (zero.muon.assign_owners)."""
+    from zero.muon import assign_owners, matrix_shape
+
+    whole = [p for p in params if p in matrices]
+    return dict(zip(whole, assign_owners([matrix_shape(p) for p in whole], world_size)))
 
 
 def _gather_on_apply(module: nn.Module) -> None:

@@ -27,6 +27,7 @@ and the parameters stay views into the shard.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,8 +38,9 @@ from torch.autograd.profiler import record_function
 
 from zero.comm import Comm
 from zero.memory_report import Gauges
+from zero.muon import matrix_shape
 from zero.partition.layout import local_grad, local_tensor
-from zero.partition.shards import ZeroParamStatus, mark_ds, take_shard
+from zero.partition.shards import ZeroParamStatus, gather_param, mark_ds, take_shard
 from zero.stages.policies import Precision
 
 
@@ -63,6 +65,20 @@ class GroupRange:
 
 
 @dataclass
+class Matrix:
+    """A matrix Muon updates, whole on its owner rank (see [Note: Muon in units]): on the owner its
+    fp32 master, momentum and reduced gradient; None elsewhere."""
+
+    owner: int
+    shape: tuple[int, int]
+    group: int
+    master: torch.Tensor | None = None
+    momentum: torch.Tensor | None = None
+    grad: torch.Tensor | None = None
+    stale: bool = False  # the ranks' 16-bit shards predate the owner's last update
+
+
+@dataclass
 class _InFlight:
     """A collective of this unit that may still be running, and the buffers it uses."""
 
@@ -70,6 +86,7 @@ class _InFlight:
     buffer: torch.Tensor | None  # all-gather output or reduce-scatter input (counted in the comm gauge)
     source: torch.Tensor | None = None  # the shard staged onto the device (offload_param)
     mine: torch.Tensor | None = None  # a reduce-scatter's output: this rank's row
+    matrices: list = dataclasses.field(default_factory=list)  # Muon's: (position, handle, buffer)
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -97,18 +114,22 @@ class ParamUnit:
         offload_param: the shard lives in host memory; it is staged onto the device to gather.
         host_empty: allocates that host shard (pinned when asked).
         gauges: where the bytes of full buffers, all-gather and reduce buffers are measured.
+        owners: the owner rank of each parameter Muon updates (see [Note: Muon in units]).
     """
 
     def __init__(self, index: int, name: str, params: list[nn.Parameter], groups: list[int], comm: Comm,
                  precision: Precision, device: torch.device, local_shard: Callable[[nn.Parameter], torch.Tensor],
                  new_master: Callable[[torch.Tensor], torch.Tensor], new_moments: Callable[[torch.Tensor], tuple], *,
                  alias_master: bool, persistent: bool,
-                 offload_param: bool, host_empty: Callable[..., torch.Tensor], gauges: Gauges):
+                 offload_param: bool, host_empty: Callable[..., torch.Tensor], gauges: Gauges,
+                 owners: dict[nn.Parameter, int] | None = None):
         self.index, self.name, self.comm, self.device = index, name, comm, device
         self.dtype, self.reduce_dtype = precision.param, precision.reduce
         self.persistent, self.offload_param = persistent, offload_param
         self.gauges = gauges
-        order = sorted(range(len(params)), key=lambda i: (groups[i] < 0, groups[i]))  # trainable first, by group
+        owners = owners or {}
+        # trainable first, by group; Muon's matrices last (see [Note: Muon in units])
+        order = sorted(range(len(params)), key=lambda i: (params[i] in owners, groups[i] < 0, groups[i]))
         self.params = [params[i] for i in order]
         self.groups = [groups[i] for i in order]
         self.trainable = [p for p, g in zip(self.params, self.groups) if g >= 0]
@@ -118,23 +139,29 @@ class ParamUnit:
         self.split_sizes = [z.shard_numel for z in info]
         self.offsets = [sum(self.split_sizes[:i]) for i in range(len(info))]
         self.numel = sum(self.split_sizes)  # S
-        self.trainable_numel = sum(self.split_sizes[: len(self.trainable)])
+        self.matrices = {i: Matrix(owners[p], matrix_shape(p), g) for i, (p, g) in enumerate(zip(self.params, self.groups))
+                         if p in owners}
+        self.gathered = len(self.params) - len(self.matrices)  # the parameters the all-gather carries, first
+        self.gather_numel = sum(self.split_sizes[: self.gathered])
+        self.trainable_numel = sum(self.split_sizes[: len(self.trainable) - len(self.matrices)])  # reduce-scattered
         self.full_numel = world * self.numel  # gathered elements (what stage3_max_live_parameters counts)
 
         with torch.no_grad():
             self.shard = host_empty(self.numel, dtype=self.dtype) if offload_param else \
                 torch.empty(self.numel, dtype=self.dtype, device=device)
             self.ranges: list[GroupRange] = []
-            for g in sorted({g for g in self.groups if g >= 0}):
+            for g in sorted({g for i, g in enumerate(self.groups) if g >= 0 and i not in self.matrices}):
                 members = [i for i, gi in enumerate(self.groups) if gi == g]
                 lo, hi = self.offsets[members[0]], self.offsets[members[-1]] + self.split_sizes[members[-1]]
                 master = new_master(self.shard[lo:hi])
                 m, v, scales = new_moments(master)
                 self.ranges.append(GroupRange(g, lo, hi, master, m, v,
                                               torch.zeros(hi - lo, dtype=precision.grad, device=device), scales))
-            for p, z, off in zip(self.params, info, self.offsets):  # one parameter at a time
+            for i, (p, z, off) in enumerate(zip(self.params, info, self.offsets)):  # one parameter at a time
                 local = local_shard(p)
                 self.shard[off : off + z.shard_numel].copy_(local)
+                if i in self.matrices:
+                    self._own_matrix(self.matrices[i], gather_param(local, z.numel, comm), precision)
                 r = next((r for r in self.ranges if r.lo <= off < r.hi), None)
                 if r is not None and not alias_master:  # from the shard's own (fp32) values, not their rounding
                     r.master[off - r.lo : off - r.lo + z.shard_numel].copy_(local)
@@ -147,7 +174,8 @@ class ParamUnit:
         self.aliased = world == 1 and not offload_param
         self.full = self.shard if self.aliased else torch.empty(self.full_numel, dtype=self.dtype, device=device)
         self._views = [self.full[world * off : world * off + z.numel].view(z.shape) for z, off in zip(info, self.offsets)]
-        self._blocks = [self.full[world * off : world * (off + s)].view(world, s) for off, s in zip(self.offsets, self.split_sizes)]
+        self._blocks = [self.full[world * off : world * (off + s)].view(world, s)
+                        for off, s in zip(self.offsets[: self.gathered], self.split_sizes[: self.gathered])]
         self._full_nbytes = self.full.untyped_storage().nbytes()
         self._empty = torch.empty(0, dtype=self.dtype, device=device)
         self._gather: _InFlight | None = None
@@ -167,6 +195,13 @@ class ParamUnit:
         self.inputs_done = False  # a backward of its module produced the gradients of its inputs
         self.trace_pos = -1  # where the runtime last recorded its use in the current pass
         self.leaf = False  # marked with set_z3_leaf_modules (see [Note: leaf units] in stage3.py)
+
+    def _own_matrix(self, m: Matrix, full: torch.Tensor, precision: Precision) -> None:
+        """On the owner: the matrix's fp32 master from its exact values, a zero momentum and gradient."""
+        if m.owner == self.comm.rank:
+            m.master = full.to(device=self.device, dtype=torch.float32, copy=True)
+            m.momentum = torch.zeros_like(m.master)
+            m.grad = torch.zeros(full.numel(), dtype=precision.grad, device=self.device)
 
     def __repr__(self) -> str:
         return f"ParamUnit({self.index}, '{self.name or '<root>'}', {len(self.params)} params, {self.full_numel} elements)"
@@ -212,31 +247,71 @@ class ParamUnit:
             with record_function(f"zero::fetch_offloaded_shard[{self.name}]"):
                 shard = torch.empty(self.numel, dtype=self.dtype, device=self.device)
                 shard.copy_(self.shard, non_blocking=True)
-        world = self.comm.world_size
+        world, n = self.comm.world_size, self.gather_numel
         with record_function(f"zero::gather_unit[{self.name}]"):
-            if world == 1 or len(self.params) == 1:  # the output layout is the full buffer's own
+            if not self.gathered:
+                self._gather = _InFlight(None, None)
+            elif world == 1 or self.gathered == 1:  # the output layout is the full buffer's own
                 self._allocate()
-                work = self.comm.all_gather(self.full, shard, async_op=True)
+                work = self.comm.all_gather(self.full[: world * n], shard[:n], async_op=True)
                 self._gather = _InFlight(work, None, source=shard)
             else:
-                buffer = torch.empty(self.full_numel, dtype=self.dtype, device=self.device)
+                buffer = torch.empty(world * n, dtype=self.dtype, device=self.device)
                 self.gauges.gather_buffers.add(_nbytes(buffer))
-                self._gather = _InFlight(self.comm.all_gather(buffer, shard, async_op=True), buffer, source=shard)
+                self._gather = _InFlight(self.comm.all_gather(buffer, shard[:n], async_op=True), buffer, source=shard)
+            if self.matrices:
+                self._allocate()
+                self._gather.matrices = [(i, self._broadcast_matrix(i, self._views[i].view(-1)), None)
+                                         for i in self.matrices]
 
     def finish_gather(self, wait: Callable[[object], None]) -> None:
         """Wait for the all-gather (`wait(work)`), write the full buffer and show the parameters."""
         assert self.state is ShardedState.GATHERING, self
         inflight, self._gather = self._gather, None
-        wait(inflight.work)
+        if inflight.work is not None:
+            wait(inflight.work)
         inflight.source = None  # the staged shard (offload_param) is not needed any more
         if inflight.buffer is not None:
             with record_function(f"zero::unshard_unit[{self.name}]"):
                 self._allocate()
-                rows = inflight.buffer.view(self.comm.world_size, self.numel)
-                torch.split_with_sizes_copy(rows, self.split_sizes, dim=1, out=self._blocks)
+                rows = inflight.buffer.view(self.comm.world_size, self.gather_numel)
+                torch.split_with_sizes_copy(rows, self.split_sizes[: self.gathered], dim=1, out=self._blocks)
             self.gauges.gather_buffers.sub(_nbytes(inflight.buffer))
+        for i, work, _ in inflight.matrices:
+            wait(work)
+            self._take_shard(i, self._views[i].view(-1))
         self._show()
         self.state = ShardedState.GATHERED
+
+    # -- Muon's matrices (see [Note: Muon in units]) ---------------------------------------------------
+
+    def _broadcast_matrix(self, i: int, into: torch.Tensor):
+        """Issue the broadcast of matrix i's values from its owner (who casts its master) into `into`."""
+        m = self.matrices[i]
+        if m.master is not None:
+            into.copy_(m.master)
+        return self.comm.broadcast(into, m.owner, async_op=True, label="broadcast_params")
+
+    def _take_shard(self, i: int, full: torch.Tensor) -> None:
+        """This rank's 16-bit shard of matrix i from its whole value (kept for checkpoints and
+        GatheredParameters, as every parameter's is)."""
+        off, s = self.offsets[i], self.split_sizes[i]
+        self.shard[off : off + s].copy_(take_shard(full, self.comm.rank, self.comm.world_size))
+        self.matrices[i].stale = False
+
+    def mark_updated(self) -> None:
+        """The owners updated their matrices: the ranks' shards are stale until the next gather."""
+        for m in self.matrices.values():
+            m.stale = True
+
+    def freshen(self) -> None:
+        """Bring stale matrix shards up to date from their owners (collective: every rank calls it
+        for the same units, as GatheredParameters and `param.all_gather()` are)."""
+        for i, m in self.matrices.items():
+            if m.stale:
+                full = torch.empty(self.params[i]._zero.numel, dtype=self.dtype, device=self.device)
+                self._broadcast_matrix(i, full).wait()
+                self._take_shard(i, full)
 
     def free(self) -> None:
         """Free the full buffer's storage; only the shard remains (see [Note: freeing gathered
@@ -255,12 +330,30 @@ class ParamUnit:
         self.start_gather()
         self.finish_gather(wait)
 
-    def param_chunks(self, p: nn.Parameter, view: Callable | None = None) -> list[tuple[str, int, torch.Tensor]]:
+    def _matrix_chunks(self, i: int, saving: bool) -> list[tuple[str, int, torch.Tensor]]:
+        """A Muon matrix: its owner writes it whole (the model from its master, which the ranks'
+        shards may not have caught up with yet) and reads its master and momentum; every rank
+        reads its shard of the model."""
+        m, z = self.matrices[i], self.params[i]._zero
+        if saving:
+            return [] if m.master is None else [("model", 0, m.master.to(self.dtype)), ("master", 0, m.master),
+                                                ("momentum_buffer", 0, m.momentum)]
+        start, s = self.comm.rank * self.split_sizes[i], self.split_sizes[i]
+        n = max(0, min(z.numel, start + s) - start)
+        out = [("model", start, self.shard[self.offsets[i] : self.offsets[i] + n])]
+        if m.master is not None:
+            out += [("master", 0, m.master), ("momentum_buffer", 0, m.momentum)]
+        return out
+
+    def param_chunks(self, p: nn.Parameter, view: Callable | None = None, saving: bool = True
+                     ) -> list[tuple[str, int, torch.Tensor]]:
         """This rank's pieces of `p`: its shard (without padding) and, if trainable, the master's
         and Adam states' parts (see ParamStorage.param_chunks); `view(key, kind, moment, scales)`
         gives what a checkpoint reads and writes of a moment (ParamStorage.state_view)."""
         i = next(i for i, q in enumerate(self.params) if q is p)
         z, off, s = p._zero, self.offsets[i], self.split_sizes[i]
+        if i in self.matrices:
+            return self._matrix_chunks(i, saving)
         start = self.comm.rank * s
         n = max(0, min(z.numel, start + s) - start)
         out = [("model", start, self.shard[off : off + n])]
@@ -276,6 +369,9 @@ class ParamUnit:
         """This rank's part of the reduced gradient of trainable `p` (see ShardedAdam.grad_piece)."""
         i = next(i for i, q in enumerate(self.params) if q is p)
         z, off, s = p._zero, self.offsets[i], self.split_sizes[i]
+        if i in self.matrices:  # whole on its owner
+            grad = self.matrices[i].grad
+            return 0, grad if grad is not None else torch.empty(0, dtype=self.dtype, device=self.device), True
         start = self.comm.rank * s
         n = max(0, min(z.numel, start + s) - start)
         r = next((r for r in self.ranges if r.lo <= off < r.hi), None)
@@ -292,6 +388,11 @@ class ParamUnit:
         off, n = self.offsets[i], self.split_sizes[i]
         local = take_shard(value.detach().to(self.shard.device), self.comm.rank, self.comm.world_size)
         self.shard[off : off + n].copy_(local)
+        if i in self.matrices:
+            m = self.matrices[i]
+            m.stale = False
+            if m.master is not None:
+                m.master.copy_(value.detach().reshape(-1))
         r = next((r for r in self.ranges if r.lo <= off < r.hi), None)
         if r is not None and r.master.data_ptr() != self.shard[r.lo : r.hi].data_ptr():
             r.master[off - r.lo : off - r.lo + n].copy_(local)
@@ -310,6 +411,18 @@ class ParamUnit:
             g = local_grad(p)
             p.grad = None
             grads.append(g.reshape(-1) if g is not None else torch.zeros(p._zero.numel, dtype=self.dtype, device=self.device))
+        sent = []  # Muon's: each matrix's gradient to its owner, in place of its share of the reduce-scatter
+        if self.matrices:  # the last trainable parameters
+            grads, matrices = grads[: -len(self.matrices)], grads[-len(self.matrices) :]
+            for i, g in zip(sorted(self.matrices), matrices):
+                buf = g.to(self.reduce_dtype)
+                if predivide != 1.0:
+                    buf.div_(predivide)
+                self.gauges.reduce_buffers.add(_nbytes(buf))
+                sent.append((i, self.comm.reduce(buf, self.matrices[i].owner, async_op=True), buf))
+        if not grads:
+            self._reduce = _InFlight(None, None, matrices=sent)
+            return
         with record_function(f"zero::pack_grads[{self.name}]"):
             send = torch.empty(world * self.trainable_numel, dtype=self.reduce_dtype, device=self.device)
             torch._chunk_cat(grads, 0, world, out=send.view(world, self.trainable_numel))
@@ -318,7 +431,7 @@ class ParamUnit:
                 send.div_(predivide)
         mine = send[rank * self.trainable_numel : (rank + 1) * self.trainable_numel]
         self.gauges.reduce_buffers.add(_nbytes(send))
-        self._reduce = _InFlight(self.comm.reduce_scatter(mine, send, async_op=True), send, mine=mine)
+        self._reduce = _InFlight(self.comm.reduce_scatter(mine, send, async_op=True), send, mine=mine, matrices=sent)
 
     def finish_reduce(self, wait: Callable[[object], None]) -> list[torch.Tensor]:
         """Wait for the reduce-scatter and add this rank's part to the gradient shards.
@@ -327,14 +440,26 @@ class ParamUnit:
             The gradient shards it added to.
         """
         inflight, self._reduce = self._reduce, None
-        wait(inflight.work)
-        for r in self.ranges:
-            r.grad.add_(inflight.mine[r.lo : r.hi])
-        self.gauges.reduce_buffers.sub(_nbytes(inflight.buffer))
-        return [r.grad for r in self.ranges]
+        if inflight.work is not None:
+            wait(inflight.work)
+            for r in self.ranges:
+                r.grad.add_(inflight.mine[r.lo : r.hi])
+            self.gauges.reduce_buffers.sub(_nbytes(inflight.buffer))
+        added = [r.grad for r in self.ranges]
+        for i, work, buf in inflight.matrices:
+            wait(work)
+            m = self.matrices[i]
+            if m.grad is not None:
+                m.grad.add_(buf)
+                added.append(m.grad)
+            self.gauges.reduce_buffers.sub(_nbytes(buf))
+        return added
 
     def zero_grads(self) -> None:
         for r in self.ranges:
             r.grad.zero_()
+        for m in self.matrices.values():
+            if m.grad is not None:
+                m.grad.zero_()
         for p in self.params:
             p.grad = None
