@@ -1,15 +1,20 @@
-"""Muon's pieces that do not depend on partitioning: which parameters Muon updates, how the config's
-keys reach its two halves, and the update of one whole matrix (issue 34; the stages' use of them
-comes next, and until then the engine refuses Muon).
+"""Muon (`"optimizer": {"type": "Muon"}`, or a client torch.optim.Muon): which parameters it updates,
+how the config's keys reach its two halves, the update of one whole matrix, and which rank owns
+each matrix. The stages keep the matrices whole on their owners: [Note: Muon in buckets] in
+zero/stages/buckets.py (stages 0-2) and [Note: Muon in units] in zero/stages/unit.py (stage 3).
 
 [Note: Muon and partitions]
 Muon updates a matrix with its momentum orthogonalised by Newton-Schulz iterations, which need the
 whole matrix; Adam's element-wise update does not, which is why ZeRO's flat chunks suit Adam. Under
 ZeRO each 2-D Muon matrix gets one owner rank (matrices assigned whole, balanced by their
 Newton-Schulz work); the owner updates it from the reduced gradient with `update_matrix`, which is
-torch.optim.Muon's own update, and ZeRO's all-gather of updated parameters, which runs anyway,
-carries the result to the ranks holding its shards. Every other parameter (1-D, embeddings, the
-output head) goes to AdamW, as DeepSpeed splits them.
+torch.optim.Muon's own update. The matrix's gradient is reduced to its owner instead of
+reduce-scattered, and its new values are broadcast from the owner instead of all-gathered: the
+same bytes (the comm report counts them as `reduce` and `broadcast_params`), with no extra
+collective. Every other parameter (1-D, embeddings, the output head) goes to AdamW, as DeepSpeed
+splits them, and takes Adam's path. Stage 0 keeps every matrix on every rank, as it keeps Adam's
+state. A parameter of more than two dimensions (a convolution) is orthogonalised as the
+(out, rest) matrix, as DeepSpeed does; torch.optim.Muon itself takes 2-D parameters only.
 """
 from __future__ import annotations
 

@@ -24,6 +24,18 @@ reads the freed storage by accident. This is FSDP2's [Note: FSDP and autograd] a
 
 A world of one without parameter offload needs none of this: the shard is the whole parameter,
 and the parameters stay views into the shard.
+
+[Note: Muon in units]
+Muon (zero/muon.py) updates each of its matrices whole, so one owner rank per matrix (whole
+matrices balanced over the ranks by Newton-Schulz work) keeps its fp32 master, momentum and reduced
+gradient. A unit lays its matrices out last and leaves them out of its all-gather and
+reduce-scatter: a matrix's gradient is reduced to its owner, and gathering broadcasts it from its
+owner, which casts its master into the full buffer. These move the bytes the matrix's share of the
+unit's collectives would have moved. Every rank still keeps its 16-bit shard of each matrix, as of
+every parameter, for checkpoints, `GatheredParameters` and `ds_tensor`: after a step the shards
+are stale (`mark_updated`) until the next gather copies each rank's slice out of the broadcast
+value, or `freshen` (GatheredParameters, `param.all_gather()`) broadcasts the matrices first.
+Checkpoints take a matrix whole from its owner's master.
 """
 from __future__ import annotations
 
