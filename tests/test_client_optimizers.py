@@ -17,7 +17,7 @@ OPTIMIZERS = {
 }
 
 
-def train_with(name: str, stage: int):
+def train_with(name: str, stage: int, offload: bool = False):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = build_model("mlp")
@@ -25,6 +25,8 @@ def train_with(name: str, stage: int):
     zc = {"stage": stage}
     if stage == 3:
         zc.update(stage3_param_persistence_threshold=20, stage3_module_granularity_threshold=300)
+    if offload:  # the optimizer's own update on the host shards
+        zc["offload_optimizer"] = {"device": "cpu"}
     engine, *_ = zero.initialize(model=model, optimizer=OPTIMIZERS[name](model.parameters()), config={
         "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "zero_optimization": zc})
     ref_opt = OPTIMIZERS[name](reference.parameters())
@@ -45,6 +47,17 @@ def test_element_wise_optimizers_on_shards_equal_the_whole_model(dist_run, name,
     for error in dist_run(2, train_with, name, stage):
         # fp32 round-off of the averaged gradient; RMSprop's normalisation amplifies it (as Adam's does)
         assert error < (1e-5 if name == "rmsprop" else 1e-6), error
+
+
+def _offloaded(stages) -> dict:
+    return {(name, stage): train_with(name, stage, offload=True) for name in OPTIMIZERS for stage in stages}
+
+
+def test_optimizer_offload_steps_any_optimizer_on_the_host_with_the_same_numbers(dist_run):
+    """DeepSpeed offloads Adam, Adagrad and Lion, FSDP2 any torch optimizer: zero too."""
+    for errors in dist_run(2, _offloaded, (0, 2, 3)):
+        for (name, stage), error in errors.items():
+            assert error < (1e-5 if name == "rmsprop" else 1e-6), (name, stage, error)
 
 
 def test_whole_tensor_optimizers_are_refused_and_unknown_ones_warn():

@@ -27,6 +27,24 @@ def test_one_matrix_updates_exactly_as_torch_optim_muon(shape):
         update_matrix(torch.zeros(4), torch.zeros(4), torch.zeros(4))
 
 
+def test_the_offload_path_takes_torchs_steps_with_newton_schulz_elsewhere():
+    """[Note: Newton-Schulz under offload]: the host keeps master and momentum, another device runs
+    Newton-Schulz; with that device the host itself the numbers are torch's, bit for bit."""
+    from zero.muon import _update_across
+
+    settings = {**muon_defaults(), "lr": 0.02, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"}
+    for nesterov in (True, False):
+        theirs = nn.Parameter(torch.randn(9, 4, generator=torch.Generator().manual_seed(1)))
+        mine, buffer = theirs.detach().clone(), torch.zeros(9, 4)
+        reference = torch.optim.Muon([theirs], **{**settings, "nesterov": nesterov})
+        for step in range(3):
+            grad = torch.randn(9, 4, generator=torch.Generator().manual_seed(step))
+            theirs.grad = grad.clone()
+            reference.step()
+            _update_across(mine, grad, buffer, torch.device("cpu"), {**settings, "nesterov": nesterov})
+            assert torch.equal(mine, theirs.detach()), (nesterov, step)
+
+
 def test_deepspeeds_split_and_the_use_muon_override():
     class Net(nn.Module):
         def __init__(self):

@@ -178,13 +178,23 @@ def client_param_groups(module: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
 
 @torch.no_grad()
-def update_matrix(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor, **settings: Any) -> None:
+def update_matrix(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor,
+                  ns_device: torch.device | None = None, **settings: Any) -> None:
     """torch.optim.Muon's step on one whole matrix, in place: `param` and `momentum_buffer` change.
 
     `settings` are torch.optim.Muon's arguments (lr, weight_decay, momentum, nesterov,
     ns_coefficients, eps, ns_steps, adjust_lr_fn); missing ones take torch's defaults. The matrix is
     updated by torch's own functional Muon, so an owner rank under ZeRO computes exactly what a
     single-process torch.optim.Muon does.
+
+    [Note: Newton-Schulz under offload]
+    With optimizer offload the master and momentum are in host memory. `ns_device` (the GPU the
+    model computes on) then takes the Newton-Schulz iterations, the only part that is not
+    element-wise: the momentum and Nesterov steps run on the host, the update goes to the device in
+    bf16 (Newton-Schulz's first step casts it to bf16, so nothing is lost), and the orthogonalised
+    bf16 result comes back; 4 bytes per element cross the bus, as many as Adam's offload moves. The
+    same steps as torch's Muon in the same order, so only the matrix products' rounding differs
+    from a host-only update. Without a GPU (`ns_device` is the host) the host's BLAS runs them.
     """
     from torch.optim._muon import muon
 
@@ -192,10 +202,28 @@ def update_matrix(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torc
         raise ValueError(f"update_matrix: a 2-D parameter, and its gradient and momentum of the same shape, got "
                          f"{tuple(param.shape)}, {tuple(grad.shape)}, {tuple(momentum_buffer.shape)}")
     merged = {**muon_defaults(), **settings}
+    if ns_device is not None and torch.device(ns_device) != param.device:
+        _update_across(param, grad, momentum_buffer, torch.device(ns_device), merged)
+        return
     muon([param], [grad], [momentum_buffer], lr=merged["lr"], weight_decay=merged["weight_decay"],
          momentum=merged["momentum"], nesterov=merged["nesterov"], ns_coefficients=tuple(merged["ns_coefficients"]),
          eps=merged["eps"], ns_steps=merged["ns_steps"], adjust_lr_fn=merged["adjust_lr_fn"],
          has_complex=torch.is_complex(param))
+
+
+def _update_across(param: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, device: torch.device,
+                   s: dict[str, Any]) -> None:
+    """torch.optim.Muon's single-tensor step with its Newton-Schulz iterations on `device`; see
+    [Note: Newton-Schulz under offload]."""
+    from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+    grad = grad.to(param.device, non_blocking=True)
+    buf.lerp_(grad, 1 - s["momentum"])
+    update = grad.lerp(buf, s["momentum"]) if s["nesterov"] else buf
+    ortho = _zeropower_via_newtonschulz(update.bfloat16().to(device), tuple(s["ns_coefficients"]), s["ns_steps"],
+                                        s["eps"]).to(param.device)
+    param.mul_(1 - s["lr"] * s["weight_decay"])
+    param.add_(ortho, alpha=-_adjust_lr(s["lr"], s["adjust_lr_fn"], param.shape))
 
 
 def ns_cost(shape: tuple[int, ...]) -> int:

@@ -185,7 +185,14 @@ class HostAdam:
             c.join()
         self.pending.clear()
 
-    def step(self, slots, adam, out16_on_host: list[bool]) -> None:
+    def fetch(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+        """Slot i's gradient in host memory (`grad` is the device shard), once its copy landed."""
+        start = time.perf_counter()
+        (self.pending.pop(i, None) or _Copy(self.grads[i], grad, self.stream)).wait()
+        self.times["grad_copy_wait"] += time.perf_counter() - start
+        return self.grads[i]
+
+    def step(self, slots, adam, out16_on_host: list[bool], skip: set[int] = frozenset()) -> None:
         """Run `adam(group, master, grad, exp_avg, exp_avg_sq, out16, scales, index)` on host tiles
         and copy the results to each slot's out16 (which lives on the device unless
         `out16_on_host[i]`). Tiles are whole 8-bit blocks (`tile_elements` is a multiple of
@@ -194,11 +201,11 @@ class HostAdam:
         ring: list[_Copy | None] = [None, None]
         k = 0
         for i, slot in enumerate(slots):
+            if i in skip:  # another optimizer's (Muon's matrices)
+                continue
             group, master, grad, exp_avg, exp_avg_sq, out16 = slot
             scales, index = getattr(slot, "scales", None), getattr(slot, "index", 0)
-            start = time.perf_counter()
-            (self.pending.pop(i, None) or _Copy(self.grads[i], grad, self.stream)).wait()  # not copied yet: now
-            self.times["grad_copy_wait"] += time.perf_counter() - start
+            self.fetch(i, grad)  # not copied yet: now
             n = master.numel()
             tile = self.options.tile_elements
             for lo in range(0, n, tile):

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from zero.config.errors import _raise
-from zero.config.optimizer import CLIENT_OPTIMIZERS
 
 if TYPE_CHECKING:
     from zero.config.model import ZeroConfig
@@ -115,24 +114,14 @@ def _pipeline_and_model(cfg: ZeroConfig, caller: Caller) -> Issues:
 
 def _optimizer_object(cfg: ZeroConfig, caller: Caller) -> Issues:
     """The optimizer that runs: an object passed to initialize wins over the config's `optimizer`,
-    except zero's own 1-bit optimizers, which cannot take one; optimizer offload steps zero's CPU Adam."""
-    import torch
-
+    except zero's own 1-bit optimizers, which cannot take one. (Optimizer offload steps any of the
+    others on the host: zero's CPU Adam, Muon, or the client optimizer's own update.)"""
     given = caller.client_optimizer
     kind = cfg.optimizer.type if cfg.optimizer is not None else None
     issues: Issues = []
     if given is not None and kind in ("OneBitAdam", "ZeroOneAdam"):
         issues.append((("optimizer", "type"), f"the config's optimizer is {kind} but initialize() was given a "
                        f"{given.__name__} too: it is zero's own optimizer; drop one of them"))
-        return issues
-    if given is not None:
-        client = None if issubclass(given, (torch.optim.Adam, torch.optim.AdamW)) else given.__name__
-    else:
-        client = kind if kind in CLIENT_OPTIMIZERS else None
-    if client is not None and _offloaded(cfg):
-        what = f"the optimizer object's class {client}" if given is not None else f"optimizer.type {client}"
-        issues.append((("zero_optimization", "offload_optimizer"), f"optimizer offload runs zero's CPU Adam, so "
-                       f"{what} cannot be offloaded: remove zero_optimization.offload_optimizer, or use Adam/AdamW"))
     return issues
 
 
@@ -145,9 +134,6 @@ def _muon(cfg: ZeroConfig, caller: Caller) -> Issues:
             or given is None and cfg.optimizer is not None and cfg.optimizer.type == "Muon"):
         return []
     what, issues = "Muon" if given is None else "a client torch.optim.Muon", []
-    if _offloaded(cfg):
-        issues.append((("zero_optimization", "offload_optimizer"), f"{what} with optimizer offload is not "
-                       f"implemented yet: remove zero_optimization.offload_optimizer"))
     if cfg.tensor_parallel.size > 1:
         issues.append((("tensor_parallel", "size"), f"{what} orthogonalises whole matrices, and tensor slicing "
                        f"gives each rank a slice of each: use tensor_parallel.size 1 (pipeline stages are fine)"))

@@ -283,33 +283,45 @@ class ShardedAdam(torch.optim.Optimizer):
             for _, _, grad, _, _, _ in slots:
                 grad.div_(grad_scale / 1e30)
             grad_scale = 1e30
-        matrices = [s for s in slots if s.matrix is not None]
-        if matrices:  # Muon's (see [Note: Muon and partitions] in zero/muon.py); Adam takes the rest
-            slots = [s for s in slots if s.matrix is None]
-            with record_function("zero::muon"):
-                for slot in matrices:
-                    self._muon(self.param_groups[slot[0]], slot, grad_scale)
-        with record_function("zero::adam"):
-            if not slots:
-                pass
-            elif self.client is not None:
-                self.client.step(self.param_groups, slots, grad_scale)
-            elif self.offload is not None:
-                threads = self.offload.num_threads
-                self._host_adam().step(
-                    slots, lambda g, *t: self._adam(self.param_groups[g], *t[:4], grad_scale, t[4], threads,
-                                                    scales=t[5], index=t[6]),
-                    self.storage.out16_on_host())
-            else:
-                for slot in slots:
-                    group_index, master, grad, exp_avg, exp_avg_sq, out16 = slot
-                    self._adam(self.param_groups[group_index], master, grad, exp_avg, exp_avg_sq, grad_scale, out16,
-                               scales=slot.scales, index=slot.index)
+        self._update(slots, grad_scale)
         with record_function("zero::publish_params"):
             self.publish()
         self.loss_scaler.update(overflow=False)
         self.zero_grad()
         return True
+
+    def _update(self, slots: list[Slot], grad_scale: float) -> None:
+        """Apply the optimizer to every slot: Muon to whole matrices (see [Note: Muon and
+        partitions] in zero/muon.py), a client optimizer or Adam to the rest. With optimizer offload
+        the masters and states are in host memory and the update runs there, on the gradients
+        HostAdam copied over (see [Note: offload data path] in zero/offload.py)."""
+        host = self._host_adam() if self.offload is not None else None
+        muon = {i for i, s in enumerate(slots) if s.matrix is not None}
+        compute = {i: slots[i][2].device for i in muon}  # Newton-Schulz runs where the model computes
+        if host is not None and (muon or self.client is not None):
+            # Muon and client optimizers step on host copies of the gradients; Adam's tiles fetch their own
+            taken = muon if self.client is None else set(range(len(slots)))
+            slots = [Slot(*s[:2], host.fetch(i, s[2]), *s[3:], scales=s.scales, index=s.index, matrix=s.matrix)
+                     if i in taken else s for i, s in enumerate(slots)]
+        with record_function("zero::muon"):
+            for i in sorted(muon):
+                self._muon(self.param_groups[slots[i][0]], slots[i], grad_scale, compute[i])
+        rest = [s for i, s in enumerate(slots) if i not in muon]
+        with record_function("zero::adam"):
+            if not rest:
+                pass
+            elif self.client is not None:
+                self.client.step(self.param_groups, rest, grad_scale)
+            elif host is not None:
+                threads = self.offload.num_threads
+                host.step(slots, lambda g, *t: self._adam(self.param_groups[g], *t[:4], grad_scale, t[4], threads,
+                                                          scales=t[5], index=t[6]),
+                          self.storage.out16_on_host(), skip=muon)
+            else:
+                for slot in rest:
+                    group_index, master, grad, exp_avg, exp_avg_sq, out16 = slot
+                    self._adam(self.param_groups[group_index], master, grad, exp_avg, exp_avg_sq, grad_scale, out16,
+                               scales=slot.scales, index=slot.index)
 
     def _skip(self, norm: float) -> None:
         """Skip this step: its gradient is inf or NaN on some rank (the engine logs it)."""
@@ -320,14 +332,15 @@ class ShardedAdam(torch.optim.Optimizer):
         self.zero_grad()
 
     @staticmethod
-    def _muon(group: dict, slot: Slot, grad_scale: float) -> None:
-        """torch.optim.Muon's step on one whole matrix this rank owns (zero.muon.update_matrix)."""
+    def _muon(group: dict, slot: Slot, grad_scale: float, ns_device: torch.device | None = None) -> None:
+        """torch.optim.Muon's step on one whole matrix this rank owns (zero.muon.update_matrix);
+        Newton-Schulz runs on `ns_device` (offload: the GPU, when the master is on the host)."""
         from zero.muon import MUON_SETTINGS, update_matrix
 
         _, master, grad, momentum, _, out16 = slot
         shape = slot.matrix
         update_matrix(master.view(shape), (grad.float() / grad_scale).view(shape), momentum.view(shape),
-                      **{k: group[k] for k in MUON_SETTINGS if k in group})
+                      ns_device=ns_device, **{k: group[k] for k in MUON_SETTINGS if k in group})
         if out16 is not None:
             out16.copy_(master)
 

@@ -259,7 +259,7 @@ class FlatParams(ParamStorage):
         return self.partitions > 1
 
     def out16_on_host(self) -> list[bool]:
-        return [False] * len(self.layout.buckets)
+        return [False] * len(self.slots())
 
     def publish(self) -> None:
         if self.partitions > 1:

@@ -480,7 +480,8 @@ class UnitParams(ParamStorage):
                              lambda shard: self.new_master(shard, device, alias), lambda like: self.new_moments(like, device),
                              alias_master=alias,
                              persistent=path == "<persistent>", offload_param=options.offload_param,
-                             host_empty=host_empty, gauges=gauges, owners=owners)
+                             host_empty=host_empty, gauges=gauges, owners=owners,
+                             new_state=lambda like: self.new_state(like, device))
             self.units.append(unit)
             unit_modules.append(None if unit.persistent else modules.get(path))
         self.hook_state_dict_loads(module)
@@ -533,7 +534,7 @@ class UnitParams(ParamStorage):
             f"`with zero.GatheredParameters(params, modifier_rank=0):`, or with model.load_state_dict(...).")
 
     def out16_on_host(self) -> list[bool]:
-        return [self.offload_param for unit in self.units for _ in unit.ranges]
+        return [self.offload_param] * len(self.slots())
 
     def publish(self) -> None:
         """Gathered copies are stale after an update: release them; refresh persistent units."""

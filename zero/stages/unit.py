@@ -127,6 +127,8 @@ class ParamUnit:
         host_empty: allocates that host shard (pinned when asked).
         gauges: where the bytes of full buffers, all-gather and reduce buffers are measured.
         owners: the owner rank of each parameter Muon updates (see [Note: Muon in units]).
+        new_state: makes a zero fp32 optimizer state shaped like a tensor (in host memory under
+            optimizer offload; ParamStorage.new_state).
     """
 
     def __init__(self, index: int, name: str, params: list[nn.Parameter], groups: list[int], comm: Comm,
@@ -134,11 +136,13 @@ class ParamUnit:
                  new_master: Callable[[torch.Tensor], torch.Tensor], new_moments: Callable[[torch.Tensor], tuple], *,
                  alias_master: bool, persistent: bool,
                  offload_param: bool, host_empty: Callable[..., torch.Tensor], gauges: Gauges,
-                 owners: dict[nn.Parameter, int] | None = None):
+                 owners: dict[nn.Parameter, int] | None = None,
+                 new_state: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.index, self.name, self.comm, self.device = index, name, comm, device
         self.dtype, self.reduce_dtype = precision.param, precision.reduce
         self.persistent, self.offload_param = persistent, offload_param
         self.gauges = gauges
+        self.new_state = new_state or (lambda like: torch.zeros(like.shape, device=device))
         owners = owners or {}
         # trainable first, by group; Muon's matrices last (see [Note: Muon in units])
         order = sorted(range(len(params)), key=lambda i: (params[i] in owners, groups[i] < 0, groups[i]))
@@ -211,8 +215,8 @@ class ParamUnit:
     def _own_matrix(self, m: Matrix, full: torch.Tensor, precision: Precision) -> None:
         """On the owner: the matrix's fp32 master from its exact values, a zero momentum and gradient."""
         if m.owner == self.comm.rank:
-            m.master = full.to(device=self.device, dtype=torch.float32, copy=True)
-            m.momentum = torch.zeros_like(m.master)
+            m.master = self.new_state(full).copy_(full)
+            m.momentum = self.new_state(full)
             m.grad = torch.zeros(full.numel(), dtype=precision.grad, device=self.device)
 
     def __repr__(self) -> str:
