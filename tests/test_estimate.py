@@ -129,6 +129,9 @@ def test_estimates_equal_memory_report_of_real_runs_within_padding(dist_run):
               (1, "optimizer", "bf16", {"train_batch_size": 8}, False),  # accumulation 2 from the batch sizes
               (2, "none", "bf16", {"communication_data_type": "fp32"}, False),
               (3, "none", "fp16", None, True), (2, "optimizer", "fp16", None, True)]  # tied embedding and head
+    muon = {"optimizer": {"type": "Muon"}}  # one fp32 momentum per matrix, whole on its owner (balanced here)
+    cases += [(0, "none", "fp32", muon, True), (1, "none", "bf16", muon, True), (2, "optimizer", "bf16", muon, False),
+              (3, "none", "fp32", muon, True), (3, "optimizer+param", "bf16", muon, False)]
     for stage, offload, dtype, extra, tie in cases:
         for estimate, measured, pieces in dist_run(2, run_and_measure, stage, offload, dtype, extra, tie):
             slack = 2 * ALIGN * 4 * (pieces + 1)  # each bucket/unit pads to 2 x ALIGN elements, <= 4 bytes each

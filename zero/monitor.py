@@ -192,9 +192,13 @@ class TrainingMonitor:
         # format it stores, which a client optimizer object can choose too; other optimizers have none
         config, kind = engine.config, engine.config.optimizer.type if engine.config.optimizer is not None else None
         fmt = getattr(getattr(engine.optimizer, "precision", None), "adam", None)
+        groups = getattr(engine.optimizer, "param_groups", [])
+        muon = [p for g in groups if g.get("use_muon") for p in g["params"]]  # Muon's matrices
         adam = fmt is not None and getattr(engine.optimizer, "client", None) is None and \
-            kind not in ("OneBitAdam", "ZeroOneAdam")
+            kind not in ("OneBitAdam", "ZeroOneAdam") and not muon
         formats = dict(master_dtype=fmt.master, state_dtype=fmt.state) if adam else {}
+        if muon:
+            formats["muon_params"] = muon
         if adam:
             config = {k: v for k, v in config.model_dump(by_alias=True, exclude_unset=True).items() if k != "optimizer"}
         activations, why_not = self._activations()
@@ -291,3 +295,4 @@ class StepPeak:
             return None
         self.probe.__exit__(None, None, None)
         return float(self.base + self.probe.peak)
+

@@ -34,6 +34,12 @@ an fp32 master and fp32 moments, 8 with a bf16 master and bf16 moments, 12 with 
 10.03 with an fp32 master and 8-bit moments, 6.03 with a bf16 master and 8-bit moments. The row's
 `fp32_master` (the engine's memory_report() key) holds the master in whatever format it has.
 
+Muon (zero/muon.py) keeps one fp32 momentum for each matrix it updates, S = 4, and its fp32
+master is always apart at stage 3 (the matrix is whole on its owner, the model's shards are not):
+2 + 2 + 4 + 4 = 12 bytes per Muon parameter in bf16 training; its AdamW parameters count as
+above. `muon_params` gives how many elements Muon updates; by default a Muon config's model is
+split as the engine splits it, and a bare parameter count is all Muon's.
+
 Optimizer offload moves the master and Adam's states to the host and adds the host staging of the
 gradient shard and two copy-back tiles; stage 3's `offload_param` moves the parameter shards there
 too. These are the kinds `Engine.memory_report()` measures, and on a real run the two agree up to
@@ -98,6 +104,8 @@ class MemoryEstimate:
     state_dtype: str = "fp32"  # Adam's moments' format: "fp32", "bf16" or "int8"
     activations: int = 0  # one forward and backward's peak beyond the parameters (estimate_activations)
     buffers_in_backward: int = 0  # the part of `buffers` alive while backward starts (see the note)
+    muon_params: int = 0  # the elements Muon updates (one fp32 momentum each; see the note)
+    element_bytes: tuple[int, int] = (2, 2)  # bytes per parameter and per gradient-shard element
 
     @property
     def peak_bytes(self) -> int:
@@ -117,8 +125,14 @@ class MemoryEstimate:
 
     @property
     def state_format(self) -> str:
-        """"fp32 master + fp32 moments", "bf16 master + 8-bit moments", ..."""
-        return state_format_label(self.master_dtype, self.state_dtype)
+        """"fp32 master + fp32 moments", "bf16 master + 8-bit moments", ... (", Muon" when Muon
+        updates some of the parameters)."""
+        return state_format_label(self.master_dtype, self.state_dtype) + (", Muon" if self.muon_params else "")
+
+    def bytes_per_param(self, psi: int) -> float:
+        """Model-state bytes per trainable parameter over all ranks (16 for stage 3 in bf16 with
+        fp32 Adam states, 12 for Muon's matrices)."""
+        return self.model_states_total * self.world_size / psi
 
 
 class MemoryTable(list):
@@ -155,14 +169,15 @@ class MemoryTable(list):
                 + ("every state format" if several else formats[0] if formats else "") + f", {n} rank(s)"
                 + (f", {self.persistent:,} kept whole under stage 3" if self.persistent else ""))
         peaks = any(r.activations for r in self)
-        cols = ["option", *(["state format"] if several else []), "model states/rank", "device/rank",
-                *(["peak/rank"] if peaks else []), "host/rank", f"host/node ({self.gpus_per_node} ranks)"]
+        cols = ["option", *(["state format"] if several else []), "model states/rank", "B/param (all ranks)",
+                "device/rank", *(["peak/rank"] if peaks else []), "host/rank", f"host/node ({self.gpus_per_node} ranks)"]
         lines, last = [], None
         for r in self:
             label = r.label if r.label != last else ""  # with several formats: the option once per group
             last = r.label
             lines.append([label, *([r.state_format] if several else []), format_bytes(r.model_states_total),
-                          format_bytes(r.device_bytes), *([format_bytes(r.peak_bytes)] if peaks else []),
+                          f"{r.bytes_per_param(self.psi):.1f}", format_bytes(r.device_bytes),
+                          *([format_bytes(r.peak_bytes)] if peaks else []),
                           format_bytes(r.host_bytes), format_bytes(r.host_bytes * self.gpus_per_node)])
         text = 2 if several else 1  # left-aligned columns
         widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(cols)]
@@ -171,6 +186,11 @@ class MemoryTable(list):
                 for line in lines]
         out.append("device/rank includes the communication and gathering buffers of a step"
                    + (f" (stage 3: largest unit {self.largest_unit:,} elements)" if self.largest_unit else ""))
+        muon = self[0].muon_params if self else 0
+        if muon:
+            p, g = self[0].element_bytes
+            out.append(f"Muon updates {muon:,} of the parameters: an fp32 master and one fp32 momentum each, "
+                       f"{p + g + 8} B per parameter over all ranks at stage 3 (Adam's: {p + g + 4 + 8})")
         if peaks:
             out.append(f"peak/rank adds one forward and backward's activations ({format_bytes(self[0].activations)}, "
                        f"zero.estimate_activations) to the model states and the buffers alive beside them")
@@ -185,7 +205,7 @@ def estimate_memory(model_or_param_count: nn.Module | int | float, world_size: i
                     config: dict | str | None = None, gpus_per_node: int | None = None,
                     persistent_params: int | None = None, largest_layer: int | None = None,
                     master_dtype: str | None = None, state_dtype: str | None = None,
-                    state_formats: bool = False, activations=None) -> MemoryTable:
+                    state_formats: bool = False, activations=None, muon_params=None) -> MemoryTable:
     """Per-rank memory of every stage and offload option (or the ones asked for).
 
     Args:
@@ -219,6 +239,10 @@ def estimate_memory(model_or_param_count: nn.Module | int | float, world_size: i
             (zero.estimate_activations, which traces the model at a micro-batch and sequence
             length) or bytes. Each row's `peak_bytes` adds it to the model states (see the note),
             and the table gets a peak column.
+        muon_params: what Muon updates (one fp32 momentum per element instead of Adam's two
+            moments): the parameters themselves, or their element count; None: with a config of
+            optimizer type Muon, the model's matrices as the engine splits them (zero.muon.split),
+            or every element of a parameter count; else none.
 
     Returns:
         A MemoryTable (a list of MemoryEstimate) that prints as a table.
@@ -253,6 +277,11 @@ def estimate_memory(model_or_param_count: nn.Module | int | float, world_size: i
     if isinstance(activation_bytes, bool) or not isinstance(activation_bytes, int) or activation_bytes < 0:
         raise TypeError(f"activations must be an ActivationEstimate (zero.estimate_activations) or a byte count, got "
                         f"{activations!r}")
+    if isinstance(muon_params, bool) or isinstance(muon_params, int) and not 0 <= muon_params <= psi:
+        raise ValueError(f"muon_params must be parameters, or a whole number of elements between 0 and the {psi:,} "
+                         f"trainable ones, got {muon_params!r}")
+    if muon_params is not None and not isinstance(muon_params, int):
+        muon_params = list(muon_params)
     others = STATE_FORMATS["bf16" if dtype_name == "bf16" else "other"] if state_formats else ()
     rows, persistent_seen, largest_seen = [], 0, 0
     for s in (0, 1, 2, 3) if stage is None else (stage,):
@@ -264,7 +293,7 @@ def estimate_memory(model_or_param_count: nn.Module | int | float, world_size: i
                 if (m, st) in {(r.master_dtype, r.state_dtype) for r in rows if (r.stage, r.offload) == (s, o)}:
                     continue
                 row, persistent, unit = _estimate(psi, model, world_size, s, o, dtype_name, config, persistent_params,
-                                                  largest_layer, m, st, activation_bytes)
+                                                  largest_layer, m, st, activation_bytes, muon_params)
                 rows.append(row)
                 persistent_seen = max(persistent_seen, persistent)
                 largest_seen = max(largest_seen, unit if s == 3 else 0)
@@ -351,14 +380,26 @@ def _policies(config, stage: int, offload: str, dtype: str, world_size: int, mas
     kind = cfg.optimizer.type if cfg.optimizer is not None and cfg.optimizer.type in ("OneBitAdam", "ZeroOneAdam") \
         else None
     gather = kind == "OneBitAdam" and cfg.optimizer.onebit.compress_param_gather and stage in (1, 2) and world_size > 1
-    return (*options_from_config(cfg, world_size, num_threads=1, state_dtype=given_state), kind, gather)
+    muon = cfg.optimizer is not None and cfg.optimizer.type == "Muon"
+    return (*options_from_config(cfg, world_size, num_threads=1, state_dtype=given_state), kind, gather, muon)
 
 
 def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, config, persistent_given,
               largest_layer: int | None, master_dtype: str | None = None, state_dtype: str | None = None,
-              activations: int = 0):
-    precision, step, reduce, s3, onebit, compressed_gather = _policies(config, stage, offload, dtype, n, master_dtype,
-                                                                       state_dtype)
+              activations: int = 0, muon_params: int | None = None):
+    precision, step, reduce, s3, onebit, compressed_gather, muon_config = _policies(
+        config, stage, offload, dtype, n, master_dtype, state_dtype)
+    members = None  # ids of the parameters Muon updates, where known
+    if muon_params is None and muon_config and model is not None:
+        from zero.muon import split
+
+        named = dict(model.named_parameters())
+        muon_params = [named[name] for name in split(model.named_parameters())[0]]
+    if muon_params is not None and not isinstance(muon_params, int):
+        members = {id(q) for q in muon_params}
+        muon_params = sum(_numel(q) for q in muon_params)
+    muon_params = muon_params if muon_params is not None else (psi if muon_config else 0)
+    adam_numel = (lambda q: 0 if id(q) in members else _numel(q)) if members is not None else _numel
     from zero.ops.adam_formats import Q8_BLOCK, q8_blocks
 
     fmt = precision.adam
@@ -379,7 +420,8 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
             persistent = sum(_numel(q) for q in kept if q.requires_grad)
             sizes = [sum(_numel(q) for q in ps if q.requires_grad) for _, ps in units] + [persistent]
             largest_unit = max(sizes[:-1], default=0)
-            slots = [math.ceil(u / n) for u in sizes if u]  # the optimizer's slots: each unit's shard, in order
+            adam_sizes = [sum(adam_numel(q) for q in ps if q.requires_grad) for _, ps in units + [("", kept)]]
+            slots = [math.ceil(u / n) for u in adam_sizes if u]  # Adam's slots: each unit's shard, in order
         else:
             persistent = persistent_given or 0
     # the shards, and the persistent parameters kept whole on the device (one rank: the shard itself,
@@ -390,15 +432,18 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
     if stage < 3 and model is not None:
         from zero.partition.layout import ShardLayout
 
-        numels = [_numel(q) for q in model.parameters() if q.requires_grad]
-        layout = ShardLayout(numels, [0] * len(numels), parts, reduce.bucket_elements)
+        trainable = [q for q in model.parameters() if q.requires_grad]
+        layout = ShardLayout([_numel(q) for q in trainable], [int(members is not None and id(q) in members)
+                                                              for q in trainable], parts, reduce.bucket_elements)
     if model is None:  # slots of about the largest unit or bucket
         slot = largest_unit / n if stage == 3 else min(psi, reduce.bucket_elements) / parts
         slots = [slot, slot]
-    elif stage < 3:  # one slot per bucket slice, laid out as the engine does
-        slots = [b.slice_numel for b in layout.buckets]
-    fp32_master = master * shard
-    states = 2 * fmt.state_dtype.itemsize * shard
+    elif stage < 3:  # one slot per bucket slice, laid out as the engine does (Muon's buckets apart)
+        slots = [b.slice_numel for b in layout.buckets if b.group == 0]
+    muon_shard = muon_params / n if stage >= 1 else muon_params  # whole matrices, balanced over the owners
+    adam_shard = shard - muon_shard
+    fp32_master = master * adam_shard + (4 if apart or stage == 3 else 0) * muon_shard
+    states = 2 * fmt.state_dtype.itemsize * adam_shard + 4 * muon_shard
     if fmt.quantized:  # one fp32 scale per block of each 8-bit moment; blocks start at each slot's start
         blocks = sum(q8_blocks(math.ceil(s)) for s in slots) if model is not None else shard / Q8_BLOCK
         states += 2 * 4 * blocks
@@ -430,7 +475,7 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
                   host_staging=host_staging, buffers=buffers, device_bytes=device, host_bytes=host,
                   compression_errors=errors, buffers_in_backward=in_backward, activations=activations)
     row = MemoryEstimate(stage=stage, offload=offload, world_size=n, **{k: int(round(v)) for k, v in values.items()},
-                         master_dtype=fmt.master, state_dtype=fmt.state)
+                         master_dtype=fmt.master, state_dtype=fmt.state, muon_params=muon_params, element_bytes=(p, g))
     return row, persistent, largest_unit
 
 
