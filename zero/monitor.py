@@ -236,6 +236,11 @@ class TrainingMonitor:
         lines.append(f"plain data parallelism keeps {_bytes(ddp.model_states_total)} of model states per rank on the "
                      f"device; this run {_bytes(device)} on the device ({ddp.model_states_total / max(1.0, device):.1f}x "
                      f"less), {_bytes(max(v[2] for v in per_rank))} on the host")
+        if this.muon_params:
+            p, g = this.element_bytes
+            lines.append(f"Muon updates {this.muon_params:,} of the {table.psi:,} parameters, keeping one fp32 momentum "
+                         f"each: {p + g + 8} B per parameter over all ranks at stage 3 (Adam's: {p + g + 12}); this run "
+                         f"holds {this.bytes_per_param(table.psi):.1f} B per trainable parameter over all ranks")
         if formats_table:
             lines += ["", f"{this.label} in each state format (master weights + Adam's moments; docs/config.md):"]
             lines += _columns(["state format", "model states", "device", "host"],

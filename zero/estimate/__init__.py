@@ -37,8 +37,10 @@ an fp32 master and fp32 moments, 8 with a bf16 master and bf16 moments, 12 with 
 Muon (zero/muon.py) keeps one fp32 momentum for each matrix it updates, S = 4, and its fp32
 master is always apart at stage 3 (the matrix is whole on its owner, the model's shards are not):
 2 + 2 + 4 + 4 = 12 bytes per Muon parameter in bf16 training; its AdamW parameters count as
-above. `muon_params` gives how many elements Muon updates; by default a Muon config's model is
-split as the engine splits it, and a bare parameter count is all Muon's.
+above. A rank holds the states of the matrices it owns (whole matrices, balanced by Newton-Schulz
+work): for a model the estimate is the most loaded rank's, for a parameter count the mean.
+`muon_params` gives what Muon updates; by default a Muon config's model is split as the engine
+splits it, and a bare parameter count is all Muon's.
 
 Optimizer offload moves the master and Adam's states to the host and adds the host staging of the
 gradient shard and two copy-back tiles; stage 3's `offload_param` moves the parameter shards there
@@ -427,7 +429,18 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
     # the shards, and the persistent parameters kept whole on the device (one rank: the shard itself,
     # unless the shards are offloaded)
     params = p * (psi / n + (persistent if n > 1 or offload_param else 0)) if stage == 3 else p * psi
-    grads = g * (psi / n if stage >= 2 else psi)
+    # Muon's matrices are whole on their owners: a rank holds its owned ones' states (the most loaded
+    # rank's, when the model's matrices are known; their mean otherwise)
+    muon_shard = muon_params / n if stage >= 1 else muon_params
+    if members is not None and stage >= 1 and n > 1:
+        from zero.muon import assign_owners, matrix_shape
+
+        matrices = [q for q in model.parameters() if id(q) in members]
+        loads = [0] * n
+        for q, owner in zip(matrices, assign_owners([matrix_shape(q) for q in matrices], n)):
+            loads[owner] += _numel(q)
+        muon_shard = max(loads)
+    grads = g * ((psi - muon_params) / n + muon_shard if stage >= 2 else psi)
     parts = n if stage >= 1 else 1
     if stage < 3 and model is not None:
         from zero.partition.layout import ShardLayout
@@ -440,8 +453,7 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
         slots = [slot, slot]
     elif stage < 3:  # one slot per bucket slice, laid out as the engine does (Muon's buckets apart)
         slots = [b.slice_numel for b in layout.buckets if b.group == 0]
-    muon_shard = muon_params / n if stage >= 1 else muon_params  # whole matrices, balanced over the owners
-    adam_shard = shard - muon_shard
+    adam_shard = (psi - muon_params) / n if stage >= 1 else psi - muon_params
     fp32_master = master * adam_shard + (4 if apart or stage == 3 else 0) * muon_shard
     states = 2 * fmt.state_dtype.itemsize * adam_shard + 4 * muon_shard
     if fmt.quantized:  # one fp32 scale per block of each 8-bit moment; blocks start at each slot's start
@@ -449,7 +461,7 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
         states += 2 * 4 * blocks
     staged = offload_opt and p < 4 and not offload_param  # offload_param: written in place on the host
     tiles = _copy_back_tiles(slots, step.offload.tile_elements) * p if staged else 0
-    host_staging = g * shard + tiles if offload_opt else 0
+    host_staging = g * (adam_shard + muon_shard) + tiles if offload_opt else 0
     if stage < 2:
         buffers = min(psi, reduce.bucket_elements) * r if precision.reduce != precision.grad else 0
         in_backward = 0  # the casts come after backward
