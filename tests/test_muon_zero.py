@@ -178,3 +178,26 @@ def test_what_muon_cannot_do_is_refused_by_name():
     model.fc1.bias.use_muon = True
     with pytest.raises(ValueError, match=r"'fc1.bias' has use_muon=True but shape \(13,\)"):
         zero.initialize(model=model, config=config)
+
+
+def _fp16(stage: int) -> tuple[float, float]:
+    torch.manual_seed(0)
+    model = Awkward()
+    reference = copy.deepcopy(model)
+    engine = zero.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": BATCH // dist.get_world_size(), "gradient_clipping": 1.0,
+        "fp16": {"enabled": True, "initial_scale_power": 8}, "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "Muon", "params": SETTINGS}})[0]
+    _train(engine, range(5))
+    _reference(reference, False, 5)
+    with zero.GatheredParameters(list(model.parameters())):
+        return max(((p.detach().float() - q.detach()).norm() / q.detach().norm()).item()
+                   for p, q in zip(model.parameters(), reference.parameters())), engine.optimizer.loss_scaler.scale
+
+
+def test_fp16_loss_scaling_reaches_muon_unscaled(dist_run):
+    """Muon sees the gradient divided by the loss scale (zero's one divisor): fp16 training follows the
+    fp32 reference up to fp16's rounding of the model, the same at stage 1 and 3."""
+    (one, scale), = set(dist_run(2, _fp16, 1))
+    (three, _), = set(dist_run(2, _fp16, 3))
+    assert scale == 256.0 and one < 2e-2 and one == three, (one, three, scale)
