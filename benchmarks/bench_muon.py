@@ -53,7 +53,7 @@ def run_one(optimizer: str, stage: int, offload: bool, layers: int, embd: int, s
         "wall_clock_breakdown": True})
     g = torch.Generator().manual_seed(dist.get_rank())
     times = []
-    for step in range(steps + 2):
+    for _ in range(steps + 2):
         x = torch.randint(0, 256, (4, 64), generator=g)
         start = time.perf_counter()
         engine.backward(engine(x, x))
