@@ -615,7 +615,8 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
                               f"file is missing")
     with_optimizer = load_optimizer_states and not load_module_only
     if with_optimizer:
-        absent = sorted({c.name for c in _chunks(engine, place, saving=False, kinds=OPTIMIZER_KINDS)} - set(stored))
+        wanted = dict.fromkeys(c.name for c in _chunks(engine, place, saving=False, kinds=OPTIMIZER_KINDS))
+        absent = [name for name in wanted if name not in stored]
         if io.any_rank(bool(absent), f"checking checkpoint {path}"):
             raise CheckpointError(f"{path}: the checkpoint lacks optimizer states ({absent[:4]}...); load with "
                                   f"load_optimizer_states=False to take the model only")
