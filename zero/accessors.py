@@ -64,9 +64,17 @@ def _local(param, kind: str) -> torch.Tensor | None:
     return torch.cat([p.detach().reshape(-1) for p in pieces]) if pieces else torch.empty(0)
 
 
-def _check_state_key(key: str) -> None:
-    if key not in ("exp_avg", "exp_avg_sq"):
-        raise ValueError(f"optimizer state {key!r}: zero's Adam keeps 'exp_avg' and 'exp_avg_sq'")
+def _check_state_key(param, key: str) -> None:
+    """Adam's parameters have 'exp_avg' and 'exp_avg_sq'; Muon's matrices 'momentum_buffer' (torch's
+    and DeepSpeed's name)."""
+    optimizer = _owner(param)
+    muon = optimizer is not None and any(q is param for g in optimizer.param_groups if g.get("use_muon")
+                                         for q in g["params"])
+    keys = ("momentum_buffer",) if muon else ("exp_avg", "exp_avg_sq")
+    if key not in keys:
+        whose = "Muon, which keeps" if muon else "Adam, which keeps"
+        raise ValueError(f"optimizer state {key!r}: this parameter is updated by {whose} "
+                         f"{' and '.join(map(repr, keys))}")
 
 
 def safe_get_full_fp32_param(param) -> torch.Tensor | None:
@@ -75,8 +83,9 @@ def safe_get_full_fp32_param(param) -> torch.Tensor | None:
 
 
 def safe_get_full_optimizer_state(param, optim_state_key: str) -> torch.Tensor | None:
-    """The full Adam state `optim_state_key` ("exp_avg" or "exp_avg_sq") of `param` (collective)."""
-    _check_state_key(optim_state_key)
+    """The full optimizer state `optim_state_key` of `param` (collective): Adam's "exp_avg" or
+    "exp_avg_sq", or a Muon matrix's "momentum_buffer"."""
+    _check_state_key(param, optim_state_key)
     return _full(param, optim_state_key)
 
 
@@ -87,7 +96,7 @@ def safe_get_local_fp32_param(param) -> torch.Tensor | None:
 
 def safe_get_local_optimizer_state(param, optim_state_key: str) -> torch.Tensor | None:
     """This rank's part of `param`'s Adam state `optim_state_key`, flat (not collective)."""
-    _check_state_key(optim_state_key)
+    _check_state_key(param, optim_state_key)
     return _local(param, optim_state_key)
 
 
@@ -162,7 +171,7 @@ def safe_set_full_fp32_param(param, value: torch.Tensor) -> None:
 
 def safe_set_full_optimizer_state(param, value: torch.Tensor, optim_state_key: str) -> None:
     """Set `param`'s Adam state `optim_state_key` to the full `value`, given on every rank."""
-    _check_state_key(optim_state_key)
+    _check_state_key(param, optim_state_key)
     _set_full(param, optim_state_key, value)
 
 
@@ -218,7 +227,7 @@ def safe_set_local_fp32_param(param, value: torch.Tensor) -> None:
 def safe_set_local_optimizer_state(param, value: torch.Tensor, optim_state_key: str) -> None:
     """Set this rank's part of `param`'s Adam state `optim_state_key` to `value`, flat, shaped as
     safe_get_local_optimizer_state's answer (not collective)."""
-    _check_state_key(optim_state_key)
+    _check_state_key(param, optim_state_key)
     _set_local(param, optim_state_key, value, "safe_set_local_optimizer_state")
 
 

@@ -164,8 +164,7 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         self.trains = optimizer is not None or config.optimizer is not None
         if self.trains:
             muon = muon_param_groups(config, optimizer, module, model_parameters)
-            client = None if muon is not None else client_step(config, optimizer)  # another optimizer than
-            # Adam, run on the shards
+            client = None if muon is not None else client_step(config, optimizer)  # not Adam: on the shards
             defaults = {} if muon is not None else _optimizer_defaults(config, optimizer, client)
             groups = _param_groups(module, muon or (model_parameters if optimizer is None else optimizer.param_groups),
                                    defaults)
@@ -177,7 +176,7 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         else:
             _warn_scheduler_without_optimizer(config, lr_scheduler)
             lr_scheduler = None
-            client, groups = None, [{**ADAM_DEFAULTS, "params": []}]  # nothing to train: every parameter is frozen
+            client, muon, groups = None, None, [{**ADAM_DEFAULTS, "params": []}]  # nothing to train: all frozen
         _refuse_claimed(module, {p for g in groups for p in g["params"]}, config.zero_optimization.stage)
         _refuse_foreign_parameters(module, groups, config)
         check_ranks_agree(module, config, self.comm)  # before the first broadcast
@@ -194,7 +193,7 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
                 module, [p for g in groups for p in g["params"]])
         self.optimizer = build_optimizer(module, groups, config, self.comm, self.device, client=client,
                                          model_parallel=ModelParallelNorm.of(module, mesh) if mesh is not None else None,
-                                         state_dtype=client_state_dtype(optimizer, config))
+                                         state_dtype=client_state_dtype(optimizer, config), muon=muon is not None)
         _claim(module, self.optimizer, config.zero_optimization.stage)  # whose hooks take the gradients now
         self._trainable = [(n, p, p.requires_grad) for n, p in module.named_parameters()]
         self._warned_count = False
@@ -286,7 +285,7 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         self._refuse_with_pipeline("engine.backward")
         if not self.trains:
             _refuse_without_optimizer("engine.backward(loss)")
-        self._check_states_home("engine.backward(loss)", BACKWARD_NEEDS)
+        self._check_states_home("engine.backward(loss)", BACKWARD_NEEDS | self.optimizer.storage.forward_kinds)
         _check_loss(loss, "engine.backward(loss)")
         scaled = self.scale(loss)
         counted = self.progress.backwards

@@ -236,8 +236,8 @@ class TrainingMonitor:
         lines.append(f"plain data parallelism keeps {_bytes(ddp.model_states_total)} of model states per rank on the "
                      f"device; this run {_bytes(device)} on the device ({ddp.model_states_total / max(1.0, device):.1f}x "
                      f"less), {_bytes(max(v[2] for v in per_rank))} on the host")
-        if this.muon_params:
-            p, g = this.element_bytes
+        p, g = this.element_bytes
+        if this.muon_params and p < 4:  # mixed precision (in fp32, Adam's master is the parameter itself)
             lines.append(f"Muon updates {this.muon_params:,} of the {table.psi:,} parameters, keeping one fp32 momentum "
                          f"each: {p + g + 8} B per parameter over all ranks at stage 3 (Adam's: {p + g + 12}); this run "
                          f"holds {this.bytes_per_param(table.psi):.1f} B per trainable parameter over all ranks")
@@ -300,4 +300,3 @@ class StepPeak:
             return None
         self.probe.__exit__(None, None, None)
         return float(self.base + self.probe.peak)
-

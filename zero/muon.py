@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,7 +113,29 @@ def route(params: dict[str, Any]) -> MuonSettings:
     for k in BOTH:
         if k in params:
             out.muon[k] = out.adamw[k] = params[k]
+    _check_values(out)
     return out
+
+
+def _check_values(settings: MuonSettings) -> None:
+    """The values each half takes, checked by the torch optimizers' own constructors, and what
+    torch.optim.Muon checks only inside its step (ns_steps, nesterov), before anything changes."""
+    muon = {**muon_defaults(), **settings.muon}
+    steps, nesterov = muon["ns_steps"], muon["nesterov"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 0 < steps < 100:
+        raise MuonConfigError(f"optimizer.params.ns_steps: expected a whole number of Newton-Schulz steps in 1..99, "
+                              f"got {steps!r}")
+    if not isinstance(nesterov, bool):
+        raise MuonConfigError(f"optimizer.params.nesterov: expected true or false, got {nesterov!r}")
+    if not all(isinstance(c, (int, float)) and math.isfinite(c) for c in muon["ns_coefficients"]):
+        raise MuonConfigError(f"optimizer.params.ns_coefficients: expected three finite numbers, got "
+                              f"{muon['ns_coefficients']!r}")
+    probe = [nn.Parameter(torch.zeros(2, 2))]
+    for half, cls, values in (("Muon", torch.optim.Muon, settings.muon), ("AdamW", torch.optim.AdamW, settings.adamw)):
+        try:
+            cls(probe, **values)
+        except (ValueError, TypeError) as e:
+            raise MuonConfigError(f"optimizer.params, for the {half} half: {e}") from None
 
 
 # what a Muon param group passes to the update (torch.optim.Muon's hyperparameters)
@@ -155,7 +178,10 @@ def param_groups(module: nn.Module, model_parameters, settings: MuonSettings) ->
     muon = {**muon_defaults(), **settings.muon, "use_muon": True}
     adamw = {**adamw_defaults(), **settings.adamw, "use_muon": False}
     out = []
-    for g in groups:
+    for gi, g in enumerate(groups):
+        if "use_muon" in g:
+            raise MuonConfigError(f"model_parameters group {gi} has a 'use_muon' key: zero splits each group into "
+                                  f"its Muon and AdamW halves itself; mark parameters with param.use_muon instead")
         own = {k: v for k, v in g.items() if k != "params"}
         params = list(g["params"])
         chosen = [uses_muon(names.get(p, ""), p) if p.requires_grad else False for p in params]
@@ -164,17 +190,27 @@ def param_groups(module: nn.Module, model_parameters, settings: MuonSettings) ->
     return out
 
 
-def client_param_groups(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict]:
+def client_param_groups(module: nn.Module, optimizer: torch.optim.Optimizer, cfg=None) -> list[dict]:
     """A client torch.optim.Muon: its groups are the Muon half, with their own hyperparameters;
-    every other trainable parameter of the model goes to AdamW with torch's defaults and the first
-    group's lr and weight decay (as DeepSpeed's Muon gives `adam_lr` the lr when unset)."""
+    every other trainable parameter of the model goes to AdamW. The AdamW half takes a Muon config
+    section's `adam_lr`, `betas`, `eps` and `weight_decay` when the config has one; otherwise
+    torch's AdamW defaults with the first group's lr and weight decay (as DeepSpeed's Muon gives
+    `adam_lr` the lr when unset), which a warning names."""
     first = optimizer.param_groups[0]
     muon = [{**{k: v for k, v in g.items() if k not in _TORCH_ONLY}, "use_muon": True} for g in optimizer.param_groups]
     taken = {id(p) for g in optimizer.param_groups for p in g["params"]}
     rest = [p for p in module.parameters() if p.requires_grad and id(p) not in taken]
-    adamw = {**adamw_defaults(), "lr": first["lr"], "weight_decay": first["weight_decay"], "use_muon": False,
-             "params": rest}
-    return muon + [adamw]
+    section = getattr(cfg, "optimizer", None)
+    if section is not None and section.type == "Muon":
+        own = route(section.other_params).adamw
+    else:
+        own = {"lr": first["lr"], "weight_decay": first["weight_decay"]}
+        if rest:
+            warnings.warn(f"zero: the {len(rest)} trainable parameter(s) outside the client torch.optim.Muon train with "
+                          f"AdamW at its lr {first['lr']} and weight decay {first['weight_decay']}; set them with a "
+                          f"config section \"optimizer\": {{\"type\": \"Muon\", \"params\": {{\"adam_lr\": ..., "
+                          f"\"betas\": ..., \"weight_decay\": ...}}}}", stacklevel=4)
+    return muon + [{**adamw_defaults(), **own, "use_muon": False, "params": rest}]
 
 
 @torch.no_grad()
@@ -217,7 +253,7 @@ def _update_across(param: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, d
     [Note: Newton-Schulz under offload]."""
     from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-    grad = grad.to(param.device, non_blocking=True)
+    grad = grad.to(param.device)  # blocking: the host reads it next
     buf.lerp_(grad, 1 - s["momentum"])
     update = grad.lerp(buf, s["momentum"]) if s["nesterov"] else buf
     ortho = _zeropower_via_newtonschulz(update.bfloat16().to(device), tuple(s["ns_coefficients"]), s["ns_steps"],

@@ -189,8 +189,8 @@ class MemoryTable(list):
         out.append("device/rank includes the communication and gathering buffers of a step"
                    + (f" (stage 3: largest unit {self.largest_unit:,} elements)" if self.largest_unit else ""))
         muon = self[0].muon_params if self else 0
-        if muon:
-            p, g = self[0].element_bytes
+        p, g = self[0].element_bytes if self else (4, 4)
+        if muon and p < 4:  # mixed precision (in fp32, Adam's master is the parameter itself)
             out.append(f"Muon updates {muon:,} of the parameters: an fp32 master and one fp32 momentum each, "
                        f"{p + g + 8} B per parameter over all ranks at stage 3 (Adam's: {p + g + 4 + 8})")
         if peaks:

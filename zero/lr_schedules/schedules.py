@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -455,6 +456,11 @@ class WarmupLR(_BatchScheduler):
         _check_int(name, "last_batch_iteration", last_batch_iteration, minimum=-1)
         if warmup_max_lr is None:
             warmup_max_lr = [float(group["lr"]) for group in groups]
+        own = sorted({float(group["lr"]) for group in groups})
+        if isinstance(warmup_max_lr, (int, float)) and len(own) > 1:  # e.g. Muon's muon_lr and adam_lr
+            warnings.warn(f"{name}: warmup_max_lr={warmup_max_lr} becomes the lr of every param group, replacing "
+                          f"their own lrs {own}; give one warmup_max_lr per group, or use WarmupCosineLR, which "
+                          f"scales each group's own lr", stacklevel=3)
         self.min_lrs = _per_group(name, "warmup_min_lr", warmup_min_lr, len(groups))
         self.max_lrs = _per_group(name, "warmup_max_lr", warmup_max_lr, len(groups))
         self.delta_lrs = [hi - lo for hi, lo in zip(self.max_lrs, self.min_lrs)]

@@ -33,7 +33,7 @@ __all__ = ["build_optimizer", "ShardedAdam", "ParamStorage", "FlatParams", "Unit
 
 def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], config: ZeroConfig, comm: Comm,
                     device: torch.device, *, client: ClientStep | None = None, model_parallel=None,
-                    state_dtype: str | None = None) -> ShardedAdam:
+                    state_dtype: str | None = None, muon: bool = False) -> ShardedAdam:
     """The partitioned optimizer the config's ZeRO stage asks for, owning `module`'s parameters.
 
     Trainable parameters (all parameters under stage 3) move into the stage's storage one at a
@@ -51,6 +51,7 @@ def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], confi
         model_parallel: the global-norm reduction of a model split over pipeline stages or tensor
             slices (zero/mesh.py's ModelParallelNorm).
         state_dtype: the moments' format a client optimizer object asks for (None: the config's).
+        muon: the groups marked `use_muon` are Muon's (zero/muon.py; the engine made them).
     """
     precision, step, reduce, stage3 = options_from_config(config, comm.world_size, cpu_adam_threads(), state_dtype)
     f = config.fp16
@@ -84,15 +85,15 @@ def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], confi
                                     freeze_step=o.freeze_step, loss_scaler=scaler, **flat)
         return OneBitAdam(param_groups, storage, freeze_step=o.freeze_step,
                           compress_param_gather=o.compress_param_gather, **common)
-    muon = [i for i, p in enumerate(params) if param_groups[groups[i]].get("use_muon")]  # see zero/muon.py
+    muon_at = [i for i in range(len(params)) if muon and param_groups[groups[i]].get("use_muon")]  # zero/muon.py
     if stage == 3:
         storage = functools.partial(UnitParams, module, params, groups, comm=comm, precision=precision,
                                     offload=step.offload, gauges=gauges, reduce=reduce, options=stage3,
-                                    predivide=step.predivide, device=device, matrices={params[i] for i in muon})
+                                    predivide=step.predivide, device=device, matrices={params[i] for i in muon_at})
     else:
         from zero.muon import matrix_shape
 
-        matrices = {i: matrix_shape(params[i]) for i in muon}
+        matrices = {i: matrix_shape(params[i]) for i in muon_at}
         storage = functools.partial(FlatParams, module, params, groups, master_is_params=fp32_in_place,
                                     matrices=matrices, **flat)
     return ShardedAdam(param_groups, storage, **common)

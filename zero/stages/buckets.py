@@ -122,6 +122,7 @@ class FlatParams(ParamStorage):
         self.owner = dict(zip(whole, owners))
         self.muon_buckets = set()
         self.muon_pos: dict[int, int] = {}  # an owned matrix's place in its bucket's gradient shard
+        self._muon_grads: dict[int, torch.Tensor] = {}
         for bucket in self.layout.buckets:
             held = [i in matrices for i in bucket.params]
             if any(held):
@@ -244,12 +245,24 @@ class FlatParams(ParamStorage):
         return out
 
     def muon_grad(self, i: int) -> torch.Tensor:
-        """The reduced gradient of matrix i, which this rank owns."""
-        if isinstance(self.grads, FlatGradients):
-            off = self.layout.offsets[i]
-            return self.grads.flat[off : off + self.layout.numels[i]]
-        at = self.muon_pos[i]
-        return self.grads.shards[self.layout.bucket_of[i]][at : at + self.layout.numels[i]]
+        """The reduced gradient of matrix i, which this rank owns (one view object, always: offload
+        knows the gradients it copies by identity)."""
+        view = self._muon_grads.get(i)
+        if view is None:
+            if isinstance(self.grads, FlatGradients):
+                off = self.layout.offsets[i]
+                view = self.grads.flat[off : off + self.layout.numels[i]]
+            else:
+                at = self.muon_pos[i]
+                view = self.grads.shards[self.layout.bucket_of[i]][at : at + self.layout.numels[i]]
+            self._muon_grads[i] = view
+        return view
+
+    def final_grads(self, bucket: Bucket) -> list[torch.Tensor]:
+        """The gradient shards that are final once `bucket` is reduced (for `grad_final`)."""
+        if bucket.index in self.muon_buckets:
+            return [self.muon_grad(i) for i in bucket.params if self.owns(i)]
+        return [self.grads.shards[bucket.index]]
 
     def reduce_gradients(self, communicate: bool = True) -> None:
         """See GradPath.reduce."""
@@ -398,7 +411,8 @@ class FlatGradients:
                 for lo, hi, _ in s.mine(bucket):
                     full[lo - bucket.start : hi - bucket.start].copy_(buf[lo - bucket.start : hi - bucket.start])
                 s.gauges.reduce_buffers.sub(buf.untyped_storage().nbytes())
-            s.grad_final(self.shards[bucket.index])
+            for grad in s.final_grads(bucket):
+                s.grad_final(grad)
 
     def piece(self, i: int) -> tuple[int, torch.Tensor, bool]:
         off = self.storage.layout.offsets[i]
@@ -473,7 +487,8 @@ class BucketGradients:
             for lo, hi, at in s.mine(bucket):
                 self.shards[b][at : at + hi - lo].add_(staging[lo - bucket.start : hi - bucket.start])
             s.gauges.reduce_buffers.sub(staging.untyped_storage().nbytes())
-        s.grad_final(self.shards[b])
+        for grad in s.final_grads(s.layout.buckets[b]):
+            s.grad_final(grad)
 
     def recover(self) -> None:
         """Forget what a backward that raised left behind (see [Note: gradient readiness])."""
@@ -500,7 +515,6 @@ class BucketGradients:
 
     def buffers(self) -> list[torch.Tensor]:
         return self.shards
-
 
 
 class _Each:

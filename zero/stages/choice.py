@@ -103,11 +103,15 @@ def muon_param_groups(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None, 
     `use_muon`; None when the run is not Muon's. See [Note: Muon and partitions] in zero/muon.py."""
     from zero import muon
 
-    if optimizer is not None:
-        return muon.client_param_groups(module, optimizer) if isinstance(optimizer, torch.optim.Muon) else None
-    if cfg.optimizer is None or cfg.optimizer.type != "Muon":
-        return None
-    return muon.param_groups(module, model_parameters, muon.route(cfg.optimizer.other_params))
+    if optimizer is not None and isinstance(optimizer, torch.optim.Muon):
+        return muon.client_param_groups(module, optimizer, cfg)
+    if optimizer is None and cfg.optimizer is not None and cfg.optimizer.type == "Muon":
+        return muon.param_groups(module, model_parameters, muon.route(cfg.optimizer.other_params))
+    groups = optimizer.param_groups if optimizer is not None else model_parameters
+    if isinstance(groups, (list, tuple)) and any(isinstance(g, dict) and "use_muon" in g for g in groups):
+        raise ValueError("a param group has a 'use_muon' key, but the optimizer is not Muon: set "
+                         "\"optimizer\": {\"type\": \"Muon\"} (zero splits the groups itself) or drop the key")
+    return None
 
 
 def client_step(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None) -> ClientStep | None:

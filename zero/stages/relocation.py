@@ -114,7 +114,7 @@ class StatesAway:
             storage.resize_(0)
         self.away += moving
         self.kinds |= kinds
-        if self.kinds & BACKWARD_NEEDS and not self._hooks:
+        if self.kinds & (BACKWARD_NEEDS | self.optimizer.storage.forward_kinds) and not self._hooks:
             self._hooks = [m.register_forward_pre_hook(self._refuse_forward, prepend=True) for m in self.modules]
         return sum(host.nbytes() for _, host in moving)
 
@@ -138,7 +138,8 @@ class StatesAway:
     def _refuse_forward(self, module, args) -> None:
         """A forward needs the parameters; with autograd on, a backward may follow, which needs
         the gradient buffers too."""
-        self.check("forward", BACKWARD_NEEDS if torch.is_grad_enabled() else FORWARD_NEEDS)
+        extra = self.optimizer.storage.forward_kinds  # stage 3 gathers Muon's matrices from their masters
+        self.check("forward", (BACKWARD_NEEDS if torch.is_grad_enabled() else FORWARD_NEEDS) | extra)
 
     def host_bytes(self) -> int:
         return sum(host.nbytes() for _, host in self.away)

@@ -493,6 +493,8 @@ class UnitParams(ParamStorage):
         if options.gather_on_apply:
             _gather_on_apply(module)
         self.watch_edits([p for unit in self.units for p in unit.params])
+        if any(m.master is not None and m.out16 is None for unit in self.units for m in unit.matrices.values()):
+            self.forward_kinds = frozenset({"fp32_master"})  # see [Note: Muon in units]
 
     def slots(self) -> list[Slot]:
         out = []
@@ -505,9 +507,9 @@ class UnitParams(ParamStorage):
                                 index=index))
             for i, m in unit.matrices.items():
                 if m.master is not None:  # the owner's (a world of one: the shard is the parameter)
-                    out.append(Slot(m.group, m.master, m.grad, m.momentum, m.master[:0],
-                                    unit.shard[unit.offsets[i] : unit.offsets[i] + m.master.numel()] if unit.aliased
-                                    else None, index=(unit.index << 40) + unit.offsets[i], matrix=m.shape))
+                    out16 = unit.shard[unit.offsets[i] : unit.offsets[i] + m.master.numel()] if unit.aliased else m.out16
+                    out.append(Slot(m.group, m.master, m.grad, m.momentum, m.master[:0], out16,
+                                    index=(unit.index << 40) + unit.offsets[i], matrix=m.shape))
         return out
 
     def param_chunks(self, param: nn.Parameter, saving: bool) -> list[tuple[str, int, torch.Tensor]]:
@@ -535,6 +537,18 @@ class UnitParams(ParamStorage):
 
     def out16_on_host(self) -> list[bool]:
         return [self.offload_param] * len(self.slots())
+
+    def commit_state_views(self) -> None:
+        """After an accessor wrote into the views: besides encoding 8-bit moments, a Muon master
+        written alone (safe_set_local_fp32_param) leaves the ranks' shards behind it."""
+        super().commit_state_views()
+        for unit in self.units:
+            unit.mark_updated(masters_written=True)
+
+    def after_checkpoint_load(self) -> None:
+        for unit in self.units:
+            unit.mark_updated(masters_written=True)
+        super().after_checkpoint_load()
 
     def publish(self) -> None:
         """Gathered copies are stale after an update: release them; refresh persistent units."""

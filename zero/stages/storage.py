@@ -155,6 +155,10 @@ class ParamStorage(abc.ABC):
     def slots(self) -> list[Slot]:
         """This rank's shards, one slot per contiguous range of one param group."""
 
+    # memory-report kinds a forward reads besides the parameters (engine.offload_states must not
+    # have moved them): stage 3 gathers Muon's matrices from their owners' masters
+    forward_kinds: frozenset[str] = frozenset()
+
     def reduce_gradients(self) -> None:
         """Finish any gradient reduction still owed at the accumulation boundary (none here)."""
         return None

@@ -87,6 +87,7 @@ class Matrix:
     master: torch.Tensor | None = None
     momentum: torch.Tensor | None = None
     grad: torch.Tensor | None = None
+    out16: torch.Tensor | None = None  # under optimizer offload: the owner's 16-bit copy in host memory
     stale: bool = False  # the ranks' 16-bit shards predate the owner's last update
 
 
@@ -142,6 +143,7 @@ class ParamUnit:
         self.dtype, self.reduce_dtype = precision.param, precision.reduce
         self.persistent, self.offload_param = persistent, offload_param
         self.gauges = gauges
+        self.host_empty = host_empty
         self.new_state = new_state or (lambda like: torch.zeros(like.shape, device=device))
         owners = owners or {}
         # trainable first, by group; Muon's matrices last (see [Note: Muon in units])
@@ -218,6 +220,8 @@ class ParamUnit:
             m.master = self.new_state(full).copy_(full)
             m.momentum = self.new_state(full)
             m.grad = torch.zeros(full.numel(), dtype=precision.grad, device=self.device)
+            if m.master.device != self.device or self.offload_param:  # offloaded: gathers copy 16 bits, not 32
+                m.out16 = self.host_empty(full.numel(), dtype=self.dtype).copy_(full)
 
     def __repr__(self) -> str:
         return f"ParamUnit({self.index}, '{self.name or '<root>'}', {len(self.params)} params, {self.full_numel} elements)"
@@ -295,7 +299,8 @@ class ParamUnit:
             self.gauges.gather_buffers.sub(_nbytes(inflight.buffer))
         for i, work, _ in inflight.matrices:
             wait(work)
-            self._take_shard(i, self._views[i].view(-1))
+            if self.matrices[i].stale:
+                self._take_shard(i, self._views[i].view(-1))
         self._show()
         self.state = ShardedState.GATHERED
 
@@ -305,7 +310,7 @@ class ParamUnit:
         """Issue the broadcast of matrix i's values from its owner (who casts its master) into `into`."""
         m = self.matrices[i]
         if m.master is not None:
-            into.copy_(m.master)
+            into.copy_(m.out16 if m.out16 is not None else m.master)
         return self.comm.broadcast(into, m.owner, async_op=True, label="broadcast_params")
 
     def _take_shard(self, i: int, full: torch.Tensor) -> None:
@@ -315,10 +320,14 @@ class ParamUnit:
         self.shard[off : off + s].copy_(take_shard(full, self.comm.rank, self.comm.world_size))
         self.matrices[i].stale = False
 
-    def mark_updated(self) -> None:
-        """The owners updated their matrices: the ranks' shards are stale until the next gather."""
+    def mark_updated(self, masters_written: bool = False) -> None:
+        """The owners updated their matrices: the ranks' shards are stale until the next gather.
+        `masters_written`: the masters were written from outside the step (a checkpoint load, an
+        accessor), so the owners' host copies (offload) follow them now."""
         for m in self.matrices.values():
             m.stale = True
+            if masters_written and m.out16 is not None:
+                m.out16.copy_(m.master)
 
     def freshen(self) -> None:
         """Bring stale matrix shards up to date from their owners (collective: every rank calls it
@@ -409,6 +418,8 @@ class ParamUnit:
             m.stale = False
             if m.master is not None:
                 m.master.copy_(value.detach().reshape(-1))
+                if m.out16 is not None:
+                    m.out16.copy_(m.master)
         r = next((r for r in self.ranges if r.lo <= off < r.hi), None)
         if r is not None and r.master.data_ptr() != self.shard[r.lo : r.hi].data_ptr():
             r.master[off - r.lo : off - r.lo + n].copy_(local)
