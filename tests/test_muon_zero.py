@@ -58,10 +58,13 @@ def _engine(stage: int, client: bool, model: nn.Module, **zc):
 
 def _train(engine, steps: range) -> None:
     rank, m = dist.get_rank(), BATCH // dist.get_world_size()
+    k = engine.gradient_accumulation_steps()
     for step in steps:
         x, y = _batch(step)
-        engine.backward(engine(x[rank * m : (rank + 1) * m], y[rank * m : (rank + 1) * m]))
-        engine.step()
+        for micro in range(k):  # the rank's samples, in k micro-batches
+            lo = rank * m + micro * (m // k)
+            engine.backward(engine(x[lo : lo + m // k], y[lo : lo + m // k]))
+            engine.step()
 
 
 def _reference(model: Awkward, client: bool, steps: int) -> None:
@@ -101,6 +104,49 @@ def _errors(stages: tuple[int, ...]) -> dict:
                     for p, q in zip(model.parameters(), reference.parameters()))
                 assert torch.equal(model.frozen.weight, reference.frozen.weight)
     return out
+
+
+def _variant(stage: int, extra: dict, zc: dict, init: bool = False) -> float:
+    torch.manual_seed(0)
+    if init:  # built sharded (zero.Init): the split goes by each parameter's layer shape (ds_shape)
+        with zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3}}):
+            model = Awkward()
+        with zero.GatheredParameters(list(model.parameters())):
+            reference = copy.deepcopy(model)
+    else:
+        model = Awkward()
+        reference = copy.deepcopy(model)
+    if stage == 3:
+        zc = {**zc, "stage3_param_persistence_threshold": 60, "stage3_module_granularity_threshold": 100}
+    config = {"train_micro_batch_size_per_gpu": BATCH // dist.get_world_size(), "gradient_clipping": 1.0,
+              "zero_optimization": {"stage": stage, **zc}, "optimizer": {"type": "Muon", "params": SETTINGS},
+              **extra}
+    if "gradient_accumulation_steps" in extra:
+        config["train_micro_batch_size_per_gpu"] //= extra["gradient_accumulation_steps"]
+    engine = zero.initialize(model=model, config=config)[0]
+    _train(engine, range(5))
+    _reference(reference, False, 5)
+    with zero.GatheredParameters(list(model.parameters())):
+        return max(((p.detach() - q.detach()).norm() / q.detach().norm()).item()
+                   for p, q in zip(model.parameters(), reference.parameters()))
+
+
+def _variants(world_of_one: bool) -> dict:
+    if world_of_one:
+        return {f"stage {s}, one rank": _variant(s, {}, {}) for s in (1, 2, 3)}
+    return {"stage 2, accumulation 2": _variant(2, {"gradient_accumulation_steps": 2}, {}),
+            "stage 1, accumulation 2": _variant(1, {"gradient_accumulation_steps": 2}, {}),
+            "stage 2, all-reduce": _variant(2, {}, {"reduce_scatter": False}),
+            "stage 3, accumulation 2": _variant(3, {"gradient_accumulation_steps": 2}, {}),
+            "stage 3, optimizer and parameter offload": _variant(3, {}, {
+                "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}),
+            "stage 3, zero.Init": _variant(3, {}, {}, init=True)}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_accumulation_all_reduce_param_offload_zero_init_and_one_rank(dist_run, world):
+    for errors in dist_run(world, _variants, world == 1):
+        assert max(errors.values()) < 1e-5, errors
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -201,3 +247,74 @@ def test_fp16_loss_scaling_reaches_muon_unscaled(dist_run):
     (one, scale), = set(dist_run(2, _fp16, 1))
     (three, _), = set(dist_run(2, _fp16, 3))
     assert scale == 256.0 and one < 2e-2 and one == three, (one, three, scale)
+
+
+def _states_and_schedule(stage: int) -> dict:
+    from zero.accessors import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param
+
+    torch.manual_seed(0)
+    model = Awkward()
+    reference = copy.deepcopy(model)
+    config = {"train_micro_batch_size_per_gpu": BATCH // dist.get_world_size(), "gradient_clipping": 1.0,
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 60,
+                                    "stage3_module_granularity_threshold": 100},
+              "optimizer": {"type": "Muon", "params": SETTINGS}}
+    engine = zero.initialize(model=model, config=config)[0]
+    _train(engine, range(3))
+    muon = torch.optim.Muon(reference.matrices(), lr=0.02, momentum=0.9, weight_decay=0.01)
+    taken = {id(p) for p in reference.matrices()}
+    adamw = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad and id(p) not in taken], lr=0.003,
+                              betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    for step in range(3):
+        muon.zero_grad()
+        adamw.zero_grad()
+        reference(*_batch(step)).backward()
+        torch.nn.utils.clip_grad_norm_([p for p in reference.parameters() if p.requires_grad], 1.0)
+        muon.step()
+        adamw.step()
+    out = {}
+    # the accessors: a matrix's momentum_buffer and master, whole from its owner; Adam's keys refused on it
+    got = safe_get_full_optimizer_state(model.fc1.weight, "momentum_buffer")
+    out["momentum"] = (got - muon.state[reference.fc1.weight]["momentum_buffer"]).abs().max().item()
+    out["exp_avg of a bias"] = (safe_get_full_optimizer_state(model.fc1.bias, "exp_avg")
+                                - adamw.state[reference.fc1.bias]["exp_avg"]).abs().max().item()
+    for param, key, says in ((model.fc1.weight, "exp_avg", "updated by Muon, which keeps 'momentum_buffer'"),
+                             (model.fc1.bias, "momentum_buffer", "updated by Adam, which keeps 'exp_avg'")):
+        with pytest.raises(ValueError, match=says):
+            safe_get_full_optimizer_state(param, key)
+    new = safe_get_full_fp32_param(model.mid.weight) * 0.5  # a persistent matrix at stage 3
+    safe_set_full_fp32_param(model.mid.weight, new)
+    with zero.GatheredParameters([model.mid.weight]):
+        out["set master reaches the model"] = (model.mid.weight.detach() - new).abs().max().item()
+    # offload_states: stage 3 gathers the matrices from their owners' masters, so a forward waits for them
+    engine.offload_states(include=["hp_params"])
+    x, y = _batch(9)
+    if stage == 3:
+        with pytest.raises(RuntimeError, match="fp32_master"):
+            engine(x[:2], y[:2])
+    engine.reload_states()
+    engine(x[:2], y[:2])
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_accessors_and_offload_states_on_muon_matrices(dist_run, stage):
+    for out in dist_run(2, _states_and_schedule, stage):
+        assert max(out.values()) < 1e-6, out
+
+
+def test_a_scalar_warmup_lr_over_muons_two_lrs_warns_and_cosine_keeps_them():
+    from zero.lr_schedules import WarmupCosineLR, WarmupLR
+
+    model = Awkward()
+    groups = [{"params": model.matrices(), "lr": 0.02}, {"params": [model.fc1.bias], "lr": 0.003}]
+    with pytest.warns(UserWarning, match=r"warmup_max_lr=0.01 becomes the lr of every param group, replacing their "
+                                         r"own lrs \[0.003, 0.02\]"):
+        WarmupLR(torch.optim.SGD(groups, lr=0.1), warmup_max_lr=0.01)
+    optimizer = torch.optim.SGD([{"params": model.matrices(), "lr": 0.02}, {"params": [model.fc1.bias], "lr": 0.003}],
+                                lr=0.1)
+    schedule = WarmupCosineLR(optimizer, total_num_steps=10, warmup_num_steps=2)
+    for _ in range(4):
+        schedule.step()
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    assert abs(lrs[0] / lrs[1] - 0.02 / 0.003) < 1e-9, lrs

@@ -162,6 +162,7 @@ def _set_full(param, kind: str, value: torch.Tensor) -> None:
     optimizer.storage.commit_state_views()  # 8-bit moments: encode what was written
     if kind == "master":
         optimizer.storage.edits_seen([param])
+        optimizer.storage.values_set(param)  # collective, as this accessor is
 
 
 def safe_set_full_fp32_param(param, value: torch.Tensor) -> None:

@@ -545,6 +545,12 @@ class UnitParams(ParamStorage):
         for unit in self.units:
             unit.mark_updated(masters_written=True)
 
+    def values_set(self, param: nn.Parameter) -> None:
+        """A persistent unit stays gathered: gather it again from the shards (and Muon's owners)."""
+        unit = param._zero.unit
+        if unit.persistent:
+            unit.refresh(lambda work: work.wait())
+
     def after_checkpoint_load(self) -> None:
         for unit in self.units:
             unit.mark_updated(masters_written=True)

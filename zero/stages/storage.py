@@ -247,6 +247,11 @@ class ParamStorage(abc.ABC):
     def adopt_edit(self, param: nn.Parameter) -> None:
         """Take `param`'s current (edited) values into the storage's own copies."""
 
+    def values_set(self, param: nn.Parameter) -> None:
+        """`param`'s master and shards were set on every rank (a collective accessor): bring copies
+        made from them up to date (stage 3's persistent units); none here."""
+        return None
+
     @abc.abstractmethod
     def load_param(self, param: nn.Parameter, value: torch.Tensor) -> torch.Tensor | None:
         """Take `value` (the full, correctly shaped new value of `param`) into the storage's own
