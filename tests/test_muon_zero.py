@@ -318,3 +318,54 @@ def test_a_scalar_warmup_lr_over_muons_two_lrs_warns_and_cosine_keeps_them():
         schedule.step()
     lrs = [g["lr"] for g in optimizer.param_groups]
     assert abs(lrs[0] / lrs[1] - 0.02 / 0.003) < 1e-9, lrs
+
+
+def _fp32_newton_schulz(monkeypatch) -> None:
+    """torch's Newton-Schulz in fp32 instead of bf16: a run that sums gradients in another order (a
+    pipeline's micro-batches) flips bf16 roundings of the update, which its quintic iteration
+    amplifies to ~1e-3; in fp32 the comparison stays at round-off."""
+    import torch.optim._muon as torch_muon
+
+    original = torch_muon._zeropower_via_newtonschulz
+
+    def fp32(grad, ns_coefficients, ns_steps, eps):
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "bfloat16", lambda t: t.float())
+            return original(grad, ns_coefficients, ns_steps, eps)
+
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", fp32)
+
+
+def _pipeline_with_muon(zero_stage: int) -> dict:
+    from test_parallelism import train_pipeline
+
+    with pytest.MonkeyPatch.context() as m:
+        _fp32_newton_schulz(m)
+        muon = {"type": "Muon", "params": {"muon_lr": 0.02, "adam_lr": 1e-2, "weight_decay": 0.01}}
+        return {n: p.tolist() for n, p in train_pipeline(2, "1f1b", zero_stage, 3, extra={"optimizer": muon})[1].items()}
+
+
+def test_pipeline_stages_with_muon_equal_one_process(dist_run, monkeypatch):
+    """2 pipeline stages x 2 data ranks (4 micro-batches, the embedding tied across the first and last
+    stage, clipping over both stages): Muon on each stage's matrices, AdamW on the rest; Newton-Schulz
+    in fp32 on both sides (see _fp32_newton_schulz)."""
+    from test_parallelism import M, MICRO, batch, layers, loss_fn, reference_model
+
+    _fp32_newton_schulz(monkeypatch)
+    forward, params = reference_model(layers())
+    matrices = [p for n, p in params.items() if p.dim() >= 2 and "embed" not in n]
+    rest = [p for p in params.values() if all(p is not q for q in matrices)]
+    muon = torch.optim.Muon(matrices, lr=0.02, weight_decay=0.01)
+    adamw = torch.optim.AdamW(rest, lr=1e-2, weight_decay=0.01)
+    for step in range(3):
+        x, y = batch(step, M * MICRO * 2)
+        muon.zero_grad()
+        adamw.zero_grad()
+        loss_fn(forward(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(list(params.values()), 0.5)
+        muon.step()
+        adamw.step()
+    for full in dist_run(4, _pipeline_with_muon, 1):
+        for name, p in full.items():
+            want = params[name].detach()
+            assert ((torch.tensor(p) - want).norm() / want.norm()).item() < 1e-5, name
