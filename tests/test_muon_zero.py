@@ -349,7 +349,7 @@ def test_pipeline_stages_with_muon_equal_one_process(dist_run, monkeypatch):
     """2 pipeline stages x 2 data ranks (4 micro-batches, the embedding tied across the first and last
     stage, clipping over both stages): Muon on each stage's matrices, AdamW on the rest; Newton-Schulz
     in fp32 on both sides (see _fp32_newton_schulz)."""
-    from test_parallelism import M, MICRO, batch, layers, loss_fn, reference_model
+    from test_parallelism import MICRO, M, batch, layers, loss_fn, reference_model
 
     _fp32_newton_schulz(monkeypatch)
     forward, params = reference_model(layers())
