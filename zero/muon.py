@@ -10,8 +10,8 @@ ZeRO each 2-D Muon matrix gets one owner rank (matrices assigned whole, balanced
 Newton-Schulz work); the owner updates it from the reduced gradient with `update_matrix`, which is
 torch.optim.Muon's own update. The matrix's gradient is reduced to its owner instead of
 reduce-scattered, and its new values are broadcast from the owner instead of all-gathered: the
-same bytes (the comm report counts them as `reduce` and `broadcast_params`), with no extra
-collective. Every other parameter (1-D, embeddings, the output head) goes to AdamW, as DeepSpeed
+same bytes (the comm report counts them as `reduce` and `broadcast_params`), in one collective per
+matrix where Adam's path has one per bucket or unit. Every other parameter (1-D, embeddings, the output head) goes to AdamW, as DeepSpeed
 splits them, and takes Adam's path. Stage 0 keeps every matrix on every rank, as it keeps Adam's
 state. A parameter of more than two dimensions (a convolution) is orthogonalised as the
 (out, rest) matrix, as DeepSpeed does; torch.optim.Muon itself takes 2-D parameters only.
@@ -228,9 +228,10 @@ def update_matrix(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torc
     model computes on) then takes the Newton-Schulz iterations, the only part that is not
     element-wise: the momentum and Nesterov steps run on the host, the update goes to the device in
     bf16 (Newton-Schulz's first step casts it to bf16, so nothing is lost), and the orthogonalised
-    bf16 result comes back; 4 bytes per element cross the bus, as many as Adam's offload moves. The
-    same steps as torch's Muon in the same order, so only the matrix products' rounding differs
-    from a host-only update. Without a GPU (`ns_device` is the host) the host's BLAS runs them.
+    bf16 result comes back: 4 bytes per element on top of the gradient and parameter copies that
+    Adam's offload makes too. The same steps as torch's Muon in the same order, so only the matrix
+    products' rounding differs from a host-only update. Without a GPU (`ns_device` is the host)
+    the host's BLAS runs them.
     """
     from torch.optim._muon import muon
 
