@@ -8,12 +8,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zero
+from zero.optimizers import Lion
 from zero.testing.training import build_model, make_batch, relative_error
 
 OPTIMIZERS = {
     "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
     "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.05, weight_decay=0.01),
     "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=0.01, momentum=0.5),
+    "lion": lambda ps: Lion(ps, lr=3e-3, betas=(0.9, 0.99), weight_decay=0.1),
+    "adagrad-decay": lambda ps: torch.optim.Adagrad(ps, lr=0.05, lr_decay=0.1, initial_accumulator_value=0.1),
 }
 
 

@@ -88,6 +88,12 @@ OPS: dict[str, OpSpec] = {
             cpp_sources=("bindings/cpu_adam.cpp",),
         ),
         OpSpec(
+            "cpu_optim",
+            "CPU Lion and Adagrad, the host update of their optimizer offload (C, OpenMP)",
+            c_sources=("optim/cpu_optim.c", "common/simd.c"),
+            cpp_sources=("bindings/cpu_optim.cpp",),
+        ),
+        OpSpec(
             "onebit",
             "1-bit pack with error feedback and unpack-mean (AVX-512 / AVX2 / portable C, OpenMP)",
             c_sources=("onebit/onebit.c", "common/simd.c"),

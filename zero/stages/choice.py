@@ -72,10 +72,43 @@ class ClientStep:
 
         return {k: v for k, v in group.items() if k != "params" and (k not in ADAM_DEFAULTS or k in self.defaults)}
 
+    def native(self, slots: list) -> bool:
+        """Lion and Adagrad on host masters run zero's native CPU kernels (zero/ops/cpu_optim.py)
+        on the slots' own state tensors (Lion's momentum in exp_avg, Adagrad's sum in exp_avg_sq),
+        as DeepSpeed's offload runs its CPU Lion and Adagrad; any other case runs the class itself."""
+        from zero.optimizers import Lion
+
+        d = self.defaults
+        plain = not d.get("maximize") and not d.get("differentiable") and not d.get("fused")
+        return self.cls in (Lion, torch.optim.Adagrad) and plain and all(s[1].device.type == "cpu" for s in slots)
+
+    def _native_step(self, param_groups: list[dict], slots: list, grad_scale: float) -> None:
+        from zero.ops.cpu_optim import adagrad_step, lion_step
+
+        self._steps = getattr(self, "_steps", 0) + 1
+        for gi, master, grad, exp_avg, exp_avg_sq, out16 in slots:
+            h = {**self.defaults, **self.hyperparameters(param_groups[gi])}
+            target = out16 if out16 is not None and out16.device.type == "cpu" and out16.dtype != torch.float32 \
+                else None
+            if self.cls is torch.optim.Adagrad:
+                if self._steps == 1 and h["initial_accumulator_value"]:
+                    exp_avg_sq.fill_(h["initial_accumulator_value"])
+                clr = h["lr"] / (1 + (self._steps - 1) * h["lr_decay"])
+                adagrad_step(master, grad, exp_avg_sq, clr=clr, eps=h["eps"], weight_decay=h["weight_decay"],
+                             grad_scale=grad_scale, out16=target)
+            else:
+                lion_step(master, grad, exp_avg, lr=h["lr"], betas=tuple(h["betas"]), weight_decay=h["weight_decay"],
+                          grad_scale=grad_scale, out16=target)
+            if out16 is not None and target is None:
+                out16.copy_(master)
+
     @torch.no_grad()
     def step(self, param_groups: list[dict], slots: list, grad_scale: float) -> None:
         """One step of the client optimizer on `slots` (see ShardedAdam.slots), gradients divided by
         `grad_scale` (see [Note: one divisor]); the 16-bit outputs are written from the masters."""
+        if self._optimizer is None and self.native(slots):
+            self._native_step(param_groups, slots, grad_scale)
+            return
         if self._optimizer is None:
             by_group: dict[int, list] = {}
             for gi, master, *_ in slots:
