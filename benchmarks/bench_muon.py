@@ -14,7 +14,8 @@ Each configuration runs in fresh rank processes (one thread each), bf16, micro-b
 - the Newton-Schulz work of the most loaded owner rank over the mean (zero.muon.assign_owners).
 Then, in this process, the time of one Muon update of a matrix of each shape the GPT has, with the
 master and momentum in host memory: Newton-Schulz on the host (its BLAS, every core) and, with --gpu,
-on the GPU with the bf16 update crossing the bus (see [Note: Newton-Schulz under offload]).
+on the GPU with the bf16 update crossing the bus (see [Note: Newton-Schulz under offload]); and the
+host step of offloaded Lion and Adagrad, zero's native kernels against the torch optimizers.
 """
 from __future__ import annotations
 
@@ -100,6 +101,52 @@ def newton_schulz_times(shapes: list[tuple[int, int]], gpu: bool, repeat: int = 
     return rows
 
 
+def host_optimizer_times(n: int = 8_000_000, repeat: int = 5) -> list[tuple[str, float, float]]:
+    """The host step of optimizer offload for Lion and Adagrad over `n` fp32 elements with a bf16
+    gradient: zero's native kernel (zero/ops/cpu_optim.py) against the torch optimizer on the same
+    tensors (zero.optimizers.Lion; torch.optim.Adagrad with its default foreach implementation)."""
+    grad = torch.randn(n).bfloat16()
+    rows = []
+    for name in ("Lion", "Adagrad"):
+        native, reference = _host_steps(name, n, grad)
+        times = []
+        for fn in (native, reference):
+            fn()  # warm-up (the op's build, the optimizer's state)
+            samples = []
+            for _ in range(repeat):
+                start = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - start)
+            times.append(statistics.median(samples) * 1e3)
+        rows.append((name, *times))
+    return rows
+
+
+def _host_steps(name: str, n: int, grad: torch.Tensor):
+    """(native step, torch step) of one optimizer on fresh tensors of `n` elements."""
+    from zero.ops.cpu_optim import adagrad_step, lion_step
+    from zero.optimizers import Lion
+
+    param, state = torch.randn(n), torch.zeros(n)
+    p = torch.nn.Parameter(torch.randn(n))
+    if name == "Lion":
+        opt = Lion([p], lr=1e-4, weight_decay=0.1)
+
+        def native():
+            lion_step(param, grad, state, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.1)
+    else:
+        opt = torch.optim.Adagrad([p], lr=1e-2, weight_decay=0.01)
+
+        def native():
+            adagrad_step(param, grad, state, clr=1e-2, eps=1e-10, weight_decay=0.01)
+
+    def reference():
+        p.grad = grad.float()  # the host copy of a bf16 gradient, as the torch path needs it
+        opt.step()
+
+    return native, reference
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2)
@@ -168,6 +215,12 @@ def main(argv: list[str] | None = None) -> None:
               "", "| matrix | host |", "|---|---:|"]
     for row in newton_schulz_times(shapes, gpu=False):
         lines.append(f"| {row['shape'][0]} x {row['shape'][1]} | {row['host']:.2f} |")
+    lines += ["", "## Optimizer offload for Lion and Adagrad: the host step, 8M fp32 elements, bf16 gradient, ms", "",
+              f"zero's native kernel (zero/ops/cpu_optim.py) against the torch optimizer on the same tensors, "
+              f"{torch.get_num_threads()} thread(s), median of 5.", "",
+              "| optimizer | native | torch | torch / native |", "|---|---:|---:|---:|"]
+    for name, native, reference in host_optimizer_times():
+        lines.append(f"| {name} | {native:.1f} | {reference:.1f} | {reference / native:.1f}x |")
     _emit(lines, RESULTS / "muon.md" if args.write else None)
 
 
