@@ -57,8 +57,8 @@ def _offloaded(stages) -> dict:
 
 
 def test_optimizer_offload_steps_any_optimizer_on_the_host_with_the_same_numbers(dist_run):
-    """DeepSpeed offloads Adam, Adagrad and Lion, FSDP2 any torch optimizer: zero too (torch's own update
-    on the host shards; only Adam has a native CPU kernel)."""
+    """DeepSpeed offloads Adam, Adagrad and Lion, FSDP2 any torch optimizer: zero too (Lion and Adagrad
+    with zero's native CPU kernels, the others with their own torch update on the host shards)."""
     for errors in dist_run(2, _offloaded, (0, 1, 2, 3)):
         for (name, stage), error in errors.items():
             assert error < (1e-5 if name == "rmsprop" else 1e-6), (name, stage, error)

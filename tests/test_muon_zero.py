@@ -131,9 +131,24 @@ def _variant(stage: int, extra: dict, zc: dict, init: bool = False) -> float:
                    for p, q in zip(model.parameters(), reference.parameters()))
 
 
+def _edit_in_place_one_rank() -> float:
+    """One rank, stage 3: the shard is the parameter; an in-place edit between steps must stand."""
+    torch.manual_seed(0)
+    model = Awkward()
+    engine = zero.initialize(model=model, config={"train_micro_batch_size_per_gpu": BATCH, "zero_optimization": {
+        "stage": 3}, "optimizer": {"type": "Muon", "params": SETTINGS}})[0]
+    _train(engine, range(2))
+    with torch.no_grad():
+        model.fc1.weight.mul_(0.5)
+        halved = model.fc1.weight.detach().clone()
+    with zero.GatheredParameters([model.fc1.weight]):
+        return (model.fc1.weight.detach() - halved).abs().max().item()
+
+
 def _variants(world_of_one: bool) -> dict:
     if world_of_one:
-        return {f"stage {s}, one rank": _variant(s, {}, {}) for s in (1, 2, 3)}
+        return {**{f"stage {s}, one rank": _variant(s, {}, {}) for s in (1, 2, 3)},
+                "stage 3, one rank, an edit in place stands": _edit_in_place_one_rank()}
     return {"stage 2, accumulation 2": _variant(2, {"gradient_accumulation_steps": 2}, {}),
             "stage 1, accumulation 2": _variant(1, {"gradient_accumulation_steps": 2}, {}),
             "stage 2, all-reduce": _variant(2, {}, {"reduce_scatter": False}),
@@ -286,6 +301,16 @@ def _states_and_schedule(stage: int) -> dict:
     safe_set_full_fp32_param(model.mid.weight, new)
     with zero.GatheredParameters([model.mid.weight]):
         out["set master reaches the model"] = (model.mid.weight.detach() - new).abs().max().item()
+    assert safe_get_full_optimizer_state(model.frozen.weight, "momentum_buffer") is None  # frozen: nothing kept
+    if stage == 3:  # a local set on the owner alone (not collective): every rank's gather sees it
+        from zero.accessors import safe_get_local_fp32_param, safe_set_local_fp32_param
+
+        doubled = safe_get_full_fp32_param(model.fc1.weight) * 2
+        mine = safe_get_local_fp32_param(model.fc1.weight)
+        if mine.numel():
+            safe_set_local_fp32_param(model.fc1.weight, mine * 2)
+        with zero.GatheredParameters([model.fc1.weight]):
+            out["a local set reaches every rank"] = (model.fc1.weight.detach() - doubled).abs().max().item()
     # offload_states: stage 3 gathers the matrices from their owners' masters, so a forward waits for them
     engine.offload_states(include=["hp_params"])
     x, y = _batch(9)

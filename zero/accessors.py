@@ -68,8 +68,10 @@ def _check_state_key(param, key: str) -> None:
     """Adam's parameters have 'exp_avg' and 'exp_avg_sq'; Muon's matrices 'momentum_buffer' (torch's
     and DeepSpeed's name)."""
     optimizer = _owner(param)
-    muon = optimizer is not None and any(q is param for g in optimizer.param_groups if g.get("use_muon")
-                                         for q in g["params"])
+    if optimizer is None:  # frozen: the accessor answers None
+        return
+    _no_client_state(optimizer, key)
+    muon = optimizer.storage.is_matrix(param)
     keys = ("momentum_buffer",) if muon else ("exp_avg", "exp_avg_sq")
     if key not in keys:
         whose = "Muon, which keeps" if muon else "Adam, which keeps"

@@ -203,13 +203,17 @@ def client_param_groups(module: nn.Module, optimizer: torch.optim.Optimizer, cfg
     section = getattr(cfg, "optimizer", None)
     if section is not None and section.type == "Muon":
         own = route(section.other_params).adamw
+        ignored = sorted(set(section.other_params) & {*MUON_ONLY, "muon_lr", "ns_method"})
+        if ignored:
+            warnings.warn(f"zero: optimizer.params {ignored} do not apply: the client torch.optim.Muon's own settings "
+                          f"drive its matrices (the section's AdamW keys drive the other parameters)", stacklevel=5)
     else:
         own = {"lr": first["lr"], "weight_decay": first["weight_decay"]}
         if rest:
             warnings.warn(f"zero: the {len(rest)} trainable parameter(s) outside the client torch.optim.Muon train with "
                           f"AdamW at its lr {first['lr']} and weight decay {first['weight_decay']}; set them with a "
                           f"config section \"optimizer\": {{\"type\": \"Muon\", \"params\": {{\"adam_lr\": ..., "
-                          f"\"betas\": ..., \"weight_decay\": ...}}}}", stacklevel=4)
+                          f"\"betas\": ..., \"weight_decay\": ...}}}}", stacklevel=5)
     return muon + [{**adamw_defaults(), **own, "use_muon": False, "params": rest}]
 
 

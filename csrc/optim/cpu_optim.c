@@ -24,7 +24,7 @@ static ALWAYS_INLINE void lion_typed(int64_t n, float *p, const void *g, int gd,
         const float gi = zero_load_f32(g, gd, i) / scale;
         const float mi = m[i];
         const float blend = mi * b1 + one_b1 * gi;
-        const float sign = (float)(blend > 0.0f) - (float)(blend < 0.0f);
+        const float sign = blend > 0.0f ? 1.0f : (blend < 0.0f ? -1.0f : blend); /* torch's sign: NaN stays NaN */
         const float pi = p[i] * decay + (-lr) * sign;
         p[i] = pi;
         m[i] = mi * b2 + one_b2 * gi;

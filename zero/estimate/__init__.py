@@ -481,7 +481,9 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
     buffers += errors + local_state + (p * shard if compressed_gather else 0)  # the owned slices before the step
     in_backward += errors + local_state
     on_host = (fp32_master + states if offload_opt else 0) + (p * psi / n if offload_param else 0)
-    host = on_host + host_staging
+    # stage 3 under offload: Muon's owners keep their matrices' 16-bit values in host memory too
+    host_copies = p * muon_shard if stage == 3 and (offload_param or offload_opt and n > 1) else 0
+    host = on_host + host_staging + host_copies
     device = params + grads + fp32_master + states + buffers - on_host
     values = dict(params=params, grads=grads, fp32_master=fp32_master, optimizer_states=states,
                   host_staging=host_staging, buffers=buffers, device_bytes=device, host_bytes=host,

@@ -459,8 +459,8 @@ class WarmupLR(_BatchScheduler):
         own = sorted({float(group["lr"]) for group in groups})
         if isinstance(warmup_max_lr, (int, float)) and len(own) > 1:  # e.g. Muon's muon_lr and adam_lr
             warnings.warn(f"{name}: warmup_max_lr={warmup_max_lr} becomes the lr of every param group, replacing "
-                          f"their own lrs {own}; give one warmup_max_lr per group, or use WarmupCosineLR, which "
-                          f"scales each group's own lr", stacklevel=3)
+                          f"their own lrs {own}; leave warmup_max_lr unset (WarmupLR then warms each group up to its "
+                          f"own lr), or use WarmupCosineLR, which scales each group's own lr", stacklevel=3)
         self.min_lrs = _per_group(name, "warmup_min_lr", warmup_min_lr, len(groups))
         self.max_lrs = _per_group(name, "warmup_max_lr", warmup_max_lr, len(groups))
         self.delta_lrs = [hi - lo for hi, lo in zip(self.max_lrs, self.min_lrs)]

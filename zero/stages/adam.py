@@ -311,7 +311,8 @@ class ShardedAdam(torch.optim.Optimizer):
             if not rest:
                 pass
             elif self.client is not None:
-                self.client.step(self.param_groups, rest, grad_scale)
+                self.client.step(self.param_groups, rest, grad_scale,
+                                 self.offload.num_threads if self.offload is not None else None)
             elif host is not None:
                 threads = self.offload.num_threads
                 host.step(slots, lambda g, *t: self._adam(self.param_groups[g], *t[:4], grad_scale, t[4], threads,

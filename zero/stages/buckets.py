@@ -136,6 +136,9 @@ class FlatParams(ParamStorage):
                         self.muon_pos[i] = at
                         at += self.layout.numels[i]
 
+    def is_matrix(self, param: nn.Parameter) -> bool:
+        return self._index.get(param) in self.matrices
+
     def owns(self, i: int) -> bool:
         """Does this rank update parameter i's matrix (Muon's; see [Note: Muon in buckets])?"""
         return i in self.muon_pos

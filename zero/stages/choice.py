@@ -72,42 +72,60 @@ class ClientStep:
 
         return {k: v for k, v in group.items() if k != "params" and (k not in ADAM_DEFAULTS or k in self.defaults)}
 
-    def native(self, slots: list) -> bool:
+    def _native_settings(self, param_groups: list[dict], slots: list) -> list[dict] | None:
         """Lion and Adagrad on host masters run zero's native CPU kernels (zero/ops/cpu_optim.py)
-        on the slots' own state tensors (Lion's momentum in exp_avg, Adagrad's sum in exp_avg_sq),
-        as DeepSpeed's offload runs its CPU Lion and Adagrad; any other case runs the class itself."""
+        on the slots' own fp32 state (Lion's momentum in exp_avg, Adagrad's sum in exp_avg_sq), as
+        DeepSpeed's offload runs its CPU Lion and Adagrad: each slot's settings, checked, or None
+        where the class itself must run (another class, maximize, a state elsewhere, a value the
+        kernels do not take), decided before anything changes."""
         from zero.optimizers import Lion
 
-        d = self.defaults
-        plain = not d.get("maximize") and not d.get("differentiable") and not d.get("fused")
-        return self.cls in (Lion, torch.optim.Adagrad) and plain and all(s[1].device.type == "cpu" for s in slots)
+        if self.cls not in (Lion, torch.optim.Adagrad):
+            return None
+        out = []
+        for gi, master, _, exp_avg, exp_avg_sq, _ in slots:
+            h = {**self.defaults, **self.hyperparameters(param_groups[gi])}
+            state = exp_avg if self.cls is Lion else exp_avg_sq
+            numbers = [h["lr"], h["weight_decay"], *([h["eps"], h["lr_decay"]] if self.cls is not Lion else [])]
+            if (h.get("maximize") or h.get("differentiable") or h.get("fused") or master.device.type != "cpu"
+                    or state.dtype != torch.float32 or state.numel() != master.numel()
+                    or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in numbers)):
+                return None
+            out.append(h)
+        return out
 
-    def _native_step(self, param_groups: list[dict], slots: list, grad_scale: float) -> None:
+    def _native_step(self, settings: list[dict], slots: list, grad_scale: float, num_threads: int | None) -> None:
         from zero.ops.cpu_optim import adagrad_step, lion_step
 
-        self._steps = getattr(self, "_steps", 0) + 1
-        for gi, master, grad, exp_avg, exp_avg_sq, out16 in slots:
-            h = {**self.defaults, **self.hyperparameters(param_groups[gi])}
+        step = getattr(self, "_steps", 0) + 1
+        for h, (_, master, grad, exp_avg, exp_avg_sq, out16) in zip(settings, slots):
             target = out16 if out16 is not None and out16.device.type == "cpu" and out16.dtype != torch.float32 \
                 else None
             if self.cls is torch.optim.Adagrad:
-                if self._steps == 1 and h["initial_accumulator_value"]:
+                if step == 1 and h["initial_accumulator_value"]:
                     exp_avg_sq.fill_(h["initial_accumulator_value"])
-                clr = h["lr"] / (1 + (self._steps - 1) * h["lr_decay"])
+                clr = h["lr"] / (1 + (step - 1) * h["lr_decay"])
                 adagrad_step(master, grad, exp_avg_sq, clr=clr, eps=h["eps"], weight_decay=h["weight_decay"],
-                             grad_scale=grad_scale, out16=target)
+                             grad_scale=grad_scale, out16=target, num_threads=num_threads)
             else:
                 lion_step(master, grad, exp_avg, lr=h["lr"], betas=tuple(h["betas"]), weight_decay=h["weight_decay"],
-                          grad_scale=grad_scale, out16=target)
-            if out16 is not None and target is None:
+                          grad_scale=grad_scale, out16=target, num_threads=num_threads)
+            if out16 is not None and target is None:  # a device parameter: one copy per slot
                 out16.copy_(master)
+        self._steps = step
 
     @torch.no_grad()
-    def step(self, param_groups: list[dict], slots: list, grad_scale: float) -> None:
+    def step(self, param_groups: list[dict], slots: list, grad_scale: float, num_threads: int | None = None) -> None:
         """One step of the client optimizer on `slots` (see ShardedAdam.slots), gradients divided by
-        `grad_scale` (see [Note: one divisor]); the 16-bit outputs are written from the masters."""
-        if self._optimizer is None and self.native(slots):
-            self._native_step(param_groups, slots, grad_scale)
+        `grad_scale` (see [Note: one divisor]); the 16-bit outputs are written from the masters.
+        `num_threads`: the host threads of the native kernels (optimizer offload's)."""
+        settings = self._native_settings(param_groups, slots) if self._optimizer is None else None
+        if settings is None and getattr(self, "_steps", 0):
+            raise ValueError(f"{self.cls.__name__}: a param group now asks for what zero's native host step does not do "
+                             f"(maximize, differentiable, fused, or a non-number setting), after steps that kept the "
+                             f"state in zero's own tensors; set it before the first step")
+        if settings is not None:
+            self._native_step(settings, slots, grad_scale, num_threads)
             return
         if self._optimizer is None:
             by_group: dict[int, list] = {}

@@ -473,6 +473,7 @@ class UnitParams(ParamStorage):
         self.units: list[ParamUnit] = []
         unit_modules: list[nn.Module | None] = []
         host_empty = self.host_memory.empty if options.pin_memory else self.host_memory.empty_pageable
+        pin = offload.pin_memory if offload is not None else options.pin_memory  # Muon owners' host copies
         alias = precision.master_is_model and offload is None and not options.offload_param
         for path, unit_params in planned + ([("<persistent>", persistent)] if persistent else []):
             unit = ParamUnit(len(self.units), path, unit_params, [group_of.get(p, -1) for p in unit_params], comm,
@@ -481,7 +482,8 @@ class UnitParams(ParamStorage):
                              alias_master=alias,
                              persistent=path == "<persistent>", offload_param=options.offload_param,
                              host_empty=host_empty, gauges=gauges, owners=owners,
-                             new_state=lambda like: self.new_state(like, device))
+                             new_state=lambda like: self.new_state(like, device),
+                             host16=lambda n: self.host_memory.empty((n,), precision.param, pin))
             self.units.append(unit)
             unit_modules.append(None if unit.persistent else modules.get(path))
         self.hook_state_dict_loads(module)
@@ -493,8 +495,9 @@ class UnitParams(ParamStorage):
         if options.gather_on_apply:
             _gather_on_apply(module)
         self.watch_edits([p for unit in self.units for p in unit.params])
-        if any(m.master is not None and m.out16 is None for unit in self.units for m in unit.matrices.values()):
-            self.forward_kinds = frozenset({"fp32_master"})  # see [Note: Muon in units]
+        if offload is None and not options.offload_param and comm.world_size > 1 and \
+                any(unit.matrices for unit in self.units):  # the same on every rank
+            self.forward_kinds = frozenset({"fp32_master"})  # gathers read the owners' masters: [Note: Muon in units]
 
     def slots(self) -> list[Slot]:
         out = []
@@ -545,6 +548,10 @@ class UnitParams(ParamStorage):
         for unit in self.units:
             unit.mark_updated(masters_written=True)
 
+    def is_matrix(self, param: nn.Parameter) -> bool:
+        unit = getattr(getattr(param, "_zero", None), "unit", None)
+        return unit is not None and any(unit.params[i] is param for i in unit.matrices)
+
     def values_set(self, param: nn.Parameter) -> None:
         """A persistent unit stays gathered: gather it again from the shards (and Muon's owners)."""
         unit = param._zero.unit
@@ -573,14 +580,16 @@ class UnitParams(ParamStorage):
             unit.zero_grads()
 
     def memory_parts(self) -> tuple[dict[str, list[torch.Tensor]], set[str]]:
+        host_copies = [m.out16 for u in self.units for m in u.matrices.values() if m.out16 is not None]
         return {
+            "host_copies": host_copies,  # Muon owners' 16-bit copies under offload (not a model state kind)
             "params": [u.shard for u in self.units],
             "persistent_full": [u.full for u in self.units if u.persistent],
             "grads": [r.grad for u in self.units for r in u.ranges] + _owned(self.units, "grad"),
             "fp32_master": [r.master for u in self.units for r in u.ranges] + _owned(self.units, "master"),
             "optimizer_states": [t for u in self.units for r in u.ranges for t in (r.exp_avg, r.exp_avg_sq, *(r.scales or ()))]
             + _owned(self.units, "momentum"),
-        }, {"params"} if self.offload_param else set()
+        }, ({"params"} if self.offload_param else set()) | {"host_copies"}
 
     def memory_extras(self, report: dict[str, int]) -> None:
         persistent = report.pop("persistent_full")  # full copies, on the device, counted as parameters

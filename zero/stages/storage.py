@@ -247,6 +247,10 @@ class ParamStorage(abc.ABC):
     def adopt_edit(self, param: nn.Parameter) -> None:
         """Take `param`'s current (edited) values into the storage's own copies."""
 
+    def is_matrix(self, param: nn.Parameter) -> bool:
+        """Does Muon update `param` (whole, on one owner rank; see zero/muon.py)?"""
+        return False
+
     def values_set(self, param: nn.Parameter) -> None:
         """`param`'s master and shards were set on every rank (a collective accessor): bring copies
         made from them up to date (stage 3's persistent units); none here."""

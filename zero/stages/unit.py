@@ -130,6 +130,8 @@ class ParamUnit:
         owners: the owner rank of each parameter Muon updates (see [Note: Muon in units]).
         new_state: makes a zero fp32 optimizer state shaped like a tensor (in host memory under
             optimizer offload; ParamStorage.new_state).
+        host16: allocates an owner's host copy of a matrix in the training dtype (offload; pinned
+            when asked).
     """
 
     def __init__(self, index: int, name: str, params: list[nn.Parameter], groups: list[int], comm: Comm,
@@ -138,12 +140,13 @@ class ParamUnit:
                  alias_master: bool, persistent: bool,
                  offload_param: bool, host_empty: Callable[..., torch.Tensor], gauges: Gauges,
                  owners: dict[nn.Parameter, int] | None = None,
-                 new_state: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 new_state: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 host16: Callable[[int], torch.Tensor] | None = None):
         self.index, self.name, self.comm, self.device = index, name, comm, device
         self.dtype, self.reduce_dtype = precision.param, precision.reduce
         self.persistent, self.offload_param = persistent, offload_param
         self.gauges = gauges
-        self.host_empty = host_empty
+        self.host16 = host16 or (lambda n: host_empty(n, dtype=self.dtype))
         self.new_state = new_state or (lambda like: torch.zeros(like.shape, device=device))
         owners = owners or {}
         # trainable first, by group; Muon's matrices last (see [Note: Muon in units])
@@ -162,6 +165,7 @@ class ParamUnit:
         self.gathered = len(self.params) - len(self.matrices)  # the parameters the all-gather carries, first
         self.gather_numel = sum(self.split_sizes[: self.gathered])
         self.trainable_numel = sum(self.split_sizes[: len(self.trainable) - len(self.matrices)])  # reduce-scattered
+        self.aliased = world == 1 and not offload_param  # the shard is the parameter (see the notes above)
         self.full_numel = world * self.numel  # gathered elements (what stage3_max_live_parameters counts)
 
         with torch.no_grad():
@@ -189,7 +193,6 @@ class ParamUnit:
         for p, z, off in zip(self.params, info, self.offsets):  # see [Note: ds attributes]
             mark_ds(p, z, self.shard[off : off + z.shard_numel], persistent)
         # the full buffer and the parameters' views into it, made once (see [Note: freeing gathered parameters])
-        self.aliased = world == 1 and not offload_param
         self.full = self.shard if self.aliased else torch.empty(self.full_numel, dtype=self.dtype, device=device)
         self._views = [self.full[world * off : world * off + z.numel].view(z.shape) for z, off in zip(info, self.offsets)]
         self._blocks = [self.full[world * off : world * (off + s)].view(world, s)
@@ -220,8 +223,9 @@ class ParamUnit:
             m.master = self.new_state(full).copy_(full)
             m.momentum = self.new_state(full)
             m.grad = torch.zeros(full.numel(), dtype=precision.grad, device=self.device)
-            if m.master.device != self.device or self.offload_param:  # offloaded: gathers copy 16 bits, not 32
-                m.out16 = self.host_empty(full.numel(), dtype=self.dtype).copy_(full)
+            offloaded = m.master.device != self.device or self.offload_param
+            if offloaded and not self.aliased:  # gathers copy 16 bits from the host, not 32
+                m.out16 = self.host16(full.numel()).copy_(full)
 
     def __repr__(self) -> str:
         return f"ParamUnit({self.index}, '{self.name or '<root>'}', {len(self.params)} params, {self.full_numel} elements)"
@@ -299,8 +303,7 @@ class ParamUnit:
             self.gauges.gather_buffers.sub(_nbytes(inflight.buffer))
         for i, work, _ in inflight.matrices:
             wait(work)
-            if self.matrices[i].stale:
-                self._take_shard(i, self._views[i].view(-1))
+            self._take_shard(i, self._views[i].view(-1))  # a local copy of s elements: cheaper than a flag
         self._show()
         self.state = ShardedState.GATHERED
 
@@ -324,6 +327,8 @@ class ParamUnit:
         """The owners updated their matrices: the ranks' shards are stale until the next gather.
         `masters_written`: the masters were written from outside the step (a checkpoint load, an
         accessor), so the owners' host copies (offload) follow them now."""
+        if self.aliased:  # the step writes the parameter itself (its slot's out16); nothing is gathered
+            return
         for m in self.matrices.values():
             m.stale = True
             if masters_written and m.out16 is not None:
@@ -332,8 +337,13 @@ class ParamUnit:
     def freshen(self) -> None:
         """Bring stale matrix shards up to date from their owners (collective: every rank calls it
         for the same units, as GatheredParameters and `param.all_gather()` are)."""
-        for i, m in self.matrices.items():
-            if m.stale:
+        if not self.matrices or self.aliased:
+            return
+        positions = sorted(self.matrices)
+        stale = torch.tensor([self.matrices[i].stale for i in positions], dtype=torch.uint8)
+        self.comm.control().all_reduce(stale, "max")  # stale on any rank (a local accessor on some ranks only)
+        for i, flag in zip(positions, stale.tolist()):
+            if flag:
                 full = torch.empty(self.params[i]._zero.numel, dtype=self.dtype, device=self.device)
                 self._broadcast_matrix(i, full).wait()
                 self._take_shard(i, full)
