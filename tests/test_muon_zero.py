@@ -67,7 +67,7 @@ def _train(engine, steps: range) -> None:
             engine.step()
 
 
-def _reference(model: Awkward, client: bool, steps: int) -> None:
+def _reference(model: Awkward, client: bool, steps: int) -> tuple[torch.optim.Muon, torch.optim.AdamW]:
     """torch.optim.Muon on the matrices and torch.optim.AdamW on the rest, one process, whole batch."""
     muon = torch.optim.Muon(model.matrices(), lr=0.02, momentum=0.9, weight_decay=0.01)
     taken = {id(p) for p in model.matrices()}
@@ -81,6 +81,7 @@ def _reference(model: Awkward, client: bool, steps: int) -> None:
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
         muon.step()
         adamw.step()
+    return muon, adamw
 
 
 def _errors(stages: tuple[int, ...]) -> dict:
@@ -276,17 +277,7 @@ def _states_and_schedule(stage: int) -> dict:
               "optimizer": {"type": "Muon", "params": SETTINGS}}
     engine = zero.initialize(model=model, config=config)[0]
     _train(engine, range(3))
-    muon = torch.optim.Muon(reference.matrices(), lr=0.02, momentum=0.9, weight_decay=0.01)
-    taken = {id(p) for p in reference.matrices()}
-    adamw = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad and id(p) not in taken], lr=0.003,
-                              betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
-    for step in range(3):
-        muon.zero_grad()
-        adamw.zero_grad()
-        reference(*_batch(step)).backward()
-        torch.nn.utils.clip_grad_norm_([p for p in reference.parameters() if p.requires_grad], 1.0)
-        muon.step()
-        adamw.step()
+    muon, adamw = _reference(reference, False, 3)
     out = {}
     # the accessors: a matrix's momentum_buffer and master, whole from its owner; Adam's keys refused on it
     got = safe_get_full_optimizer_state(model.fc1.weight, "momentum_buffer")

@@ -391,26 +391,19 @@ class Comm:
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False, label: str = "broadcast"):
         """In-place broadcast from the group's rank `src` (its place in this group, which is the
         global rank for the default group). `label` names it in the counts."""
-        src = dist.get_global_rank(self.group, src) if self.distributed and self.group is not None else src
-        self._count(label, tensor)
-        with record_function(f"zero::{label}"):
-            if self.world_size == 1:
-                return _Done() if async_op else None
-            staged = self._staged([], [tensor])
-            if staged is not None:
-                _, (t,) = staged
-                dist.broadcast(t, src=src, group=self.group)
-                tensor.copy_(t)
-                return _Done() if async_op else None
-            if self.backend == "gloo":
-                work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
-                return self._bounded(work, async_op, f"a broadcast of {tensor.numel():,} elements from rank {src}")
-            return dist.broadcast(tensor, src=src, group=self.group, async_op=async_op)
+        return self._rooted(lambda t, root, **kw: dist.broadcast(t, src=root, **kw), tensor, src, async_op, label,
+                            f"a broadcast of {tensor.numel():,} elements from rank {src}")
 
     def reduce(self, tensor: torch.Tensor, dst: int, async_op: bool = False, label: str = "reduce"):
         """In-place SUM over ranks into the group's rank `dst` (other ranks' `tensor` is left
         undefined, as torch's reduce leaves it). `label` names it in the counts."""
-        dst = dist.get_global_rank(self.group, dst) if self.distributed and self.group is not None else dst
+        return self._rooted(lambda t, root, **kw: dist.reduce(t, dst=root, op=dist.ReduceOp.SUM, **kw), tensor, dst,
+                            async_op, label, f"a reduce of {tensor.numel():,} elements to rank {dst}")
+
+    def _rooted(self, collective: Callable, tensor: torch.Tensor, root: int, async_op: bool, label: str, what: str):
+        """One in-place collective with a root rank of this group (broadcast, reduce): counted,
+        staged through the GPU for a host tensor under NCCL, bounded on gloo."""
+        root = dist.get_global_rank(self.group, root) if self.distributed and self.group is not None else root
         self._count(label, tensor)
         with record_function(f"zero::{label}"):
             if self.world_size == 1:
@@ -418,13 +411,12 @@ class Comm:
             staged = self._staged([], [tensor])
             if staged is not None:
                 _, (t,) = staged
-                dist.reduce(t, dst=dst, op=dist.ReduceOp.SUM, group=self.group)
+                collective(t, root, group=self.group)
                 tensor.copy_(t)
                 return _Done() if async_op else None
             if self.backend == "gloo":
-                work = dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-                return self._bounded(work, async_op, f"a reduce of {tensor.numel():,} elements to rank {dst}")
-            return dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+                return self._bounded(collective(tensor, root, group=self.group, async_op=True), async_op, what)
+            return collective(tensor, root, group=self.group, async_op=async_op)
 
     # -- bounded waits and rank agreement
 

@@ -78,7 +78,7 @@ from zero.sequence.groups import sequence_parallel_group
 from zero.sequence.ulysses import exchanges, refuse_without_exchange, take_traffic
 from zero.stages import build_optimizer
 from zero.stages.adam import ADAM_DEFAULTS, check_param_groups
-from zero.stages.choice import _optimizer_defaults, _param_groups, client_state_dtype, client_step, muon_param_groups
+from zero.stages.choice import client_state_dtype, optimizer_groups
 from zero.stages.policies import strict_tag_checks
 from zero.stages.relocation import BACKWARD_NEEDS
 
@@ -163,11 +163,7 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         # see [Note: an engine without an optimizer]
         self.trains = optimizer is not None or config.optimizer is not None
         if self.trains:
-            muon = muon_param_groups(config, optimizer, module, model_parameters)
-            client = None if muon is not None else client_step(config, optimizer)  # not Adam: on the shards
-            defaults = {} if muon is not None else _optimizer_defaults(config, optimizer, client)
-            groups = _param_groups(module, muon or (model_parameters if optimizer is None else optimizer.param_groups),
-                                   defaults)
+            client, groups, muon = optimizer_groups(config, optimizer, module, model_parameters)
             check_param_groups(groups, "Check model_parameters / the optimizer's param groups.")
             if any(g.get("eps") == 0 for g in groups):
                 warnings.warn("zero: Adam eps is 0: an element whose gradient is 0 (an unused parameter, a padding "
@@ -176,7 +172,7 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         else:
             _warn_scheduler_without_optimizer(config, lr_scheduler)
             lr_scheduler = None
-            client, muon, groups = None, None, [{**ADAM_DEFAULTS, "params": []}]  # nothing to train: all frozen
+            client, muon, groups = None, False, [{**ADAM_DEFAULTS, "params": []}]  # nothing to train: all frozen
         _refuse_claimed(module, {p for g in groups for p in g["params"]}, config.zero_optimization.stage)
         _refuse_foreign_parameters(module, groups, config)
         check_ranks_agree(module, config, self.comm)  # before the first broadcast
@@ -193,7 +189,7 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
                 module, [p for g in groups for p in g["params"]])
         self.optimizer = build_optimizer(module, groups, config, self.comm, self.device, client=client,
                                          model_parallel=ModelParallelNorm.of(module, mesh) if mesh is not None else None,
-                                         state_dtype=client_state_dtype(optimizer, config), muon=muon is not None)
+                                         state_dtype=client_state_dtype(optimizer, config), muon=muon)
         _claim(module, self.optimizer, config.zero_optimization.stage)  # whose hooks take the gradients now
         self._trainable = [(n, p, p.requires_grad) for n, p in module.named_parameters()]
         self._warned_count = False

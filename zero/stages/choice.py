@@ -148,6 +148,18 @@ class ClientStep:
                 out16.copy_(master)
 
 
+def optimizer_groups(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None, module: nn.Module,
+                     model_parameters) -> tuple[ClientStep | None, list[dict], bool]:
+    """What the engine's optimizer runs: (the client optimizer to run on the shards instead of
+    zero's Adam, or None; the param groups, complete; whether they are Muon's and AdamW's)."""
+    muon = muon_param_groups(cfg, optimizer, module, model_parameters)
+    if muon is not None:
+        return None, _param_groups(module, muon, {}), True
+    client = client_step(cfg, optimizer)
+    groups = model_parameters if optimizer is None else optimizer.param_groups
+    return client, _param_groups(module, groups, _optimizer_defaults(cfg, optimizer, client)), False
+
+
 def muon_param_groups(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None, module: nn.Module,
                       model_parameters) -> list[dict] | None:
     """The param groups of a Muon run (config type Muon, or a client torch.optim.Muon), each with
