@@ -69,13 +69,33 @@ static ALWAYS_INLINE void adagrad_typed(int64_t n, float *p, const void *g, int 
         }                                                                                               \
     } while (0)
 
-static void lion_tile(int64_t n, float *p, const void *g, int gd, float *m, void *out, int od, const lion_coeffs *c) {
+/* a tile of either optimizer: `coeffs` is its lion_coeffs or adagrad_coeffs */
+typedef void (*tile_fn)(int64_t n, float *p, const void *g, int gd, float *state, void *out, int od, const void *coeffs);
+
+static void lion_tile(int64_t n, float *p, const void *g, int gd, float *m, void *out, int od, const void *coeffs) {
+    const lion_coeffs *c = coeffs;
     DISPATCH(lion_typed, n, p, g, gd, m, out, od, c);
 }
 
-static void adagrad_tile(int64_t n, float *p, const void *g, int gd, float *s, void *out, int od,
-                         const adagrad_coeffs *c) {
+static void adagrad_tile(int64_t n, float *p, const void *g, int gd, float *s, void *out, int od, const void *coeffs) {
+    const adagrad_coeffs *c = coeffs;
     DISPATCH(adagrad_typed, n, p, g, gd, s, out, od, c);
+}
+
+/* The step over n elements in tiles of TILE, handed to OpenMP threads as cpu_adam.c does. */
+static void run_tiles(tile_fn tile, int64_t n, float *param, const void *grad, int32_t grad_dtype, float *state,
+                      void *out16, int32_t out16_dtype, const void *coeffs, int num_threads) {
+    const int od = out16 ? out16_dtype : ZERO_F32;
+    const size_t gsz = (size_t)zero_dtype_size(grad_dtype);
+    const int64_t ntiles = (n + TILE - 1) / TILE;
+    const int threads = zero_cpu_thread_count(num_threads);
+    (void)threads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (ntiles > 1 && threads > 1)
+    for (int64_t t = 0; t < ntiles; t++) {
+        const int64_t b = t * TILE, cnt = n - b < TILE ? n - b : TILE;
+        tile(cnt, param + b, (const char *)grad + (size_t)b * gsz, grad_dtype, state + b,
+             out16 ? (void *)((uint16_t *)out16 + b) : NULL, od, coeffs);
+    }
 }
 
 static int bad_dtypes(int32_t grad_dtype, const void *out16, int32_t out16_dtype) {
@@ -91,17 +111,7 @@ int zero_cpu_lion_step(int64_t n, float *param, const void *grad, int32_t grad_d
         !(grad_scale > 0.0f) || !(lr >= 0.0f) || !(weight_decay >= 0.0f))
         return ZERO_BAD_ARGUMENT;
     const lion_coeffs c = {lr, beta1, beta2, weight_decay, grad_scale};
-    const int od = out16 ? out16_dtype : ZERO_F32;
-    const size_t gsz = (size_t)zero_dtype_size(grad_dtype);
-    const int64_t ntiles = (n + TILE - 1) / TILE;
-    const int threads = zero_cpu_thread_count(num_threads);
-    (void)threads;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (ntiles > 1 && threads > 1)
-    for (int64_t t = 0; t < ntiles; t++) {
-        const int64_t b = t * TILE, cnt = n - b < TILE ? n - b : TILE;
-        lion_tile(cnt, param + b, (const char *)grad + (size_t)b * gsz, grad_dtype, exp_avg + b,
-                  out16 ? (void *)((uint16_t *)out16 + b) : NULL, od, &c);
-    }
+    run_tiles(lion_tile, n, param, grad, grad_dtype, exp_avg, out16, out16_dtype, &c, num_threads);
     return ZERO_OK;
 }
 
@@ -112,16 +122,6 @@ int zero_cpu_adagrad_step(int64_t n, float *param, const void *grad, int32_t gra
         !(grad_scale > 0.0f) || !(clr >= 0.0f) || !(eps >= 0.0f) || !(weight_decay >= 0.0f))
         return ZERO_BAD_ARGUMENT;
     const adagrad_coeffs c = {clr, eps, weight_decay, grad_scale};
-    const int od = out16 ? out16_dtype : ZERO_F32;
-    const size_t gsz = (size_t)zero_dtype_size(grad_dtype);
-    const int64_t ntiles = (n + TILE - 1) / TILE;
-    const int threads = zero_cpu_thread_count(num_threads);
-    (void)threads;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (ntiles > 1 && threads > 1)
-    for (int64_t t = 0; t < ntiles; t++) {
-        const int64_t b = t * TILE, cnt = n - b < TILE ? n - b : TILE;
-        adagrad_tile(cnt, param + b, (const char *)grad + (size_t)b * gsz, grad_dtype, state_sum + b,
-                     out16 ? (void *)((uint16_t *)out16 + b) : NULL, od, &c);
-    }
+    run_tiles(adagrad_tile, n, param, grad, grad_dtype, state_sum, out16, out16_dtype, &c, num_threads);
     return ZERO_OK;
 }

@@ -308,12 +308,10 @@ class ShardedAdam(torch.optim.Optimizer):
                 self._muon(self.param_groups[slots[i][0]], slots[i], grad_scale, compute[i])
         rest = [s for i, s in enumerate(slots) if i not in muon]
         with record_function("zero::adam"):
-            if not rest:
-                pass
-            elif self.client is not None:
+            if rest and self.client is not None:
                 self.client.step(self.param_groups, rest, grad_scale,
                                  self.offload.num_threads if self.offload is not None else None)
-            elif host is not None:
+            elif rest and host is not None:
                 threads = self.offload.num_threads
                 host.step(slots, lambda g, *t: self._adam(self.param_groups[g], *t[:4], grad_scale, t[4], threads,
                                                           scales=t[5], index=t[6]),
