@@ -11,7 +11,7 @@ Each configuration runs in fresh rank processes (one thread each), bf16, micro-b
 - step time (median over ranks of the median step after warm-up) and the optimizer step's share
   (`wall_clock_breakdown`), with and without optimizer offload;
 - model-state bytes per trainable parameter over all ranks, measured by memory_report() at stage 3;
-- the Newton-Schulz work of the most loaded owner rank over the mean (zero.muon.assign_owners).
+- the Newton-Schulz work of the most loaded owner rank over the mean (zero.optim.muon.assign_owners).
 Then, in this process, the time of one Muon update of a matrix of each shape the GPT has, with the
 master and momentum in host memory: Newton-Schulz on the host (its BLAS, every core) and, with --gpu,
 on the GPU with the bf16 update crossing the bus (see [Note: Newton-Schulz under offload]); and the
@@ -77,7 +77,7 @@ def step_share(split: dict) -> float:
 
 def newton_schulz_times(shapes: list[tuple[int, int]], gpu: bool, repeat: int = 5) -> list[dict]:
     """One Muon update per shape, master and momentum in host memory: host only, and with the GPU."""
-    from zero.muon import update_matrix
+    from zero.optim.muon import update_matrix
 
     rows = []
     for shape in shapes:
@@ -104,7 +104,7 @@ def newton_schulz_times(shapes: list[tuple[int, int]], gpu: bool, repeat: int = 
 def host_optimizer_times(n: int = 8_000_000, repeat: int = 5) -> list[tuple[str, float, float]]:
     """The host step of optimizer offload for Lion and Adagrad over `n` fp32 elements with a bf16
     gradient: zero's native kernel (zero/ops/cpu_optim.py) against the torch optimizer on the same
-    tensors (zero.optimizers.Lion; torch.optim.Adagrad with its default foreach implementation)."""
+    tensors (zero.optim.lion.Lion; torch.optim.Adagrad with its default foreach implementation)."""
     grad = torch.randn(n).bfloat16()
     rows = []
     for name in ("Lion", "Adagrad"):
@@ -125,7 +125,7 @@ def host_optimizer_times(n: int = 8_000_000, repeat: int = 5) -> list[tuple[str,
 def _host_steps(name: str, n: int, grad: torch.Tensor):
     """(native step, torch step) of one optimizer on fresh tensors of `n` elements."""
     from zero.ops.cpu_optim import adagrad_step, lion_step
-    from zero.optimizers import Lion
+    from zero.optim.lion import Lion
 
     param, state = torch.randn(n), torch.zeros(n)
     p = torch.nn.Parameter(torch.randn(n))
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         big = [(3 * 2048, 2048), (2048, 2048), (4 * 2048, 2048), (2048, 4 * 2048)]
         lines += [f"# Newton-Schulz under optimizer offload: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
                   f"{time.strftime('%Y-%m-%d')}", "",
-                  "One Muon update, master and momentum in host memory (zero/muon.py, [Note: Newton-Schulz under "
+                  "One Muon update, master and momentum in host memory (zero/optim/muon.py, [Note: Newton-Schulz under "
                   "offload]); median of 5, ms.", "", "| matrix | host BLAS | GPU (bf16 over the bus) | host / GPU |",
                   "|---|---:|---:|---:|"]
         for row in newton_schulz_times(shapes + big, gpu=True):
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
         _emit(lines, RESULTS / "muon_gpu.md" if args.write else None)
         return
 
-    from zero.muon import assign_owners, ns_cost
+    from zero.optim.muon import assign_owners, ns_cost
 
     lines += [f"# Muon under ZeRO against AdamW: {args.layers}-layer GPT, width {e}, {args.world} gloo ranks (CPU), "
               f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}", "",

@@ -43,7 +43,7 @@ def wire_factor(name: str, world: int) -> float:
 
 def _slow_link(gbit: float) -> None:
     """Charge every data-group collective its wire bytes at `gbit` Gbit/s (see the docstring)."""
-    from zero import comm
+    from zero.parallel import comm
 
     original = comm.Comm._count
 

@@ -15,7 +15,7 @@ a few warm-up steps and then `--steps` timed steps, and reports:
 
 DDP and FSDP2 use torch.optim.AdamW with fused=True where torch has it on CPU (the fastest torch
 Adam), so the comparison is against the best peer setup, not a straw man. Communication on gloo
-is emulated with all-reduces (see zero/comm.py): the step-time ratio on CPU measures overheads,
+is emulated with all-reduces (see zero/parallel/comm.py): the step-time ratio on CPU measures overheads,
 not a network.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zero
-from zero.optimizers import Lion
+from zero.optim.lion import Lion
 from zero.testing.training import build_model, make_batch, relative_error
 
 OPTIMIZERS = {
@@ -98,7 +98,7 @@ def test_whole_tensor_optimizers_are_refused_and_unknown_ones_warn():
 CONFIG_TYPES = {
     "SGD": ({"lr": 0.05, "momentum": 0.9}, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)),
     "Adagrad": ({"lr": 0.05}, lambda ps: torch.optim.Adagrad(ps, lr=0.05)),
-    "Lion": ({"lr": 0.001, "weight_decay": 0.1}, lambda ps: __import__("zero.optimizers").optimizers.Lion(
+    "Lion": ({"lr": 0.001, "weight_decay": 0.1}, lambda ps: __import__("zero.optim.lion").optimizers.Lion(
         ps, lr=0.001, weight_decay=0.1)),
 }
 
@@ -148,5 +148,5 @@ def test_accessors_answer_for_client_optimizers():
 
     with pytest.raises(AttributeError, match=r"zero.add_config_arguments does not exist: .* use `import zero.deepspeed"):
         not_deepspeed.add_config_arguments  # noqa: B018
-    with pytest.raises(AttributeError, match=r"zero.comm.get_rank does not exist: .* use `import zero.deepspeed"):
+    with pytest.raises(AttributeError, match=r"zero.parallel.comm.get_rank does not exist: .* use `import zero.deepspeed"):
         not_deepspeed.comm.get_rank  # noqa: B018

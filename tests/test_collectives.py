@@ -1,13 +1,13 @@
 """The collectives zero relies on give the right numbers on the installed torch and backend.
 
-See [Note: reduce with SUM] in zero/comm.py: we only use SUM (and MAX for flags), so those are
+See [Note: reduce with SUM] in zero/parallel/comm.py: we only use SUM (and MAX for flags), so those are
 what is checked, for every dtype a bucket can have, and in place where zero uses them in place.
 """
 import pytest
 import torch
 import torch.distributed as dist
 
-from zero.comm import Comm
+from zero.parallel.comm import Comm
 from zero.testing.dist import RankFailed
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from zero.ops.cpu_optim import adagrad_step, lion_step
-from zero.optimizers import Lion
+from zero.optim.lion import Lion
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])

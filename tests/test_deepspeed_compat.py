@@ -144,7 +144,7 @@ def test_more_deepspeed_names_libraries_use():
     from zero.deepspeed.runtime.activation_checkpointing.checkpointing import checkpoint
     from zero.deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
     from zero.deepspeed.runtime.zero.config import ZeroStageEnum
-    from zero.optimizers import Lion
+    from zero.optim.lion import Lion
 
     assert "WarmupLR" in VALID_LR_SCHEDULES and checkpoint is deepspeed.checkpointing.checkpoint
     base = torch.arange(10.0)

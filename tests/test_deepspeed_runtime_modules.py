@@ -173,7 +173,7 @@ def _grid_on_four_ranks():
     import torch.distributed as dist
 
     from zero.deepspeed.module_inject import LinearAllreduce, LinearLayer
-    from zero.mesh import build_mesh
+    from zero.parallel.mesh import build_mesh
 
     rank = dist.get_rank()
 

@@ -18,8 +18,8 @@ import torch
 import zero
 from zero import checkpoint
 from zero.checkpoint import CheckpointWriteError, atomic_save, checked_save_path
-from zero.comm import collective_timeout_s
 from zero.ops import builder
+from zero.parallel.comm import collective_timeout_s
 from zero.testing.models import MLP
 from zero.testing.state import load_shard_state, shard_state
 from zero.testing.training import make_batch

@@ -46,7 +46,7 @@ def test_inf_gradient_on_one_rank_skips_the_step_on_all_ranks(dist_run, stage):
 
 
 def test_loss_scaler_follows_deepspeed_hysteresis_rules():
-    from zero.precision import LossScaler
+    from zero.optim.loss_scale import LossScaler
 
     s = LossScaler(initial_scale_power=4, window=2, hysteresis=2)
     s.update(overflow=True)

@@ -1,10 +1,10 @@
-"""Muon's pieces (zero/muon.py): the whole-matrix update equal to torch.optim.Muon, DeepSpeed's split
+"""Muon's pieces (zero/optim/muon.py): the whole-matrix update equal to torch.optim.Muon, DeepSpeed's split
 of parameters and routing of config keys, and the balanced assignment of matrices to owner ranks."""
 import pytest
 import torch
 import torch.nn as nn
 
-from zero.muon import MuonConfigError, assign_owners, muon_defaults, ns_cost, route, split, update_matrix
+from zero.optim.muon import MuonConfigError, assign_owners, muon_defaults, ns_cost, route, split, update_matrix
 
 
 @pytest.mark.parametrize("shape", [(7, 5), (5, 7), (6, 6)])
@@ -30,7 +30,7 @@ def test_one_matrix_updates_exactly_as_torch_optim_muon(shape):
 def test_the_offload_path_takes_torchs_steps_with_newton_schulz_elsewhere():
     """[Note: Newton-Schulz under offload]: the host keeps master and momentum, another device runs
     Newton-Schulz; with that device the host itself the numbers are torch's, bit for bit."""
-    from zero.muon import _update_across
+    from zero.optim.muon import _update_across
 
     settings = {**muon_defaults(), "lr": 0.02, "weight_decay": 0.1, "adjust_lr_fn": "match_rms_adamw"}
     for nesterov in (True, False):

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zero
-from zero.precision import NonFiniteGradientError
+from zero.optim.loss_scale import NonFiniteGradientError
 from zero.testing.training import relative_error
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import zero
-from zero.offload import cpu_adam_threads
+from zero.offload.host import cpu_adam_threads
 from zero.testing.state import load_shard_state, shard_state
 from zero.testing.training import STAGE3, build_model, make_batch, train_side_by_side
 
@@ -141,7 +141,7 @@ def test_refused_page_locking_falls_back_and_clears_the_cuda_error(monkeypatch):
     a sandbox): the runtime's last error is cleared (torch's cudart binding has no
     cudaGetLastError), then torch's pinned allocator is tried, then pageable memory with a
     warning. Simulated here: the CUDA calls are stand-ins."""
-    import zero.offload as offload
+    import zero.offload.host as offload
 
     cleared = []
 

@@ -88,8 +88,8 @@ def _reference_exchange(inputs, full):
 
 
 def exchange_on_ranks(numel: int, full: bool, steps: int):
-    from zero.comm import Comm
     from zero.onebit.exchange import CompressedExchange
+    from zero.parallel.comm import Comm
 
     comm = Comm()
     rank, n = comm.rank, comm.world_size

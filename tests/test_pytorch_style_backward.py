@@ -2,7 +2,7 @@
 stage, with accumulation, in fp32 and bf16, with Adam and with SGD (which, unlike Adam, shows a wrong
 gradient scale), also for a block that runs twice per forward and for two backward passes per
 micro-batch; fp16 refuses an unscaled backward and takes `engine.scale(loss).backward()`.
-See [Note: backward from PyTorch] in zero/engine.py."""
+See [Note: backward from PyTorch] in zero/engine/loop.py."""
 import copy
 import warnings
 

@@ -426,7 +426,7 @@ def _a_rank_skips_the_exchange():
 
     import torch.distributed as dist
 
-    from zero.comm import CollectiveTimeout
+    from zero.parallel.comm import CollectiveTimeout
     from zero.sequence import DistributedAttention, sequence_parallel_group
 
     attention = DistributedAttention(_causal, sequence_parallel_group(2), scatter_idx=2, gather_idx=0)

@@ -45,7 +45,7 @@ def _digest(tensors) -> str:
 def _optimizer(kind: str, params):
     import torch
 
-    from zero.optimizers import Lion
+    from zero.optim.lion import Lion
 
     return {"client-rmsprop": lambda: torch.optim.RMSprop(params, lr=0.01, momentum=0.5),
             "client-sgd": lambda: torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),

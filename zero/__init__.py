@@ -9,11 +9,11 @@ __version__ = "0.1.0"
 
 def __getattr__(name):  # keep `import zero` light: torch-heavy modules load on first use
     if name == "initialize":
-        from zero.launch import initialize
+        from zero.engine.launch import initialize
 
         return initialize
     if name == "init_distributed":
-        from zero.comm import init_distributed
+        from zero.parallel.comm import init_distributed
 
         return init_distributed
     if name == "Engine":
@@ -26,11 +26,11 @@ def __getattr__(name):  # keep `import zero` light: torch-heavy modules load on 
 
         return getattr(init, name)
     if name in ("RankDivergenceError", "CollectiveTimeout"):
-        from zero import comm
+        from zero.parallel import comm
 
         return getattr(comm, name)
     if name == "NonFiniteGradientError":
-        from zero import precision
+        from zero.optim import loss_scale as precision
 
         return precision.NonFiniteGradientError
     if name == "TrainingMonitor":

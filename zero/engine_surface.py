@@ -3,7 +3,7 @@
 `Engine` inherits them. Each has DeepSpeed's signature and meaning, built on the engine's own
 pieces (its optimizer and storage, its progress, its mesh): moving model states off the device
 and back (`offload_states` / `reload_states`, see [Note: states away] in
-zero/stages/relocation.py), the module's state dict, batch-size changes, rank queries, the data
+zero/offload/relocation.py), the module's state dict, batch-size changes, rank queries, the data
 loader, and the old names of methods that have new ones.
 """
 from __future__ import annotations
@@ -32,8 +32,8 @@ class DeepSpeedMethods:
         lp_grads, contiguous_grad_buffer; None: all) from the device to host memory, freeing
         their device memory until `reload_states()`; between a step and the next backward. States
         already in host memory (optimizer or parameter offload) stay. See [Note: states away] in
-        zero/stages/relocation.py."""
-        from zero.stages.relocation import StatesAway
+        zero/offload/relocation.py."""
+        from zero.offload.relocation import StatesAway
 
         where = getattr(device, "value", device)
         if where == "none":
@@ -394,7 +394,7 @@ NOT_AVAILABLE = {
     "get_deepcompile_backend": "DeepCompile is not implemented",
     "get_deepspeed_compile_backend": "DeepCompile is not implemented",
     "register_compile_pass": "DeepCompile is not implemented",
-    "get_optimizer_configuration": "zero builds the config's optimizer itself (zero/stages/choice.py)",
+    "get_optimizer_configuration": "zero builds the config's optimizer itself (zero/optim/choice.py)",
     "load_moe_state_dict": "expert parallelism is not implemented",
     "random_ltd_initialize": "random layer-token drop (data efficiency) is not implemented",
     "set_custom_curriculum_learning_schedule": "curriculum learning (data efficiency) is not implemented",

@@ -85,7 +85,7 @@ class GPT(nn.Module):
             self.head.weight = self.wte.weight
         for table in (self.wte.weight, self.wpe.weight, self.head.weight):
             table.use_muon = False  # Muon's split goes by names with "embed"/"lm_head" (DeepSpeed's rule): these
-            # tables are named otherwise, and stay with AdamW (see zero/muon.py)
+            # tables are named otherwise, and stay with AdamW (see zero/optim/muon.py)
         for name, p in self.named_parameters():
             if p.dim() >= 2:
                 std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith(("proj.weight", "out.weight")) else 0.02

@@ -31,7 +31,7 @@ import math
 import torch
 import torch.nn as nn
 
-from zero.comm import Comm
+from zero.parallel.comm import Comm
 from zero.partition.layout import slicing
 
 

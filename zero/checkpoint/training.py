@@ -41,8 +41,8 @@ import torch.nn as nn
 from zero.checkpoint.chunks import Chunk, load_chunks, load_chunks_across_nodes, save_chunks, saved_tensors
 from zero.checkpoint.nodes import Nodes, expected_here, gather_objects, mark, publishes, storage_ranks, unmark
 from zero.checkpoint.placement import Placement, from_whole, layout_of, piece_offset, to_whole
-from zero.comm import Tag
 from zero.errors import ZeroRuntimeError
+from zero.parallel.comm import Tag
 
 FORMAT = "zero-checkpoint"
 VERSION = 2  # 2: "progress" and "optimizer" are engine.progress's and engine.optimizer's state_dict() (1: their

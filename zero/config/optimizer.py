@@ -113,7 +113,7 @@ def optimizer_class(kind: str) -> type:
     import torch
 
     if kind == "Lion":
-        from zero.optimizers import Lion
+        from zero.optim.lion import Lion
 
         return Lion
     return {"SGD": torch.optim.SGD, "Adagrad": torch.optim.Adagrad}[kind]
@@ -159,8 +159,8 @@ class OptimizerConfig(_Section):
             if kind is not None:  # its own constructor's arguments, checked against it
                 data = {**data, "type": kind, "other_params": _client_params(kind, data.get("params") or {})}
                 data.pop("params", None)
-            elif data["type"].lower() == "muon":  # DeepSpeed's keys, routed to its two halves (zero/muon.py)
-                from zero.muon import route
+            elif data["type"].lower() == "muon":  # DeepSpeed's keys, routed to its two halves (zero/optim/muon.py)
+                from zero.optim.muon import route
 
                 params = data.get("params") or {}
                 if not isinstance(params, dict):

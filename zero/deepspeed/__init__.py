@@ -23,7 +23,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                          "tensor_parallel.size; see docs/parallelism.md), not from an mpu object; leave mpu unset")
     if config is None and config_params is None and args is not None:
         config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
-    from zero.launch import initialize as _initialize
+    from zero.engine.launch import initialize as _initialize
 
     return _initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                        training_data=training_data, lr_scheduler=lr_scheduler, collate_fn=collate_fn, config=config,

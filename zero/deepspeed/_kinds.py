@@ -2,7 +2,7 @@
 
 DeepSpeed has a class per configuration (`PipelineEngine(DeepSpeedEngine)`, a ZeRO optimizer per
 stage); zero has one engine and one optimizer whose parts differ (see [Note: one engine, any
-mesh] in zero/engine.py). Scripts test `isinstance(engine, PipelineEngine)` to choose between
+mesh] in zero/engine/loop.py). Scripts test `isinstance(engine, PipelineEngine)` to choose between
 `train_batch` and `backward`/`step`: `kind(...)` makes a class whose isinstance is true for the zero
 objects in that configuration, and which cannot be constructed.
 """

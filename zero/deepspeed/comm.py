@@ -5,8 +5,8 @@ import os
 
 import torch.distributed as _dist
 
-from zero.comm import init_distributed as _init_distributed
 from zero.deepspeed._missing import missing, module_names
+from zero.parallel.comm import init_distributed as _init_distributed
 
 ReduceOp = _dist.ReduceOp
 

@@ -34,7 +34,7 @@ an fp32 master and fp32 moments, 8 with a bf16 master and bf16 moments, 12 with 
 10.03 with an fp32 master and 8-bit moments, 6.03 with a bf16 master and 8-bit moments. The row's
 `fp32_master` (the engine's memory_report() key) holds the master in whatever format it has.
 
-Muon (zero/muon.py) keeps one fp32 momentum for each matrix it updates, S = 4, and its fp32
+Muon (zero/optim/muon.py) keeps one fp32 momentum for each matrix it updates, S = 4, and its fp32
 master is always apart at stage 3 (the matrix is whole on its owner, the model's shards are not):
 2 + 2 + 4 + 4 = 12 bytes per Muon parameter in bf16 training; its AdamW parameters count as
 above. A rank holds the states of the matrices it owns (whole matrices, balanced by Newton-Schulz
@@ -243,7 +243,7 @@ def estimate_memory(model_or_param_count: nn.Module | int | float, world_size: i
             and the table gets a peak column.
         muon_params: what Muon updates (one fp32 momentum per element instead of Adam's two
             moments): the parameters themselves, or their element count; None: with a config of
-            optimizer type Muon, the model's matrices as the engine splits them (zero.muon.split),
+            optimizer type Muon, the model's matrices as the engine splits them (zero.optim.muon.split),
             or every element of a parameter count; else none.
 
     Returns:
@@ -393,7 +393,7 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
         config, stage, offload, dtype, n, master_dtype, state_dtype)
     members = None  # ids of the parameters Muon updates, where known
     if muon_params is None and muon_config and model is not None:
-        from zero.muon import split
+        from zero.optim.muon import split
 
         named = dict(model.named_parameters())
         muon_params = [named[name] for name in split(model.named_parameters())[0]]
@@ -433,7 +433,7 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
     # rank's, when the model's matrices are known; their mean otherwise)
     muon_shard = muon_params / n if stage >= 1 else muon_params
     if members is not None and stage >= 1 and n > 1:
-        from zero.muon import assign_owners, matrix_shape
+        from zero.optim.muon import assign_owners, matrix_shape
 
         matrices = [q for q in model.parameters() if id(q) in members]
         loads = [0] * n
@@ -494,7 +494,7 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
 
 
 def _copy_back_tiles(slots: list[float], tile: int) -> float:
-    """Elements of offload's two alternating copy-back tiles (zero/offload.py: each slot is updated
+    """Elements of offload's two alternating copy-back tiles (zero/offload/host.py: each slot is updated
     tile by tile, the tiles taking turns, each grown to the largest piece it ever holds)."""
     ring, k = [0.0, 0.0], 0
     for n in slots:

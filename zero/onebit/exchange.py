@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from zero.comm import Comm
 from zero.onebit.compress import pack, packed_bytes, scale_count, unpack_mean
+from zero.parallel.comm import Comm
 
 
 class CompressedExchange:

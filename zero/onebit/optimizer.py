@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 
 from zero.onebit.exchange import CompressedExchange, gather_changes
-from zero.precision import LossScaler
-from zero.stages.adam import ShardedAdam
+from zero.optim.loss_scale import LossScaler
+from zero.optim.step import ShardedAdam
 from zero.stages.buckets import FlatParams
 
 

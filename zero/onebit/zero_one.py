@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from zero.onebit.exchange import CompressedExchange
-from zero.stages.adam import ShardedAdam
+from zero.optim.step import ShardedAdam
 from zero.stages.buckets import FlatParams
 
 

@@ -225,9 +225,9 @@ def torch_adam_step_fmt(param, grad, exp_avg, exp_avg_sq, *, m_scale=None, v_sca
                         betas, eps, weight_decay, adamw_mode=True, bias_correction=True, grad_scale=1.0,
                         fmt: AdamFormat, index: int = 0) -> None:
     """The kernels' step in `fmt` with torch ops, in place (flat 1-D buffers). The update itself is
-    torch's Adam formula (equal to the kernels' to fp32 round-off, see zero.stages.adam's
+    torch's Adam formula (equal to the kernels' to fp32 round-off, see zero.optim.step's
     torch_adam_step); widening, rounding and codes are the kernels' exactly."""
-    from zero.stages.adam import torch_adam_step
+    from zero.optim.step import torch_adam_step
 
     n = param.numel()
     p = param.float()

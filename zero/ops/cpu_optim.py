@@ -37,7 +37,7 @@ def _check(param, grad, state, state_name: str, out16, grad_scale: float, **valu
 
 @torch.no_grad()
 def torch_lion_step(param, grad, exp_avg, *, lr, betas, weight_decay, grad_scale, out16=None) -> None:
-    """Lion with torch ops (zero.optimizers.Lion's arithmetic): the kernel's reference and fallback."""
+    """Lion with torch ops (zero.optim.lion.Lion's arithmetic): the kernel's reference and fallback."""
     beta1, beta2 = betas
     g = grad.float() / grad_scale
     param.mul_(1 - lr * weight_decay)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zero.comm import Comm
+from zero.parallel.comm import Comm
 from zero.partition.layout import local_tensor
 
 if TYPE_CHECKING:

@@ -9,14 +9,14 @@ which is gradient_accumulation_steps):
    ScheduleInterleaved1F1B over the mesh's "pp" group) runs every micro-batch's forward and
    backward. The loss of each micro-batch goes in as it is (under fp16 times the loss scale / M);
    the gradients add up as with accumulation and the step divides as it does there (see
-   [Note: one divisor] in zero/stages/adam.py); the schedule's own gradient scaling is off.
+   [Note: one divisor] in zero/optim/step.py); the schedule's own gradient scaling is off.
 2. Gradients reach the ZeRO optimizer through its hooks exactly as with accumulation: at stages
    0 and 1 into the flat gradient, at stage 2 reduce-scattered over the "dp" group after each
    micro-batch's backward (the interleaved schedule's backwards each cover one part, so each one
    reduces every bucket; see docs/parallelism.md).
 3. Tied parameters (a TiedLayerSpec's module on several stages) have their gradients summed over
    the stages that hold them, before the step.
-4. The step: the global norm over every stage and slice (zero/mesh.py's ModelParallelNorm),
+4. The step: the global norm over every stage and slice (zero/parallel/mesh.py's ModelParallelNorm),
    clipping, the fp16 overflow check (a non-finite gradient anywhere skips the step on every
    rank), Adam on each rank's shard and the parameter all-gather over "dp".
 5. The mean loss of the M micro-batches goes from the last stage to every rank, averaged over the
@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from zero.comm import Comm
 from zero.config import ZeroConfig
-from zero.mesh import ParallelMesh, group_of
+from zero.parallel.comm import Comm
+from zero.parallel.mesh import ParallelMesh, group_of
 from zero.partition.layout import local_tensor
 from zero.pipe.module import PipelineModule
 

@@ -30,7 +30,7 @@ _comms: dict = {}  # id of a process group -> (the group, zero's counted Comm ov
 def _comm(group):
     """zero's Comm over `group`: its all-to-all waits at most ZERO_COLLECTIVE_TIMEOUT on gloo (a
     rank that diverged raises CollectiveTimeout instead of hanging) and counts what it sends."""
-    from zero.comm import Comm
+    from zero.parallel.comm import Comm
 
     entry = _comms.get(id(group))
     if entry is None or entry[0] is not group:

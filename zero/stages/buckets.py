@@ -27,7 +27,7 @@ has it, adds it into a bucket buffer and frees `param.grad`. Two paths, one inte
   flight), the rank's slice of the sum is added to its gradient shard, and the staging buffer is
   freed. So gradient memory is the shard plus the buckets in flight. Stage 2 communicates on every
   micro-step, accumulation or not (as DeepSpeed does).
-Sums are not divided by the world size here; see [Note: one divisor] in zero/stages/adam.py.
+Sums are not divided by the world size here; see [Note: one divisor] in zero/optim/step.py.
 """
 from __future__ import annotations
 
@@ -38,10 +38,10 @@ import torch
 import torch.nn as nn
 from torch.autograd.profiler import record_function
 
-from zero.comm import Comm, Tag
-from zero.memory_report import Gauges
-from zero.muon import assign_owners
+from zero.optim.muon import assign_owners
+from zero.parallel.comm import Comm, Tag
 from zero.partition.layout import Bucket, ShardLayout, local_grad, local_tensor
+from zero.stages.memory import Gauges
 from zero.stages.policies import OffloadOptions, Precision, ReduceOptions
 from zero.stages.readiness import GradReadiness, UnusedParameterError
 from zero.stages.storage import ParamStorage, Slot
@@ -110,7 +110,7 @@ class FlatParams(ParamStorage):
 
     def _plan_matrices(self, matrices: dict[int, tuple[int, int]]) -> None:
         """[Note: Muon in buckets]
-        Muon's matrices (zero/muon.py) lie in buckets of their own. Such a bucket is not cut into
+        Muon's matrices (zero/optim/muon.py) lie in buckets of their own. Such a bucket is not cut into
         equal slices: each matrix has one owner rank (whole matrices assigned by their
         Newton-Schulz work, `assign_owners`), which keeps its fp32 master and momentum. Its
         gradient is reduced to the owner (one reduce per matrix, in place of the bucket's

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from zero.comm import Comm
+from zero.parallel.comm import Comm
 from zero.partition.layout import local_tensor
 from zero.partition.shards import ShardedParam, shard_numel, take_shard
 

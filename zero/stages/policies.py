@@ -89,7 +89,7 @@ class StepOptions:
         predivide: gradients are divided by this before the reduction.
         accumulation: what the step divides the gradients summed over micro-batches by, besides the
             loss scale: the accumulation steps, except under fp16, whose loss scale already
-            divides each loss by them (see [Note: one divisor] in zero/stages/adam.py).
+            divides each loss by them (see [Note: one divisor] in zero/optim/step.py).
         offload: optimizer offload, or None to keep optimizer state with the model.
     """
 
@@ -151,7 +151,7 @@ class Stage3Options:
 def strict_tag_checks(cfg: ZeroConfig) -> bool:
     """Check every collective's rank-agreement tag before issuing it, also on NCCL (one host
     synchronisation per collective): `enable_sanity_checks` or TORCH_DISTRIBUTED_DEBUG=DETAIL.
-    See [Note: rank-agreement tags] in zero/comm.py."""
+    See [Note: rank-agreement tags] in zero/parallel/comm.py."""
     return cfg.zero_optimization.enable_sanity_checks or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
 
 

@@ -42,9 +42,9 @@ import torch
 import torch.nn as nn
 from torch.autograd.profiler import record_function
 
-from zero.comm import Comm, Tag
 from zero.errors import ZeroRuntimeError
 from zero.graph import graph_outputs, in_backward
+from zero.parallel.comm import Comm, Tag
 
 
 class UnusedParameterError(ZeroRuntimeError, AssertionError):

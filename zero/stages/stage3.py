@@ -58,11 +58,11 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from zero.comm import Comm, RankDivergenceError, Tag  # noqa: F401 - RankDivergenceError: its old home
 from zero.graph import graph_outputs, in_backward
 from zero.init import external_parameters
-from zero.memory_report import Gauges
+from zero.parallel.comm import Comm, RankDivergenceError, Tag  # noqa: F401 - RankDivergenceError: its old home
 from zero.partition.layout import local_tensor
+from zero.stages.memory import Gauges
 from zero.stages.planning import describe_shard, plan_units, take_local_shard
 from zero.stages.policies import OffloadOptions, Precision, ReduceOptions, Stage3Options
 from zero.stages.readiness import GradReadiness
@@ -607,8 +607,8 @@ def _owned(units: list[ParamUnit], kind: str) -> list[torch.Tensor]:
 
 
 def _matrix_owners(params: list[nn.Parameter], matrices: set[nn.Parameter], world_size: int) -> dict[nn.Parameter, int]:
-    """Each Muon matrix's owner rank, whole matrices balanced by Newton-Schulz work (zero.muon.assign_owners)."""
-    from zero.muon import assign_owners, matrix_shape
+    """Each Muon matrix's owner rank, whole matrices balanced by Newton-Schulz work (zero.optim.muon.assign_owners)."""
+    from zero.optim.muon import assign_owners, matrix_shape
 
     whole = [p for p in params if p in matrices]
     return dict(zip(whole, assign_owners([matrix_shape(p) for p in whole], world_size)))

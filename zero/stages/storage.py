@@ -17,10 +17,10 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from zero.comm import Comm
-from zero.memory_report import Gauges
-from zero.offload import HostMemory
+from zero.offload.host import HostMemory
 from zero.ops.adam_formats import decode_moment, encode_moment, q8_blocks
+from zero.parallel.comm import Comm
+from zero.stages.memory import Gauges
 from zero.stages.policies import OffloadOptions, Precision
 
 
@@ -33,7 +33,7 @@ class Slot(tuple):
     global position of the range's first element in the model's layout (the stochastic-rounding
     counter, so that rounding does not depend on how the model is split).
 
-    A Muon slot is one whole matrix (see [Note: Muon and partitions] in zero/muon.py): `matrix`
+    A Muon slot is one whole matrix (see [Note: Muon and partitions] in zero/optim/muon.py): `matrix`
     is its shape, exp_avg is its momentum buffer and exp_avg_sq is empty."""
 
     def __new__(cls, group: int, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
@@ -248,7 +248,7 @@ class ParamStorage(abc.ABC):
         """Take `param`'s current (edited) values into the storage's own copies."""
 
     def is_matrix(self, param: nn.Parameter) -> bool:
-        """Does Muon update `param` (whole, on one owner rank; see zero/muon.py)?"""
+        """Does Muon update `param` (whole, on one owner rank; see zero/optim/muon.py)?"""
         return False
 
     def values_set(self, param: nn.Parameter) -> None:

@@ -26,7 +26,7 @@ A world of one without parameter offload needs none of this: the shard is the wh
 and the parameters stay views into the shard.
 
 [Note: Muon in units]
-Muon (zero/muon.py) updates each of its matrices whole, so one owner rank per matrix (whole
+Muon (zero/optim/muon.py) updates each of its matrices whole, so one owner rank per matrix (whole
 matrices balanced over the ranks by Newton-Schulz work) keeps its fp32 master, momentum and reduced
 gradient. A unit lays its matrices out last and leaves them out of its all-gather and
 reduce-scatter: a matrix's gradient is reduced to its owner, and gathering broadcasts it from its
@@ -48,11 +48,11 @@ import torch
 import torch.nn as nn
 from torch.autograd.profiler import record_function
 
-from zero.comm import Comm
-from zero.memory_report import Gauges
-from zero.muon import matrix_shape
+from zero.optim.muon import matrix_shape
+from zero.parallel.comm import Comm
 from zero.partition.layout import local_grad, local_tensor
 from zero.partition.shards import ZeroParamStatus, gather_param, mark_ds, take_shard
+from zero.stages.memory import Gauges
 from zero.stages.policies import Precision
 
 

@@ -30,9 +30,9 @@ def mesh(config: Any, world_size: int | None = None):
     joining torchrun's process group if needed. `zero.initialize` reuses the same mesh."""
     import torch.distributed as dist
 
-    from zero.comm import Comm, compute_device, init_distributed
     from zero.config import load_config
-    from zero.mesh import build_mesh
+    from zero.parallel.comm import Comm, compute_device, init_distributed
+    from zero.parallel.mesh import build_mesh
 
     init_distributed()
     world = world_size or (dist.get_world_size() if dist.is_initialized() else 1)
@@ -51,7 +51,7 @@ def parallelize(model: nn.Module, mesh: Any, plan: dict[str, Any] | str) -> nn.M
     column-sliced head)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from zero.mesh import ParallelMesh
+    from zero.parallel.mesh import ParallelMesh
 
     tp_mesh = mesh.tp_mesh() if isinstance(mesh, ParallelMesh) else (
         mesh["tp"] if mesh.mesh_dim_names and "tp" in mesh.mesh_dim_names else mesh)

@@ -1,12 +1,12 @@
 """`deepspeed.ops.lion`: DeepSpeedCPULion and FusedLion, as client optimizers for zero.initialize.
 
-Both are zero.optimizers.Lion, which the engine runs on each rank's shards of the fp32 master (see
-[Note: other optimizers on shards] in zero/stages/choice.py).
+Both are zero.optim.lion.Lion, which the engine runs on each rank's shards of the fp32 master (see
+[Note: other optimizers on shards] in zero/optim/choice.py).
 """
 from __future__ import annotations
 
 from zero.deepspeed._missing import missing
-from zero.optimizers import Lion
+from zero.optim.lion import Lion
 
 
 class DeepSpeedCPULion:

@@ -3,7 +3,7 @@
 Every builder DeepSpeed 0.19.8 has is here under its name with DeepSpeed's op name (`NAME`). Those of the
 ops zero has answer for them: `CPUAdamBuilder` and `FusedAdamBuilder` build zero's `cpu_adam` and
 `fused_adam` kernels; the Lion builders are compatible everywhere, because zero's Lion
-(zero.optimizers.Lion, behind deepspeed.ops.lion) is torch code with no native op. The others are not
+(zero.optim.lion.Lion, behind deepspeed.ops.lion) is torch code with no native op. The others are not
 compatible, and `load()` says so.
 """
 from __future__ import annotations
@@ -73,7 +73,7 @@ class OpBuilder:
                                     f"(zero builds cpu_adam and fused_adam)")
         if self.OP == LION:
             raise NotAvailableError(f"deepspeed.ops.op_builder.{type(self).__name__}: zero's Lion is torch code "
-                                    f"(zero.optimizers.Lion) with no native op to load; use "
+                                    f"(zero.optim.lion.Lion) with no native op to load; use "
                                     f"deepspeed.ops.lion.DeepSpeedCPULion or FusedLion")
         return _ops.load(self.OP)
 

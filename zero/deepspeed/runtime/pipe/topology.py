@@ -5,7 +5,7 @@ pipeline x data x model grid, which Megatron-style scripts build their groups (t
 A ProcessTopology numbers its coordinates row-major in the order the axes are given: the last
 axis varies fastest. PipeModelDataParallelTopology's axes are (pipe, data, model), so
 rank = (pipe * D + data) * T + model: exactly the layout of zero's own (pp, dp, tp) mesh
-(zero/mesh.py, [Note: the parallel mesh] in zero/config/parallel.py), where a tensor-parallel
+(zero/parallel/mesh.py, [Note: the parallel mesh] in zero/config/parallel.py), where a tensor-parallel
 group is the closest ranks and a pipeline stage's ranks are contiguous. PipeDataParallelTopology
 (pipe, data) is the same with T = 1. So a script's grid and the engine's mesh agree on which
 rank is which stage, replica and slice whenever their sizes agree (pipeline.stages = P,
@@ -153,8 +153,8 @@ def _prime_factors(n: int) -> list[int]:
 
 
 def _new_group(ranks: list[int]) -> Any:
-    """A process group over `ranks`, made by its members only (see zero.mesh.group_of)."""
-    from zero.mesh import group_of
+    """A process group over `ranks`, made by its members only (see zero.parallel.mesh.group_of)."""
+    from zero.parallel.mesh import group_of
 
     return group_of(ranks)
 
@@ -168,7 +168,7 @@ class PipelineParallelGrid:
     pipeline and tensor rank of this data replica, `get_model_parallel_group`, what DeepSpeed reduces
     norms and overflow over) and the tensor slice group (same stage and replica,
     `get_slice_parallel_group`; this rank alone without a `model` axis). Each is a torch.distributed
-    group made with new_group by its members (zero.mesh.group_of: made once per process per set of
+    group made with new_group by its members (zero.parallel.mesh.group_of: made once per process per set of
     ranks, with zero's collective timeout).
 
     Args:

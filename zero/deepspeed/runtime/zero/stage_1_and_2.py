@@ -2,11 +2,12 @@
 from zero.deepspeed._kinds import kind
 from zero.deepspeed._missing import missing
 from zero.estimate import estimate_memory
-from zero.stages import FlatParams, ShardedAdam
+from zero.optim.step import ShardedAdam
+from zero.stages.buckets import FlatParams
 
 DeepSpeedZeroOptimizer = kind(
     "DeepSpeedZeroOptimizer", __name__, lambda o: isinstance(o, ShardedAdam) and isinstance(o.storage, FlatParams),
-    "the engine's optimizer at stages 0-2 (zero.stages.ShardedAdam over FlatParams)")
+    "the engine's optimizer at stages 0-2 (zero.optim.step.ShardedAdam over FlatParams)")
 
 
 def estimate_zero2_model_states_mem_needs_all_live(model, num_gpus_per_node: int = 1, num_nodes: int = 1,

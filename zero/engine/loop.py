@@ -6,13 +6,13 @@
         engine.backward(loss)        # or loss.backward(), as with plain PyTorch (bf16, fp32)
         engine.step()
 
-The engine delegates: gradients and partitioning live in zero/stages, collectives in zero/comm.py,
-config keys in zero/config/, the mesh of a 3D-parallel run in zero/mesh.py and the pipeline
+The engine delegates: gradients and partitioning live in zero/stages, collectives in zero/parallel/comm.py,
+config keys in zero/config/, the mesh of a 3D-parallel run in zero/parallel/mesh.py and the pipeline
 schedule in zero/pipe/schedule.py. It owns the training-loop bookkeeping DeepSpeed users rely on:
 micro-steps and the accumulation boundary, the loss scale, the global step count.
 
 [Note: one engine, any mesh]
-There is one Engine class. A mesh (zero/mesh.py) changes its data, not its type: the optimizer
+There is one Engine class. A mesh (zero/parallel/mesh.py) changes its data, not its type: the optimizer
 partitions over the mesh's "dp" group, the global gradient norm sums over the whole world
 (`ModelParallelNorm`), the reports add the pipeline and tensor traffic and how the mesh divides
 the parameters (`MeshTraffic`), and a PipelineModule gives the engine a schedule
@@ -25,9 +25,9 @@ in fp32 and bf16:
 - Gradients reach the stage's buckets and units through hooks on the parameters, whoever calls
   backward.
 - The loss is not divided by the accumulation steps: the step divides the summed gradients by
-  them (see [Note: one divisor] in zero/stages/adam.py), so the loss as it is gives the same bits.
+  them (see [Note: one divisor] in zero/optim/step.py), so the loss as it is gives the same bits.
 - The engine counts backward passes (the step's rank-agreement tag carries the count) with
-  `BackwardCounter` (zero/progress.py): hooks on the parameters, ahead of the stage's, count
+  `BackwardCounter` (zero/engine/progress.py): hooks on the parameters, ahead of the stage's, count
   each backward that gives a parameter a gradient once, at its end. `engine.backward` counts
   its own call when no parameter got a gradient.
 - fp16 needs the loss multiplied by the loss scale, and, as DeepSpeed does, divided by the
@@ -58,29 +58,29 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zero.checkpoint.periodic import PeriodicSaves
-from zero.comm import Comm, Tag, compute_device
 from zero.config import ZeroConfig
-from zero.engine_accessors import ConfigAccessors
-from zero.engine_surface import DeepSpeedMethods
-from zero.guards import (
+from zero.engine.guards import (
     _claim,
     _refuse_claimed,
     _refuse_foreign_parameters,
     check_ranks_agree,
     next_engine_number,
 )
-from zero.mesh import MeshTraffic, ModelParallelNorm, ParallelMesh, refuse_whole_model_save
+from zero.engine.progress import BackwardCounter, TrainingProgress, mark_scaled
+from zero.engine_accessors import ConfigAccessors
+from zero.engine_surface import DeepSpeedMethods
+from zero.offload.relocation import BACKWARD_NEEDS
+from zero.optim.build import build_optimizer
+from zero.optim.choice import client_state_dtype, optimizer_groups
+from zero.optim.loss_scale import NonFiniteGradientError
+from zero.optim.step import ADAM_DEFAULTS, check_param_groups
+from zero.parallel.comm import Comm, Tag, compute_device
+from zero.parallel.mesh import MeshTraffic, ModelParallelNorm, ParallelMesh, refuse_whole_model_save
 from zero.partition.layout import local_tensor
 from zero.pipe.module import PipelineModule
-from zero.precision import NonFiniteGradientError
-from zero.progress import BackwardCounter, TrainingProgress, mark_scaled
 from zero.sequence.groups import sequence_parallel_group
 from zero.sequence.ulysses import exchanges, refuse_without_exchange, take_traffic
-from zero.stages import build_optimizer
-from zero.stages.adam import ADAM_DEFAULTS, check_param_groups
-from zero.stages.choice import client_state_dtype, optimizer_groups
 from zero.stages.policies import strict_tag_checks
-from zero.stages.relocation import BACKWARD_NEEDS
 
 log = logging.getLogger("zero")
 _PIPELINE_API = ("train_batch", "eval_batch", "is_first_stage", "is_last_stage", "agg_train_loss", "agg_eval_loss")
@@ -131,7 +131,7 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
     Args:
         module: the model (a zero.pipe.PipelineModule to train with pipeline stages).
         config: the validated config (`zero.load_config`).
-        mesh: the mesh of a run with pipeline stages or tensor slices (zero/mesh.py); None for
+        mesh: the mesh of a run with pipeline stages or tensor slices (zero/parallel/mesh.py); None for
             data parallelism over the whole world.
         model_parameters: parameters or param groups to train (default: the module's).
         optimizer: a torch optimizer whose hyperparameters and param groups are used.
@@ -142,7 +142,7 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
                  model_parameters=None, optimizer: torch.optim.Optimizer | None = None, lr_scheduler=None):
         super().__init__()
         if mesh is not None and not isinstance(mesh, ParallelMesh):
-            raise TypeError(f"Engine(mesh=...) takes a zero.mesh.ParallelMesh (zero.tp.mesh(config) builds the one a "
+            raise TypeError(f"Engine(mesh=...) takes a zero.parallel.mesh.ParallelMesh (zero.tp.mesh(config) builds the one a "
                             f"config asks for), got a {type(mesh).__name__}")
         pipelined = isinstance(module, PipelineModule)
         if pipelined:

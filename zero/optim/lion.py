@@ -1,7 +1,7 @@
 """Element-wise optimizers zero provides beside torch's, for the config's `optimizer.type`.
 
 They are ordinary torch optimizers; the engine runs them on each rank's shards (see [Note: other
-optimizers on shards] in zero/stages/choice.py).
+optimizers on shards] in zero/optim/choice.py).
 """
 from __future__ import annotations
 

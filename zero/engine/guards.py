@@ -11,8 +11,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from zero.comm import Comm, RankDivergenceError, Tag
 from zero.config import ZeroConfig
+from zero.parallel.comm import Comm, RankDivergenceError, Tag
 
 _ENGINE_NUMBERS = itertools.count(1)  # engines of this process, in the order built (see [Note: rank-agreement tags])
 

@@ -5,7 +5,7 @@
 `initialize` reads the config (every config error is raised here, first), builds the (pp, dp,
 tp) mesh the config asks for, slices an unsliced HuggingFace model by its tensor-parallel plan
 (DeepSpeed's AutoTP), and builds one `Engine` on the mesh (see [Note: one engine, any mesh] in
-zero/engine.py). (It lives here, not in a module named `initialize`: a submodule of that name
+zero/engine/loop.py). (It lives here, not in a module named `initialize`: a submodule of that name
 would shadow the function `zero.initialize` once imported.)
 """
 from __future__ import annotations
@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zero.comm import Comm, compute_device, init_distributed
 from zero.config import ConfigError, load_config
 from zero.config.rules import check_optimizer_object
 from zero.engine import Engine
+from zero.parallel.comm import Comm, compute_device, init_distributed
 
 log = logging.getLogger("zero")
 
@@ -115,7 +115,7 @@ def initialize(
         auto_plan = auto_plan_for(model, cfg.tensor_parallel.size)
     mesh = None
     if pipelined or cfg.tensor_parallel.size > 1:
-        from zero.mesh import build_mesh
+        from zero.parallel.mesh import build_mesh
 
         mesh = build_mesh(cfg.pipeline.stages, world_size // (cfg.pipeline.stages * cfg.tensor_parallel.size),
                           cfg.tensor_parallel.size, compute_device(Comm()))

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from zero.comm import Comm, collective_timeout_s
+from zero.parallel.comm import Comm, collective_timeout_s
 from zero.partition.layout import local_tensor, slicing
 
 

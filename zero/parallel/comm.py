@@ -616,6 +616,6 @@ def compute_device(comm: Comm) -> torch.device:
 
 
 def __getattr__(name: str):
-    raise AttributeError(f"zero.comm.{name} does not exist: zero.comm is zero's own collectives layer; for "
+    raise AttributeError(f"zero.parallel.comm.{name} does not exist: zero.parallel.comm is zero's own collectives layer; for "
                          f"DeepSpeed's deepspeed.comm (get_rank, all_reduce, ...) use `import zero.deepspeed as "
                          f"deepspeed`")

@@ -23,10 +23,10 @@ from collections.abc import Callable
 import torch
 from torch.autograd.profiler import record_function
 
-from zero.comm import Comm
-from zero.memory_report import measure_kinds
-from zero.offload import HostAdam
-from zero.precision import LossScaler
+from zero.offload.host import HostAdam
+from zero.optim.loss_scale import LossScaler
+from zero.parallel.comm import Comm
+from zero.stages.memory import measure_kinds
 from zero.stages.policies import Precision, StepOptions
 from zero.stages.storage import ParamStorage, Slot
 
@@ -53,8 +53,8 @@ class ShardedAdam(torch.optim.Optimizer):
         step: clipping, predivide, accumulation and optimizer offload (see StepOptions).
         loss_scaler: fp16's dynamic loss scale (None: no scaling).
         client: another element-wise optimizer run on the shards instead of Adam (see
-            [Note: other optimizers on shards] in zero/stages/choice.py), or None.
-        model_parallel: the global norm over pipeline stages and tensor slices (zero/mesh.py's
+            [Note: other optimizers on shards] in zero/optim/choice.py), or None.
+        model_parallel: the global norm over pipeline stages and tensor slices (zero/parallel/mesh.py's
             ModelParallelNorm), or None for a data-parallel model.
     """
 
@@ -164,7 +164,7 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds for model states, by kind (measured from the storages: see
-        zero/memory_report.py), its host staging (offload), and the reduce buffers alive now and
+        zero/stages/memory.py), its host staging (offload), and the reduce buffers alive now and
         at most."""
         parts, host_kinds = self.storage.memory_parts()
         parts["host_staging"] = self._host.host_tensors() if self._host is not None else []
@@ -292,9 +292,9 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def _update(self, slots: list[Slot], grad_scale: float) -> None:
         """Apply the optimizer to every slot: Muon to whole matrices (see [Note: Muon and
-        partitions] in zero/muon.py), a client optimizer or Adam to the rest. With optimizer offload
+        partitions] in zero/optim/muon.py), a client optimizer or Adam to the rest. With optimizer offload
         the masters and states are in host memory and the update runs there, on the gradients
-        HostAdam copied over (see [Note: offload data path] in zero/offload.py)."""
+        HostAdam copied over (see [Note: offload data path] in zero/offload/host.py)."""
         host = self._host_adam() if self.offload is not None else None
         muon = {i for i, s in enumerate(slots) if s.matrix is not None}
         compute = {i: slots[i][2].device for i in muon}  # Newton-Schulz runs where the model computes
@@ -332,9 +332,9 @@ class ShardedAdam(torch.optim.Optimizer):
 
     @staticmethod
     def _muon(group: dict, slot: Slot, grad_scale: float, ns_device: torch.device | None = None) -> None:
-        """torch.optim.Muon's step on one whole matrix this rank owns (zero.muon.update_matrix);
+        """torch.optim.Muon's step on one whole matrix this rank owns (zero.optim.muon.update_matrix);
         Newton-Schulz runs on `ns_device` (offload: the GPU, when the master is on the host)."""
-        from zero.muon import MUON_SETTINGS, update_matrix
+        from zero.optim.muon import MUON_SETTINGS, update_matrix
 
         _, master, grad, momentum, _, out16 = slot
         shape = slot.matrix

@@ -2,7 +2,7 @@
 
 `TrainingProgress` is what a checkpoint restores besides tensors; `BackwardCounter` counts each
 backward that gives the model's parameters gradients, whoever calls it (see [Note: backward from
-PyTorch] in zero/engine.py).
+PyTorch] in zero/engine/loop.py).
 """
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def _gone() -> None:
 class BackwardCounter:
     """Counts the backward passes that give a model's parameters their gradients into
     `progress.backwards`, however backward is called (see [Note: backward from PyTorch] in
-    zero/engine.py), and with fp16 refuses one whose loss did not carry the loss scale.
+    zero/engine/loop.py), and with fp16 refuses one whose loss did not carry the loss scale.
 
     - A hook on each trainable parameter, ahead of the stage's own, sees every gradient that
       accumulates into a parameter (`torch.autograd.grad` accumulates none, so a gradient

@@ -68,7 +68,7 @@ class ClientStep:
     def hyperparameters(self, group: dict) -> dict:
         """A zero param group's hyperparameters for the client optimizer: without the Adam keys
         every group carries (unless the client optimizer has them too)."""
-        from zero.stages.adam import ADAM_DEFAULTS
+        from zero.optim.step import ADAM_DEFAULTS
 
         return {k: v for k, v in group.items() if k != "params" and (k not in ADAM_DEFAULTS or k in self.defaults)}
 
@@ -78,7 +78,7 @@ class ClientStep:
         DeepSpeed's offload runs its CPU Lion and Adagrad: each slot's settings, checked, or None
         where the class itself must run (another class, maximize, a state elsewhere, a value the
         kernels do not take), decided before anything changes."""
-        from zero.optimizers import Lion
+        from zero.optim.lion import Lion
 
         if self.cls not in (Lion, torch.optim.Adagrad):
             return None
@@ -163,8 +163,8 @@ def optimizer_groups(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None, m
 def muon_param_groups(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None, module: nn.Module,
                       model_parameters) -> list[dict] | None:
     """The param groups of a Muon run (config type Muon, or a client torch.optim.Muon), each with
-    `use_muon`; None when the run is not Muon's. See [Note: Muon and partitions] in zero/muon.py."""
-    from zero import muon
+    `use_muon`; None when the run is not Muon's. See [Note: Muon and partitions] in zero/optim/muon.py."""
+    from zero.optim import muon
 
     if optimizer is not None and isinstance(optimizer, torch.optim.Muon):
         return muon.client_param_groups(module, optimizer, cfg)
@@ -193,13 +193,13 @@ def client_step(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None) -> Cli
 
 
 def _check_elementwise(optimizer: torch.optim.Optimizer) -> None:
-    from zero.optimizers import Lion
+    from zero.optim.lion import Lion
 
     name = type(optimizer).__name__
     if name in _WHOLE_TENSOR:
         raise ValueError(f"initialize(optimizer=...) got a {name}, which zero cannot run on partitioned shards: "
                          f"{_WHOLE_TENSOR[name]}. Use an element-wise optimizer (Adam, AdamW, SGD, Adagrad, "
-                         f"RMSprop, ...); see [Note: other optimizers on shards] in zero/stages/choice.py")
+                         f"RMSprop, ...); see [Note: other optimizers on shards] in zero/optim/choice.py")
     if not isinstance(optimizer, (*_ELEMENTWISE, Lion)):
         warnings.warn(f"zero: {name} is run on each rank's shards as if it were element-wise (each element's update "
                       f"depends only on its own gradient and state); if it looks at whole tensors, the result differs "

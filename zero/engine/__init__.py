@@ -1,0 +1,5 @@
+"""The engine: the training loop (`loop.py`), `zero.initialize` (`launch.py`), the counters a
+checkpoint saves (`progress.py`) and the checks made when an engine is built (`guards.py`)."""
+from zero.engine.loop import Engine
+
+__all__ = ["Engine"]

@@ -1,0 +1,90 @@
+"""Building the engine's optimizer: the storage the config's ZeRO stage asks for, under the step.
+
+    optimizer = build_optimizer(module, param_groups, config, comm, device)
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from zero.config import ZeroConfig
+from zero.offload.host import cpu_adam_threads
+from zero.optim.choice import ClientStep
+from zero.optim.loss_scale import LossScaler
+from zero.optim.step import ShardedAdam
+from zero.parallel.comm import Comm
+from zero.stages.buckets import FlatParams
+from zero.stages.memory import Gauges
+from zero.stages.policies import options_from_config
+from zero.stages.stage3 import UnitParams
+
+
+def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], config: ZeroConfig, comm: Comm,
+                    device: torch.device, *, client: ClientStep | None = None, model_parallel=None,
+                    state_dtype: str | None = None, muon: bool = False) -> ShardedAdam:
+    """The partitioned optimizer the config's ZeRO stage asks for, owning `module`'s parameters.
+
+    Trainable parameters (all parameters under stage 3) move into the stage's storage one at a
+    time, taking rank 0's values; the module is not moved or cast as a whole. Which optimizer
+    types and offload options go with which stage is checked by the config (`load_config`).
+
+    Args:
+        module: the model.
+        param_groups: torch-style groups of trainable parameters with complete Adam hyperparameters.
+        config: the validated config.
+        comm: the data-parallel group.
+        device: where the model computes.
+        client: another element-wise optimizer to run on the shards instead of Adam (see
+            [Note: other optimizers on shards] in zero/optim/choice.py).
+        model_parallel: the global-norm reduction of a model split over pipeline stages or tensor
+            slices (zero/parallel/mesh.py's ModelParallelNorm).
+        state_dtype: the moments' format a client optimizer object asks for (None: the config's).
+        muon: the groups marked `use_muon` are Muon's (zero/optim/muon.py; the engine made them).
+    """
+    precision, step, reduce, stage3 = options_from_config(config, comm.world_size, cpu_adam_threads(), state_dtype)
+    f = config.fp16
+    scaler = LossScaler(f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis,
+                        f.consecutive_hysteresis, f.min_loss_scale,
+                        accumulation=config.gradient_accumulation_steps) if f.enabled else LossScaler.disabled()
+    stage = config.zero_optimization.stage
+    params = [p for g in param_groups for p in g["params"]]
+    groups = [gi for gi, g in enumerate(param_groups) for _ in g["params"]]
+    gauges = Gauges()
+    common = dict(comm=comm, precision=precision, step=step, loss_scaler=scaler, client=client,
+                  model_parallel=model_parallel)
+    flat = dict(stage=stage, comm=comm, precision=precision, offload=step.offload, gauges=gauges, reduce=reduce,
+                predivide=step.predivide, device=device)
+    fp32_in_place = precision.master_is_model and step.offload is None  # the parameters are the master
+    kind = config.optimizer.type if config.optimizer is not None else None
+    if kind == "ZeroOneAdam":
+        from zero.onebit.zero_one import ZeroOneAdam, ZeroOneParams
+
+        z = config.optimizer.zeroone
+        storage = functools.partial(ZeroOneParams, module, params, groups, master_is_params=fp32_in_place, **flat)
+        return ZeroOneAdam(param_groups, storage, var_freeze_step=z.var_freeze_step,
+                           var_update_scaler=z.var_update_scaler, local_step_scaler=z.local_step_scaler,
+                           local_step_clipper=z.local_step_clipper, **common)
+    if kind == "OneBitAdam":
+        from zero.onebit.optimizer import OneBitAdam, OneBitParams
+
+        o = config.optimizer.onebit
+        gathered = o.compress_param_gather and comm.world_size > 1  # the parameters' changes need the master apart
+        storage = functools.partial(OneBitParams, module, params, groups, master_is_params=fp32_in_place and not gathered,
+                                    freeze_step=o.freeze_step, loss_scaler=scaler, **flat)
+        return OneBitAdam(param_groups, storage, freeze_step=o.freeze_step,
+                          compress_param_gather=o.compress_param_gather, **common)
+    muon_at = [i for i in range(len(params)) if muon and param_groups[groups[i]].get("use_muon")]  # zero/optim/muon.py
+    if stage == 3:
+        storage = functools.partial(UnitParams, module, params, groups, comm=comm, precision=precision,
+                                    offload=step.offload, gauges=gauges, reduce=reduce, options=stage3,
+                                    predivide=step.predivide, device=device, matrices={params[i] for i in muon_at})
+    else:
+        from zero.optim.muon import matrix_shape
+
+        matrices = {i: matrix_shape(params[i]) for i in muon_at}
+        storage = functools.partial(FlatParams, module, params, groups, master_is_params=fp32_in_place,
+                                    matrices=matrices, **flat)
+    return ShardedAdam(param_groups, storage, **common)
