@@ -268,7 +268,7 @@ def _resume_and_convert(tmp):
             b, *_ = zero.initialize(model=_Net(), config=cfg)
             b.load_checkpoint(f"{tmp}/{stage}{master}{state}", tag="t")
             _train(b, _batches(rank, 3, seed=1))
-            states = lambda e: [t for s in e.optimizer.slots() for t in (s[1], s[3], s[4], *(s.scales or ()))]  # noqa: E731
+            states = lambda e: [t for s in e.optimizer.slots() for t in (s.master, *s.state.values())]  # noqa: E731
             out[("resume", stage, master, state)] = all(
                 torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(states(a), states(b)))
             # the same checkpoint into fp32 states and back, and fp32 states into this format
@@ -363,7 +363,7 @@ def test_deepspeed_cpu_adam_without_fp32_states_keeps_moments_in_the_training_dt
     opt = DeepSpeedCPUAdam(model.parameters(), lr=1e-3, fp32_optimizer_states=False)
     engine, *_ = zero.initialize(model=model, optimizer=opt, config={
         "train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True}})
-    assert {s[3].dtype for s in engine.optimizer.slots()} == {torch.bfloat16}
+    assert {s.state["exp_avg"].dtype for s in engine.optimizer.slots()} == {torch.bfloat16}
     _train(engine, _batches(0, 2))
     engine.destroy()
     with pytest.raises(ValueError, match=r"fp32_optimizer_states=False\) under fp16"):

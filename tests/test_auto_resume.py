@@ -219,6 +219,16 @@ def test_a_rank_killed_at_a_random_step_under_torchrun_restarts_and_ends_as_an_u
         _killed_run_matches(tmp_path, unbroken, args, kill_at, kill_rank, (kill_at - kill_at % INTERVAL,))
 
 
+@pytest.mark.parametrize("optimizer,stage,offload", [("SGD", 1, False), ("RMSprop", 3, True)])
+def test_a_killed_rank_auto_resumes_other_optimizers_as_the_unbroken_run(tmp_path, optimizer, stage, offload):
+    """The config's SGD and a client torch optimizer (RMSprop, stepping on host masters) keep their
+    state in zero's storage, so periodic saves hold it: a rank killed under torchrun --max-restarts
+    resumes and ends as the unbroken run, bit for bit."""
+    args = ["--steps", "7", "--stage", str(stage), "--optimizer", optimizer, *(["--offload"] if offload else [])]
+    _, unbroken = _torchrun(tmp_path, "unbroken", *args)
+    _killed_run_matches(tmp_path, unbroken, args, 5, 1, (4,))
+
+
 @pytest.mark.parametrize("stage,offload", [(1, False), (3, True)])
 def test_a_rank_killed_while_a_background_save_is_written_resumes_from_the_one_before(tmp_path, stage, offload):
     """Rank 1 dies inside the background write of step 6's save, after its tensor file and before

@@ -169,7 +169,7 @@ def test_model_only_loads_fill_model_and_master_with_the_saved_values(tmp_path):
             engine.load_checkpoint(tmp_path / f"s{stage}{offload}", tag="t", **kwargs)
             got = values(engine)
             assert all(torch.equal(a, b) for a, b in zip(got, want)), (stage, offload, kwargs)
-            masters = torch.cat([m.reshape(-1) for _, m, *_ in engine.optimizer.slots()])
+            masters = torch.cat([s.master.reshape(-1) for s in engine.optimizer.slots()])
             assert torch.isfinite(masters).all() and masters.abs().max() <= max(w.abs().max() for w in want)
             engine.optimizer.publish()  # the master republished: the same values again
             assert all(torch.equal(a, b) for a, b in zip(values(engine), want)), (stage, offload, kwargs)

@@ -195,7 +195,7 @@ def measure_state_formats(world: int, cases, monitored):
                 monitor.step()
         table = monitor.report() if monitor is not None else None
         fmt = engine.optimizer.precision.adam
-        out.append((case, estimate, engine.memory_report(), [s[1].numel() for s in engine.optimizer.slots()],
+        out.append((case, estimate, engine.memory_report(), [s.master.numel() for s in engine.optimizer.slots()],
                     (fmt.master, fmt.state), table))
     return out
 

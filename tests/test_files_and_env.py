@@ -134,7 +134,7 @@ def test_load_shard_state_names_a_missing_key_or_a_non_finite_tensor_and_loads_n
     engine = single_process_engine()
     opt = engine.optimizer
     before = [p.detach().clone() for p in engine.module.parameters()]
-    masters = [m.clone() for _, m, *_ in opt.slots()]
+    masters = [s.master.clone() for s in opt.slots()]
     with pytest.raises(ValueError, match=r"slot 0 lacks 'group', 'step', 'master', 'exp_avg', 'exp_avg_sq'"):
         load_shard_state(opt, [{}] * len(opt.slots()))
     partial = shard_state(opt)
@@ -147,7 +147,7 @@ def test_load_shard_state_names_a_missing_key_or_a_non_finite_tensor_and_loads_n
         state[-1][key][0] = bad
         with pytest.raises(ValueError, match=f"slot {len(state) - 1}: '{key}' holds non-finite values"):
             load_shard_state(opt, state)
-    assert all(torch.equal(m, s) for m, (_, s, *_) in zip(masters, opt.slots()))
+    assert all(torch.equal(m, s.master) for m, s in zip(masters, opt.slots()))
     assert all(torch.equal(b, p) for b, p in zip(before, engine.module.parameters()))
     load_shard_state(opt, shard_state(opt))  # the real thing still loads
 

@@ -60,7 +60,7 @@ def __getattr__(name):  # keep `import zero` light: torch-heavy modules load on 
     raise AttributeError(f"module 'zero' has no attribute {name!r}")
 
 
-_DEEPSPEED_ONLY = {"add_config_arguments", "zero", "utils", "checkpointing", "ops", "DeepSpeedEngine", "init_inference",
+_DEEPSPEED_ONLY = {"add_config_arguments", "zero", "comm", "utils", "checkpointing", "ops", "DeepSpeedEngine", "init_inference",
                    "moe", "runtime", "accelerator"}
 
 

@@ -35,7 +35,6 @@ def _full(param, kind: str) -> torch.Tensor | None:
     optimizer = _owner(param)
     if optimizer is None:
         return None
-    _no_client_state(optimizer, kind)
     z = getattr(param, "_zero", None)
     shape = z.shape if z is not None else param.shape
     numel = z.numel if z is not None else param.numel()
@@ -48,35 +47,28 @@ def _full(param, kind: str) -> torch.Tensor | None:
     return full.view(shape)
 
 
-def _no_client_state(optimizer, kind: str) -> None:
-    if kind != "master" and optimizer.client is not None:
-        raise ValueError(f"the state of a {optimizer.client.cls.__name__} client optimizer is kept per shard by "
-                         f"that optimizer; safe_get_*_optimizer_state reads zero's Adam state only")
-
-
 def _local(param, kind: str) -> torch.Tensor | None:
     optimizer = _owner(param)
     if optimizer is None:
         return None
-    _no_client_state(optimizer, kind)
     pieces = [v for k, _, v in optimizer.storage.param_chunks(param, saving=False) if k == kind]
     optimizer.storage.forget_state_views()
     return torch.cat([p.detach().reshape(-1) for p in pieces]) if pieces else torch.empty(0)
 
 
 def _check_state_key(param, key: str) -> None:
-    """Adam's parameters have 'exp_avg' and 'exp_avg_sq'; Muon's matrices 'momentum_buffer' (torch's
-    and DeepSpeed's name)."""
+    """The keys are the per-element state the parameter's update rule keeps (see [Note: declared
+    state] in zero/optim/rules.py), torch's names: Adam's 'exp_avg' and 'exp_avg_sq', a Muon
+    matrix's or SGD's 'momentum_buffer', Adagrad's 'sum', ..."""
     optimizer = _owner(param)
     if optimizer is None:  # frozen: the accessor answers None
         return
-    _no_client_state(optimizer, key)
-    muon = optimizer.storage.is_matrix(param)
-    keys = ("momentum_buffer",) if muon else ("exp_avg", "exp_avg_sq")
+    keys = optimizer.state_names(param)
     if key not in keys:
-        whose = "Muon, which keeps" if muon else "Adam, which keeps"
-        raise ValueError(f"optimizer state {key!r}: this parameter is updated by {whose} "
-                         f"{' and '.join(map(repr, keys))}")
+        gi = next(i for i, g in enumerate(optimizer.param_groups) if any(q is param for q in g["params"]))
+        whose = optimizer.rules[gi].name
+        kept = f"keeps {' and '.join(map(repr, keys))}" if keys else "keeps no per-element state"
+        raise ValueError(f"optimizer state {key!r}: this parameter is updated by {whose}, which {kept}")
 
 
 def safe_get_full_fp32_param(param) -> torch.Tensor | None:
@@ -86,7 +78,8 @@ def safe_get_full_fp32_param(param) -> torch.Tensor | None:
 
 def safe_get_full_optimizer_state(param, optim_state_key: str) -> torch.Tensor | None:
     """The full optimizer state `optim_state_key` of `param` (collective): Adam's "exp_avg" or
-    "exp_avg_sq", or a Muon matrix's "momentum_buffer"."""
+    "exp_avg_sq", a Muon matrix's "momentum_buffer", or the state a client optimizer keeps under
+    torch's name (SGD's "momentum_buffer", Adagrad's "sum", ...)."""
     _check_state_key(param, optim_state_key)
     return _full(param, optim_state_key)
 
@@ -151,7 +144,6 @@ def safe_set_local_grad(param, value: torch.Tensor) -> None:
 
 def _set_full(param, kind: str, value: torch.Tensor) -> None:
     optimizer = _owner(param, frozen_ok=False)
-    _no_client_state(optimizer, kind)
     flat = value.detach().reshape(-1).float()
     with torch.no_grad():
         for k, offset, view in optimizer.storage.param_chunks(param, saving=False):
@@ -199,7 +191,6 @@ def safe_set_full_grad(param, value: torch.Tensor) -> None:
 
 def _set_local(param, kind: str, value: torch.Tensor, what: str) -> None:
     optimizer = _owner(param, frozen_ok=False)
-    _no_client_state(optimizer, kind)
     chunks = optimizer.storage.param_chunks(param, saving=False)
     mine = [(offset, view) for k, offset, view in chunks if k == kind]
     size = sum(view.numel() for _, view in mine)

@@ -48,7 +48,8 @@ FORMAT = "zero-checkpoint"
 VERSION = 2  # 2: "progress" and "optimizer" are engine.progress's and engine.optimizer's state_dict() (1: their
 # fields at the top level, still read)
 STATE_FILE = "zero_checkpoint.json"
-OPTIMIZER_KINDS = ("master", "exp_avg", "exp_avg_sq", "momentum_buffer")  # the last: Muon's
+MODEL = ("model",)  # the kinds `_chunks` lists: the model's,
+OPTIMIZER = ("<every kind but the model's>",)  # or the optimizer's: its master and declared state
 
 
 class CheckpointError(ZeroRuntimeError):
@@ -76,10 +77,14 @@ def _shape(t: torch.Tensor) -> list[int]:
     return list(z.shape if z is not None and not hasattr(t, "_local_tensor") else t.shape)
 
 
-def _chunks(engine, place: Placement, saving: bool, kinds: tuple[str, ...] = ("model", *OPTIMIZER_KINDS),
+def _chunks(engine, place: Placement, saving: bool, kinds: tuple[str, ...] | None = None,
             exclude_frozen: bool = False) -> list[Chunk]:
-    """This rank's pieces of every global tensor: those it writes (`saving`) or reads into."""
+    """This rank's pieces of every global tensor: those it writes (`saving`) or reads into, of
+    the `kinds` given (None: all; `OPTIMIZER`: every kind but the model's). The optimizer's kinds
+    are its master and the state its rules declare (see [Note: declared state] in
+    zero/optim/rules.py); a per-slot scalar is a global tensor of one element."""
     opt = engine.optimizer
+    scalars = opt.scalar_state()
     opt.storage.begin_checkpoint()
     out: list[Chunk] = []
     for name, t, is_param in _named_tensors(engine.module):
@@ -95,10 +100,15 @@ def _chunks(engine, place: Placement, saving: bool, kinds: tuple[str, ...] = ("m
                 raise CheckpointError(f"buffer {name!r} is not contiguous; zero checkpoints store buffers flat")
             pieces = [("model", 0, t.detach().view(-1))] if not saving or engine.comm.rank == 0 else []
         start = piece_offset(t)  # a tensor-parallel slice's place (see [Note: sliced tensors in checkpoints])
-        out += [Chunk(f"{kind}/{name}", start + off, view, numel) for kind, off, view in pieces if kind in kinds]
+        out += [Chunk(f"{kind}/{name}", 0 if kind in scalars else start + off, view, 1 if kind in scalars else numel)
+                for kind, off, view in pieces if _wanted(kind, kinds)]
     if saving:  # the chunks hold the decoded copies they write; the storage need not
         opt.storage.forget_state_views()
     return out
+
+
+def _wanted(kind: str, kinds: tuple[str, ...] | None) -> bool:
+    return kind != "model" if kinds is OPTIMIZER else kind in kinds if kinds is not None else True
 
 
 def _tensor_entries(engine) -> dict[str, dict]:
@@ -176,10 +186,6 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
     """See Engine.save_checkpoint. Returns the tag's path, or with `async_save` a PendingSave."""
     place = Placement(engine)
     comm = place.world
-    if engine.optimizer.client is not None:
-        raise CheckpointError(f"save_checkpoint with a {engine.optimizer.client.cls.__name__} client optimizer is not "
-                              f"implemented yet (zero checkpoints hold Adam's state); save the model with "
-                              f"save_16bit_model, or train with Adam/AdamW")
     if save_dir is None or not isinstance(save_dir, (str, os.PathLike)):
         raise ValueError(f"save_checkpoint(save_dir={save_dir!r}): expected the checkpoint directory (a str or path)")
     tag = str(tag) if tag is not None else f"global_step{engine.progress.global_steps}"
@@ -195,6 +201,7 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
         "lr_scheduler": _json_or_error(scheduler.state_dict(), "the lr scheduler's state_dict()")
         if scheduler is not None and hasattr(scheduler, "state_dict") else None,
         "tensors": _tensor_entries(engine),
+        "scalar_state": sorted(engine.optimizer.scalar_state()),
         "client_state": _json_or_error(dict(client_state or {}), "client_state"),
         "tied": _tied_aliases(engine.module),
         "dataloader": engine.training_dataloader.state_dict() if engine.training_dataloader is not None else None,
@@ -607,15 +614,17 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
     if split:  # each node sees its own files: the tensors of all of them
         for theirs in gather_objects(io, stored):
             stored.update({k: max(n, stored.get(k, 0)) for k, n in theirs.items()})
+    scalar = set(state.get("scalar_state", ()))  # per-slot scalars (a torch optimizer's step): one element each
     short = [f"{k} ({stored[k]} of {n} elements)" for k, n in
-             ((k, math.prod(saved[k.split("/", 1)[1]]["shape"])) for k in stored if k.split("/", 1)[1] in saved)
+             ((k, 1 if k.split("/", 1)[0] in scalar else math.prod(saved[k.split("/", 1)[1]]["shape"]))
+              for k in stored if k.split("/", 1)[1] in saved)
              if stored[k] != n]
     if io.any_rank(bool(short), f"checking checkpoint {path}"):
         raise CheckpointError(f"{path / 'tensors'}: incomplete tensors {short[:4] or '(on another rank)'}: a rank's "
                               f"file is missing")
     with_optimizer = load_optimizer_states and not load_module_only
     if with_optimizer:
-        wanted = dict.fromkeys(c.name for c in _chunks(engine, place, saving=False, kinds=OPTIMIZER_KINDS))
+        wanted = dict.fromkeys(c.name for c in _chunks(engine, place, saving=False, kinds=OPTIMIZER))
         absent = [name for name in wanted if name not in stored]
         if io.any_rank(bool(absent), f"checking checkpoint {path}"):
             raise CheckpointError(f"{path}: the checkpoint lacks optimizer states ({absent[:4]}...); load with "
@@ -627,8 +636,8 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
                                   f"{len(engine.optimizer.param_groups)}: build the engine with the same param groups "
                                   f"(model_parameters), or load with load_optimizer_states=False" if wrong else
                                   f"{path}: another rank's param groups do not match the checkpoint's (see its error)")
-    kinds = ("model", *OPTIMIZER_KINDS) if with_optimizer else ("model",)
-    targets = [c for c in _chunks(engine, place, saving=False, kinds=kinds) if c.name in stored]
+    targets = [c for c in _chunks(engine, place, saving=False, kinds=None if with_optimizer else MODEL)
+               if c.name in stored]
     if not with_optimizer:  # the master follows the loaded model
         targets += [Chunk(f"model/{c.name.split('/', 1)[1]}", c.offset, c.tensor, c.numel)
                     for c in _chunks(engine, place, saving=False, kinds=("master",))

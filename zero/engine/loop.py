@@ -219,7 +219,7 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
 
             self.pipeline = PipelineSchedule(self, mesh)
         self.traffic = None if mesh is None else MeshTraffic(
-            module, mesh, module.parts if pipelined else [], sum(slot[1].numel() for slot in self.optimizer.slots()))
+            module, mesh, module.parts if pipelined else [], sum(slot.master.numel() for slot in self.optimizer.slots()))
         if config.dump_state and self.comm.rank == 0:
             print(f"zero: engine state\n  config: {config.model_dump_json(exclude_defaults=True)}\n"
                   f"  device: {self.device}  world size: {self.comm.world_size}\n"

@@ -35,8 +35,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch.autograd.profiler import record_function
 
-from zero.ops.adam_formats import Q8_BLOCK
-
 if TYPE_CHECKING:
     from zero.stages.policies import OffloadOptions
 
@@ -147,11 +145,11 @@ class _Copy:
 
 
 class HostAdam:
-    """The host side of an offloaded optimizer: gradient staging, tiled CPU Adam, copies back.
+    """The host side of an offloaded optimizer: gradient staging, tiled updates, copies back.
 
     Args:
-        slots: the optimizer's slots (group, master, grad, exp_avg, exp_avg_sq, out16); master,
-            exp_avg and exp_avg_sq are host tensors, grad and out16 live where the model is.
+        slots: the optimizer's slots (zero.stages.storage.Slot): masters and state are host
+            tensors; gradients and 16-bit outputs live where the model is.
         options: OffloadOptions.
         memory: where page-locked host buffers come from.
     """
@@ -159,13 +157,13 @@ class HostAdam:
     def __init__(self, slots, options: OffloadOptions, memory: HostMemory):
         self.options = options
         self.memory = memory
-        on_cuda = any(s[2].is_cuda for s in slots)
+        on_cuda = any(s.grad.is_cuda for s in slots)
         self.stream = torch.cuda.Stream() if on_cuda else None
         if on_cuda and not options.pin_memory:
             warnings.warn("zero: offload_optimizer.pin_memory is false, so every copy between the GPU and the host "
                           "blocks the host (set pin_memory: true to overlap them with backward)", stacklevel=3)
-        self.grads = [memory.empty(s[2].shape, s[2].dtype, options.pin_memory) for s in slots]
-        self.index = {id(s[2]): i for i, s in enumerate(slots)}
+        self.grads = [memory.empty(s.grad.shape, s.grad.dtype, options.pin_memory) for s in slots]
+        self.index = {id(s.grad): i for i, s in enumerate(slots)}  # a slot's gradient shard is one object throughout
         self.pending: dict[int, _Copy] = {}
         # two alternating staging tiles per 16-bit dtype: one being filled, one being copied
         self.staging: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -185,32 +183,28 @@ class HostAdam:
             c.join()
         self.pending.clear()
 
-    def fetch(self, i: int, grad: torch.Tensor) -> torch.Tensor:
-        """Slot i's gradient in host memory (`grad` is the device shard), once its copy landed."""
+    def fetch(self, slot) -> torch.Tensor:
+        """The slot's gradient in host memory, once its copy landed (copied now if it was not yet)."""
+        i = self.index[id(slot.grad)]
         start = time.perf_counter()
-        (self.pending.pop(i, None) or _Copy(self.grads[i], grad, self.stream)).wait()
+        (self.pending.pop(i, None) or _Copy(self.grads[i], slot.grad, self.stream)).wait()
         self.times["grad_copy_wait"] += time.perf_counter() - start
         return self.grads[i]
 
-    def step(self, slots, adam, out16_on_host: list[bool], skip: set[int] = frozenset()) -> None:
-        """Run `adam(group, master, grad, exp_avg, exp_avg_sq, out16, scales, index)` on host tiles
-        and copy the results to each slot's out16 (which lives on the device unless
-        `out16_on_host[i]`). Tiles are whole 8-bit blocks (`tile_elements` is a multiple of
-        Q8_BLOCK); `scales` are the tile's blocks' scales and `index` its first element's global
-        index (see Slot)."""
+    def step(self, slots, update, out16_on_host: bool) -> None:
+        """Run `update(tile, out16)` on host tiles of `slots` (an element-wise rule's update of the
+        tile, a Slot whose gradient is the host copy, writing its 16-bit result into `out16`) and
+        copy the results to each slot's out16, which lives on the device unless `out16_on_host`.
+        Tiles are whole 8-bit blocks (`tile_elements` is a multiple of Q8_BLOCK)."""
         ring: list[_Copy | None] = [None, None]
         k = 0
-        for i, slot in enumerate(slots):
-            if i in skip:  # another optimizer's (Muon's matrices)
-                continue
-            group, master, grad, exp_avg, exp_avg_sq, out16 = slot
-            scales, index = getattr(slot, "scales", None), getattr(slot, "index", 0)
-            self.fetch(i, grad)  # not copied yet: now
-            n = master.numel()
+        for slot in slots:
+            grad, out16 = self.fetch(slot), slot.out16  # not copied yet: now
+            n = slot.master.numel()
             tile = self.options.tile_elements
             for lo in range(0, n, tile):
                 hi = min(n, lo + tile)
-                staged = out16 is not None and out16.dtype != torch.float32 and not out16_on_host[i]
+                staged = out16 is not None and out16.dtype != torch.float32 and not out16_on_host
                 if staged:  # the 16-bit result goes through a staging tile, then to the device
                     start = time.perf_counter()
                     if ring[k % 2] is not None:
@@ -223,14 +217,11 @@ class HostAdam:
                     target = None
                 start = time.perf_counter()
                 with record_function("zero::cpu_adam_tile"):
-                    tile_scales = None if scales is None else \
-                        tuple(t[lo // Q8_BLOCK : -(-hi // Q8_BLOCK)] for t in scales)
-                    adam(group, master[lo:hi], self.grads[i][lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], target,
-                         tile_scales, index + lo)
+                    update(slot.tile(lo, hi, grad[lo:hi], target), target)
                 self.times["cpu_adam"] += time.perf_counter() - start
                 if out16 is not None and (staged or out16.dtype == torch.float32):
                     with record_function("zero::offload_param_copy"):  # fp32 training copies the master itself
-                        ring[k % 2] = _Copy(out16[lo:hi], target if staged else master[lo:hi], self.stream)
+                        ring[k % 2] = _Copy(out16[lo:hi], target if staged else slot.master[lo:hi], self.stream)
                     k += 1
         for c in ring:  # the parameters are used next on the compute stream
             if c is not None:

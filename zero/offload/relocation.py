@@ -5,8 +5,8 @@ An RLHF loop holds a training engine and generates with another model between it
 it generates, the training engine's states only take device memory. `offload_states` copies
 each device storage that holds a model state of the kinds asked for (DeepSpeed's
 OffloadStateTypeEnum: the stage's parameter buffers or shards, fp32 masters, gradient buffers,
-Adam moments and a client optimizer's state) to host memory and resizes the device storage to 0
-bytes; `reload_states` gives each storage its size back and copies the bytes in. The tensors that
+every optimizer's state, 1-bit Adam's per-rank state) to host memory and resizes the device
+storage to 0 bytes; `reload_states` gives each storage its size back and copies the bytes in. The tensors that
 view those storages (parameters, shard views, the optimizer's slots) are the same objects with the
 same offsets throughout, so nothing else needs to be told, except that data pointers change
 (nothing may key on them). After the reload, training goes on bit for bit as without the round trip.
@@ -31,7 +31,7 @@ import torch.nn as nn
 
 # DeepSpeed's OffloadStateTypeEnum values -> the memory-report kinds that hold them
 STATE_KINDS = {
-    "optim_states": ("optimizer_states", "client_optimizer_states"),
+    "optim_states": ("optimizer_states", "rank_state"),
     "hp_params": ("fp32_master",),
     "lp_params": ("params", "persistent_full"),
     "lp_grads": ("grads",),
@@ -58,15 +58,12 @@ def kinds_of(include: Iterable | None) -> set[str]:
 
 def model_states(optimizer) -> tuple[dict[str, list[torch.Tensor]], set[str]]:
     """(kind -> the tensors holding it, kinds already in host memory) of a zero optimizer: its
-    storage's, a client optimizer's state and its per-rank state (1-bit Adam's error feedback)."""
+    storage's (every optimizer's state among them, see [Note: declared state] in
+    zero/optim/rules.py) and its per-rank state (1-bit Adam's error feedback)."""
     parts, host_kinds = optimizer.storage.memory_parts()
     if optimizer.offload is not None:
-        host_kinds = host_kinds | {"fp32_master", "optimizer_states", "client_optimizer_states"}
-    client = optimizer.client._optimizer if optimizer.client is not None else None
-    states = client.state.values() if client is not None else ()
-    parts["client_optimizer_states"] = [*(t for state in states for t in state.values()
-                                          if isinstance(t, torch.Tensor) and t.dim() > 0),
-                                        *optimizer.rank_state().values()]
+        host_kinds = host_kinds | {"fp32_master", "optimizer_states", "rank_state"}
+    parts["rank_state"] = list(optimizer.rank_state().values())
     return parts, host_kinds
 
 

@@ -28,6 +28,7 @@ import torch
 
 from zero.onebit.exchange import CompressedExchange, gather_changes
 from zero.optim.loss_scale import LossScaler
+from zero.optim.rules import AdamRule
 from zero.optim.step import ShardedAdam
 from zero.stages.buckets import FlatParams
 
@@ -139,21 +140,34 @@ class OneBitAdam(ShardedAdam):
         super()._skip(norm)
         self.storage.exchange.reset()
 
-    @torch.no_grad()
-    def _adam(self, group, master, grad, exp_avg, exp_avg_sq, grad_scale: float, out16, num_threads=None, *,
-              scales=None, index: int = 0) -> None:  # its states are fp32: no scales, no rounding counter
-        if self.step_count <= self.freeze_step:
-            return super()._adam(group, master, grad, exp_avg, exp_avg_sq, grad_scale, out16, num_threads)
+
+class FrozenVarianceAdam(AdamRule):
+    """Adam until `freeze_step`, then Adam with its variance frozen (see [Note: 1-bit Adam on shards]).
+
+    Args:
+        fmt: the state format (fp32: 1-bit Adam keeps fp32 states).
+        freeze_step: steps of exact Adam before the variance freezes.
+    """
+
+    name = "OneBitAdam"
+
+    def __init__(self, fmt, freeze_step: int):
+        super().__init__(fmt)
+        self.freeze_step = freeze_step
+
+    def hyperparameters(self, optimizer, group: dict) -> dict:
+        step = optimizer.step_count
+        if step <= self.freeze_step:
+            return super().hyperparameters(optimizer, group)
         # Frozen variance on the stage's own (native) Adam step: beta2 = 1 leaves v as it is
         # (v * 1 + 0 * g^2), and the frozen bias corrections move into lr and eps:
         #   lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps) = lr' * m / (sqrt(v) + eps'),
         #   lr' = lr * sqrt(bc2) / bc1,  eps' = eps * sqrt(bc2),
         # with AdamW's decay rescaled so that lr' * wd' = lr * wd.
         lr, (beta1, _), eps, wd = float(group["lr"]), tuple(group["betas"]), group["eps"], group["weight_decay"]
-        bc1 = 1 - beta1**self.step_count if group["bias_correction"] else 1.0
+        bc1 = 1 - beta1**step if group["bias_correction"] else 1.0
         bc2 = 1 - group["betas"][1] ** self.freeze_step if group["bias_correction"] else 1.0
         lr_frozen = lr * bc2**0.5 / bc1
         decay = wd * lr / lr_frozen if group["adamw_mode"] and lr_frozen > 0 else (wd if not group["adamw_mode"] else 0.0)
-        frozen = {**group, "lr": lr_frozen, "betas": (beta1, 1.0), "eps": eps * bc2**0.5, "weight_decay": decay,
-                  "bias_correction": False}
-        super()._adam(frozen, master, grad, exp_avg, exp_avg_sq, grad_scale, out16, num_threads)
+        return dict(step=step, lr=float(lr_frozen), betas=(beta1, 1.0), eps=eps * bc2**0.5, weight_decay=decay,
+                    adamw_mode=group["adamw_mode"], bias_correction=False)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from zero.onebit.exchange import CompressedExchange
+from zero.optim.rules import AdamRule
 from zero.optim.step import ShardedAdam
 from zero.stages.buckets import FlatParams
 
@@ -167,13 +168,43 @@ class ZeroOneAdam(ShardedAdam):
             self._advance(*self._plan)
         return applied
 
-    @torch.no_grad()
-    def _adam(self, group, master, grad, exp_avg, exp_avg_sq, grad_scale: float, out16, num_threads=None, *,
-              scales=None, index: int = 0) -> None:  # its states are fp32: no scales, no rounding counter
+    # -- state ---------------------------------------------------------------------------------
+
+    def rank_state(self) -> dict[str, torch.Tensor]:
+        """This rank's own state (see [Note: 0/1 Adam]): error buffers, u, anchor, the accumulators,
+        the schedule, and its own parameters and momentum."""
         s = self.storage
+        out = dict(s.exchange.tensors())
+        for b in range(len(s.master)):
+            out.update({f"u.{b}": s.u[b], f"anchor.{b}": s.anchor[b], f"since_sync.{b}": s.since_sync[b],
+                        f"master.{b}": s.master[b], f"exp_avg.{b}": s.state[b]["exp_avg"]})
+        out["schedule"] = self.schedule
+        return out
+
+    def reset_rank_state(self) -> None:
+        """A checkpoint from another world size: start a sync interval from the loaded values."""
+        s = self.storage
+        s.exchange.reset()
+        for b, m in enumerate(s.master):
+            s.u[b].zero_()
+            s.anchor[b].copy_(m)
+            s.since_sync[b].copy_(torch.tensor([0.0, 1.0], dtype=torch.float64))
+        self.schedule[6] = -1  # replayed from the step count at the next step
+
+
+class ZeroOneRule(AdamRule):
+    """0/1 Adam's update of one slot: an exact Adam step at a variance update, else a local step
+    and, at a sync, the compressed average of the local progress (see [Note: 0/1 Adam])."""
+
+    name = "ZeroOneAdam"
+
+    @torch.no_grad()
+    def apply(self, optimizer, group: dict, slot, grad_scale: float, out16, num_threads=None) -> None:
+        s = optimizer.storage  # its states are fp32: no scales, no rounding counter
+        master, grad, exp_avg, exp_avg_sq = slot.master, slot.grad, slot.state["exp_avg"], slot.state["exp_avg_sq"]
         b = s.slot_of[id(master)]
-        var_update, sync = self._plan
-        t = self.step_count
+        var_update, sync = optimizer._plan
+        t = optimizer.step_count
         lr, (beta1, beta2), eps, wd = float(group["lr"]), tuple(group["betas"]), group["eps"], group["weight_decay"]
         adamw = group["adamw_mode"]
         g = grad.float() / grad_scale
@@ -184,7 +215,7 @@ class ZeroOneAdam(ShardedAdam):
         exp_avg.lerp_(g, 1 - beta1)
         if var_update:
             exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        updates = int(self.schedule[2].item()) + (1 if var_update else 0)
+        updates = int(optimizer.schedule[2].item()) + (1 if var_update else 0)
         bc2 = 1 - beta2**updates if group["bias_correction"] else 1.0
         denom = (exp_avg_sq.sqrt() / bc2**0.5).add_(eps)
         c = lr / bc1
@@ -200,10 +231,10 @@ class ZeroOneAdam(ShardedAdam):
             acc[1] *= decay
             if sync:
                 mean = s.u[b].clone()
-                if self.comm.world_size > 1:
+                if optimizer.comm.world_size > 1:
                     lo, hi = s.own(s.layout.buckets[b])
                     s.exchange.reduce(b, mean, (0, hi - lo))
-                    mean.div_(self.comm.world_size)
+                    mean.div_(optimizer.comm.world_size)
                 torch.addcdiv(s.anchor[b] * float(acc[1]), mean, denom, value=-1.0, out=master)
                 if acc[0] > 0:  # lr 0 since the sync: the momentum stays as it is
                     exp_avg.copy_(mean / float(acc[0]))
@@ -212,26 +243,3 @@ class ZeroOneAdam(ShardedAdam):
                 acc.copy_(torch.tensor([0.0, 1.0], dtype=torch.float64))
         if out16 is not None:
             out16.copy_(master)
-
-    # -- state ---------------------------------------------------------------------------------
-
-    def rank_state(self) -> dict[str, torch.Tensor]:
-        """This rank's own state (see [Note: 0/1 Adam]): error buffers, u, anchor, the accumulators,
-        the schedule, and its own parameters and momentum."""
-        s = self.storage
-        out = dict(s.exchange.tensors())
-        for b in range(len(s.master)):
-            out.update({f"u.{b}": s.u[b], f"anchor.{b}": s.anchor[b], f"since_sync.{b}": s.since_sync[b],
-                        f"master.{b}": s.master[b], f"exp_avg.{b}": s.exp_avg[b]})
-        out["schedule"] = self.schedule
-        return out
-
-    def reset_rank_state(self) -> None:
-        """A checkpoint from another world size: start a sync interval from the loaded values."""
-        s = self.storage
-        s.exchange.reset()
-        for b, m in enumerate(s.master):
-            s.u[b].zero_()
-            s.anchor[b].copy_(m)
-            s.since_sync[b].copy_(torch.tensor([0.0, 1.0], dtype=torch.float64))
-        self.schedule[6] = -1  # replayed from the step count at the next step

@@ -12,8 +12,9 @@ import torch.nn as nn
 
 from zero.config import ZeroConfig
 from zero.offload.host import cpu_adam_threads
-from zero.optim.choice import ClientStep
+from zero.optim.choice import ClientRule
 from zero.optim.loss_scale import LossScaler
+from zero.optim.rules import AdamRule, MuonRule
 from zero.optim.step import ShardedAdam
 from zero.parallel.comm import Comm
 from zero.stages.buckets import FlatParams
@@ -23,7 +24,7 @@ from zero.stages.stage3 import UnitParams
 
 
 def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], config: ZeroConfig, comm: Comm,
-                    device: torch.device, *, client: ClientStep | None = None, model_parallel=None,
+                    device: torch.device, *, client: ClientRule | None = None, model_parallel=None,
                     state_dtype: str | None = None, muon: bool = False) -> ShardedAdam:
     """The partitioned optimizer the config's ZeRO stage asks for, owning `module`'s parameters.
 
@@ -37,7 +38,7 @@ def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], confi
         config: the validated config.
         comm: the data-parallel group.
         device: where the model computes.
-        client: another element-wise optimizer to run on the shards instead of Adam (see
+        client: another element-wise optimizer's rule, to run on the shards instead of Adam (see
             [Note: other optimizers on shards] in zero/optim/choice.py).
         model_parallel: the global-norm reduction of a model split over pipeline stages or tensor
             slices (zero/parallel/mesh.py's ModelParallelNorm).
@@ -53,30 +54,34 @@ def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], confi
     params = [p for g in param_groups for p in g["params"]]
     groups = [gi for gi, g in enumerate(param_groups) for _ in g["params"]]
     gauges = Gauges()
-    common = dict(comm=comm, precision=precision, step=step, loss_scaler=scaler, client=client,
-                  model_parallel=model_parallel)
+    muon_groups = [muon and bool(g.get("use_muon")) for g in param_groups]  # zero/optim/muon.py
+    common = dict(comm=comm, precision=precision, step=step, loss_scaler=scaler, model_parallel=model_parallel)
     flat = dict(stage=stage, comm=comm, precision=precision, offload=step.offload, gauges=gauges, reduce=reduce,
                 predivide=step.predivide, device=device)
     fp32_in_place = precision.master_is_model and step.offload is None  # the parameters are the master
     kind = config.optimizer.type if config.optimizer is not None else None
     if kind == "ZeroOneAdam":
-        from zero.onebit.zero_one import ZeroOneAdam, ZeroOneParams
+        from zero.onebit.zero_one import ZeroOneAdam, ZeroOneParams, ZeroOneRule
 
         z = config.optimizer.zeroone
         storage = functools.partial(ZeroOneParams, module, params, groups, master_is_params=fp32_in_place, **flat)
-        return ZeroOneAdam(param_groups, storage, var_freeze_step=z.var_freeze_step,
+        rules = [ZeroOneRule(precision.adam)] * len(param_groups)
+        return ZeroOneAdam(param_groups, storage, rules=rules, var_freeze_step=z.var_freeze_step,
                            var_update_scaler=z.var_update_scaler, local_step_scaler=z.local_step_scaler,
                            local_step_clipper=z.local_step_clipper, **common)
     if kind == "OneBitAdam":
-        from zero.onebit.optimizer import OneBitAdam, OneBitParams
+        from zero.onebit.optimizer import FrozenVarianceAdam, OneBitAdam, OneBitParams
 
         o = config.optimizer.onebit
         gathered = o.compress_param_gather and comm.world_size > 1  # the parameters' changes need the master apart
         storage = functools.partial(OneBitParams, module, params, groups, master_is_params=fp32_in_place and not gathered,
                                     freeze_step=o.freeze_step, loss_scaler=scaler, **flat)
-        return OneBitAdam(param_groups, storage, freeze_step=o.freeze_step,
+        rules = [FrozenVarianceAdam(precision.adam, o.freeze_step)] * len(param_groups)
+        return OneBitAdam(param_groups, storage, rules=rules, freeze_step=o.freeze_step,
                           compress_param_gather=o.compress_param_gather, **common)
-    muon_at = [i for i in range(len(params)) if muon and param_groups[groups[i]].get("use_muon")]  # zero/optim/muon.py
+    muon_at = [i for i in range(len(params)) if muon_groups[groups[i]]]
+    adam, whole = AdamRule(precision.adam), MuonRule()
+    rules = [whole if m else client or adam for m in muon_groups]
     if stage == 3:
         storage = functools.partial(UnitParams, module, params, groups, comm=comm, precision=precision,
                                     offload=step.offload, gauges=gauges, reduce=reduce, options=stage3,
@@ -87,4 +92,4 @@ def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], confi
         matrices = {i: matrix_shape(params[i]) for i in muon_at}
         storage = functools.partial(FlatParams, module, params, groups, master_is_params=fp32_in_place,
                                     matrices=matrices, **flat)
-    return ShardedAdam(param_groups, storage, **common)
+    return ShardedAdam(param_groups, storage, rules=rules, **common)

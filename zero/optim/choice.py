@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from zero.config import ZeroConfig
+from zero.optim.rules import ClientRule
 
 
 def _param_groups(module: nn.Module, model_parameters, defaults: dict) -> list[dict]:
@@ -49,107 +50,8 @@ _WHOLE_TENSOR = {"LBFGS": "its line search needs the whole model in one closure"
                  "parameter's whole norm", "Shampoo": "its preconditioners need whole matrices"}
 
 
-class ClientStep:
-    """The update of a client optimizer class on this rank's shards (see [Note: other optimizers on
-    shards]): it steps on the fp32 master pieces, as parameters sharing their storage, with its
-    state sized like the shards. Built once, from the first step's slots.
-
-    Args:
-        cls: the torch optimizer class.
-        defaults: its constructor's keyword arguments (a torch optimizer's `defaults`).
-    """
-
-    def __init__(self, cls: type, defaults: dict):
-        self.cls, self.defaults = cls, defaults
-        self._optimizer = None
-        self._params: list[nn.Parameter] = []
-        self._groups: list[int] = []
-
-    def hyperparameters(self, group: dict) -> dict:
-        """A zero param group's hyperparameters for the client optimizer: without the Adam keys
-        every group carries (unless the client optimizer has them too)."""
-        from zero.optim.step import ADAM_DEFAULTS
-
-        return {k: v for k, v in group.items() if k != "params" and (k not in ADAM_DEFAULTS or k in self.defaults)}
-
-    def _native_settings(self, param_groups: list[dict], slots: list) -> list[dict] | None:
-        """Lion and Adagrad on host masters run zero's native CPU kernels (zero/ops/cpu_optim.py)
-        on the slots' own fp32 state (Lion's momentum in exp_avg, Adagrad's sum in exp_avg_sq), as
-        DeepSpeed's offload runs its CPU Lion and Adagrad: each slot's settings, checked, or None
-        where the class itself must run (another class, maximize, a state elsewhere, a value the
-        kernels do not take), decided before anything changes."""
-        from zero.optim.lion import Lion
-
-        if self.cls not in (Lion, torch.optim.Adagrad):
-            return None
-        out = []
-        for gi, master, _, exp_avg, exp_avg_sq, _ in slots:
-            h = {**self.defaults, **self.hyperparameters(param_groups[gi])}
-            state = exp_avg if self.cls is Lion else exp_avg_sq
-            numbers = [h["lr"], h["weight_decay"], *([h["eps"], h["lr_decay"]] if self.cls is not Lion else [])]
-            if (h.get("maximize") or h.get("differentiable") or h.get("fused") or master.device.type != "cpu"
-                    or state.dtype != torch.float32 or state.numel() != master.numel()
-                    or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in numbers)):
-                return None
-            out.append(h)
-        return out
-
-    def _native_step(self, settings: list[dict], slots: list, grad_scale: float, num_threads: int | None) -> None:
-        from zero.ops.cpu_optim import adagrad_step, lion_step
-
-        step = getattr(self, "_steps", 0) + 1
-        for h, (_, master, grad, exp_avg, exp_avg_sq, out16) in zip(settings, slots):
-            target = out16 if out16 is not None and out16.device.type == "cpu" and out16.dtype != torch.float32 \
-                else None
-            if self.cls is torch.optim.Adagrad:
-                if step == 1 and h["initial_accumulator_value"]:
-                    exp_avg_sq.fill_(h["initial_accumulator_value"])
-                clr = h["lr"] / (1 + (step - 1) * h["lr_decay"])
-                adagrad_step(master, grad, exp_avg_sq, clr=clr, eps=h["eps"], weight_decay=h["weight_decay"],
-                             grad_scale=grad_scale, out16=target, num_threads=num_threads)
-            else:
-                lion_step(master, grad, exp_avg, lr=h["lr"], betas=tuple(h["betas"]), weight_decay=h["weight_decay"],
-                          grad_scale=grad_scale, out16=target, num_threads=num_threads)
-            if out16 is not None and target is None:  # a device parameter: one copy per slot
-                out16.copy_(master)
-        self._steps = step
-
-    @torch.no_grad()
-    def step(self, param_groups: list[dict], slots: list, grad_scale: float, num_threads: int | None = None) -> None:
-        """One step of the client optimizer on `slots` (see ShardedAdam.slots), gradients divided by
-        `grad_scale` (see [Note: one divisor]); the 16-bit outputs are written from the masters.
-        `num_threads`: the host threads of the native kernels (optimizer offload's)."""
-        settings = self._native_settings(param_groups, slots) if self._optimizer is None else None
-        if settings is None and getattr(self, "_steps", 0):
-            raise ValueError(f"{self.cls.__name__}: a param group now asks for what zero's native host step does not do "
-                             f"(maximize, differentiable, fused, or a non-number setting), after steps that kept the "
-                             f"state in zero's own tensors; set it before the first step")
-        if settings is not None:
-            self._native_step(settings, slots, grad_scale, num_threads)
-            return
-        if self._optimizer is None:
-            by_group: dict[int, list] = {}
-            for gi, master, *_ in slots:
-                p = nn.Parameter(master, requires_grad=False)  # shares the master's storage
-                by_group.setdefault(gi, []).append(p)
-                self._params.append(p)
-            self._groups = list(by_group)
-            groups = [{**self.hyperparameters(param_groups[gi]), "params": ps} for gi, ps in by_group.items()]
-            self._optimizer = self.cls(groups, **self.defaults)  # torch optimizers' defaults are their
-            # constructor's keyword arguments
-        for group, gi in zip(self._optimizer.param_groups, self._groups):  # the scheduler's lr, etc.
-            group.update(self.hyperparameters(param_groups[gi]))
-        for p, (_, _, grad, _, _, _) in zip(self._params, slots):
-            p.grad = grad.float() / grad_scale
-        self._optimizer.step()
-        for p, (_, master, _, _, _, out16) in zip(self._params, slots):
-            p.grad = None
-            if out16 is not None:
-                out16.copy_(master)
-
-
 def optimizer_groups(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None, module: nn.Module,
-                     model_parameters) -> tuple[ClientStep | None, list[dict], bool]:
+                     model_parameters) -> tuple[ClientRule | None, list[dict], bool]:
     """What the engine's optimizer runs: (the client optimizer to run on the shards instead of
     zero's Adam, or None; the param groups, complete; whether they are Muon's and AdamW's)."""
     muon = muon_param_groups(cfg, optimizer, module, model_parameters)
@@ -177,18 +79,18 @@ def muon_param_groups(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None, 
     return None
 
 
-def client_step(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None) -> ClientStep | None:
+def client_step(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None) -> ClientRule | None:
     """The client optimizer to run on the shards instead of zero's Adam, or None for Adam/AdamW.
     See [Note: other optimizers on shards]."""
     if optimizer is not None:
         if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
             return None
-        return ClientStep(type(optimizer), dict(optimizer.defaults))
+        return ClientRule(type(optimizer), dict(optimizer.defaults))
     from zero.config.optimizer import CLIENT_OPTIMIZERS, optimizer_class
 
     if cfg.optimizer is not None and cfg.optimizer.type in CLIENT_OPTIMIZERS:
         cls = optimizer_class(cfg.optimizer.type)
-        return ClientStep(cls, dict(cls([torch.nn.Parameter(torch.zeros(1))], **cfg.optimizer.other_params).defaults))
+        return ClientRule(cls, dict(cls([torch.nn.Parameter(torch.zeros(1))], **cfg.optimizer.other_params).defaults))
     return None
 
 
@@ -206,7 +108,7 @@ def _check_elementwise(optimizer: torch.optim.Optimizer) -> None:
                       f"from unpartitioned training", stacklevel=4)
 
 
-def _optimizer_defaults(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None, client: ClientStep | None) -> dict:
+def _optimizer_defaults(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None, client: ClientRule | None) -> dict:
     """The hyperparameters of every param group: a client optimizer's (`client`, from
     `client_step`), or Adam's from the optimizer passed or the config's `optimizer` section."""
     if optimizer is not None:

@@ -15,7 +15,6 @@ the overflow test (see [Note: norm without overflow]).
 """
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from torch.autograd.profiler import record_function
 
 from zero.offload.host import HostAdam
 from zero.optim.loss_scale import LossScaler
+from zero.optim.rules import ClientRule, StateSpec, UpdateRule
 from zero.parallel.comm import Comm
 from zero.stages.memory import measure_kinds
 from zero.stages.policies import Precision, StepOptions
@@ -52,21 +52,26 @@ class ShardedAdam(torch.optim.Optimizer):
         precision: the run's dtypes.
         step: clipping, predivide, accumulation and optimizer offload (see StepOptions).
         loss_scaler: fp16's dynamic loss scale (None: no scaling).
-        client: another element-wise optimizer run on the shards instead of Adam (see
-            [Note: other optimizers on shards] in zero/optim/choice.py), or None.
+        rules: each param group's update rule (see [Note: declared state] in
+            zero/optim/rules.py): Adam's, Muon's, a client optimizer's.
         model_parallel: the global norm over pipeline stages and tensor slices (zero/parallel/mesh.py's
             ModelParallelNorm), or None for a data-parallel model.
     """
 
     def __init__(self, param_groups, storage: Callable[..., ParamStorage], *, comm: Comm, precision: Precision,
-                 step: StepOptions, loss_scaler: LossScaler | None = None, client=None, model_parallel=None):
+                 step: StepOptions, rules: list[UpdateRule], loss_scaler: LossScaler | None = None,
+                 model_parallel=None):
         super().__init__(param_groups, dict(ADAM_DEFAULTS))
+        if len(rules) != len(self.param_groups):
+            raise ValueError(f"{len(rules)} update rules for {len(self.param_groups)} param groups")
+        self.rules = list(rules)
         self.comm = comm
         self.precision = precision
         self.options = step
         self.offload = step.offload
         self.loss_scaler = loss_scaler or LossScaler.disabled()
-        self.client = client
+        # a client optimizer's rule (its class and defaults), if the run has one
+        self.client = next((r for r in self.rules if isinstance(r, ClientRule)), None)
         self.model_parallel = model_parallel
         self.at_boundary = True  # the engine says whether the coming backward ends an accumulation
         self.params = [p for g in self.param_groups for p in g["params"]]
@@ -74,8 +79,22 @@ class ShardedAdam(torch.optim.Optimizer):
         self.global_grad_norm: float | None = None
         self.skipped: tuple[float, float, float] | None = None  # the last skipped step: (norm, scale before, after)
         self._host: HostAdam | None = None
-        self.storage = storage(grad_final=self.grad_final, step_number=self.next_step_number)
+        self.storage = storage(grad_final=self.grad_final, step_number=self.next_step_number,
+                               state_specs=self.state_specs)
         self.gauges = self.storage.gauges
+
+    def state_specs(self, group: int) -> tuple[StateSpec, ...]:
+        """The optimizer state param group `group` keeps (see [Note: declared state] in zero/optim/rules.py)."""
+        return self.rules[group].state(self.param_groups[group])
+
+    def state_names(self, param: torch.nn.Parameter) -> tuple[str, ...]:
+        """The names of the per-element state `param`'s rule keeps (what the accessors read)."""
+        gi = next(i for i, g in enumerate(self.param_groups) if any(q is param for q in g["params"]))
+        return tuple(s.name for s in self.state_specs(gi) if s.per == "element")
+
+    def scalar_state(self) -> set[str]:
+        """The names of per-slot scalar states any group keeps (a torch optimizer's `step`)."""
+        return {s.name for gi in range(len(self.param_groups)) for s in self.state_specs(gi) if s.per == "scalar"}
 
     def next_step_number(self) -> int:
         """The number of the coming optimizer step (1 before the first)."""
@@ -102,7 +121,8 @@ class ShardedAdam(torch.optim.Optimizer):
     # -- the storage's view -----------------------------------------------------------------------
 
     def slots(self) -> list[Slot]:
-        """(group index, fp32 master, gradient shard, exp_avg, exp_avg_sq, 16-bit output or None)."""
+        """This rank's slots: each a range of one param group, with its master, gradient shard,
+        declared state and 16-bit output (zero.stages.storage.Slot)."""
         return self.storage.slots()
 
     def reduce_gradients(self) -> None:
@@ -210,8 +230,8 @@ class ShardedAdam(torch.optim.Optimizer):
         fp32 sum of squares overflows from 1.8e19). A slot whose own fp32 norm overflows is
         measured again scaled by its largest element; only inf/NaN gradients make the norm
         non-finite."""
-        device = slots[0][2].device if slots else torch.device("cpu")  # where the gradients are
-        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for _, _, g, _, _, _ in slots]
+        device = slots[0].grad.device if slots else torch.device("cpu")  # where the gradients are
+        norms = [torch.linalg.vector_norm(s.grad, dtype=torch.float32) for s in slots]
         total = self._sum_squares(norms, device)
         self._sum_over_ranks(total)
         norm_sq = total.item()  # the step's one host synchronisation for the norm
@@ -220,7 +240,7 @@ class ShardedAdam(torch.optim.Optimizer):
         # rare: some slot's fp32 norm overflowed (or a gradient is inf/NaN); every rank sees the
         # reduced total non-finite, so every rank measures again, scaled by each slot's largest element
         rescaled = []
-        for (_, _, g, _, _, _), n in zip(slots, norms):
+        for g, n in zip((s.grad for s in slots), norms):
             if not torch.isfinite(n):
                 top = g.abs().amax().float()
                 n = top.double() * torch.linalg.vector_norm(g / top, dtype=torch.float32).double() \
@@ -280,8 +300,8 @@ class ShardedAdam(torch.optim.Optimizer):
         self.step_count += 1
         grad_scale = divisor / clip_coef
         if grad_scale > 1e30:  # a norm beyond fp32's range, clipped: the kernels take the divisor in fp32
-            for _, _, grad, _, _, _ in slots:
-                grad.div_(grad_scale / 1e30)
+            for slot in slots:
+                slot.grad.div_(grad_scale / 1e30)
             grad_scale = 1e30
         self._update(slots, grad_scale)
         with record_function("zero::publish_params"):
@@ -291,36 +311,18 @@ class ShardedAdam(torch.optim.Optimizer):
         return True
 
     def _update(self, slots: list[Slot], grad_scale: float) -> None:
-        """Apply the optimizer to every slot: Muon to whole matrices (see [Note: Muon and
-        partitions] in zero/optim/muon.py), a client optimizer or Adam to the rest. With optimizer offload
-        the masters and states are in host memory and the update runs there, on the gradients
-        HostAdam copied over (see [Note: offload data path] in zero/offload/host.py)."""
+        """Apply each slot's update rule (see [Note: declared state] in zero/optim/rules.py): Muon
+        to whole matrices, a client optimizer or Adam to the rest. With optimizer offload the
+        masters and states are in host memory and the update runs there, on the gradients HostAdam
+        copied over (see [Note: offload data path] in zero/offload/host.py)."""
         host = self._host_adam() if self.offload is not None else None
-        muon = {i for i, s in enumerate(slots) if s.matrix is not None}
-        compute = {i: slots[i][2].device for i in muon}  # Newton-Schulz runs where the model computes
-        if host is not None and (muon or self.client is not None):
-            # Muon and client optimizers step on host copies of the gradients; Adam's tiles fetch their own
-            taken = muon if self.client is None else set(range(len(slots)))
-            slots = [Slot(*s[:2], host.fetch(i, s[2]), *s[3:], scales=s.scales, index=s.index, matrix=s.matrix)
-                     if i in taken else s for i, s in enumerate(slots)]
-        with record_function("zero::muon"):
-            for i in sorted(muon):
-                self._muon(self.param_groups[slots[i][0]], slots[i], grad_scale, compute[i])
-        rest = [s for i, s in enumerate(slots) if i not in muon]
-        with record_function("zero::adam"):
-            if rest and self.client is not None:
-                self.client.step(self.param_groups, rest, grad_scale,
-                                 self.offload.num_threads if self.offload is not None else None)
-            elif rest and host is not None:
-                threads = self.offload.num_threads
-                host.step(slots, lambda g, *t: self._adam(self.param_groups[g], *t[:4], grad_scale, t[4], threads,
-                                                          scales=t[5], index=t[6]),
-                          self.storage.out16_on_host(), skip=muon)
-            else:
-                for slot in rest:
-                    group_index, master, grad, exp_avg, exp_avg_sq, out16 = slot
-                    self._adam(self.param_groups[group_index], master, grad, exp_avg, exp_avg_sq, grad_scale, out16,
-                               scales=slot.scales, index=slot.index)
+        by_rule: dict[int, tuple[UpdateRule, list[Slot]]] = {}
+        for slot in slots:
+            rule = self.rules[slot.group]
+            by_rule.setdefault(id(rule), (rule, []))[1].append(slot)
+        for rule, members in sorted(by_rule.values(), key=lambda item: item[0].elementwise):  # whole-tensor rules first
+            with record_function(f"zero::{rule.name.lower()}"):
+                rule.update(self, members, grad_scale, host)
 
     def _skip(self, norm: float) -> None:
         """Skip this step: its gradient is inf or NaN on some rank (the engine logs it)."""
@@ -329,78 +331,6 @@ class ShardedAdam(torch.optim.Optimizer):
         self.skipped = (norm, before, self.loss_scaler.scale)
         self.global_grad_norm = None
         self.zero_grad()
-
-    @staticmethod
-    def _muon(group: dict, slot: Slot, grad_scale: float, ns_device: torch.device | None = None) -> None:
-        """torch.optim.Muon's step on one whole matrix this rank owns (zero.optim.muon.update_matrix);
-        Newton-Schulz runs on `ns_device` (offload: the GPU, when the master is on the host)."""
-        from zero.optim.muon import MUON_SETTINGS, update_matrix
-
-        _, master, grad, momentum, _, out16 = slot
-        shape = slot.matrix
-        update_matrix(master.view(shape), (grad.float() / grad_scale).view(shape), momentum.view(shape),
-                      ns_device=ns_device, **{k: group[k] for k in MUON_SETTINGS if k in group})
-        if out16 is not None:
-            out16.copy_(master)
-
-    def _adam(self, group, master, grad, exp_avg, exp_avg_sq, grad_scale: float, out16, num_threads=None, *,
-              scales=None, index: int = 0) -> None:
-        """One Adam step on one slot (or a tile of one): `scales` and `index` as in Slot."""
-        again = functools.partial(self._adam, group, master, grad, exp_avg, exp_avg_sq, grad_scale,
-                                  num_threads=num_threads, scales=scales, index=index)
-        if out16 is not None and out16.dtype == torch.float32:  # fp32 model copy kept apart from the master
-            again(None)
-            out16.copy_(master)
-            return
-        if out16 is not None and out16.device != master.device:  # e.g. device master, host shard
-            staged = torch.empty_like(out16, device=master.device)
-            again(staged)
-            out16.copy_(staged)
-            return
-        kwargs = dict(step=self.step_count, lr=float(group["lr"]), betas=tuple(group["betas"]), eps=group["eps"],
-                      weight_decay=group["weight_decay"], adamw_mode=group["adamw_mode"],
-                      bias_correction=group["bias_correction"], grad_scale=grad_scale)
-        from zero.ops.fallback import run_native
-
-        fmt = self.precision.adam
-        if not fmt.plain:
-            self._adam_formats(fmt, master, grad, exp_avg, exp_avg_sq, out16, num_threads, scales, index, kwargs)
-            return
-
-        if master.device.type == "cuda":
-            from zero.ops.fused_adam import fused_adam_step_unchecked
-
-            op, native = "fused_adam", lambda: fused_adam_step_unchecked(
-                [master], [grad], [exp_avg], [exp_avg_sq], out16=None if out16 is None else [out16], **kwargs)
-        else:
-            from zero.ops.cpu_adam import cpu_adam_step_unchecked
-
-            op, native = "cpu_adam", lambda: cpu_adam_step_unchecked(
-                master, grad, exp_avg, exp_avg_sq, out16=out16, num_threads=num_threads, **kwargs)
-        run_native(op, native, lambda: torch_adam_step(master, grad, exp_avg, exp_avg_sq, out16=out16, **kwargs),
-                   what="zero's Adam step")  # see [Note: native-op fallback]
-
-
-    @staticmethod
-    def _adam_formats(fmt, master, grad, exp_avg, exp_avg_sq, out16, num_threads, scales, index, kwargs) -> None:
-        """The step with low-precision master weights or moments (zero.ops.adam_formats)."""
-        from zero.ops.adam_formats import torch_adam_step_fmt
-        from zero.ops.fallback import run_native
-
-        m_scale, v_scale = scales if scales is not None else (None, None)
-        fmt_kwargs = dict(m_scale=m_scale, v_scale=v_scale, out16=out16, fmt=fmt, index=index, **kwargs)
-        if master.device.type == "cuda":
-            from zero.ops.fused_adam import fused_adam_step_fmt_unchecked
-
-            op, native = "fused_adam", lambda: fused_adam_step_fmt_unchecked(
-                master, grad, exp_avg, exp_avg_sq, **fmt_kwargs)
-        else:
-            from zero.ops.cpu_adam import cpu_adam_step_fmt_unchecked
-
-            op, native = "cpu_adam", lambda: cpu_adam_step_fmt_unchecked(
-                master, grad, exp_avg, exp_avg_sq, num_threads=num_threads, **fmt_kwargs)
-        run_native(op, native, lambda: torch_adam_step_fmt(master, grad, exp_avg, exp_avg_sq, **fmt_kwargs),
-                   what="zero's Adam step")
 
 
 def check_param_groups(groups: list[dict], source: str) -> None:

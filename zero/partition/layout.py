@@ -72,6 +72,7 @@ class ShardLayout:
             raise ValueError(f"partitions ({partitions}) and bucket_size ({bucket_size}) must be >= 1")
         self.partitions = partitions
         self.numels = list(numels)
+        self.groups = list(groups)  # each parameter's group
         self.offsets = [0] * len(numels)  # flat-buffer offset of each parameter
         self.bucket_of = [0] * len(numels)
         self.buckets: list[Bucket] = []

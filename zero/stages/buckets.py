@@ -39,6 +39,7 @@ import torch.nn as nn
 from torch.autograd.profiler import record_function
 
 from zero.optim.muon import assign_owners
+from zero.optim.rules import StateSpecs, saved_specs
 from zero.parallel.comm import Comm, Tag
 from zero.partition.layout import Bucket, ShardLayout, local_grad, local_tensor
 from zero.stages.memory import Gauges
@@ -80,7 +81,7 @@ class FlatParams(ParamStorage):
         device: where the model computes.
         master_is_params: keep no separate master: the parameters are their own (fp32 training, or
             bf16 training with a bf16 master, without offload).
-        grad_final, step_number: see ParamStorage.
+        grad_final, step_number, state_specs: see ParamStorage.
         matrices: parameter index -> matrix shape of the parameters Muon updates (in param groups
             of their own, so their buckets hold nothing else); see [Note: Muon in buckets].
     """
@@ -89,9 +90,9 @@ class FlatParams(ParamStorage):
                  precision: Precision, offload: OffloadOptions | None, gauges: Gauges, reduce: ReduceOptions,
                  predivide: float, device: torch.device, master_is_params: bool,
                  grad_final: Callable[[torch.Tensor], None], step_number: Callable[[], int],
-                 matrices: dict[int, tuple[int, int]] | None = None):
+                 state_specs: StateSpecs, matrices: dict[int, tuple[int, int]] | None = None):
         super().__init__(params, {p: n for n, p in module.named_parameters()}, comm, precision, offload, gauges,
-                         grad_final=grad_final, step_number=step_number)
+                         grad_final=grad_final, step_number=step_number, state_specs=state_specs)
         self.stage = stage
         self.reduce = reduce
         self.predivide = predivide
@@ -166,13 +167,11 @@ class FlatParams(ParamStorage):
         nothing = torch.empty(0)
         self.master = [self.new_state(nothing, device) if b.index in muon else
                        self.new_master(self.flat[slice(*self.own(b))], device, alias) for b in layout.buckets]
-        moments = [(m, self.new_state(nothing, device), None) if b.index in muon else self.new_moments(m, device)
-                   for b, m in zip(layout.buckets, self.master)]
-        self.muon_master: dict[int, torch.Tensor] = {}  # owned matrices: fp32 master (flat) and momentum
-        self.momentum: dict[int, torch.Tensor] = {}
-        self.exp_avg = [m for m, _, _ in moments]
-        self.exp_avg_sq = [v for _, v, _ in moments]
-        self.scales = [s for _, _, s in moments]  # 8-bit moments' block scales (m, v), else None
+        # each bucket's optimizer state as its group's rule declares it (a Muon bucket's is per matrix)
+        self.state = [{} if b.index in muon else self.new_states(self.state_specs(b.group), m, device)
+                      for b, m in zip(layout.buckets, self.master)]
+        self.muon_master: dict[int, torch.Tensor] = {}  # owned matrices: fp32 master (flat) and state
+        self.matrix_state: dict[int, dict[str, torch.Tensor]] = {}
         for i, p in enumerate(self.params):
             full = local_tensor(p).detach().reshape(-1)  # where the user built it (copied across devices below)
             self.comm.broadcast(full, src=0)  # every rank starts from rank 0's values
@@ -181,7 +180,7 @@ class FlatParams(ParamStorage):
             if self.owns(i):
                 view = self.flat[off : off + n]
                 self.muon_master[i] = view if alias else self.new_state(view, device).copy_(full)
-                self.momentum[i] = self.new_state(view, device)
+                self.matrix_state[i] = self.new_states(self.state_specs(self.layout.groups[i]), view, device)
             bucket = layout.buckets[layout.bucket_of[i]]
             lo, hi = self.own(bucket)
             a, b = max(lo, off), min(hi, off + n)
@@ -231,8 +230,8 @@ class FlatParams(ParamStorage):
             lo, hi = self.own(bucket)
             aliased = self.master[b].data_ptr() == self.flat[lo:hi].data_ptr()
             out16 = None if aliased else self.flat[lo:hi]
-            out.append(Slot(bucket.group, self.master[b], self.grads.shards[b], self.exp_avg[b], self.exp_avg_sq[b], out16,
-                            scales=self.scales[b], index=lo))
+            out.append(Slot(bucket.group, self.master[b], self.grads.shards[b], self.state[b],
+                            self.state_specs(bucket.group), out16, index=lo))
         return out
 
     def _matrix_slots(self, bucket: Bucket) -> list[Slot]:
@@ -242,9 +241,9 @@ class FlatParams(ParamStorage):
             if self.owns(i):
                 off, n = self.layout.offsets[i], self.layout.numels[i]
                 master, view = self.muon_master[i], self.flat[off : off + n]
-                out.append(Slot(bucket.group, master, self.muon_grad(i), self.momentum[i], self.exp_avg_sq[bucket.index],
-                                None if master.data_ptr() == view.data_ptr() else view, index=off,
-                                matrix=self.matrices[i]))
+                out.append(Slot(bucket.group, master, self.muon_grad(i), self.matrix_state[i],
+                                self.state_specs(bucket.group), None if master.data_ptr() == view.data_ptr() else view,
+                                index=off, matrix=self.matrices[i]))
         return out
 
     def muon_grad(self, i: int) -> torch.Tensor:
@@ -274,8 +273,8 @@ class FlatParams(ParamStorage):
     def norm_is_partitioned(self) -> bool:
         return self.partitions > 1
 
-    def out16_on_host(self) -> list[bool]:
-        return [False] * len(self.slots())
+    def out16_on_host(self) -> bool:
+        return False
 
     def publish(self) -> None:
         if self.partitions > 1:
@@ -306,8 +305,8 @@ class FlatParams(ParamStorage):
     def memory_parts(self) -> tuple[dict[str, list[torch.Tensor]], set[str]]:
         return {"params": [self.flat], "grads": self.grads.buffers(),
                 "fp32_master": self.master + list(self.muon_master.values()),
-                "optimizer_states": self.exp_avg + self.exp_avg_sq + [t for s in self.scales if s for t in s]
-                + list(self.momentum.values())}, set()
+                "optimizer_states": [t for state in [*self.state, *self.matrix_state.values()] for t in state.values()]
+                }, set()
 
     # -- checkpoints ----------------------------------------------------------------------------------
 
@@ -328,9 +327,13 @@ class FlatParams(ParamStorage):
         if saving and self.partitions == 1 and self.comm.rank != 0:
             return out
         k = bucket.index
-        for kind, t in (("master", self.master[k]), ("exp_avg", self.state_view(k, "exp_avg", self.exp_avg[k], self.scales[k])),
-                        ("exp_avg_sq", self.state_view(k, "exp_avg_sq", self.exp_avg_sq[k], self.scales[k]))):
-            out.append((kind, a - off, t[a - lo : b - lo]))
+        out.append(("master", a - off, self.master[k][a - lo : b - lo]))
+        for spec in saved_specs(self.state_specs(bucket.group)):
+            view = self.state_view(k, spec, self.state[k])
+            if spec.per == "element":
+                out.append((spec.name, a - off, view[a - lo : b - lo]))
+            elif a < b and (a == off or not saving):  # a scalar: written with the parameter's first element
+                out.append((spec.name, 0, view))
         return out
 
     def _matrix_chunks(self, i: int, saving: bool) -> list[tuple[str, int, torch.Tensor]]:
@@ -339,7 +342,9 @@ class FlatParams(ParamStorage):
         writes = self.owns(i) if self.partitions > 1 else self.comm.rank == 0
         out = [("model", 0, self.flat[off : off + n])] if writes or not saving else []
         if (writes if saving else self.owns(i)):
-            out += [("master", 0, self.muon_master[i]), ("momentum_buffer", 0, self.momentum[i])]
+            out.append(("master", 0, self.muon_master[i]))
+            specs = saved_specs(self.state_specs(self.layout.groups[i]))
+            out += [(spec.name, 0, self.state_view(("matrix", i), spec, self.matrix_state[i])) for spec in specs]
         return out
 
     def grad_piece(self, param: nn.Parameter) -> tuple[int, torch.Tensor, bool]:

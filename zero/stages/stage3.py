@@ -60,6 +60,7 @@ import torch.nn as nn
 
 from zero.graph import graph_outputs, in_backward
 from zero.init import external_parameters
+from zero.optim.rules import StateSpecs
 from zero.parallel.comm import Comm, RankDivergenceError, Tag  # noqa: F401 - RankDivergenceError: its old home
 from zero.partition.layout import local_tensor
 from zero.stages.memory import Gauges
@@ -451,7 +452,7 @@ class UnitParams(ParamStorage):
         options: stage-3 policies.
         predivide: gradients are divided by this before their reduction.
         device: where the model computes.
-        grad_final, step_number: see ParamStorage.
+        grad_final, step_number, state_specs: see ParamStorage.
         matrices: the parameters Muon updates (see [Note: Muon in units] in zero/stages/unit.py).
     """
 
@@ -459,9 +460,9 @@ class UnitParams(ParamStorage):
                  precision: Precision, offload: OffloadOptions | None, gauges: Gauges, reduce: ReduceOptions,
                  options: Stage3Options, predivide: float, device: torch.device,
                  grad_final: Callable[[torch.Tensor], None], step_number: Callable[[], int],
-                 matrices: set[nn.Parameter] | None = None):
+                 state_specs: StateSpecs, matrices: set[nn.Parameter] | None = None):
         super().__init__(params, {p: n for n, p in module.named_parameters()}, comm, precision, offload, gauges,
-                         grad_final=grad_final, step_number=step_number)
+                         grad_final=grad_final, step_number=step_number, state_specs=state_specs)
         self.offload_param = options.offload_param
         group_of = dict(zip(params, groups))
         for p in module.parameters():
@@ -478,7 +479,8 @@ class UnitParams(ParamStorage):
         for path, unit_params in planned + ([("<persistent>", persistent)] if persistent else []):
             unit = ParamUnit(len(self.units), path, unit_params, [group_of.get(p, -1) for p in unit_params], comm,
                              precision, device, lambda p: take_local_shard(p, comm),
-                             lambda shard: self.new_master(shard, device, alias), lambda like: self.new_moments(like, device),
+                             lambda shard: self.new_master(shard, device, alias),
+                             lambda g, like: self.new_states(state_specs(g), like, device), state_specs,
                              alias_master=alias,
                              persistent=path == "<persistent>", offload_param=options.offload_param,
                              host_empty=host_empty, gauges=gauges, owners=owners,
@@ -506,12 +508,11 @@ class UnitParams(ParamStorage):
                 shard = unit.shard[r.lo : r.hi]
                 out16 = None if r.master.data_ptr() == shard.data_ptr() else shard
                 index = (unit.index << 40) + self.comm.rank * unit.numel + r.lo  # unique over ranks and units
-                out.append(Slot(r.group, r.master, r.grad, r.exp_avg, r.exp_avg_sq, out16, scales=r.scales,
-                                index=index))
+                out.append(Slot(r.group, r.master, r.grad, r.state, self.state_specs(r.group), out16, index=index))
             for i, m in unit.matrices.items():
                 if m.master is not None:  # the owner's (a world of one: the shard is the parameter)
                     out16 = unit.shard[unit.offsets[i] : unit.offsets[i] + m.master.numel()] if unit.aliased else m.out16
-                    out.append(Slot(m.group, m.master, m.grad, m.momentum, m.master[:0], out16,
+                    out.append(Slot(m.group, m.master, m.grad, m.state, self.state_specs(m.group), out16,
                                     index=(unit.index << 40) + unit.offsets[i], matrix=m.shape))
         return out
 
@@ -538,8 +539,8 @@ class UnitParams(ParamStorage):
             f"of it (between uses its .data is empty), so the change was lost. Change sharded parameters inside "
             f"`with zero.GatheredParameters(params, modifier_rank=0):`, or with model.load_state_dict(...).")
 
-    def out16_on_host(self) -> list[bool]:
-        return [self.offload_param] * len(self.slots())
+    def out16_on_host(self) -> bool:
+        return self.offload_param
 
     def commit_state_views(self) -> None:
         """After an accessor wrote into the views: besides encoding 8-bit moments, a Muon master
@@ -587,8 +588,8 @@ class UnitParams(ParamStorage):
             "persistent_full": [u.full for u in self.units if u.persistent],
             "grads": [r.grad for u in self.units for r in u.ranges] + _owned(self.units, "grad"),
             "fp32_master": [r.master for u in self.units for r in u.ranges] + _owned(self.units, "master"),
-            "optimizer_states": [t for u in self.units for r in u.ranges for t in (r.exp_avg, r.exp_avg_sq, *(r.scales or ()))]
-            + _owned(self.units, "momentum"),
+            "optimizer_states": [t for u in self.units for r in u.ranges for t in r.state.values()]
+            + [t for state in _owned(self.units, "state") for t in state.values()],
         }, ({"params"} if self.offload_param else set()) | {"host_copies"}
 
     def memory_extras(self, report: dict[str, int]) -> None:

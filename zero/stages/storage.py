@@ -11,38 +11,63 @@ zero/stages/stage3.py).
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from zero.offload.host import HostMemory
-from zero.ops.adam_formats import decode_moment, encode_moment, q8_blocks
+from zero.ops.adam_formats import Q8_BLOCK, decode_moment, encode_moment
+from zero.optim.rules import StateSpec, StateSpecs
 from zero.parallel.comm import Comm
 from zero.stages.memory import Gauges
 from zero.stages.policies import OffloadOptions, Precision
 
 
-class Slot(tuple):
-    """(group index, master, gradient shard, exp_avg, exp_avg_sq, 16-bit output or None): one
-    contiguous range of one param group that the optimizer steps on.
+@dataclass(eq=False)
+class Slot:
+    """One contiguous range of one param group that the optimizer steps on.
 
-    Besides the six, what the low-precision state formats need (zero.ops.adam_formats):
-    `scales`, the 8-bit moments' block scales (m_scale, v_scale) or None, and `index`, the
-    global position of the range's first element in the model's layout (the stochastic-rounding
-    counter, so that rounding does not depend on how the model is split).
+    Args:
+        group: the param group's index.
+        master: the master weights of the range (fp32, or bf16 with a bf16 master).
+        grad: its reduced gradient shard.
+        state: the optimizer state of its param group's rule, by name (see [Note: declared state]
+            in zero/optim/rules.py), each tensor as `specs` declares it.
+        specs: the declaration of `state`.
+        out16: where the updated values go in the model's dtype, or None (the master is the
+            parameter itself).
+        index: the global position of the range's first element in the model's layout (the
+            stochastic-rounding counter, so that rounding does not depend on how the model is split).
+        matrix: a Muon slot is one whole matrix (see [Note: Muon and partitions] in
+            zero/optim/muon.py): its shape.
+    """
 
-    A Muon slot is one whole matrix (see [Note: Muon and partitions] in zero/optim/muon.py): `matrix`
-    is its shape, exp_avg is its momentum buffer and exp_avg_sq is empty."""
+    group: int
+    master: torch.Tensor
+    grad: torch.Tensor
+    state: dict[str, torch.Tensor]
+    specs: tuple[StateSpec, ...]
+    out16: torch.Tensor | None
+    index: int = 0
+    matrix: tuple[int, int] | None = None
 
-    def __new__(cls, group: int, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-                exp_avg_sq: torch.Tensor, out16: torch.Tensor | None, *,
-                scales: tuple[torch.Tensor, torch.Tensor] | None = None, index: int = 0,
-                matrix: tuple[int, int] | None = None) -> Slot:
-        slot = super().__new__(cls, (group, master, grad, exp_avg, exp_avg_sq, out16))
-        slot.scales, slot.index, slot.matrix = scales, index, matrix
-        return slot
+    def tile(self, lo: int, hi: int, grad: torch.Tensor, out16: torch.Tensor | None) -> Slot:
+        """Elements [lo, hi) (whole 8-bit blocks: `lo` a multiple of Q8_BLOCK) with this gradient
+        and output: per-element state sliced, block state sliced by blocks, scalars shared."""
+        state = {}
+        for spec in self.specs:
+            t = self.state[spec.name]
+            state[spec.name] = t[lo:hi] if spec.per == "element" else \
+                t[lo // Q8_BLOCK : -(-hi // Q8_BLOCK)] if spec.per == "block" else t
+        return Slot(self.group, self.master[lo:hi], grad, state, self.specs, out16, self.index + lo, self.matrix)
+
+    def with_grad(self, grad: torch.Tensor) -> Slot:
+        """The same slot with another copy of its gradient (offload's host copy)."""
+        return dataclasses.replace(self, grad=grad)
 
 
 class ParamStorage(abc.ABC):
@@ -58,11 +83,14 @@ class ParamStorage(abc.ABC):
         grad_final: called with each gradient shard once it holds its final value for the step
             (offload starts its copy to the host then); given by the optimizer that steps on it.
         step_number: the number of the coming optimizer step (for messages and schedules).
+        state_specs: the optimizer state each param group keeps (see [Note: declared state] in
+            zero/optim/rules.py); given by the optimizer.
     """
 
     def __init__(self, params: list[nn.Parameter], names: dict[nn.Parameter, str], comm: Comm,
                  precision: Precision, offload: OffloadOptions | None, gauges: Gauges, *,
-                 grad_final: Callable[[torch.Tensor], None], step_number: Callable[[], int]):
+                 grad_final: Callable[[torch.Tensor], None], step_number: Callable[[], int],
+                 state_specs: StateSpecs):
         self.params = params
         self.names = names
         self.comm = comm
@@ -73,6 +101,7 @@ class ParamStorage(abc.ABC):
         self._watched: list[nn.Parameter] = []
         self.grad_final = grad_final
         self.step_number = step_number
+        self.state_specs = state_specs
 
     def __getstate__(self) -> dict:
         """Nothing: the model's hooks hold the storage, and `torch.save(model)` (or a deepcopy of the
@@ -93,16 +122,20 @@ class ParamStorage(abc.ABC):
             return self.host_memory.empty(like.shape, dtype, self.offload.pin_memory).zero_()
         return torch.zeros(like.shape, dtype=dtype, device=compute_device)
 
-    def new_moments(self, like: torch.Tensor, compute_device: torch.device
-                    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """Zero exp_avg and exp_avg_sq for the master `like`, in the run's state format, and the
-        8-bit block scales (m, v) or None."""
-        fmt = self.precision.adam
-        m, v = (self.new_state(like, compute_device, fmt.state_dtype) for _ in range(2))
-        if not fmt.quantized:
-            return m, v, None
-        blocks = torch.empty(q8_blocks(like.numel()))
-        return m, v, (self.new_state(blocks, compute_device), self.new_state(blocks, compute_device))
+    def new_states(self, specs: tuple[StateSpec, ...], like: torch.Tensor, compute_device: torch.device
+                   ) -> dict[str, torch.Tensor]:
+        """Zero optimizer state for the master `like`, as `specs` declares it (see [Note: declared
+        state] in zero/optim/rules.py): per-element and per-block tensors with the other state (in
+        host memory under offload); a per-slot scalar in host memory, where torch optimizers keep
+        their step counts."""
+        out = {}
+        for spec in specs:
+            if spec.per == "scalar":
+                out[spec.name] = torch.zeros((), dtype=spec.dtype)
+            else:
+                out[spec.name] = self.new_state(torch.empty(spec.numel(like.numel()), device="meta"), compute_device,
+                                                spec.dtype)
+        return out
 
     def new_master(self, shard: torch.Tensor, compute_device: torch.device, alias: bool) -> torch.Tensor:
         """The master of `shard` (this rank's part of the parameters): the shard itself when it is
@@ -118,20 +151,22 @@ class ParamStorage(abc.ABC):
 
     forget_state_views = begin_checkpoint
 
-    def state_view(self, key, kind: str, moment: torch.Tensor, scales) -> torch.Tensor:
-        """What checkpoints read and write for a moment: the tensor itself, or, for 8-bit codes, a
-        bf16 copy of their exact values (every code's value is a bf16 number, so nothing is lost
-        and DCP can reshard it; see [Note: 8-bit moments in checkpoints]). Loads into that copy
-        are encoded back by `finish_checkpoint_load`."""
-        if moment.dtype != torch.uint8:
-            return moment
+    def state_view(self, key, spec: StateSpec, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """What checkpoints read and write for one state: the tensor itself, flat (a scalar as one
+        element), or, for 8-bit codes, a bf16 copy of their exact values (every code's value is a
+        bf16 number, so nothing is lost and DCP can reshard it; see [Note: 8-bit moments in
+        checkpoints]). Loads into that copy are encoded back by `finish_checkpoint_load`."""
+        t = state[spec.name]
+        if spec.scales is None:
+            return t.view(1) if spec.per == "scalar" else t
         if self.__dict__.get("_decoded_at") != self.step_number():  # a step since: the copies are stale
             self._decoded, self._decoded_at = {}, self.step_number()
         cache = self._decoded
-        if (key, kind) not in cache:
-            value = decode_moment(moment, scales[0 if kind == "exp_avg" else 1], kind).to(torch.bfloat16)
-            cache[(key, kind)] = (value, moment, scales, kind)
-        return cache[(key, kind)][0]
+        if (key, spec.name) not in cache:
+            scales = state[spec.scales]
+            value = decode_moment(t, scales, spec.name).to(torch.bfloat16)
+            cache[(key, spec.name)] = (value, t, scales, spec.name)
+        return cache[(key, spec.name)][0]
 
     def finish_checkpoint_load(self) -> None:
         """[Note: 8-bit moments in checkpoints]
@@ -141,10 +176,10 @@ class ParamStorage(abc.ABC):
         same codes and scales come back (a bitwise resume); in another layout (world size, stage)
         the values are re-quantized in the new blocks. An fp32 or bf16 checkpoint loads into 8-bit
         moments the same way, and 8-bit ones into fp32/bf16 moments as their values."""
-        for value, moment, scales, kind in self.__dict__.pop("_decoded", {}).values():
-            codes, s = encode_moment(value.float(), kind)
-            moment.copy_(codes)
-            scales[0 if kind == "exp_avg" else 1].copy_(s)
+        for value, codes, scales, name in self.__dict__.pop("_decoded", {}).values():
+            new_codes, new_scales = encode_moment(value.float(), name)
+            codes.copy_(new_codes)
+            scales.copy_(new_scales)
         self._decoded = {}
 
     commit_state_views = finish_checkpoint_load  # after writing into `state_view`s (zero.accessors)
@@ -184,8 +219,8 @@ class ParamStorage(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def out16_on_host(self) -> list[bool]:
-        """Per slot: does its 16-bit output live in host memory (stage 3 with offload_param)?"""
+    def out16_on_host(self) -> bool:
+        """Do the slots' 16-bit outputs live in host memory (stage 3 with offload_param)?"""
 
     @abc.abstractmethod
     def memory_parts(self) -> tuple[dict[str, list[torch.Tensor]], set[str]]:

@@ -49,6 +49,7 @@ import torch.nn as nn
 from torch.autograd.profiler import record_function
 
 from zero.optim.muon import matrix_shape
+from zero.optim.rules import StateSpecs, saved_specs
 from zero.parallel.comm import Comm
 from zero.partition.layout import local_grad, local_tensor
 from zero.partition.shards import ZeroParamStatus, gather_param, mark_ds, take_shard
@@ -70,22 +71,20 @@ class GroupRange:
     lo: int
     hi: int
     master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    state: dict[str, torch.Tensor]  # as the group's rule declares it (see [Note: declared state] in zero/optim/rules.py)
     grad: torch.Tensor
-    scales: tuple[torch.Tensor, torch.Tensor] | None = None  # 8-bit moments' block scales (m, v)
 
 
 @dataclass
 class Matrix:
     """A matrix Muon updates, whole on its owner rank (see [Note: Muon in units]): on the owner its
-    fp32 master, momentum and reduced gradient; None elsewhere."""
+    fp32 master, optimizer state and reduced gradient; None elsewhere."""
 
     owner: int
     shape: tuple[int, int]
     group: int
     master: torch.Tensor | None = None
-    momentum: torch.Tensor | None = None
+    state: dict[str, torch.Tensor] | None = None
     grad: torch.Tensor | None = None
     out16: torch.Tensor | None = None  # under optimizer offload: the owner's 16-bit copy in host memory
     stale: bool = False  # the ranks' 16-bit shards predate the owner's last update
@@ -120,7 +119,9 @@ class ParamUnit:
         local_shard: gives this rank's shard of a parameter (see take_local_shard); its values,
             usually fp32, also start the fp32 master.
         new_master: makes the master of a piece of the shard (ParamStorage.new_master).
-        new_moments: makes the moments of a master (ParamStorage.new_moments).
+        new_states: makes the optimizer state of a master, given its param group
+            (ParamStorage.new_states with the group's declared state).
+        state_specs: the state each param group keeps (see ParamStorage).
         alias_master: state beside the shard in the shard's own dtype (fp32, or bf16 with a bf16
             master): the shard is its own master.
         persistent: gathered once and never released (small parameters).
@@ -128,15 +129,16 @@ class ParamUnit:
         host_empty: allocates that host shard (pinned when asked).
         gauges: where the bytes of full buffers, all-gather and reduce buffers are measured.
         owners: the owner rank of each parameter Muon updates (see [Note: Muon in units]).
-        new_state: makes a zero fp32 optimizer state shaped like a tensor (in host memory under
-            optimizer offload; ParamStorage.new_state).
+        new_state: makes a zero fp32 tensor shaped like a tensor, where optimizer state lives (in
+            host memory under optimizer offload; ParamStorage.new_state).
         host16: allocates an owner's host copy of a matrix in the training dtype (offload; pinned
             when asked).
     """
 
     def __init__(self, index: int, name: str, params: list[nn.Parameter], groups: list[int], comm: Comm,
                  precision: Precision, device: torch.device, local_shard: Callable[[nn.Parameter], torch.Tensor],
-                 new_master: Callable[[torch.Tensor], torch.Tensor], new_moments: Callable[[torch.Tensor], tuple], *,
+                 new_master: Callable[[torch.Tensor], torch.Tensor],
+                 new_states: Callable[[int, torch.Tensor], dict[str, torch.Tensor]], state_specs: StateSpecs, *,
                  alias_master: bool, persistent: bool,
                  offload_param: bool, host_empty: Callable[..., torch.Tensor], gauges: Gauges,
                  owners: dict[nn.Parameter, int] | None = None,
@@ -148,6 +150,8 @@ class ParamUnit:
         self.gauges = gauges
         self.host16 = host16 or (lambda n: host_empty(n, dtype=self.dtype))
         self.new_state = new_state or (lambda like: torch.zeros(like.shape, device=device))
+        self.new_states = new_states
+        self.specs = lambda g: saved_specs(state_specs(g))  # what checkpoints hold of a group's state
         owners = owners or {}
         # trainable first, by group; Muon's matrices last (see [Note: Muon in units])
         order = sorted(range(len(params)), key=lambda i: (params[i] in owners, groups[i] < 0, groups[i]))
@@ -176,9 +180,8 @@ class ParamUnit:
                 members = [i for i, gi in enumerate(self.groups) if gi == g]
                 lo, hi = self.offsets[members[0]], self.offsets[members[-1]] + self.split_sizes[members[-1]]
                 master = new_master(self.shard[lo:hi])
-                m, v, scales = new_moments(master)
-                self.ranges.append(GroupRange(g, lo, hi, master, m, v,
-                                              torch.zeros(hi - lo, dtype=precision.grad, device=device), scales))
+                self.ranges.append(GroupRange(g, lo, hi, master, new_states(g, master),
+                                              torch.zeros(hi - lo, dtype=precision.grad, device=device)))
             for i, (p, z, off) in enumerate(zip(self.params, info, self.offsets)):  # one parameter at a time
                 local = local_shard(p)
                 self.shard[off : off + z.shard_numel].copy_(local)
@@ -221,7 +224,7 @@ class ParamUnit:
         """On the owner: the matrix's fp32 master from its exact values, a zero momentum and gradient."""
         if m.owner == self.comm.rank:
             m.master = self.new_state(full).copy_(full)
-            m.momentum = self.new_state(full)
+            m.state = self.new_states(m.group, full)
             m.grad = torch.zeros(full.numel(), dtype=precision.grad, device=self.device)
             offloaded = m.master.device != self.device or self.offload_param
             if offloaded and not self.aliased:  # gathers copy 16 bits from the host, not 32
@@ -365,39 +368,43 @@ class ParamUnit:
         self.start_gather()
         self.finish_gather(wait)
 
-    def _matrix_chunks(self, i: int, saving: bool) -> list[tuple[str, int, torch.Tensor]]:
+    def _matrix_chunks(self, i: int, saving: bool, view: Callable) -> list[tuple[str, int, torch.Tensor]]:
         """A Muon matrix: its owner writes it whole (the model from its master, which the ranks'
-        shards may not have caught up with yet) and reads its master and momentum; every rank
-        reads its shard of the model."""
+        shards may not have caught up with yet) and reads its master and state; every rank reads
+        its shard of the model."""
         m, z = self.matrices[i], self.params[i]._zero
+        state = [] if m.master is None else [(spec.name, 0, view((self.index, "matrix", i), spec, m.state))
+                                             for spec in self.specs(m.group)]
         if saving:
-            return [] if m.master is None else [("model", 0, m.master.to(self.dtype)), ("master", 0, m.master),
-                                                ("momentum_buffer", 0, m.momentum)]
+            return [] if m.master is None else [("model", 0, m.master.to(self.dtype)), ("master", 0, m.master), *state]
         start, s = self.comm.rank * self.split_sizes[i], self.split_sizes[i]
         n = max(0, min(z.numel, start + s) - start)
         out = [("model", start, self.shard[self.offsets[i] : self.offsets[i] + n])]
         if m.master is not None:
-            out += [("master", 0, m.master), ("momentum_buffer", 0, m.momentum)]
+            out += [("master", 0, m.master), *state]
         return out
 
-    def param_chunks(self, p: nn.Parameter, view: Callable | None = None, saving: bool = True
+    def param_chunks(self, p: nn.Parameter, view: Callable, saving: bool = True
                      ) -> list[tuple[str, int, torch.Tensor]]:
         """This rank's pieces of `p`: its shard (without padding) and, if trainable, the master's
-        and Adam states' parts (see ParamStorage.param_chunks); `view(key, kind, moment, scales)`
-        gives what a checkpoint reads and writes of a moment (ParamStorage.state_view)."""
+        and the optimizer state's parts (see ParamStorage.param_chunks); `view(key, spec, state)`
+        gives what a checkpoint reads and writes of one state (ParamStorage.state_view)."""
         i = next(i for i, q in enumerate(self.params) if q is p)
         z, off, s = p._zero, self.offsets[i], self.split_sizes[i]
         if i in self.matrices:
-            return self._matrix_chunks(i, saving)
+            return self._matrix_chunks(i, saving, view)
         start = self.comm.rank * s
         n = max(0, min(z.numel, start + s) - start)
         out = [("model", start, self.shard[off : off + n])]
         k, r = next(((k, r) for k, r in enumerate(self.ranges) if r.lo <= off < r.hi), (None, None))
         if r is not None:
-            view = view or (lambda key, kind, t, scales: t)
-            for kind, t in (("master", r.master), ("exp_avg", view((self.index, k), "exp_avg", r.exp_avg, r.scales)),
-                            ("exp_avg_sq", view((self.index, k), "exp_avg_sq", r.exp_avg_sq, r.scales))):
-                out.append((kind, start, t[off - r.lo : off - r.lo + n]))
+            out.append(("master", start, r.master[off - r.lo : off - r.lo + n]))
+            for spec in self.specs(r.group):
+                t = view((self.index, k), spec, r.state)
+                if spec.per == "element":
+                    out.append((spec.name, start, t[off - r.lo : off - r.lo + n]))
+                elif n and (start == 0 or not saving):  # a scalar: written with the parameter's first element
+                    out.append((spec.name, 0, t))
         return out
 
     def grad_piece(self, p: nn.Parameter) -> tuple[int, torch.Tensor, bool]:

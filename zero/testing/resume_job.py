@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--interval", type=int, default=2, help="checkpoint.save_interval")
     parser.add_argument("--stage", type=int, default=1)
     parser.add_argument("--offload", action="store_true", help="offload_optimizer to the CPU")
+    parser.add_argument("--optimizer", default="AdamW", choices=["AdamW", "SGD", "Lion", "Adagrad", "RMSprop"],
+                        help="the config's optimizer type, or RMSprop: a client torch.optim.RMSprop")
     parser.add_argument("--async-save", action="store_true")
     parser.add_argument("--kill-at", type=int, default=0, help="first attempt: --kill-rank kills itself after this step")
     parser.add_argument("--kill-rank", type=int, default=1)
@@ -50,16 +52,18 @@ def main(argv: list[str] | None = None) -> None:
     zo = {"stage": args.stage, **({"offload_optimizer": {"device": "cpu"}} if args.offload else {})}
     batch = ({"elasticity": {"enabled": True, "max_train_batch_size": 12, "micro_batch_sizes": [1, 2], "version": 0.1}}
              if args.elastic else {"train_micro_batch_size_per_gpu": 2})
-    config = {**batch, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    optimizer = {"AdamW": {"lr": 1e-3}, "SGD": {"lr": 0.05, "momentum": 0.9, "dampening": 0.1},
+                 "Lion": {"lr": 1e-3}, "Adagrad": {"lr": 0.05, "initial_accumulator_value": 0.1}}.get(args.optimizer)
+    config = {**batch, **({"optimizer": {"type": args.optimizer, "params": optimizer}} if optimizer else {}),
               "zero_optimization": zo,
               "checkpoint": {"dir": directory, "save_interval": args.interval, "keep_last": 2, "auto_resume": True,
                              "async_save": args.async_save, "use_node_local_storage": args.node_local}}
     torch.manual_seed(0)
     samples = 96 if args.elastic else 64
     data = torch.utils.data.TensorDataset(torch.randint(0, 64, (samples, 9), generator=torch.Generator().manual_seed(1)))
-    engine, _, loader, _ = zero.initialize(model=GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2,
-                                                               n_embd=16)),
-                                           training_data=data, config=config)
+    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16))
+    client = None if optimizer else torch.optim.RMSprop(model.parameters(), lr=1e-3, momentum=0.5)
+    engine, _, loader, _ = zero.initialize(model=model, optimizer=client, training_data=data, config=config)
     rank, first_attempt = engine.comm.rank, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if first_attempt and args.kill_in_save and rank == args.kill_rank:
         _die_in_save(engine, args.kill_in_save)
