@@ -310,10 +310,12 @@ def _uneven_slices_and_ignored_labels(stage: int, sp: int, alst: bool = False):
     torch.manual_seed(0)
     engine, *_ = zero.initialize(model=GPT(cfg), config={
         "train_micro_batch_size_per_gpu": 2, "sequence_parallel_size": sp,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-6}},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
     ulysses_attention(engine.module, engine.seq_parallel_group)
-    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.0)
+    # eps 1e-6: see [Note: conditioning of the comparison] in zero/testing/training.py (with 1e-8 the
+    # summation order alone moves the 4-rank runs by ~1.1e-5 on some CPUs)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.0)
     g = torch.Generator().manual_seed(0)
     batches = []
     for _ in range(2 * world):  # 15 tokens: the last slice is padded; a third of the labels ignored, unevenly

@@ -205,8 +205,9 @@ class DeepSpeedMethods:
 
     @property
     def dp_world_size(self) -> int:
-        """Data-parallel replicas: the ranks, divided by the sequence-parallel group's size."""
-        return self.comm.world_size // getattr(self, "sequence_parallel_size", 1)
+        """Data-parallel replicas: the ranks that load different samples (a sequence-parallel group
+        shares its samples; see [Note: parallel dimensions] in zero/parallel/dims.py)."""
+        return self.parallel.size("batch")
 
     @property
     def mp_world_size(self) -> int:
@@ -229,7 +230,7 @@ class DeepSpeedMethods:
                                                sampler=data_sampler, collate_fn=collate_fn, pin_memory=pin_memory,
                                                num_workers=num_local_io_workers or 0)
         return ResumableLoader(dataset, batch_size=batch_size or self.config.train_micro_batch_size_per_gpu,
-                               num_replicas=self.dp_world_size, rank=self.comm.rank // self.sequence_parallel_size,
+                               num_replicas=self.dp_world_size, rank=self.parallel.index("batch"),
                                collate_fn=collate_fn, drop_last=self.config.dataloader_drop_last)
 
     @staticmethod

@@ -22,6 +22,8 @@ from zero.config import ConfigError, load_config
 from zero.config.rules import check_optimizer_object
 from zero.engine import Engine
 from zero.parallel.comm import Comm, compute_device, init_distributed
+from zero.parallel.dims import ParallelDims
+from zero.parallel.groups import ParallelGroups
 
 log = logging.getLogger("zero")
 
@@ -113,12 +115,12 @@ def initialize(
         from zero.tp.plans import auto_plan_for
 
         auto_plan = auto_plan_for(model, cfg.tensor_parallel.size)
+    dims = ParallelDims.from_config(cfg, world_size)  # see [Note: parallel dimensions]
     mesh = None
-    if pipelined or cfg.tensor_parallel.size > 1:
+    if pipelined or dims.tp > 1:
         from zero.parallel.mesh import build_mesh
 
-        mesh = build_mesh(cfg.pipeline.stages, world_size // (cfg.pipeline.stages * cfg.tensor_parallel.size),
-                          cfg.tensor_parallel.size, compute_device(Comm()))
+        mesh = build_mesh(dims.pp, dims.size("batch"), dims.tp, compute_device(Comm()))
         if auto_plan is not None:  # an HF model nobody sliced: its plan (DeepSpeed's AutoTP)
             from zero.tp import parallelize_for_initialize
 
@@ -127,7 +129,8 @@ def initialize(
         optimizer = optimizer(model.parameters() if model_parameters is None else model_parameters)
         if isinstance(optimizer, torch.optim.Optimizer):  # the rules load_config checks for an optimizer passed
             check_optimizer_object(cfg, type(optimizer))
-    engine = Engine(model, cfg, mesh, model_parameters=model_parameters, optimizer=optimizer, lr_scheduler=lr_scheduler)
+    engine = Engine(model, cfg, mesh, parallel=ParallelGroups(dims, mesh), model_parameters=model_parameters,
+                    optimizer=optimizer, lr_scheduler=lr_scheduler)
     if compiled_with is not None:
         if engine.comm.rank == 0:
             log.warning("zero: the model was compiled whole with torch.compile (backend %r); zero compiles its blocks "
@@ -141,8 +144,8 @@ def initialize(
         from zero.data import ResumableLoader
 
         loader = engine.training_dataloader = ResumableLoader(
-            training_data, batch_size=cfg.train_micro_batch_size_per_gpu, num_replicas=engine.dp_world_size,
-            rank=engine.comm.rank // engine.sequence_parallel_size,  # a sequence-parallel group shares samples
+            training_data, batch_size=cfg.train_micro_batch_size_per_gpu, num_replicas=engine.parallel.size("batch"),
+            rank=engine.parallel.index("batch"),  # a sequence-parallel group shares its samples
             collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last)
     if cfg.checkpoint.auto_resume:  # after the loader: its position is part of the state
         from zero.checkpoint.periodic import auto_resume

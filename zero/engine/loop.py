@@ -75,10 +75,11 @@ from zero.optim.choice import client_state_dtype, optimizer_groups
 from zero.optim.loss_scale import NonFiniteGradientError
 from zero.optim.step import ADAM_DEFAULTS, check_param_groups
 from zero.parallel.comm import Comm, Tag, compute_device
+from zero.parallel.dims import ParallelDims
+from zero.parallel.groups import ParallelGroups
 from zero.parallel.mesh import MeshTraffic, ModelParallelNorm, ParallelMesh, refuse_whole_model_save
 from zero.partition.layout import local_tensor
 from zero.pipe.module import PipelineModule
-from zero.sequence.groups import sequence_parallel_group
 from zero.sequence.ulysses import exchanges, refuse_without_exchange, take_traffic
 from zero.stages.policies import strict_tag_checks
 
@@ -133,13 +134,16 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         config: the validated config (`zero.load_config`).
         mesh: the mesh of a run with pipeline stages or tensor slices (zero/parallel/mesh.py); None for
             data parallelism over the whole world.
+        parallel: the run's process groups by name (zero/parallel/groups.py); None: the ones the
+            config's dimensions give on `mesh`.
         model_parameters: parameters or param groups to train (default: the module's).
         optimizer: a torch optimizer whose hyperparameters and param groups are used.
         lr_scheduler: a scheduler, or a callable building one from the optimizer.
     """
 
     def __init__(self, module: nn.Module, config: ZeroConfig, mesh: ParallelMesh | None = None, *,
-                 model_parameters=None, optimizer: torch.optim.Optimizer | None = None, lr_scheduler=None):
+                 parallel: ParallelGroups | None = None, model_parameters=None,
+                 optimizer: torch.optim.Optimizer | None = None, lr_scheduler=None):
         super().__init__()
         if mesh is not None and not isinstance(mesh, ParallelMesh):
             raise TypeError(f"Engine(mesh=...) takes a zero.parallel.mesh.ParallelMesh (zero.tp.mesh(config) builds the one a "
@@ -154,9 +158,12 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         self.config = config
         self.mesh = mesh
         self.client_optimizer = optimizer  # the optimizer object initialize got (DeepSpeed's name), or None
-        # the data-parallel group (the world without a mesh)
-        strict = strict_tag_checks(config)
-        self.comm = Comm(mesh.group("dp"), strict) if mesh is not None and dist.is_initialized() else Comm(None, strict)
+        if parallel is None:  # the dimensions the config asks for (see [Note: parallel dimensions])
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            parallel = ParallelGroups(ParallelDims.from_config(config, world), mesh)
+        self.parallel = parallel
+        # the ranks ZeRO partitions over (the world without a mesh)
+        self.comm = parallel.comm("zero", strict_tag_checks(config))
         self.comm.engine = next_engine_number()
         self.device = compute_device(self.comm)
         # without an optimizer (none passed, no optimizer section) the engine evaluates and generates:
@@ -204,7 +211,7 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         self.pipeline = None
         # Ulysses sequence parallelism (zero.sequence): groups of consecutive ranks share samples
         self.sequence_parallel_size = config.sequence_parallel_size
-        self.seq_parallel_group = sequence_parallel_group(config.sequence_parallel_size) if mesh is None else None
+        self.seq_parallel_group = parallel.group("sp") if parallel.size("sp") > 1 else None
         self._exchanges_at_start = exchanges(self.seq_parallel_group)  # see refuse_without_exchange
         ck = config.checkpoint  # periodic saves (zero/checkpoint/periodic.py)
         self._periodic = PeriodicSaves(ck.dir, ck.save_interval, ck.keep_last) if ck.save_interval else None

@@ -58,8 +58,8 @@ except ImportError as exc:  # pragma: no cover - the message is what matters
                       "(or pip install transformers accelerate)") from exc
 
 import zero
+from zero.parallel.groups import data_parallel_rank_and_size
 from zero.sequence.data import IGNORE, sequence_loss, shard_batch
-from zero.sequence.groups import data_parallel_rank_and_size
 
 CHECKPOINT_TAG = "zero"
 

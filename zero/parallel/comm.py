@@ -352,10 +352,12 @@ class Comm:
                 return self._bounded(work, async_op, f"an all-gather of {output.numel():,} elements ({label})")
             return _all_gather(output, input, group=self.group, async_op=async_op)
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False):
-        """In-place SUM or MAX over ranks (MAX is used for overflow flags)."""
-        self._count(f"all_reduce_{op}", tensor)
-        with record_function(f"zero::all_reduce_{op}"):
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False, label: str | None = None):
+        """In-place SUM or MAX over ranks (MAX is used for overflow flags). `label` names it in the
+        counts (default `all_reduce_<op>`)."""
+        label = label or f"all_reduce_{op}"
+        self._count(label, tensor)
+        with record_function(f"zero::{label}"):
             if self.world_size == 1:
                 return _Done() if async_op else None
             red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
@@ -369,6 +371,24 @@ class Comm:
                 work = dist.all_reduce(tensor, op=red, group=self.group, async_op=True)
                 return self._bounded(work, async_op, f"an all-reduce of {tensor.numel():,} elements")
             return dist.all_reduce(tensor, op=red, group=self.group, async_op=async_op)
+
+    def all_gather_object(self, obj, label: str = "all_gather_object") -> list:
+        """`obj` (picklable) of every rank, in rank order: two bounded all-gathers, of the pickled
+        sizes and of the padded bytes (counted as bytes)."""
+        import pickle
+
+        if self.world_size == 1:
+            return [obj]
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = torch.empty(self.world_size, dtype=torch.int64)
+        self.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), label=f"{label} (sizes)")
+        width = int(sizes.max())
+        padded = torch.zeros(width, dtype=torch.uint8)
+        padded[: data.numel()] = data
+        gathered = torch.empty(self.world_size * width, dtype=torch.uint8)
+        self.all_gather(gathered, padded, label=label)
+        rows = gathered.view(self.world_size, width)
+        return [pickle.loads(rows[r, : int(sizes[r])].numpy().tobytes()) for r in range(self.world_size)]
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, label: str = "all_to_all") -> None:
         """Block r of `output` = block `rank` of rank r's `input` (world_size equal blocks along dim 0)."""

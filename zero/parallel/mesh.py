@@ -9,13 +9,12 @@ world, each parameter counted once (see `ModelParallelNorm`).
 from __future__ import annotations
 
 import dataclasses
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from zero.parallel.comm import Comm, collective_timeout_s
+from zero.parallel.comm import Comm
 from zero.partition.layout import local_tensor, slicing
 
 
@@ -69,18 +68,6 @@ def replica_counts(module: torch.nn.Module, mesh: ParallelMesh) -> dict[torch.nn
 
 
 _MESHES: dict[tuple, ParallelMesh] = {}
-_GROUPS: dict[tuple, dist.ProcessGroup] = {}
-
-
-def group_of(ranks: list[int]) -> dist.ProcessGroup:
-    """A process group over `ranks` (made once per process; only its members take part)."""
-    key = (id(dist.group.WORLD), *sorted(ranks))
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(sorted(ranks), timeout=timedelta(seconds=collective_timeout_s()),
-                                      use_local_synchronization=True)
-    return _GROUPS[key]
-
-
 def build_mesh(pp: int, dp: int, tp: int, device: torch.device) -> ParallelMesh:
     """The mesh of `pp` x `dp` x `tp` ranks over the world (every rank calls this)."""
     world = dist.get_world_size() if dist.is_initialized() else 1

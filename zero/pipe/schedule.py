@@ -29,15 +29,16 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from zero.config import ZeroConfig
 from zero.parallel.comm import Comm
-from zero.parallel.mesh import ParallelMesh, group_of
+from zero.parallel.groups import group_of, shared_comm
+from zero.parallel.mesh import ParallelMesh
 from zero.partition.layout import local_tensor
 from zero.pipe.module import PipelineModule
 
+KIND = "pipeline"  # the shared Comms' kind (see [Note: one group registry] in zero/parallel/groups.py)
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
 
@@ -89,9 +90,9 @@ def tie_initial_values(module: PipelineModule, mesh: ParallelMesh) -> None:
         ranks = _tie_ranks(module, mesh, key, all_data=False)
         if len(ranks) < 2:
             continue
-        group = group_of(ranks)
+        comm = shared_comm(group_of(ranks), KIND)
         for t in [*tied.parameters(), *tied.buffers()]:
-            dist.broadcast(local_tensor(t).data, src=ranks[0], group=group)
+            comm.broadcast(local_tensor(t).data, src=sorted(ranks).index(ranks[0]), label="broadcast (tied parameters)")
 
 
 class PipelineSchedule:
@@ -190,7 +191,7 @@ class PipelineSchedule:
         loss = torch.stack(self._losses).mean() if self._losses else torch.zeros(())
         loss = loss.to(self.device).reshape(1)
         if self.mesh.pp > 1:
-            dist.broadcast(loss, src=dist.get_global_rank(self.mesh.group("pp"), last), group=self.mesh.group("pp"))
+            shared_comm(self.mesh.group("pp"), KIND).broadcast(loss, src=last, label="broadcast (pipeline loss)")
         if comm.world_size > 1:
             comm.all_reduce(loss, "sum")
             loss /= comm.world_size
@@ -246,13 +247,13 @@ class PipelineSchedule:
             # stages 0 and 1: this rank's own gradient, whole: summed over the stages (same data
             # rank); stage 2: each data rank holds a different part of the reduced sum, at another
             # place on another stage: the parts of the whole gradient, summed over stages and data ranks
-            group = group_of(_tie_ranks(self.module, self.mesh, key, all_data=reduced))
+            comm = shared_comm(group_of(_tie_ranks(self.module, self.mesh, key, all_data=reduced)), KIND)
             if not reduced:
-                dist.all_reduce(piece, group=group)
+                comm.all_reduce(piece, "sum", label="all_reduce (tied gradients)")
                 continue
             whole = torch.zeros(local_tensor(param).numel(), dtype=piece.dtype, device=piece.device)
             whole[offset : offset + piece.numel()] = piece
-            dist.all_reduce(whole, group=group)
+            comm.all_reduce(whole, "sum", label="all_reduce (tied gradients)")
             piece.copy_(whole[offset : offset + piece.numel()])
 
 

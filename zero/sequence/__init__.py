@@ -7,8 +7,8 @@ and `TiledFusedLogitsLoss` compute an MLP and the logits + loss one sequence til
 `sequence_tiled_compute` any function of sequence-shaped tensors (zero/sequence/tiled.py). For HF
 models (zero/sequence/hf.py): `UlyssesSPAttentionHF`, `tile_mlps` and `tiled_causal_lm_loss`.
 """
+from zero.parallel.groups import sequence_parallel_group
 from zero.sequence.data import UlyssesSPDataLoaderAdapter, sequence_loss, shard_batch
-from zero.sequence.groups import sequence_parallel_group
 from zero.sequence.hf import UlyssesSPAttentionHF, tile_mlps, tiled_causal_lm_loss
 from zero.sequence.tiled import SequenceTiledCompute, TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute
 from zero.sequence.ulysses import DistributedAttention, exchanged, sequence_all_to_all, ulysses_attention

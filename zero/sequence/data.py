@@ -33,7 +33,9 @@ def sequence_loss(logits: torch.Tensor, shift_labels: torch.Tensor, group) -> to
     valid = (shift_labels != IGNORE).sum().to(torch.float32).reshape(1)
     size = 1
     if group is not None:
-        dist.all_reduce(valid, group=group)
+        from zero.sequence.ulysses import _comm
+
+        _comm(group).all_reduce(valid, "sum", label="all_reduce (sequence loss tokens)")
         size = dist.get_world_size(group)
     return summed * size / valid.clamp(min=1).squeeze(0)
 
@@ -102,9 +104,10 @@ class UlyssesSPDataLoaderAdapter:
                                 f"{type(batch).__name__}")
             group_batches = [batch]
             if self.sp_world_size > 1:
-                group_batches = [None] * self.sp_world_size
+                from zero.sequence.ulysses import _comm
+
                 on_host = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-                dist.all_gather_object(group_batches, on_host, group=self.sp_group)
+                group_batches = _comm(self.sp_group).all_gather_object(on_host)
                 if first:
                     _refuse_shared_batches(group_batches)
                 first = False

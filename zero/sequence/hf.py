@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from zero.sequence.groups import sequence_parallel_group
+from zero.parallel.groups import sequence_parallel_group
 from zero.sequence.ulysses import heads_for_group, sequence_all_to_all
 
 NAME = "ulysses"

@@ -24,36 +24,31 @@ import torch.distributed as dist
 import torch.nn as nn
 
 LABEL = "all_to_all (sequence)"
-_comms: dict = {}  # id of a process group -> (the group, zero's counted Comm over it)
+KIND = "sequence"  # the shared Comms' kind (see [Note: one group registry] in zero/parallel/groups.py)
 
 
 def _comm(group):
-    """zero's Comm over `group`: its all-to-all waits at most ZERO_COLLECTIVE_TIMEOUT on gloo (a
-    rank that diverged raises CollectiveTimeout instead of hanging) and counts what it sends."""
-    from zero.parallel.comm import Comm
+    """zero's shared Comm over `group` for sequence traffic: its all-to-all waits at most
+    ZERO_COLLECTIVE_TIMEOUT on gloo (a rank that diverged raises CollectiveTimeout instead of
+    hanging) and counts what it sends."""
+    from zero.parallel.groups import shared_comm
 
-    entry = _comms.get(id(group))
-    if entry is None or entry[0] is not group:
-        entry = _comms[id(group)] = (group, Comm(group))
-    return entry[1]
+    return shared_comm(group, KIND)
 
 
 def take_traffic() -> dict[str, dict[str, int]]:
-    """This process's sequence-parallel all-to-alls since the last call ("all_to_all (sequence)"):
-    the engine's comm report adds them to its step's window."""
-    out: dict[str, dict[str, int]] = {}
-    for _, comm in _comms.values():
-        for name, count in comm.report().items():
-            total = out.setdefault(name, {"calls": 0, "elements": 0, "bytes": 0})
-            for key in total:
-                total[key] += count[key]
-        comm.reset_counts()
-    return out
+    """This process's sequence-parallel traffic since the last call ("all_to_all (sequence)", the
+    loss's token count): the engine's comm report adds it to its step's window."""
+    from zero.parallel.groups import take_traffic as take
+
+    return take(KIND)
 
 
 def exchange_wait_s() -> float:
-    """Seconds this process has waited for sequence-parallel all-to-alls (gloo; see Comm.wait_for)."""
-    return sum(comm.wait_s for _, comm in _comms.values())
+    """Seconds this process has waited for sequence-parallel collectives (gloo; see Comm.wait_for)."""
+    from zero.parallel.groups import waited_s
+
+    return waited_s(KIND)
 
 
 _exchanges: dict[int, int] = {}  # id of a process group -> sequence-parallel exchanges over it, ever

@@ -153,8 +153,8 @@ def _prime_factors(n: int) -> list[int]:
 
 
 def _new_group(ranks: list[int]) -> Any:
-    """A process group over `ranks`, made by its members only (see zero.parallel.mesh.group_of)."""
-    from zero.parallel.mesh import group_of
+    """A process group over `ranks`, made by its members only (see zero.parallel.groups.group_of)."""
+    from zero.parallel.groups import group_of
 
     return group_of(ranks)
 
@@ -168,7 +168,7 @@ class PipelineParallelGrid:
     pipeline and tensor rank of this data replica, `get_model_parallel_group`, what DeepSpeed reduces
     norms and overflow over) and the tensor slice group (same stage and replica,
     `get_slice_parallel_group`; this rank alone without a `model` axis). Each is a torch.distributed
-    group made with new_group by its members (zero.parallel.mesh.group_of: made once per process per set of
+    group made with new_group by its members (zero.parallel.groups.group_of: made once per process per set of
     ranks, with zero's collective timeout).
 
     Args:
