@@ -177,7 +177,7 @@ class ZeroOneAdam(ShardedAdam):
         out = dict(s.exchange.tensors())
         for b in range(len(s.master)):
             out.update({f"u.{b}": s.u[b], f"anchor.{b}": s.anchor[b], f"since_sync.{b}": s.since_sync[b],
-                        f"master.{b}": s.master[b], f"exp_avg.{b}": s.state[b]["exp_avg"]})
+                        f"master.{b}": s.master[b], f"exp_avg.{b}": s.ranges[b][0].state["exp_avg"]})
         out["schedule"] = self.schedule
         return out
 

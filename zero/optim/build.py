@@ -14,18 +14,20 @@ from zero.config import ZeroConfig
 from zero.offload.host import cpu_adam_threads
 from zero.optim.choice import ClientRule
 from zero.optim.loss_scale import LossScaler
+from zero.optim.muon import matrix_shape
 from zero.optim.rules import AdamRule, MuonRule
 from zero.optim.step import ShardedAdam
 from zero.parallel.comm import Comm
 from zero.stages.buckets import FlatParams
 from zero.stages.memory import Gauges
+from zero.stages.placement import Owned, Sharded
 from zero.stages.policies import options_from_config
 from zero.stages.stage3 import UnitParams
 
 
 def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], config: ZeroConfig, comm: Comm,
-                    device: torch.device, *, client: ClientRule | None = None, model_parallel=None,
-                    state_dtype: str | None = None, muon: bool = False) -> ShardedAdam:
+                    device: torch.device, *, replicate: Comm | None = None, client: ClientRule | None = None,
+                    model_parallel=None, state_dtype: str | None = None, muon: bool = False) -> ShardedAdam:
     """The partitioned optimizer the config's ZeRO stage asks for, owning `module`'s parameters.
 
     Trainable parameters (all parameters under stage 3) move into the stage's storage one at a
@@ -36,8 +38,9 @@ def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], confi
         module: the model.
         param_groups: torch-style groups of trainable parameters with complete Adam hyperparameters.
         config: the validated config.
-        comm: the data-parallel group.
+        comm: the ranks ZeRO partitions over (the "zero" group; see [Note: parallel dimensions]).
         device: where the model computes.
+        replicate: the ranks holding copies of this rank's partition (hybrid sharding), or None.
         client: another element-wise optimizer's rule, to run on the shards instead of Adam (see
             [Note: other optimizers on shards] in zero/optim/choice.py).
         model_parallel: the global-norm reduction of a model split over pipeline stages or tensor
@@ -45,7 +48,8 @@ def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], confi
         state_dtype: the moments' format a client optimizer object asks for (None: the config's).
         muon: the groups marked `use_muon` are Muon's (zero/optim/muon.py; the engine made them).
     """
-    precision, step, reduce, stage3 = options_from_config(config, comm.world_size, cpu_adam_threads(), state_dtype)
+    summed = comm.world_size * (replicate.world_size if replicate is not None else 1)  # gradients summed over
+    precision, step, reduce, stage3 = options_from_config(config, summed, cpu_adam_threads(), state_dtype)
     f = config.fp16
     scaler = LossScaler(f.loss_scale, f.initial_scale_power, f.loss_scale_window, f.hysteresis,
                         f.consecutive_hysteresis, f.min_loss_scale,
@@ -55,9 +59,15 @@ def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], confi
     groups = [gi for gi, g in enumerate(param_groups) for _ in g["params"]]
     gauges = Gauges()
     muon_groups = [muon and bool(g.get("use_muon")) for g in param_groups]  # zero/optim/muon.py
+    muon_at = [i for i in range(len(params)) if muon_groups[groups[i]]]
+    # each group's placement (see [Note: placements] in zero/stages/placement.py)
+    partitions = 1 if stage == 0 else comm.world_size
+    sharded = Sharded(comm, partitions, replicate)
+    owned = Owned(comm, partitions, {i: matrix_shape(params[i]) for i in muon_at}, replicate) if muon_at else None
+    placements = [owned if m else sharded for m in muon_groups]
     common = dict(comm=comm, precision=precision, step=step, loss_scaler=scaler, model_parallel=model_parallel)
     flat = dict(stage=stage, comm=comm, precision=precision, offload=step.offload, gauges=gauges, reduce=reduce,
-                predivide=step.predivide, device=device)
+                predivide=step.predivide, device=device, placements=placements)
     fp32_in_place = precision.master_is_model and step.offload is None  # the parameters are the master
     kind = config.optimizer.type if config.optimizer is not None else None
     if kind == "ZeroOneAdam":
@@ -79,17 +89,13 @@ def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], confi
         rules = [FrozenVarianceAdam(precision.adam, o.freeze_step)] * len(param_groups)
         return OneBitAdam(param_groups, storage, rules=rules, freeze_step=o.freeze_step,
                           compress_param_gather=o.compress_param_gather, **common)
-    muon_at = [i for i in range(len(params)) if muon_groups[groups[i]]]
-    adam, whole = AdamRule(precision.adam), MuonRule()
-    rules = [whole if m else client or adam for m in muon_groups]
+    adam, muon_rule = AdamRule(precision.adam), MuonRule()
+    rules = [muon_rule if m else client or adam for m in muon_groups]
     if stage == 3:
+        whole = Owned(comm, comm.world_size, {params[i]: matrix_shape(params[i]) for i in muon_at}) if muon_at else None
         storage = functools.partial(UnitParams, module, params, groups, comm=comm, precision=precision,
                                     offload=step.offload, gauges=gauges, reduce=reduce, options=stage3,
-                                    predivide=step.predivide, device=device, matrices={params[i] for i in muon_at})
+                                    predivide=step.predivide, device=device, placement=sharded, owned=whole)
     else:
-        from zero.optim.muon import matrix_shape
-
-        matrices = {i: matrix_shape(params[i]) for i in muon_at}
-        storage = functools.partial(FlatParams, module, params, groups, master_is_params=fp32_in_place,
-                                    matrices=matrices, **flat)
+        storage = functools.partial(FlatParams, module, params, groups, master_is_params=fp32_in_place, **flat)
     return ShardedAdam(param_groups, storage, rules=rules, **common)

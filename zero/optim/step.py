@@ -211,7 +211,7 @@ class ShardedAdam(torch.optim.Optimizer):
     def grad_divisor(self, reduced: bool) -> float:
         """What a gradient piece is divided by to give the mean gradient the step applies (before
         clipping); see [Note: one divisor]. An unreduced piece was not predivided."""
-        divisor = self.comm.world_size / self.options.predivide * self.options.accumulation * self.loss_scaler.scale
+        divisor = self.storage.summed / self.options.predivide * self.options.accumulation * self.loss_scaler.scale
         return divisor if reduced else divisor * self.options.predivide
 
     # -- the step -----------------------------------------------------------------------------

@@ -117,8 +117,8 @@ class ModelParallelNorm:
             piece = storage.owned_grad(p)
             if piece is not None and piece.numel():
                 total -= (1 - 1 / c) * torch.linalg.vector_norm(piece, dtype=torch.float64).to(total.device) ** 2
-        if not storage.norm_is_partitioned():
-            total /= storage.comm.world_size
+        if storage.norm_copies() > 1:  # every data rank holds the same elements (stage 0)
+            total /= storage.norm_copies()
         self.world.all_reduce(total, "sum")
 
 

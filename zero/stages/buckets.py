@@ -32,17 +32,18 @@ Sums are not divided by the world size here; see [Note: one divisor] in zero/opt
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
 from torch.autograd.profiler import record_function
 
-from zero.optim.muon import assign_owners
 from zero.optim.rules import StateSpecs, saved_specs
 from zero.parallel.comm import Comm, Tag
 from zero.partition.layout import Bucket, ShardLayout, local_grad, local_tensor
 from zero.stages.memory import Gauges
+from zero.stages.placement import Placement
 from zero.stages.policies import OffloadOptions, Precision, ReduceOptions
 from zero.stages.readiness import GradReadiness, UnusedParameterError
 from zero.stages.storage import ParamStorage, Slot
@@ -66,9 +67,26 @@ class GradPath(Protocol):
         """The gradient buffers it holds, for the memory report."""
 
 
+@dataclass(eq=False)
+class Range:
+    """One range of a bucket whose reduced gradient, master and optimizer state this rank keeps
+    (see [Note: placements] in zero/stages/placement.py): [lo, hi) in flat-buffer elements, its
+    place `at` in the bucket's gradient shard, the parameter it is whole of (Owned) or None."""
+
+    lo: int
+    hi: int
+    at: int
+    param: int | None
+    master: torch.Tensor
+    state: dict[str, torch.Tensor]
+    grad: torch.Tensor | None = None  # its view of the gradient shard (one object: offload knows it by identity)
+
+
 class FlatParams(ParamStorage):
     """The storage of stages 0, 1 and 2: one flat parameter buffer in buckets (see [Note: flat
-    parameters]) and its gradient path (see [Note: gradient path of stages 0-2]).
+    parameters]) and its gradient path (see [Note: gradient path of stages 0-2]). Each bucket is
+    cut into this rank's ranges by its param group's placement (see [Note: placements] in
+    zero/stages/placement.py).
 
     Args:
         module: the model (stage 2 hooks its forward to recover from a failed backward).
@@ -82,26 +100,26 @@ class FlatParams(ParamStorage):
         master_is_params: keep no separate master: the parameters are their own (fp32 training, or
             bf16 training with a bf16 master, without offload).
         grad_final, step_number, state_specs: see ParamStorage.
-        matrices: parameter index -> matrix shape of the parameters Muon updates (in param groups
-            of their own, so their buckets hold nothing else); see [Note: Muon in buckets].
+        placements: each param group's placement (all with the same number of partitions);
+            Owned groups (Muon's) hold nothing else, so their buckets hold only their parameters.
     """
 
     def __init__(self, module: nn.Module, params: list[nn.Parameter], groups: list[int], *, stage: int, comm: Comm,
                  precision: Precision, offload: OffloadOptions | None, gauges: Gauges, reduce: ReduceOptions,
                  predivide: float, device: torch.device, master_is_params: bool,
                  grad_final: Callable[[torch.Tensor], None], step_number: Callable[[], int],
-                 state_specs: StateSpecs, matrices: dict[int, tuple[int, int]] | None = None):
+                 state_specs: StateSpecs, placements: list[Placement]):
         super().__init__(params, {p: n for n, p in module.named_parameters()}, comm, precision, offload, gauges,
                          grad_final=grad_final, step_number=step_number, state_specs=state_specs)
         self.stage = stage
         self.reduce = reduce
         self.predivide = predivide
-        self.partitions = 1 if stage == 0 else comm.world_size
+        self.placements = placements
+        self.partitions = placements[0].partitions if placements else (1 if stage == 0 else comm.world_size)
         self.rank = comm.rank if self.partitions > 1 else 0
         self.layout = ShardLayout([local_tensor(p).numel() for p in params], groups, self.partitions,
                                   reduce.bucket_elements)
         self._index = {p: i for i, p in enumerate(params)}
-        self._plan_matrices(matrices or {})
         self._place_parameters(device, master_is_params)
         self.hook_state_dict_loads(module)
         if not master_is_params:
@@ -109,162 +127,89 @@ class FlatParams(ParamStorage):
         path = FlatGradients if stage < 2 else BucketGradients
         self.grads: GradPath = path(self, module, device)
 
-    def _plan_matrices(self, matrices: dict[int, tuple[int, int]]) -> None:
-        """[Note: Muon in buckets]
-        Muon's matrices (zero/optim/muon.py) lie in buckets of their own. Such a bucket is not cut into
-        equal slices: each matrix has one owner rank (whole matrices assigned by their
-        Newton-Schulz work, `assign_owners`), which keeps its fp32 master and momentum. Its
-        gradient is reduced to the owner (one reduce per matrix, in place of the bucket's
-        reduce-scatter) and its updated values are broadcast from the owner (in place of the
-        all-gather): the same bytes as Adam's path. Stage 0 keeps every matrix on every rank."""
-        self.matrices = matrices
-        whole = sorted(matrices)
-        owners = assign_owners([matrices[i] for i in whole], self.partitions) if self.partitions > 1 else [0] * len(whole)
-        self.owner = dict(zip(whole, owners))
-        self.muon_buckets = set()
-        self.muon_pos: dict[int, int] = {}  # an owned matrix's place in its bucket's gradient shard
-        self._muon_grads: dict[int, torch.Tensor] = {}
-        for bucket in self.layout.buckets:
-            held = [i in matrices for i in bucket.params]
-            if any(held):
-                if not all(held):
-                    raise ValueError(f"bucket {bucket.index} mixes Muon matrices with other parameters: Muon's "
-                                     f"parameters need param groups of their own")
-                self.muon_buckets.add(bucket.index)
-                at = 0
-                for i in bucket.params:
-                    if self.owner[i] == self.rank:
-                        self.muon_pos[i] = at
-                        at += self.layout.numels[i]
+    def placement(self, bucket: Bucket) -> Placement:
+        return self.placements[bucket.group]
 
     def is_matrix(self, param: nn.Parameter) -> bool:
-        return self._index.get(param) in self.matrices
-
-    def owns(self, i: int) -> bool:
-        """Does this rank update parameter i's matrix (Muon's; see [Note: Muon in buckets])?"""
-        return i in self.muon_pos
+        i = self._index.get(param)
+        return i is not None and self.placements[self.layout.groups[i]].matrix(i) is not None
 
     def mine(self, bucket: Bucket) -> list[tuple[int, int, int]]:
         """(begin, end, place in the gradient shard) of each range of `bucket` whose reduced
-        gradient this rank keeps: its slice, or the matrices it owns in a Muon bucket."""
-        if bucket.index not in self.muon_buckets:
-            lo, hi = self.own(bucket)
-            return [(lo, hi, 0)]
-        layout = self.layout
-        return [(layout.offsets[i], layout.offsets[i] + layout.numels[i], self.muon_pos[i])
-                for i in bucket.params if self.owns(i)]
+        gradient this rank keeps (see Placement.ranges)."""
+        return [(r.lo, r.hi, r.at) for r in self.ranges[bucket.index]]
 
     def shard_numel(self, bucket: Bucket) -> int:
         """Elements of this rank's gradient shard of `bucket`."""
-        return sum(hi - lo for lo, hi, _ in self.mine(bucket))
+        return sum(r.hi - r.lo for r in self.ranges[bucket.index])
 
     @torch.no_grad()
     def _place_parameters(self, device: torch.device, alias: bool) -> None:
         """See [Note: flat parameters]."""
         layout, dtype = self.layout, self.precision.param
         self.flat = torch.zeros(layout.numel, dtype=dtype, device=device)
-        muon = self.muon_buckets
-        nothing = torch.empty(0)
-        self.master = [self.new_state(nothing, device) if b.index in muon else
-                       self.new_master(self.flat[slice(*self.own(b))], device, alias) for b in layout.buckets]
-        # each bucket's optimizer state as its group's rule declares it (a Muon bucket's is per matrix)
-        self.state = [{} if b.index in muon else self.new_states(self.state_specs(b.group), m, device)
-                      for b, m in zip(layout.buckets, self.master)]
-        self.muon_master: dict[int, torch.Tensor] = {}  # owned matrices: fp32 master (flat) and state
-        self.matrix_state: dict[int, dict[str, torch.Tensor]] = {}
+        self.ranges: list[list[Range]] = []
+        for bucket in layout.buckets:  # each range's master and optimizer state, as its group declares it
+            mine, at = [], 0
+            for lo, hi, i in self.placement(bucket).ranges(bucket, layout):
+                master = self.new_master(self.flat[lo:hi], device, alias)
+                mine.append(Range(lo, hi, at, i, master, self.new_states(self.state_specs(bucket.group), master, device)))
+                at += hi - lo
+            self.ranges.append(mine)
         for i, p in enumerate(self.params):
             full = local_tensor(p).detach().reshape(-1)  # where the user built it (copied across devices below)
             self.comm.broadcast(full, src=0)  # every rank starts from rank 0's values
             off, n = layout.offsets[i], layout.numels[i]
             self.flat[off : off + n].copy_(full)
-            if self.owns(i):
-                view = self.flat[off : off + n]
-                self.muon_master[i] = view if alias else self.new_state(view, device).copy_(full)
-                self.matrix_state[i] = self.new_states(self.state_specs(self.layout.groups[i]), view, device)
-            bucket = layout.buckets[layout.bucket_of[i]]
-            lo, hi = self.own(bucket)
-            a, b = max(lo, off), min(hi, off + n)
-            if not alias and a < b and bucket.index not in muon:  # the exact fp32 values of the part this rank owns
-                self.master[bucket.index][a - lo : b - lo].copy_(full[a - off : b - off])
+            for r in self.ranges[layout.bucket_of[i]]:
+                a, b = max(r.lo, off), min(r.hi, off + n)
+                if not alias and a < b:  # the exact fp32 values of the part this rank owns
+                    r.master[a - r.lo : b - r.lo].copy_(full[a - off : b - off])
             local = local_tensor(p)  # a DTensor's own piece (see [Note: sliced parameters])
             local.data = self.flat[off : off + n].view_as(local)
+
+    @property
+    def master(self) -> list[torch.Tensor]:
+        """Each bucket's first range's master (the only one of a Sharded bucket)."""
+        return [rs[0].master if rs else self.flat[:0] for rs in self.ranges]
 
     def own(self, bucket: Bucket) -> tuple[int, int]:
         """[begin, end) of this rank's slice of `bucket` in the flat buffer (all of it at stage 0)."""
         return bucket.slice_range(self.rank) if self.partitions > 1 else (bucket.start, bucket.start + bucket.numel)
 
-    def owned_part(self, i: int) -> tuple[Bucket, int, int, int, int]:
-        """Parameter i's bucket, the start `lo` of this rank's slice of it, the parameter's offset
-        `off`, and [a, b): the part of the parameter inside the slice (flat-buffer elements; empty
-        when a == b)."""
-        off, n = self.layout.offsets[i], self.layout.numels[i]
-        bucket = self.layout.buckets[self.layout.bucket_of[i]]
-        lo, hi = self.own(bucket)
-        a = max(lo, off)
-        return bucket, lo, off, a, max(a, min(hi, off + n))
-
     def reduce_bucket(self, bucket: Bucket, buf: torch.Tensor, async_op: bool):
-        """Sum `buf` (one whole bucket) over ranks; afterwards this rank's slice of it holds its
-        share of the sum (or all of it, in stage 0). Returns the collective's handle."""
+        """Sum `buf` (one whole bucket) over ranks; afterwards this rank's ranges of it hold their
+        sums. Returns the collective's handle."""
         if self.predivide != 1.0:
             buf.div_(self.predivide)
-        if self.partitions == 1 or not self.reduce.reduce_scatter:
-            return self.comm.all_reduce(buf, "sum", async_op=async_op)
-        if bucket.index in self.muon_buckets:  # each matrix to its owner (see [Note: Muon in buckets])
-            layout = self.layout
-            works = [self.comm.reduce(buf[layout.offsets[i] - bucket.start : layout.offsets[i] - bucket.start
-                                          + layout.numels[i]], self.owner[i], async_op=True) for i in bucket.params]
-            return _Each(works).done(async_op)
-        lo, hi = bucket.slice_range(self.rank)
-        return self.comm.reduce_scatter(buf[lo - bucket.start : hi - bucket.start], buf, async_op=async_op)
+        return self.placement(bucket).reduce_bucket(bucket, buf, self.layout, async_op, self.reduce.reduce_scatter)
 
     # -- what the step sees -----------------------------------------------------------------------
+
+    def range_grad(self, bucket: Bucket, r: Range) -> torch.Tensor:
+        """A range's reduced gradient (the same view object, always)."""
+        if r.grad is None:
+            shard = self.grads.shards[bucket.index]
+            if isinstance(self.grads, FlatGradients) and r.param is not None:  # a whole parameter's: where it is
+                r.grad = self.grads.flat[r.lo : r.hi]
+            else:
+                r.grad = shard if r.at == 0 and r.hi - r.lo == shard.numel() else shard[r.at : r.at + r.hi - r.lo]
+        return r.grad
 
     def slots(self) -> list[Slot]:
         out = []
         for bucket in self.layout.buckets:
-            b = bucket.index
-            if b in self.muon_buckets:
-                out += self._matrix_slots(bucket)
-                continue
-            lo, hi = self.own(bucket)
-            aliased = self.master[b].data_ptr() == self.flat[lo:hi].data_ptr()
-            out16 = None if aliased else self.flat[lo:hi]
-            out.append(Slot(bucket.group, self.master[b], self.grads.shards[b], self.state[b],
-                            self.state_specs(bucket.group), out16, index=lo))
+            place, specs = self.placement(bucket), self.state_specs(bucket.group)
+            for r in self.ranges[bucket.index]:
+                view = self.flat[r.lo : r.hi]
+                out16 = None if r.master.data_ptr() == view.data_ptr() else view
+                out.append(Slot(bucket.group, r.master, self.range_grad(bucket, r), r.state, specs, out16, index=r.lo,
+                                matrix=place.matrix(r.param) if r.param is not None else None))
         return out
-
-    def _matrix_slots(self, bucket: Bucket) -> list[Slot]:
-        """One slot per matrix this rank owns in a Muon bucket (see Slot)."""
-        out = []
-        for i in bucket.params:
-            if self.owns(i):
-                off, n = self.layout.offsets[i], self.layout.numels[i]
-                master, view = self.muon_master[i], self.flat[off : off + n]
-                out.append(Slot(bucket.group, master, self.muon_grad(i), self.matrix_state[i],
-                                self.state_specs(bucket.group), None if master.data_ptr() == view.data_ptr() else view,
-                                index=off, matrix=self.matrices[i]))
-        return out
-
-    def muon_grad(self, i: int) -> torch.Tensor:
-        """The reduced gradient of matrix i, which this rank owns (one view object, always: offload
-        knows the gradients it copies by identity)."""
-        view = self._muon_grads.get(i)
-        if view is None:
-            if isinstance(self.grads, FlatGradients):
-                off = self.layout.offsets[i]
-                view = self.grads.flat[off : off + self.layout.numels[i]]
-            else:
-                at = self.muon_pos[i]
-                view = self.grads.shards[self.layout.bucket_of[i]][at : at + self.layout.numels[i]]
-            self._muon_grads[i] = view
-        return view
 
     def final_grads(self, bucket: Bucket) -> list[torch.Tensor]:
         """The gradient shards that are final once `bucket` is reduced (for `grad_final`)."""
-        if bucket.index in self.muon_buckets:
-            return [self.muon_grad(i) for i in bucket.params if self.owns(i)]
-        return [self.grads.shards[bucket.index]]
+        return [self.range_grad(bucket, r) for r in self.ranges[bucket.index]]
 
     def reduce_gradients(self, communicate: bool = True) -> None:
         """See GradPath.reduce."""
@@ -273,40 +218,47 @@ class FlatParams(ParamStorage):
     def norm_is_partitioned(self) -> bool:
         return self.partitions > 1
 
+    @property
+    def summed(self) -> int:
+        return self.placements[0].summed if self.placements else self.comm.world_size
+
+    def norm_copies(self) -> int:
+        replicas = self.summed // self.comm.world_size
+        return replicas if self.partitions > 1 else replicas * self.comm.world_size
+
     def out16_on_host(self) -> bool:
         return False
 
     def publish(self) -> None:
-        if self.partitions > 1:
-            layout, works = self.layout, []
-            for bk in layout.buckets:
-                if bk.index in self.muon_buckets:  # each matrix from its owner (see [Note: Muon in buckets])
-                    works += [self.comm.broadcast(self.flat[layout.offsets[i] : layout.offsets[i] + layout.numels[i]],
-                                                  self.owner[i], async_op=True, label="broadcast_params")
-                              for i in bk.params]
-                else:
-                    works.append(self.comm.all_gather(self.flat[bk.start : bk.start + bk.numel],
-                                                      self.flat[slice(*self.own(bk))], async_op=True))
-            for w in works:
-                w.wait()
+        works = [w for bucket in self.layout.buckets for w in self.placement(bucket).gather_bucket(self.flat, bucket,
+                                                                                                   self.layout)]
+        for w in works:
+            w.wait()
 
     def zero_grads(self) -> None:
         self.grads.zero()
 
+    def _parts(self, i: int):
+        """(bucket, range, [a, b)) for each range holding part of parameter i on this rank."""
+        bucket = self.layout.buckets[self.layout.bucket_of[i]]
+        off, n = self.layout.offsets[i], self.layout.numels[i]
+        for r in self.ranges[bucket.index]:
+            a, b = max(r.lo, off), min(r.hi, off + n)
+            if a < b:
+                yield bucket, r, a, b
+
     def owned_grad(self, param: nn.Parameter) -> torch.Tensor | None:
         i = self._index.get(param)
-        if i is None or (i in self.matrices and not self.owns(i)):
+        if i is None:
             return None
-        if i in self.matrices:
-            return self.muon_grad(i)
-        bucket, lo, _, a, b = self.owned_part(i)
-        return self.grads.shards[bucket.index][a - lo : b - lo] if a < b else None
+        for bucket, r, a, b in self._parts(i):
+            return self.range_grad(bucket, r)[a - r.lo : b - r.lo]
+        return None
 
     def memory_parts(self) -> tuple[dict[str, list[torch.Tensor]], set[str]]:
-        return {"params": [self.flat], "grads": self.grads.buffers(),
-                "fp32_master": self.master + list(self.muon_master.values()),
-                "optimizer_states": [t for state in [*self.state, *self.matrix_state.values()] for t in state.values()]
-                }, set()
+        ranges = [r for rs in self.ranges for r in rs]
+        return {"params": [self.flat], "grads": self.grads.buffers(), "fp32_master": [r.master for r in ranges],
+                "optimizer_states": [t for r in ranges for t in r.state.values()]}, set()
 
     # -- checkpoints ----------------------------------------------------------------------------------
 
@@ -315,36 +267,22 @@ class FlatParams(ParamStorage):
         if i is None:  # frozen: replicated on every rank, written by rank 0
             whole = local_tensor(param).detach().reshape(-1)
             return [("model", 0, whole)] if not saving or self.comm.rank == 0 else []
-        if i in self.matrices:
-            return self._matrix_chunks(i, saving)
-        bucket, lo, off, a, b = self.owned_part(i)
-        n = self.layout.numels[i]
-        out = []
-        if saving and (self.partitions > 1 or self.comm.rank == 0):
-            out.append(("model", a - off, self.flat[a:b]))  # this rank's slice (stage 0: rank 0 writes all)
-        elif not saving:
-            out.append(("model", 0, self.flat[off : off + n]))  # every rank holds the whole parameter
-        if saving and self.partitions == 1 and self.comm.rank != 0:
-            return out
-        k = bucket.index
-        out.append(("master", a - off, self.master[k][a - lo : b - lo]))
-        for spec in saved_specs(self.state_specs(bucket.group)):
-            view = self.state_view(k, spec, self.state[k])
-            if spec.per == "element":
-                out.append((spec.name, a - off, view[a - lo : b - lo]))
-            elif a < b and (a == off or not saving):  # a scalar: written with the parameter's first element
-                out.append((spec.name, 0, view))
-        return out
-
-    def _matrix_chunks(self, i: int, saving: bool) -> list[tuple[str, int, torch.Tensor]]:
-        """A Muon matrix's chunks: whole, from (or into) its owner; every rank reads the model."""
         off, n = self.layout.offsets[i], self.layout.numels[i]
-        writes = self.owns(i) if self.partitions > 1 else self.comm.rank == 0
-        out = [("model", 0, self.flat[off : off + n])] if writes or not saving else []
-        if (writes if saving else self.owns(i)):
-            out.append(("master", 0, self.muon_master[i]))
-            specs = saved_specs(self.state_specs(self.layout.groups[i]))
-            out += [(spec.name, 0, self.state_view(("matrix", i), spec, self.matrix_state[i])) for spec in specs]
+        bucket = self.layout.buckets[self.layout.bucket_of[i]]
+        if saving and not self.placement(bucket).writes:  # another rank writes what this one holds
+            return []
+        out = [] if saving else [("model", 0, self.flat[off : off + n])]  # every rank holds the whole parameter
+        specs = saved_specs(self.state_specs(bucket.group))
+        for _, r, a, b in self._parts(i):
+            if saving:
+                out.append(("model", a - off, self.flat[a:b]))  # its ranges (stage 0: rank 0 writes all)
+            out.append(("master", a - off, r.master[a - r.lo : b - r.lo]))
+            for spec in specs:
+                view = self.state_view((bucket.index, r.lo), spec, r.state)
+                if spec.per == "element":
+                    out.append((spec.name, a - off, view[a - r.lo : b - r.lo]))
+                elif a == off or not saving:  # a scalar: written with the parameter's first element
+                    out.append((spec.name, 0, view))
         return out
 
     def grad_piece(self, param: nn.Parameter) -> tuple[int, torch.Tensor, bool]:
@@ -357,15 +295,10 @@ class FlatParams(ParamStorage):
         i = self._index.get(param)
         if i is None:
             return None
-        if i in self.matrices:
-            master = self.muon_master.get(i)
-            if master is not None and master.data_ptr() != self.flat[self.layout.offsets[i]].data_ptr():
-                master.copy_(value.detach().reshape(-1))
-            return None
-        bucket, lo, off, a, b = self.owned_part(i)
-        master = self.master[bucket.index]
-        if a < b and master.data_ptr() != self.flat[slice(*self.own(bucket))].data_ptr():
-            master[a - lo : b - lo].copy_(value.detach().reshape(-1)[a - off : b - off])
+        off = self.layout.offsets[i]
+        for _, r, a, b in self._parts(i):
+            if r.master.data_ptr() != self.flat[r.lo : r.hi].data_ptr():
+                r.master[a - r.lo : b - r.lo].copy_(value.detach().reshape(-1)[a - off : b - off])
         return None
 
     def adopt_edit(self, param: nn.Parameter) -> None:
@@ -510,11 +443,10 @@ class BucketGradients:
 
     def piece(self, i: int) -> tuple[int, torch.Tensor, bool]:
         s = self.storage
-        if i in s.matrices:  # whole on its owner, nothing elsewhere
-            shard = self.shards[s.layout.bucket_of[i]]
-            return 0, s.muon_grad(i) if s.owns(i) else shard[:0], True
-        bucket, lo, off, a, b = s.owned_part(i)
-        return a - off, self.shards[bucket.index][a - lo : b - lo], True
+        off = s.layout.offsets[i]
+        for bucket, r, a, b in s._parts(i):  # one range of it, at most: a slice, or the whole parameter
+            return a - off, s.range_grad(bucket, r)[a - r.lo : b - r.lo], True
+        return 0, self.shards[s.layout.bucket_of[i]][:0], True
 
     def zero(self) -> None:
         self.recover()
@@ -523,24 +455,3 @@ class BucketGradients:
 
     def buffers(self) -> list[torch.Tensor]:
         return self.shards
-
-
-class _Each:
-    """The handles of several collectives as one: `wait` waits for them all."""
-
-    def __init__(self, works: list):
-        self.works = works
-
-    def wait(self, timeout=None) -> None:
-        for w in self.works:
-            w.wait()
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
-
-    def done(self, async_op: bool):
-        """This handle when asynchronous; otherwise wait now and return None."""
-        if async_op:
-            return self
-        self.wait()
-        return None

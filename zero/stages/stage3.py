@@ -64,6 +64,7 @@ from zero.optim.rules import StateSpecs
 from zero.parallel.comm import Comm, RankDivergenceError, Tag  # noqa: F401 - RankDivergenceError: its old home
 from zero.partition.layout import local_tensor
 from zero.stages.memory import Gauges
+from zero.stages.placement import Owned, Sharded
 from zero.stages.planning import describe_shard, plan_units, take_local_shard
 from zero.stages.policies import OffloadOptions, Precision, ReduceOptions, Stage3Options
 from zero.stages.readiness import GradReadiness
@@ -453,14 +454,17 @@ class UnitParams(ParamStorage):
         predivide: gradients are divided by this before their reduction.
         device: where the model computes.
         grad_final, step_number, state_specs: see ParamStorage.
-        matrices: the parameters Muon updates (see [Note: Muon in units] in zero/stages/unit.py).
+        placement: how the units' parameters lie over the ranks (default: sharded over `comm`; see
+            [Note: placements] in zero/stages/placement.py).
+        owned: the placement of the parameters kept whole on owners (Muon's matrices; see [Note:
+            owned parameters in units] in zero/stages/owned.py), or None.
     """
 
     def __init__(self, module: nn.Module, params: list[nn.Parameter], groups: list[int], *, comm: Comm,
                  precision: Precision, offload: OffloadOptions | None, gauges: Gauges, reduce: ReduceOptions,
                  options: Stage3Options, predivide: float, device: torch.device,
                  grad_final: Callable[[torch.Tensor], None], step_number: Callable[[], int],
-                 state_specs: StateSpecs, matrices: set[nn.Parameter] | None = None):
+                 state_specs: StateSpecs, placement: Sharded | None = None, owned: Owned | None = None):
         super().__init__(params, {p: n for n, p in module.named_parameters()}, comm, precision, offload, gauges,
                          grad_final=grad_final, step_number=step_number, state_specs=state_specs)
         self.offload_param = options.offload_param
@@ -470,20 +474,20 @@ class UnitParams(ParamStorage):
         planned, persistent = plan_units(module, options.persistence_threshold, options.unit_elements,
                                          options.persistence_budget)
         modules = dict(module.named_modules())
-        owners = _matrix_owners(params, matrices or set(), comm.world_size)
+        placement = placement or Sharded(comm, comm.world_size)
         self.units: list[ParamUnit] = []
         unit_modules: list[nn.Module | None] = []
         host_empty = self.host_memory.empty if options.pin_memory else self.host_memory.empty_pageable
         pin = offload.pin_memory if offload is not None else options.pin_memory  # Muon owners' host copies
         alias = precision.master_is_model and offload is None and not options.offload_param
         for path, unit_params in planned + ([("<persistent>", persistent)] if persistent else []):
-            unit = ParamUnit(len(self.units), path, unit_params, [group_of.get(p, -1) for p in unit_params], comm,
+            unit = ParamUnit(len(self.units), path, unit_params, [group_of.get(p, -1) for p in unit_params], placement,
                              precision, device, lambda p: take_local_shard(p, comm),
                              lambda shard: self.new_master(shard, device, alias),
                              lambda g, like: self.new_states(state_specs(g), like, device), state_specs,
                              alias_master=alias,
                              persistent=path == "<persistent>", offload_param=options.offload_param,
-                             host_empty=host_empty, gauges=gauges, owners=owners,
+                             host_empty=host_empty, gauges=gauges, owned=owned,
                              new_state=lambda like: self.new_state(like, device),
                              host16=lambda n: self.host_memory.empty((n,), precision.param, pin))
             self.units.append(unit)
@@ -499,7 +503,7 @@ class UnitParams(ParamStorage):
         self.watch_edits([p for unit in self.units for p in unit.params])
         if offload is None and not options.offload_param and comm.world_size > 1 and \
                 any(unit.matrices for unit in self.units):  # the same on every rank
-            self.forward_kinds = frozenset({"fp32_master"})  # gathers read the owners' masters: [Note: Muon in units]
+            self.forward_kinds = frozenset({"fp32_master"})  # gathers read the owners' masters (zero/stages/owned.py)
 
     def slots(self) -> list[Slot]:
         out = []
@@ -509,11 +513,10 @@ class UnitParams(ParamStorage):
                 out16 = None if r.master.data_ptr() == shard.data_ptr() else shard
                 index = (unit.index << 40) + self.comm.rank * unit.numel + r.lo  # unique over ranks and units
                 out.append(Slot(r.group, r.master, r.grad, r.state, self.state_specs(r.group), out16, index=index))
-            for i, m in unit.matrices.items():
-                if m.master is not None:  # the owner's (a world of one: the shard is the parameter)
-                    out16 = unit.shard[unit.offsets[i] : unit.offsets[i] + m.master.numel()] if unit.aliased else m.out16
-                    out.append(Slot(m.group, m.master, m.grad, m.state, self.state_specs(m.group), out16,
-                                    index=(unit.index << 40) + unit.offsets[i], matrix=m.shape))
+            for i, m in unit.matrices.mine():  # the owned parameters this rank updates
+                out16 = unit.shard[unit.offsets[i] : unit.offsets[i] + m.master.numel()] if unit.aliased else m.out16
+                out.append(Slot(m.group, m.master, m.grad, m.state, self.state_specs(m.group), out16,
+                                index=(unit.index << 40) + unit.offsets[i], matrix=m.shape))
         return out
 
     def param_chunks(self, param: nn.Parameter, saving: bool) -> list[tuple[str, int, torch.Tensor]]:
@@ -551,7 +554,7 @@ class UnitParams(ParamStorage):
 
     def is_matrix(self, param: nn.Parameter) -> bool:
         unit = getattr(getattr(param, "_zero", None), "unit", None)
-        return unit is not None and any(unit.params[i] is param for i in unit.matrices)
+        return unit is not None and any(unit.params[i] is param for i in unit.matrices.params)
 
     def values_set(self, param: nn.Parameter) -> None:
         """A persistent unit stays gathered: gather it again from the shards (and Muon's owners)."""
@@ -581,7 +584,7 @@ class UnitParams(ParamStorage):
             unit.zero_grads()
 
     def memory_parts(self) -> tuple[dict[str, list[torch.Tensor]], set[str]]:
-        host_copies = [m.out16 for u in self.units for m in u.matrices.values() if m.out16 is not None]
+        host_copies = [m.out16 for u in self.units for _, m in u.matrices.mine() if m.out16 is not None]
         return {
             "host_copies": host_copies,  # Muon owners' 16-bit copies under offload (not a model state kind)
             "params": [u.shard for u in self.units],
@@ -602,17 +605,9 @@ class UnitParams(ParamStorage):
         report["persistent_params"] = sum(u.full_numel for u in self.units if u.persistent)
 
 
-def _owned(units: list[ParamUnit], kind: str) -> list[torch.Tensor]:
-    """This rank's tensors of one kind for the Muon matrices it owns."""
-    return [getattr(m, kind) for u in units for m in u.matrices.values() if m.master is not None]
-
-
-def _matrix_owners(params: list[nn.Parameter], matrices: set[nn.Parameter], world_size: int) -> dict[nn.Parameter, int]:
-    """Each Muon matrix's owner rank, whole matrices balanced by Newton-Schulz work (zero.optim.muon.assign_owners)."""
-    from zero.optim.muon import assign_owners, matrix_shape
-
-    whole = [p for p in params if p in matrices]
-    return dict(zip(whole, assign_owners([matrix_shape(p) for p in whole], world_size)))
+def _owned(units: list[ParamUnit], kind: str) -> list:
+    """This rank's tensors of one kind for the owned parameters it updates."""
+    return [getattr(m, kind) for u in units for _, m in u.matrices.mine()]
 
 
 def _gather_on_apply(module: nn.Module) -> None:

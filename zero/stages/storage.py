@@ -214,6 +214,17 @@ class ParamStorage(abc.ABC):
         """True when each rank holds a different part of the gradient (so norms are summed)."""
         return self.comm.world_size > 1
 
+    @property
+    def summed(self) -> int:
+        """Ranks whose gradients a reduced gradient sums: the data-parallel world of the step's
+        divisor (see [Note: one divisor] in zero/optim/step.py and [Note: placements])."""
+        return self.comm.world_size
+
+    def norm_copies(self) -> int:
+        """Data-parallel ranks holding each element of the reduced gradient (a norm summed over all
+        of them counts it this many times)."""
+        return 1 if self.norm_is_partitioned() else self.comm.world_size
+
     def owned_grad(self, param: nn.Parameter) -> torch.Tensor | None:
         """The part of `param`'s reduced gradient in this rank's slots (for the norm), or None."""
         return None

@@ -25,17 +25,10 @@ reads the freed storage by accident. This is FSDP2's [Note: FSDP and autograd] a
 A world of one without parameter offload needs none of this: the shard is the whole parameter,
 and the parameters stay views into the shard.
 
-[Note: Muon in units]
-Muon (zero/optim/muon.py) updates each of its matrices whole, so one owner rank per matrix (whole
-matrices balanced over the ranks by Newton-Schulz work) keeps its fp32 master, momentum and reduced
-gradient. A unit lays its matrices out last and leaves them out of its all-gather and
-reduce-scatter: a matrix's gradient is reduced to its owner, and gathering broadcasts it from its
-owner, which casts its master into the full buffer. These move the bytes the matrix's share of the
-unit's collectives would have moved. Every rank still keeps its 16-bit shard of each matrix, as of
-every parameter, for checkpoints, `GatheredParameters` and `ds_tensor`: after a step the shards
-are stale (`mark_updated`) until the next gather copies each rank's slice out of the broadcast
-value, or `freshen` (GatheredParameters, `param.all_gather()`) broadcasts the matrices first.
-Checkpoints take a matrix whole from its owner's master.
+A unit's parameters are divided over its placement's shard group (see [Note: placements] in
+zero/stages/placement.py): its reduce-scatter and all-gather are the placement's. Parameters whole
+on an owner (Muon's matrices) are laid out last and handled apart; see [Note: owned parameters in
+units] in zero/stages/owned.py.
 """
 from __future__ import annotations
 
@@ -48,12 +41,12 @@ import torch
 import torch.nn as nn
 from torch.autograd.profiler import record_function
 
-from zero.optim.muon import matrix_shape
 from zero.optim.rules import StateSpecs, saved_specs
-from zero.parallel.comm import Comm
 from zero.partition.layout import local_grad, local_tensor
 from zero.partition.shards import ZeroParamStatus, gather_param, mark_ds, take_shard
 from zero.stages.memory import Gauges
+from zero.stages.owned import OwnedParams
+from zero.stages.placement import Owned, Sharded
 from zero.stages.policies import Precision
 
 
@@ -76,21 +69,6 @@ class GroupRange:
 
 
 @dataclass
-class Matrix:
-    """A matrix Muon updates, whole on its owner rank (see [Note: Muon in units]): on the owner its
-    fp32 master, optimizer state and reduced gradient; None elsewhere."""
-
-    owner: int
-    shape: tuple[int, int]
-    group: int
-    master: torch.Tensor | None = None
-    state: dict[str, torch.Tensor] | None = None
-    grad: torch.Tensor | None = None
-    out16: torch.Tensor | None = None  # under optimizer offload: the owner's 16-bit copy in host memory
-    stale: bool = False  # the ranks' 16-bit shards predate the owner's last update
-
-
-@dataclass
 class _InFlight:
     """A collective of this unit that may still be running, and the buffers it uses."""
 
@@ -98,7 +76,7 @@ class _InFlight:
     buffer: torch.Tensor | None  # all-gather output or reduce-scatter input (counted in the comm gauge)
     source: torch.Tensor | None = None  # the shard staged onto the device (offload_param)
     mine: torch.Tensor | None = None  # a reduce-scatter's output: this rank's row
-    matrices: list = dataclasses.field(default_factory=list)  # Muon's: (position, handle, buffer)
+    owned: list = dataclasses.field(default_factory=list)  # the owned parameters' collectives (zero/stages/owned.py)
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -113,7 +91,9 @@ class ParamUnit:
         name: module path, for messages ("" is the root module).
         params: the parameters, each described by `param._zero` (see describe_shard).
         groups: the optimizer param-group index of each parameter, or -1 for a frozen one.
-        comm: the data-parallel group.
+        placement: how its parameters lie over the ranks (a Sharded placement; see [Note:
+            placements] in zero/stages/placement.py): its shard group divides them, its
+            reduce-scatter and all-gather are the unit's.
         precision: parameter, reduce and gradient dtypes.
         device: where the model computes (full parameters, gradients).
         local_shard: gives this rank's shard of a parameter (see take_local_shard); its values,
@@ -128,33 +108,32 @@ class ParamUnit:
         offload_param: the shard lives in host memory; it is staged onto the device to gather.
         host_empty: allocates that host shard (pinned when asked).
         gauges: where the bytes of full buffers, all-gather and reduce buffers are measured.
-        owners: the owner rank of each parameter Muon updates (see [Note: Muon in units]).
+        owned: the Owned placement of the parameters kept whole on owners (see [Note: owned
+            parameters in units] in zero/stages/owned.py), or None.
         new_state: makes a zero fp32 tensor shaped like a tensor, where optimizer state lives (in
             host memory under optimizer offload; ParamStorage.new_state).
         host16: allocates an owner's host copy of a matrix in the training dtype (offload; pinned
             when asked).
     """
 
-    def __init__(self, index: int, name: str, params: list[nn.Parameter], groups: list[int], comm: Comm,
+    def __init__(self, index: int, name: str, params: list[nn.Parameter], groups: list[int], placement: Sharded,
                  precision: Precision, device: torch.device, local_shard: Callable[[nn.Parameter], torch.Tensor],
                  new_master: Callable[[torch.Tensor], torch.Tensor],
                  new_states: Callable[[int, torch.Tensor], dict[str, torch.Tensor]], state_specs: StateSpecs, *,
                  alias_master: bool, persistent: bool,
                  offload_param: bool, host_empty: Callable[..., torch.Tensor], gauges: Gauges,
-                 owners: dict[nn.Parameter, int] | None = None,
+                 owned: Owned | None = None,
                  new_state: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  host16: Callable[[int], torch.Tensor] | None = None):
-        self.index, self.name, self.comm, self.device = index, name, comm, device
+        comm = placement.comm
+        self.index, self.name, self.placement, self.comm, self.device = index, name, placement, comm, device
         self.dtype, self.reduce_dtype = precision.param, precision.reduce
         self.persistent, self.offload_param = persistent, offload_param
         self.gauges = gauges
-        self.host16 = host16 or (lambda n: host_empty(n, dtype=self.dtype))
-        self.new_state = new_state or (lambda like: torch.zeros(like.shape, device=device))
-        self.new_states = new_states
         self.specs = lambda g: saved_specs(state_specs(g))  # what checkpoints hold of a group's state
-        owners = owners or {}
-        # trainable first, by group; Muon's matrices last (see [Note: Muon in units])
-        order = sorted(range(len(params)), key=lambda i: (params[i] in owners, groups[i] < 0, groups[i]))
+        whole = {p for p in params if owned is not None and owned.matrix(p) is not None}
+        # trainable first, by group; owned parameters last (see [Note: owned parameters in units])
+        order = sorted(range(len(params)), key=lambda i: (params[i] in whole, groups[i] < 0, groups[i]))
         self.params = [params[i] for i in order]
         self.groups = [groups[i] for i in order]
         self.trainable = [p for p, g in zip(self.params, self.groups) if g >= 0]
@@ -164,12 +143,13 @@ class ParamUnit:
         self.split_sizes = [z.shard_numel for z in info]
         self.offsets = [sum(self.split_sizes[:i]) for i in range(len(info))]
         self.numel = sum(self.split_sizes)  # S
-        self.matrices = {i: Matrix(owners[p], matrix_shape(p), g) for i, (p, g) in enumerate(zip(self.params, self.groups))
-                         if p in owners}
-        self.gathered = len(self.params) - len(self.matrices)  # the parameters the all-gather carries, first
-        self.gather_numel = sum(self.split_sizes[: self.gathered])
-        self.trainable_numel = sum(self.split_sizes[: len(self.trainable) - len(self.matrices)])  # reduce-scattered
         self.aliased = world == 1 and not offload_param  # the shard is the parameter (see the notes above)
+        self.matrices = OwnedParams(self, owned, [i for i, p in enumerate(self.params) if p in whole],
+                                    new_state or (lambda like: torch.zeros(like.shape, device=device)), new_states,
+                                    host16 or (lambda n: host_empty(n, dtype=self.dtype)))
+        self.gathered = len(self.params) - len(whole)  # the parameters the all-gather carries, first
+        self.gather_numel = sum(self.split_sizes[: self.gathered])
+        self.trainable_numel = sum(self.split_sizes[: len(self.trainable) - len(whole)])  # reduce-scattered
         self.full_numel = world * self.numel  # gathered elements (what stage3_max_live_parameters counts)
 
         with torch.no_grad():
@@ -186,7 +166,7 @@ class ParamUnit:
                 local = local_shard(p)
                 self.shard[off : off + z.shard_numel].copy_(local)
                 if i in self.matrices:
-                    self._own_matrix(self.matrices[i], gather_param(local, z.numel, comm), precision)
+                    self.matrices.take_initial(i, gather_param(local, z.numel, comm), precision.grad)
                 r = next((r for r in self.ranges if r.lo <= off < r.hi), None)
                 if r is not None and not alias_master:  # from the shard's own (fp32) values, not their rounding
                     r.master[off - r.lo : off - r.lo + z.shard_numel].copy_(local)
@@ -219,16 +199,6 @@ class ParamUnit:
         self.inputs_done = False  # a backward of its module produced the gradients of its inputs
         self.trace_pos = -1  # where the runtime last recorded its use in the current pass
         self.leaf = False  # marked with set_z3_leaf_modules (see [Note: leaf units] in stage3.py)
-
-    def _own_matrix(self, m: Matrix, full: torch.Tensor, precision: Precision) -> None:
-        """On the owner: the matrix's fp32 master from its exact values, a zero momentum and gradient."""
-        if m.owner == self.comm.rank:
-            m.master = self.new_state(full).copy_(full)
-            m.state = self.new_states(m.group, full)
-            m.grad = torch.zeros(full.numel(), dtype=precision.grad, device=self.device)
-            offloaded = m.master.device != self.device or self.offload_param
-            if offloaded and not self.aliased:  # gathers copy 16 bits from the host, not 32
-                m.out16 = self.host16(full.numel()).copy_(full)
 
     def __repr__(self) -> str:
         return f"ParamUnit({self.index}, '{self.name or '<root>'}', {len(self.params)} params, {self.full_numel} elements)"
@@ -280,16 +250,16 @@ class ParamUnit:
                 self._gather = _InFlight(None, None)
             elif world == 1 or self.gathered == 1:  # the output layout is the full buffer's own
                 self._allocate()
-                work = self.comm.all_gather(self.full[: world * n], shard[:n], async_op=True)
+                work = self.placement.all_gather(self.full[: world * n], shard[:n], async_op=True)
                 self._gather = _InFlight(work, None, source=shard)
             else:
                 buffer = torch.empty(world * n, dtype=self.dtype, device=self.device)
                 self.gauges.gather_buffers.add(_nbytes(buffer))
-                self._gather = _InFlight(self.comm.all_gather(buffer, shard[:n], async_op=True), buffer, source=shard)
+                self._gather = _InFlight(self.placement.all_gather(buffer, shard[:n], async_op=True), buffer,
+                                         source=shard)
             if self.matrices:
                 self._allocate()
-                self._gather.matrices = [(i, self._broadcast_matrix(i, self._views[i].view(-1)), None)
-                                         for i in self.matrices]
+                self._gather.owned = self.matrices.start_gather()
 
     def finish_gather(self, wait: Callable[[object], None]) -> None:
         """Wait for the all-gather (`wait(work)`), write the full buffer and show the parameters."""
@@ -304,52 +274,17 @@ class ParamUnit:
                 rows = inflight.buffer.view(self.comm.world_size, self.gather_numel)
                 torch.split_with_sizes_copy(rows, self.split_sizes[: self.gathered], dim=1, out=self._blocks)
             self.gauges.gather_buffers.sub(_nbytes(inflight.buffer))
-        for i, work, _ in inflight.matrices:
-            wait(work)
-            self._take_shard(i, self._views[i].view(-1))  # a local copy of s elements: cheaper than a flag
+        self.matrices.finish_gather(inflight.owned, wait)
         self._show()
         self.state = ShardedState.GATHERED
 
-    # -- Muon's matrices (see [Note: Muon in units]) ---------------------------------------------------
-
-    def _broadcast_matrix(self, i: int, into: torch.Tensor):
-        """Issue the broadcast of matrix i's values from its owner (who casts its master) into `into`."""
-        m = self.matrices[i]
-        if m.master is not None:
-            into.copy_(m.out16 if m.out16 is not None else m.master)
-        return self.comm.broadcast(into, m.owner, async_op=True, label="broadcast_params")
-
-    def _take_shard(self, i: int, full: torch.Tensor) -> None:
-        """This rank's 16-bit shard of matrix i from its whole value (kept for checkpoints and
-        GatheredParameters, as every parameter's is)."""
-        off, s = self.offsets[i], self.split_sizes[i]
-        self.shard[off : off + s].copy_(take_shard(full, self.comm.rank, self.comm.world_size))
-        self.matrices[i].stale = False
-
     def mark_updated(self, masters_written: bool = False) -> None:
-        """The owners updated their matrices: the ranks' shards are stale until the next gather.
-        `masters_written`: the masters were written from outside the step (a checkpoint load, an
-        accessor), so the owners' host copies (offload) follow them now."""
-        if self.aliased:  # the step writes the parameter itself (its slot's out16); nothing is gathered
-            return
-        for m in self.matrices.values():
-            m.stale = True
-            if masters_written and m.out16 is not None:
-                m.out16.copy_(m.master)
+        """See OwnedParams.mark_updated."""
+        self.matrices.mark_updated(masters_written)
 
     def freshen(self) -> None:
-        """Bring stale matrix shards up to date from their owners (collective: every rank calls it
-        for the same units, as GatheredParameters and `param.all_gather()` are)."""
-        if not self.matrices or self.aliased:
-            return
-        positions = sorted(self.matrices)
-        stale = torch.tensor([self.matrices[i].stale for i in positions], dtype=torch.uint8)
-        self.comm.control().all_reduce(stale, "max")  # stale on any rank (a local accessor on some ranks only)
-        for i, flag in zip(positions, stale.tolist()):
-            if flag:
-                full = torch.empty(self.params[i]._zero.numel, dtype=self.dtype, device=self.device)
-                self._broadcast_matrix(i, full).wait()
-                self._take_shard(i, full)
+        """See OwnedParams.freshen."""
+        self.matrices.freshen()
 
     def free(self) -> None:
         """Free the full buffer's storage; only the shard remains (see [Note: freeing gathered
@@ -368,22 +303,6 @@ class ParamUnit:
         self.start_gather()
         self.finish_gather(wait)
 
-    def _matrix_chunks(self, i: int, saving: bool, view: Callable) -> list[tuple[str, int, torch.Tensor]]:
-        """A Muon matrix: its owner writes it whole (the model from its master, which the ranks'
-        shards may not have caught up with yet) and reads its master and state; every rank reads
-        its shard of the model."""
-        m, z = self.matrices[i], self.params[i]._zero
-        state = [] if m.master is None else [(spec.name, 0, view((self.index, "matrix", i), spec, m.state))
-                                             for spec in self.specs(m.group)]
-        if saving:
-            return [] if m.master is None else [("model", 0, m.master.to(self.dtype)), ("master", 0, m.master), *state]
-        start, s = self.comm.rank * self.split_sizes[i], self.split_sizes[i]
-        n = max(0, min(z.numel, start + s) - start)
-        out = [("model", start, self.shard[self.offsets[i] : self.offsets[i] + n])]
-        if m.master is not None:
-            out += [("master", 0, m.master), *state]
-        return out
-
     def param_chunks(self, p: nn.Parameter, view: Callable, saving: bool = True
                      ) -> list[tuple[str, int, torch.Tensor]]:
         """This rank's pieces of `p`: its shard (without padding) and, if trainable, the master's
@@ -391,8 +310,10 @@ class ParamUnit:
         gives what a checkpoint reads and writes of one state (ParamStorage.state_view)."""
         i = next(i for i, q in enumerate(self.params) if q is p)
         z, off, s = p._zero, self.offsets[i], self.split_sizes[i]
+        if saving and not self.placement.writes:  # a replica writes what this rank holds
+            return []
         if i in self.matrices:
-            return self._matrix_chunks(i, saving, view)
+            return self.matrices.chunks(i, saving, view, self.specs)
         start = self.comm.rank * s
         n = max(0, min(z.numel, start + s) - start)
         out = [("model", start, self.shard[off : off + n])]
@@ -411,9 +332,8 @@ class ParamUnit:
         """This rank's part of the reduced gradient of trainable `p` (see ShardedAdam.grad_piece)."""
         i = next(i for i, q in enumerate(self.params) if q is p)
         z, off, s = p._zero, self.offsets[i], self.split_sizes[i]
-        if i in self.matrices:  # whole on its owner
-            grad = self.matrices[i].grad
-            return 0, grad if grad is not None else torch.empty(0, dtype=self.dtype, device=self.device), True
+        if i in self.matrices:
+            return self.matrices.grad_piece(i)
         start = self.comm.rank * s
         n = max(0, min(z.numel, start + s) - start)
         r = next((r for r in self.ranges if r.lo <= off < r.hi), None)
@@ -431,12 +351,7 @@ class ParamUnit:
         local = take_shard(value.detach().to(self.shard.device), self.comm.rank, self.comm.world_size)
         self.shard[off : off + n].copy_(local)
         if i in self.matrices:
-            m = self.matrices[i]
-            m.stale = False
-            if m.master is not None:
-                m.master.copy_(value.detach().reshape(-1))
-                if m.out16 is not None:
-                    m.out16.copy_(m.master)
+            self.matrices.load(i, value)
         r = next((r for r in self.ranges if r.lo <= off < r.hi), None)
         if r is not None and r.master.data_ptr() != self.shard[r.lo : r.hi].data_ptr():
             r.master[off - r.lo : off - r.lo + n].copy_(local)
@@ -455,17 +370,13 @@ class ParamUnit:
             g = local_grad(p)
             p.grad = None
             grads.append(g.reshape(-1) if g is not None else torch.zeros(p._zero.numel, dtype=self.dtype, device=self.device))
-        sent = []  # Muon's: each matrix's gradient to its owner, in place of its share of the reduce-scatter
-        if self.matrices:  # the last trainable parameters
-            grads, matrices = grads[: -len(self.matrices)], grads[-len(self.matrices) :]
-            for i, g in zip(sorted(self.matrices), matrices):
-                buf = g.to(self.reduce_dtype)
-                if predivide != 1.0:
-                    buf.div_(predivide)
-                self.gauges.reduce_buffers.add(_nbytes(buf))
-                sent.append((i, self.comm.reduce(buf, self.matrices[i].owner, async_op=True), buf))
+        sent = []  # owned parameters' gradients to their owners, in place of their share of the reduce-scatter
+        owned = len(self.matrices.params)
+        if owned:  # the last trainable parameters
+            grads, whole = grads[:-owned], grads[-owned:]
+            sent = self.matrices.start_reduce(whole, predivide)
         if not grads:
-            self._reduce = _InFlight(None, None, matrices=sent)
+            self._reduce = _InFlight(None, None, owned=sent)
             return
         with record_function(f"zero::pack_grads[{self.name}]"):
             send = torch.empty(world * self.trainable_numel, dtype=self.reduce_dtype, device=self.device)
@@ -475,7 +386,7 @@ class ParamUnit:
                 send.div_(predivide)
         mine = send[rank * self.trainable_numel : (rank + 1) * self.trainable_numel]
         self.gauges.reduce_buffers.add(_nbytes(send))
-        self._reduce = _InFlight(self.comm.reduce_scatter(mine, send, async_op=True), send, mine=mine, matrices=sent)
+        self._reduce = _InFlight(self.placement.reduce_scatter(mine, send, async_op=True), send, mine=mine, owned=sent)
 
     def finish_reduce(self, wait: Callable[[object], None]) -> list[torch.Tensor]:
         """Wait for the reduce-scatter and add this rank's part to the gradient shards.
@@ -489,21 +400,11 @@ class ParamUnit:
             for r in self.ranges:
                 r.grad.add_(inflight.mine[r.lo : r.hi])
             self.gauges.reduce_buffers.sub(_nbytes(inflight.buffer))
-        added = [r.grad for r in self.ranges]
-        for i, work, buf in inflight.matrices:
-            wait(work)
-            m = self.matrices[i]
-            if m.grad is not None:
-                m.grad.add_(buf)
-                added.append(m.grad)
-            self.gauges.reduce_buffers.sub(_nbytes(buf))
-        return added
+        return [r.grad for r in self.ranges] + self.matrices.finish_reduce(inflight.owned, wait)
 
     def zero_grads(self) -> None:
         for r in self.ranges:
             r.grad.zero_()
-        for m in self.matrices.values():
-            if m.grad is not None:
-                m.grad.zero_()
+        self.matrices.zero_grads()
         for p in self.params:
             p.grad = None

@@ -1,0 +1,232 @@
+"""Placements: how one param group's elements lie over the data-parallel ranks, and the one reducer
+and gatherer that follow from it.
+
+[Note: placements]
+Each param group has a placement, derived from the run's parallel dimensions (see [Note: parallel
+dimensions] in zero/parallel/dims.py):
+- `Sharded(shard, partitions, replicate)`: the elements are divided into `partitions` equal
+  slices over the `shard` group (1: every rank holds all of them, as stage 0 does); with a
+  `replicate` group (hybrid sharding), each slice is held by every rank of that group. A
+  gradient is reduce-scattered over the shard group, then its slice all-reduced over the
+  replicate group; updated slices are all-gathered over the shard group.
+- `Owned(shard, partitions, shapes)`: each parameter whole on one owner rank (Muon's matrices,
+  zero/optim/muon.py): owners chosen by balancing their Newton-Schulz work; a gradient is
+  reduced to its owner, an updated value broadcast from it. The same bytes as the slices'.
+Both storages take their ranges from the placement: stages 0-2 cut each bucket into the ranges
+`ranges` gives (zero/stages/buckets.py), stage 3 lays a unit's parameters out in `partitions`
+rows and keeps Owned parameters apart (zero/stages/owned.py). Both reduce with `reduce_scatter`
+/ `reduce_to` and gather with `all_gather` / `broadcast_from`: the one reducer and gatherer of
+every layout. The step's divisor and the gradient norm read the placement's sizes: gradients
+are summed over `summed` ranks, and each element's reduced gradient is held by `partitions`
+ranks' shares once per replica.
+
+Sums are SUM collectives; callers divide (see [Note: one divisor] in zero/optim/step.py).
+"""
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from zero.parallel.comm import Comm
+from zero.partition.layout import Bucket, ShardLayout
+
+
+class Placement(abc.ABC):
+    """Where a param group's elements are, over the data-parallel ranks; see [Note: placements].
+
+    Args:
+        shard: the group the elements are divided over.
+        partitions: how many parts they are divided into: the shard group's size, or 1 (every
+            rank holds every element, as at stage 0).
+        replicate: the group holding copies of this rank's part (hybrid sharding), or None.
+    """
+
+    def __init__(self, shard: Comm, partitions: int, replicate: Comm | None = None):
+        if partitions not in (1, shard.world_size):
+            raise ValueError(f"a placement divides elements over its shard group of {shard.world_size} ranks or not "
+                             f"at all, not into {partitions} parts")
+        self.comm, self.partitions, self.replicate = shard, partitions, replicate
+        self.rank = shard.rank if partitions > 1 else 0  # this rank's part
+
+    @property
+    def summed(self) -> int:
+        """Ranks whose gradients a reduced gradient sums (the divisor's world)."""
+        return self.comm.world_size * (self.replicate.world_size if self.replicate is not None else 1)
+
+    @property
+    def writes(self) -> bool:
+        """This rank writes the checkpoint pieces it holds (one rank per piece: with one part, rank
+        0; with replicas, the first replica)."""
+        first = self.replicate is None or self.replicate.rank == 0
+        return first and (self.partitions > 1 or self.comm.rank == 0)
+
+    @property
+    def partitioned(self) -> bool:
+        """Each rank holds a different part of the reduced gradient (norms are summed over ranks)."""
+        return self.partitions > 1
+
+    # -- the reducer and the gatherer (buckets' and units')
+
+    def reduce_scatter(self, mine: torch.Tensor, buf: torch.Tensor, async_op: bool = False):
+        """SUM `buf` (this rank's gradients, `partitions` equal parts in rank order) over the shard
+        group into this rank's part `mine` (a view of `buf` or apart), then over the replicate group."""
+        work = self.comm.reduce_scatter(mine, buf, async_op=async_op or self.replicate is not None)
+        return self._then_replicas(work, mine, async_op)
+
+    def all_reduce(self, buf: torch.Tensor, async_op: bool = False):
+        """SUM `buf` whole over the shard group and the replicate group."""
+        work = self.comm.all_reduce(buf, "sum", async_op=async_op or self.replicate is not None)
+        return self._then_replicas(work, buf, async_op)
+
+    def _then_replicas(self, work, part: torch.Tensor, async_op: bool):
+        if self.replicate is None:
+            return work
+        chained = _Then(work, lambda: self.replicate.all_reduce(part, "sum"))
+        return chained if async_op else chained.wait()
+
+    def all_gather(self, full: torch.Tensor, mine: torch.Tensor, async_op: bool = False, label: str = "all_gather"):
+        """Every rank's part `mine` into `full` (rank order) over the shard group."""
+        return self.comm.all_gather(full, mine, async_op=async_op, label=label)
+
+    # -- buckets (stages 0-2)
+
+    @abc.abstractmethod
+    def ranges(self, bucket: Bucket, layout: ShardLayout) -> list[tuple[int, int, int | None]]:
+        """This rank's ranges of `bucket` whose reduced gradient, master and state it keeps:
+        (begin, end) in flat-buffer elements, and the parameter a range is whole of (or None)."""
+
+    @abc.abstractmethod
+    def reduce_bucket(self, bucket: Bucket, buf: torch.Tensor, layout: ShardLayout, async_op: bool,
+                      reduce_scatter: bool = True):
+        """Sum `buf` (the whole bucket's gradients) so that this rank's ranges hold their sums;
+        `reduce_scatter=False` all-reduces the whole bucket instead (DeepSpeed's flag). Returns
+        the collective's handle (None when done)."""
+
+    @abc.abstractmethod
+    def gather_bucket(self, flat: torch.Tensor, bucket: Bucket, layout: ShardLayout) -> list:
+        """Start bringing every rank's updated ranges of `bucket` into `flat` (the model's flat
+        buffer); the handles to wait for."""
+
+    def matrix(self, i: int) -> tuple[int, int] | None:
+        """The matrix shape parameter i is updated as (Owned), or None."""
+        return None
+
+
+class Sharded(Placement):
+    """Equal slices of each bucket (see [Note: placements])."""
+
+    def ranges(self, bucket: Bucket, layout: ShardLayout) -> list[tuple[int, int, int | None]]:
+        lo, hi = bucket.slice_range(self.rank) if self.partitions > 1 else (bucket.start, bucket.start + bucket.numel)
+        return [(lo, hi, None)]
+
+    def reduce_bucket(self, bucket: Bucket, buf: torch.Tensor, layout: ShardLayout, async_op: bool,
+                      reduce_scatter: bool = True):
+        if self.partitions == 1 or not reduce_scatter:
+            return self.all_reduce(buf, async_op)
+        lo, hi = bucket.slice_range(self.rank)
+        return self.reduce_scatter(buf[lo - bucket.start : hi - bucket.start], buf, async_op)
+
+    def gather_bucket(self, flat: torch.Tensor, bucket: Bucket, layout: ShardLayout) -> list:
+        if self.partitions == 1:
+            return []
+        lo, hi = bucket.slice_range(self.rank)
+        return [self.all_gather(flat[bucket.start : bucket.start + bucket.numel], flat[lo:hi], async_op=True)]
+
+
+class Owned(Placement):
+    """Each parameter whole on one owner (see [Note: placements]); with one partition every rank
+    owns every one of them.
+
+    Args:
+        shard, partitions: as Placement.
+        shapes: each owned parameter's index (its place among the storage's parameters) and
+            matrix shape.
+    """
+
+    def __init__(self, shard: Comm, partitions: int, shapes: dict, replicate: Comm | None = None):
+        if replicate is not None:
+            raise NotImplementedError("whole parameters on owners (Muon) with replicated shards (hybrid sharding) "
+                                      "are not implemented")
+        super().__init__(shard, partitions)
+        from zero.optim.muon import assign_owners
+
+        self.shapes = dict(shapes)
+        whole = sorted(self.shapes, key=_order)
+        owners = assign_owners([self.shapes[i] for i in whole], partitions) if partitions > 1 else [0] * len(whole)
+        self.owners = dict(zip(whole, owners))
+
+    def owner(self, i) -> int:
+        return self.owners[i]
+
+    def owns(self, i) -> bool:
+        return i in self.owners and self.owners[i] == self.rank
+
+    def matrix(self, i) -> tuple[int, int] | None:
+        return self.shapes.get(i)
+
+    def reduce_to(self, buf: torch.Tensor, i, async_op: bool = False):
+        """SUM `buf` (parameter i's gradient) into its owner."""
+        return self.comm.reduce(buf, self.owners[i], async_op=async_op)
+
+    def broadcast_from(self, buf: torch.Tensor, i, async_op: bool = False):
+        """Parameter i's value from its owner into `buf` on every rank."""
+        return self.comm.broadcast(buf, self.owners[i], async_op=async_op, label="broadcast_params")
+
+    def ranges(self, bucket: Bucket, layout: ShardLayout) -> list[tuple[int, int, int | None]]:
+        return [(layout.offsets[i], layout.offsets[i] + layout.numels[i], i) for i in bucket.params if self.owns(i)]
+
+    def reduce_bucket(self, bucket: Bucket, buf: torch.Tensor, layout: ShardLayout, async_op: bool,
+                      reduce_scatter: bool = True):
+        if self.partitions == 1 or not reduce_scatter:
+            return self.all_reduce(buf, async_op)
+        works = [self.reduce_to(buf[layout.offsets[i] - bucket.start : layout.offsets[i] - bucket.start
+                                    + layout.numels[i]], i, async_op=True) for i in bucket.params]
+        return Each(works).done(async_op)
+
+    def gather_bucket(self, flat: torch.Tensor, bucket: Bucket, layout: ShardLayout) -> list:
+        if self.partitions == 1:
+            return []
+        return [self.broadcast_from(flat[layout.offsets[i] : layout.offsets[i] + layout.numels[i]], i, async_op=True)
+                for i in bucket.params]
+
+
+def _order(key):
+    """Owners are assigned in the order of the parameters' keys (indices, or objects by position)."""
+    return key if isinstance(key, int) else 0
+
+
+class Each:
+    """The handles of several collectives as one: `wait` waits for them all."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self, timeout=None) -> None:
+        for w in self.works:
+            w.wait()
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def done(self, async_op: bool):
+        """This handle when asynchronous; otherwise wait now and return None."""
+        if async_op:
+            return self
+        self.wait()
+        return None
+
+
+class _Then:
+    """A collective's handle whose `wait` also runs a follow-up collective (the replicas' all-reduce)."""
+
+    def __init__(self, work, then):
+        self.work, self.then = work, then
+
+    def wait(self, timeout=None) -> None:
+        if self.work is not None:
+            self.work.wait()
+        self.then()
+
+    def is_completed(self) -> bool:
+        return False
