@@ -164,6 +164,8 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         self.parallel = parallel
         # the ranks ZeRO partitions over (the world without a mesh)
         self.comm = parallel.comm("zero", strict_tag_checks(config))
+        # hybrid sharding: the ranks holding the same partition (see [Note: placements])
+        self.replicate = parallel.comm("replicate") if parallel.size("replicate") > 1 else None
         self.comm.engine = next_engine_number()
         self.device = compute_device(self.comm)
         # without an optimizer (none passed, no optimizer section) the engine evaluates and generates:
@@ -194,7 +196,8 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         else:  # its hooks go ahead of the stage's (see [Note: backward from PyTorch]); a schedule counts its own
             BackwardCounter(self.progress, config.fp16.enabled, {p: n for n, p in module.named_parameters()}).install(
                 module, [p for g in groups for p in g["params"]])
-        self.optimizer = build_optimizer(module, groups, config, self.comm, self.device, client=client,
+        self.optimizer = build_optimizer(module, groups, config, self.comm, self.device, replicate=self.replicate,
+                                         client=client,
                                          model_parallel=ModelParallelNorm.of(module, mesh) if mesh is not None else None,
                                          state_dtype=client_state_dtype(optimizer, config), muon=muon)
         _claim(module, self.optimizer, config.zero_optimization.stage)  # whose hooks take the gradients now
@@ -360,6 +363,9 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         if not updated:
             self._report_skip()
         self._last_comm = self.comm.report()
+        if self.replicate is not None:  # the replicas' all-reduces, under their own labels
+            self._last_comm.update(self.replicate.report())
+            self.replicate.reset_counts()
         if self.sequence_parallel_size > 1:  # Ulysses' all-to-alls, in the same window
             self._last_comm.update(take_traffic())
         self.comm.reset_counts()

@@ -158,7 +158,7 @@ class FlatParams(ParamStorage):
             self.ranges.append(mine)
         for i, p in enumerate(self.params):
             full = local_tensor(p).detach().reshape(-1)  # where the user built it (copied across devices below)
-            self.comm.broadcast(full, src=0)  # every rank starts from rank 0's values
+            self.placements[self.layout.groups[i]].broadcast_initial(full)  # every rank starts from rank 0's values
             off, n = layout.offsets[i], layout.numels[i]
             self.flat[off : off + n].copy_(full)
             for r in self.ranges[layout.bucket_of[i]]:

@@ -82,8 +82,14 @@ class Placement(abc.ABC):
     def _then_replicas(self, work, part: torch.Tensor, async_op: bool):
         if self.replicate is None:
             return work
-        chained = _Then(work, lambda: self.replicate.all_reduce(part, "sum"))
+        chained = _Then(work, lambda: self.replicate.all_reduce(part, "sum", label="all_reduce (replicas)"))
         return chained if async_op else chained.wait()
+
+    def broadcast_initial(self, t: torch.Tensor) -> None:
+        """Every rank of the shard and replicate groups takes the first rank's `t` (initial values)."""
+        self.comm.broadcast(t, src=0)
+        if self.replicate is not None:
+            self.replicate.broadcast(t, src=0)
 
     def all_gather(self, full: torch.Tensor, mine: torch.Tensor, async_op: bool = False, label: str = "all_gather"):
         """Every rank's part `mine` into `full` (rank order) over the shard group."""
