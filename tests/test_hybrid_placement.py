@@ -21,7 +21,7 @@ def _hybrid(stage: int, steps: int = 4) -> dict:
     from zero.stages.placement import Sharded
     from zero.testing.training import build_model, make_batch, relative_error
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     dims = ParallelDims(world, dp_replicate=2, dp_shard=2)
     parallel = ParallelGroups(dims)
     config = load_config({"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "gradient_clipping": 0.5,

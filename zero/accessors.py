@@ -42,7 +42,7 @@ def _full(param, kind: str) -> torch.Tensor | None:
     for k, offset, view in optimizer.storage.param_chunks(param, saving=True):  # each element from one rank
         if k == kind:
             full[offset : offset + view.numel()] = view.detach().float().cpu()
-    optimizer.storage.forget_state_views()
+    optimizer.storage.store.begin_views()
     optimizer.comm.all_reduce(full, "sum")  # host tensor: staged through the GPU under NCCL by Comm
     return full.view(shape)
 
@@ -52,7 +52,7 @@ def _local(param, kind: str) -> torch.Tensor | None:
     if optimizer is None:
         return None
     pieces = [v for k, _, v in optimizer.storage.param_chunks(param, saving=False) if k == kind]
-    optimizer.storage.forget_state_views()
+    optimizer.storage.store.begin_views()
     return torch.cat([p.detach().reshape(-1) for p in pieces]) if pieces else torch.empty(0)
 
 
@@ -153,7 +153,7 @@ def _set_full(param, kind: str, value: torch.Tensor) -> None:
             for k, offset, view in optimizer.storage.param_chunks(param, saving=False):
                 if k == "model":
                     view.copy_(flat[offset : offset + view.numel()])
-    optimizer.storage.commit_state_views()  # 8-bit moments: encode what was written
+    optimizer.storage.state_written()  # 8-bit moments: encode what was written
     if kind == "master":
         optimizer.storage.edits_seen([param])
         optimizer.storage.values_set(param)  # collective, as this accessor is
@@ -206,7 +206,7 @@ def _set_local(param, kind: str, value: torch.Tensor, what: str) -> None:
                     if k == "model" and o == offset and model.numel() == view.numel():
                         model.copy_(view.view_as(model))
             at += view.numel()
-    optimizer.storage.commit_state_views()  # 8-bit moments: encode what was written
+    optimizer.storage.state_written()  # 8-bit moments: encode what was written
 
 
 def safe_set_local_fp32_param(param, value: torch.Tensor) -> None:

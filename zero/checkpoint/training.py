@@ -85,7 +85,7 @@ def _chunks(engine, place: Placement, saving: bool, kinds: tuple[str, ...] | Non
     zero/optim/rules.py); a per-slot scalar is a global tensor of one element."""
     opt = engine.optimizer
     scalars = opt.scalar_state()
-    opt.storage.begin_checkpoint()
+    opt.storage.store.begin_views()
     out: list[Chunk] = []
     for name, t, is_param in _named_tensors(engine.module):
         if saving and not place.writes(t):
@@ -103,7 +103,7 @@ def _chunks(engine, place: Placement, saving: bool, kinds: tuple[str, ...] | Non
         out += [Chunk(f"{kind}/{name}", 0 if kind in scalars else start + off, view, 1 if kind in scalars else numel)
                 for kind, off, view in pieces if _wanted(kind, kinds)]
     if saving:  # the chunks hold the decoded copies they write; the storage need not
-        opt.storage.forget_state_views()
+        opt.storage.store.begin_views()
     return out
 
 

@@ -407,7 +407,7 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
     fmt = precision.adam
     p, g = precision.param.itemsize, precision.grad.itemsize
     r = precision.reduce.itemsize
-    offload_opt, offload_param = step.offload is not None, s3.offload_param
+    offload_opt, offload_param = step.offload.on_host, s3.offload_param
     # a master in the model's dtype, with the optimizer beside the model, is the parameters themselves
     # (OneBitAdam's compressed gather needs them apart)
     apart = not precision.master_is_model or offload_opt or offload_param or compressed_gather

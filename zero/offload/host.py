@@ -36,7 +36,7 @@ import torch
 from torch.autograd.profiler import record_function
 
 if TYPE_CHECKING:
-    from zero.stages.policies import OffloadOptions
+    from zero.offload.store import StateStore
 
 
 def cpu_adam_threads() -> int:
@@ -148,15 +148,15 @@ class HostAdam:
     """The host side of an offloaded optimizer: gradient staging, tiled updates, copies back.
 
     Args:
-        slots: the optimizer's slots (zero.stages.storage.Slot): masters and state are host
-            tensors; gradients and 16-bit outputs live where the model is.
-        options: OffloadOptions.
-        memory: where page-locked host buffers come from.
+        slots: the optimizer's slots (zero.stages.storage.Slot): masters and state are in the
+            store; gradients and 16-bit outputs live where the model is.
+        store: the state store (zero/offload/store.py): its policy, its host memory, its tiles.
     """
 
-    def __init__(self, slots, options: OffloadOptions, memory: HostMemory):
-        self.options = options
-        self.memory = memory
+    def __init__(self, slots, store: StateStore):
+        self.store = store
+        options = self.options = store.policy
+        memory = self.memory = store.memory
         on_cuda = any(s.grad.is_cuda for s in slots)
         self.stream = torch.cuda.Stream() if on_cuda else None
         if on_cuda and not options.pin_memory:
@@ -200,10 +200,7 @@ class HostAdam:
         k = 0
         for slot in slots:
             grad, out16 = self.fetch(slot), slot.out16  # not copied yet: now
-            n = slot.master.numel()
-            tile = self.options.tile_elements
-            for lo in range(0, n, tile):
-                hi = min(n, lo + tile)
+            for lo, hi in self.store.tiles(slot.master.numel()):
                 staged = out16 is not None and out16.dtype != torch.float32 and not out16_on_host
                 if staged:  # the 16-bit result goes through a staging tile, then to the device
                     start = time.perf_counter()
@@ -217,7 +214,9 @@ class HostAdam:
                     target = None
                 start = time.perf_counter()
                 with record_function("zero::cpu_adam_tile"):
-                    update(slot.tile(lo, hi, grad[lo:hi], target), target)
+                    tile = self.store.fetch(slot, lo, hi, grad[lo:hi], target)
+                    update(tile, target)
+                    self.store.write_back(tile)
                 self.times["cpu_adam"] += time.perf_counter() - start
                 if out16 is not None and (staged or out16.dtype == torch.float32):
                     with record_function("zero::offload_param_copy"):  # fp32 training copies the master itself

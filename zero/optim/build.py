@@ -68,7 +68,7 @@ def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], confi
     common = dict(comm=comm, precision=precision, step=step, loss_scaler=scaler, model_parallel=model_parallel)
     flat = dict(stage=stage, comm=comm, precision=precision, offload=step.offload, gauges=gauges, reduce=reduce,
                 predivide=step.predivide, device=device, placements=placements)
-    fp32_in_place = precision.master_is_model and step.offload is None  # the parameters are the master
+    fp32_in_place = precision.master_is_model and not step.offload.on_host  # the parameters are the master
     kind = config.optimizer.type if config.optimizer is not None else None
     if kind == "ZeroOneAdam":
         from zero.onebit.zero_one import ZeroOneAdam, ZeroOneParams, ZeroOneRule

@@ -381,7 +381,7 @@ class ClientRule(UpdateRule):
         Adagrad use offload's threads."""
         if host is not None:
             slots = [slot.with_grad(host.fetch(slot)) for slot in slots]
-        num_threads = optimizer.offload.num_threads if optimizer.offload is not None else None
+        num_threads = optimizer.offload.num_threads
         param_groups = optimizer.param_groups
         settings = self._native_settings(param_groups, slots) if self._optimizer is None else None
         if settings is None and self._native_steps:

@@ -68,7 +68,7 @@ class ShardedAdam(torch.optim.Optimizer):
         self.comm = comm
         self.precision = precision
         self.options = step
-        self.offload = step.offload
+        self.offload = step.offload  # where the state lives (zero/offload/policy.py)
         self.loss_scaler = loss_scaler or LossScaler.disabled()
         # a client optimizer's rule (its class and defaults), if the run has one
         self.client = next((r for r in self.rules if isinstance(r, ClientRule)), None)
@@ -105,7 +105,7 @@ class ShardedAdam(torch.optim.Optimizer):
     def grad_final(self, grad: torch.Tensor) -> None:
         """The storage calls this when a gradient shard holds its final value for the step; with
         offload its copy to the host starts now, overlapping the rest of backward."""
-        if self.offload is not None and self.at_boundary:
+        if self.offload.on_host and self.at_boundary:
             self._host_adam().grad_ready(grad)
 
     @property
@@ -115,7 +115,7 @@ class ShardedAdam(torch.optim.Optimizer):
 
     def _host_adam(self) -> HostAdam:
         if self._host is None:
-            self._host = HostAdam(self.slots(), self.offload, self.storage.host_memory)
+            self._host = HostAdam(self.slots(), self.storage.store)
         return self._host
 
     # -- the storage's view -----------------------------------------------------------------------
@@ -188,7 +188,7 @@ class ShardedAdam(torch.optim.Optimizer):
         at most."""
         parts, host_kinds = self.storage.memory_parts()
         parts["host_staging"] = self._host.host_tensors() if self._host is not None else []
-        if self.offload is not None:
+        if self.offload.on_host:
             host_kinds = host_kinds | {"fp32_master", "optimizer_states"}
         report = measure_kinds(parts, host_kinds | {"host_staging"})
         g = self.gauges
@@ -315,7 +315,7 @@ class ShardedAdam(torch.optim.Optimizer):
         to whole matrices, a client optimizer or Adam to the rest. With optimizer offload the
         masters and states are in host memory and the update runs there, on the gradients HostAdam
         copied over (see [Note: offload data path] in zero/offload/host.py)."""
-        host = self._host_adam() if self.offload is not None else None
+        host = self._host_adam() if self.offload.on_host else None
         by_rule: dict[int, tuple[UpdateRule, list[Slot]]] = {}
         for slot in slots:
             rule = self.rules[slot.group]

@@ -39,12 +39,13 @@ import torch
 import torch.nn as nn
 from torch.autograd.profiler import record_function
 
+from zero.offload.policy import OffloadPolicy
 from zero.optim.rules import StateSpecs, saved_specs
 from zero.parallel.comm import Comm, Tag
 from zero.partition.layout import Bucket, ShardLayout, local_grad, local_tensor
 from zero.stages.memory import Gauges
 from zero.stages.placement import Placement
-from zero.stages.policies import OffloadOptions, Precision, ReduceOptions
+from zero.stages.policies import Precision, ReduceOptions
 from zero.stages.readiness import GradReadiness, UnusedParameterError
 from zero.stages.storage import ParamStorage, Slot
 
@@ -105,12 +106,12 @@ class FlatParams(ParamStorage):
     """
 
     def __init__(self, module: nn.Module, params: list[nn.Parameter], groups: list[int], *, stage: int, comm: Comm,
-                 precision: Precision, offload: OffloadOptions | None, gauges: Gauges, reduce: ReduceOptions,
+                 precision: Precision, offload: OffloadPolicy | None, gauges: Gauges, reduce: ReduceOptions,
                  predivide: float, device: torch.device, master_is_params: bool,
                  grad_final: Callable[[torch.Tensor], None], step_number: Callable[[], int],
                  state_specs: StateSpecs, placements: list[Placement]):
         super().__init__(params, {p: n for n, p in module.named_parameters()}, comm, precision, offload, gauges,
-                         grad_final=grad_final, step_number=step_number, state_specs=state_specs)
+                         grad_final=grad_final, step_number=step_number, state_specs=state_specs, device=device)
         self.stage = stage
         self.reduce = reduce
         self.predivide = predivide
@@ -152,8 +153,8 @@ class FlatParams(ParamStorage):
         for bucket in layout.buckets:  # each range's master and optimizer state, as its group declares it
             mine, at = [], 0
             for lo, hi, i in self.placement(bucket).ranges(bucket, layout):
-                master = self.new_master(self.flat[lo:hi], device, alias)
-                mine.append(Range(lo, hi, at, i, master, self.new_states(self.state_specs(bucket.group), master, device)))
+                master = self.new_master(self.flat[lo:hi], alias)
+                mine.append(Range(lo, hi, at, i, master, self.new_states(bucket.group, master)))
                 at += hi - lo
             self.ranges.append(mine)
         for i, p in enumerate(self.params):
@@ -278,7 +279,7 @@ class FlatParams(ParamStorage):
                 out.append(("model", a - off, self.flat[a:b]))  # its ranges (stage 0: rank 0 writes all)
             out.append(("master", a - off, r.master[a - r.lo : b - r.lo]))
             for spec in specs:
-                view = self.state_view((bucket.index, r.lo), spec, r.state)
+                view = self.store.view((bucket.index, r.lo), spec, r.state)
                 if spec.per == "element":
                     out.append((spec.name, a - off, view[a - r.lo : b - r.lo]))
                 elif a == off or not saving:  # a scalar: written with the parameter's first element

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from zero.config import ZeroConfig
+from zero.offload.policy import CPUOffload, OffloadPolicy, OnDevice
 from zero.ops.adam_formats import PLAIN, Q8_BLOCK, AdamFormat
 
 DEFAULT_UNIT_ELEMENTS = 1_000_000  # stage3_module_granularity_threshold 0 means this
@@ -65,22 +66,6 @@ def adam_format(cfg: ZeroConfig, state_dtype: str | None = None) -> AdamFormat:
 
 
 @dataclass(frozen=True)
-class OffloadOptions:
-    """Optimizer offload: fp32 master, Adam moments and the update in host memory.
-
-    Args:
-        pin_memory: page-lock host buffers (asynchronous copies; needs CUDA).
-        tile_elements: elements per CPU Adam tile (DeepSpeed's `sub_group_size`, capped, a multiple
-            of the 8-bit moments' block).
-        num_threads: CPU Adam threads (see zero.offload.cpu_adam_threads).
-    """
-
-    pin_memory: bool = True
-    tile_elements: int = 1 << 22  # a multiple of Q8_BLOCK
-    num_threads: int = 1
-
-
-@dataclass(frozen=True)
 class StepOptions:
     """How gradients become an update (all stages).
 
@@ -90,13 +75,14 @@ class StepOptions:
         accumulation: what the step divides the gradients summed over micro-batches by, besides the
             loss scale: the accumulation steps, except under fp16, whose loss scale already
             divides each loss by them (see [Note: one divisor] in zero/optim/step.py).
-        offload: optimizer offload, or None to keep optimizer state with the model.
+        offload: where the optimizer state lives and its update runs (see [Note: offload
+            policies] in zero/offload/policy.py).
     """
 
     clipping: float = 0.0
     predivide: float = 1.0
     accumulation: int = 1
-    offload: OffloadOptions | None = None
+    offload: OffloadPolicy = OnDevice()
 
 
 @dataclass(frozen=True)
@@ -166,9 +152,9 @@ def options_from_config(cfg: ZeroConfig, world_size: int, num_threads: int, stat
         state_dtype: the moments' format a client optimizer object asks for (None: the config's).
     """
     zc = cfg.zero_optimization
-    offload = None
+    offload: OffloadPolicy = OnDevice()
     if zc.offload_optimizer is not None and zc.offload_optimizer.device == "cpu":
-        offload = OffloadOptions(pin_memory=zc.offload_optimizer.pin_memory,
+        offload = CPUOffload(pin_memory=zc.offload_optimizer.pin_memory,
                                  tile_elements=max(Q8_BLOCK, min(zc.sub_group_size, 1 << 22)) // Q8_BLOCK * Q8_BLOCK,
                                  num_threads=num_threads)  # whole 8-bit blocks per tile
     predivide = float(world_size) if cfg.prescale_gradients else cfg.gradient_predivide_factor

@@ -60,13 +60,14 @@ import torch.nn as nn
 
 from zero.graph import graph_outputs, in_backward
 from zero.init import external_parameters
+from zero.offload.policy import OffloadPolicy
 from zero.optim.rules import StateSpecs
 from zero.parallel.comm import Comm, RankDivergenceError, Tag  # noqa: F401 - RankDivergenceError: its old home
 from zero.partition.layout import local_tensor
 from zero.stages.memory import Gauges
 from zero.stages.placement import Owned, Sharded
 from zero.stages.planning import describe_shard, plan_units, take_local_shard
-from zero.stages.policies import OffloadOptions, Precision, ReduceOptions, Stage3Options
+from zero.stages.policies import Precision, ReduceOptions, Stage3Options
 from zero.stages.readiness import GradReadiness
 from zero.stages.storage import ParamStorage, Slot
 from zero.stages.unit import ParamUnit, ShardedState
@@ -461,12 +462,12 @@ class UnitParams(ParamStorage):
     """
 
     def __init__(self, module: nn.Module, params: list[nn.Parameter], groups: list[int], *, comm: Comm,
-                 precision: Precision, offload: OffloadOptions | None, gauges: Gauges, reduce: ReduceOptions,
+                 precision: Precision, offload: OffloadPolicy | None, gauges: Gauges, reduce: ReduceOptions,
                  options: Stage3Options, predivide: float, device: torch.device,
                  grad_final: Callable[[torch.Tensor], None], step_number: Callable[[], int],
                  state_specs: StateSpecs, placement: Sharded | None = None, owned: Owned | None = None):
         super().__init__(params, {p: n for n, p in module.named_parameters()}, comm, precision, offload, gauges,
-                         grad_final=grad_final, step_number=step_number, state_specs=state_specs)
+                         grad_final=grad_final, step_number=step_number, state_specs=state_specs, device=device)
         self.offload_param = options.offload_param
         group_of = dict(zip(params, groups))
         for p in module.parameters():
@@ -478,17 +479,16 @@ class UnitParams(ParamStorage):
         self.units: list[ParamUnit] = []
         unit_modules: list[nn.Module | None] = []
         host_empty = self.host_memory.empty if options.pin_memory else self.host_memory.empty_pageable
-        pin = offload.pin_memory if offload is not None else options.pin_memory  # Muon owners' host copies
-        alias = precision.master_is_model and offload is None and not options.offload_param
+        pin = self.store.policy.pin_memory if self.store.on_host else options.pin_memory  # owners' host copies
+        alias = precision.master_is_model and not self.store.on_host and not options.offload_param
         for path, unit_params in planned + ([("<persistent>", persistent)] if persistent else []):
             unit = ParamUnit(len(self.units), path, unit_params, [group_of.get(p, -1) for p in unit_params], placement,
                              precision, device, lambda p: take_local_shard(p, comm),
-                             lambda shard: self.new_master(shard, device, alias),
-                             lambda g, like: self.new_states(state_specs(g), like, device), state_specs,
+                             lambda shard: self.new_master(shard, alias), self.new_states, state_specs,
                              alias_master=alias,
                              persistent=path == "<persistent>", offload_param=options.offload_param,
                              host_empty=host_empty, gauges=gauges, owned=owned,
-                             new_state=lambda like: self.new_state(like, device),
+                             new_state=lambda like: self.store.new(like.shape),
                              host16=lambda n: self.host_memory.empty((n,), precision.param, pin))
             self.units.append(unit)
             unit_modules.append(None if unit.persistent else modules.get(path))
@@ -501,7 +501,7 @@ class UnitParams(ParamStorage):
         if options.gather_on_apply:
             _gather_on_apply(module)
         self.watch_edits([p for unit in self.units for p in unit.params])
-        if offload is None and not options.offload_param and comm.world_size > 1 and \
+        if not self.store.on_host and not options.offload_param and comm.world_size > 1 and \
                 any(unit.matrices for unit in self.units):  # the same on every rank
             self.forward_kinds = frozenset({"fp32_master"})  # gathers read the owners' masters (zero/stages/owned.py)
 
@@ -520,7 +520,7 @@ class UnitParams(ParamStorage):
         return out
 
     def param_chunks(self, param: nn.Parameter, saving: bool) -> list[tuple[str, int, torch.Tensor]]:
-        return param._zero.unit.param_chunks(param, self.state_view, saving)
+        return param._zero.unit.param_chunks(param, self.store.view, saving)
 
     def grad_piece(self, param: nn.Parameter) -> tuple[int, torch.Tensor, bool]:
         return param._zero.unit.grad_piece(param)
@@ -545,10 +545,10 @@ class UnitParams(ParamStorage):
     def out16_on_host(self) -> bool:
         return self.offload_param
 
-    def commit_state_views(self) -> None:
-        """After an accessor wrote into the views: besides encoding 8-bit moments, a Muon master
+    def state_written(self) -> None:
+        """After an accessor wrote into the views: besides encoding 8-bit moments, an owned master
         written alone (safe_set_local_fp32_param) leaves the ranks' shards behind it."""
-        super().commit_state_views()
+        super().state_written()
         for unit in self.units:
             unit.mark_updated(masters_written=True)
 

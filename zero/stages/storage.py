@@ -19,12 +19,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from zero.offload.host import HostMemory
-from zero.ops.adam_formats import Q8_BLOCK, decode_moment, encode_moment
+from zero.offload.policy import OffloadPolicy
+from zero.offload.store import StateStore
+from zero.ops.adam_formats import Q8_BLOCK
 from zero.optim.rules import StateSpec, StateSpecs
 from zero.parallel.comm import Comm
 from zero.stages.memory import Gauges
-from zero.stages.policies import OffloadOptions, Precision
+from zero.stages.policies import Precision
 
 
 @dataclass(eq=False)
@@ -78,26 +79,28 @@ class ParamStorage(abc.ABC):
         names: parameter -> name in the model, for messages.
         comm: the data-parallel group.
         precision: the run's dtypes.
-        offload: optimizer offload (state in host memory), or None.
+        offload: where the optimizer state lives (zero/offload/policy.py; None: with the model).
         gauges: where communication and gathered buffers are measured.
         grad_final: called with each gradient shard once it holds its final value for the step
             (offload starts its copy to the host then); given by the optimizer that steps on it.
         step_number: the number of the coming optimizer step (for messages and schedules).
         state_specs: the optimizer state each param group keeps (see [Note: declared state] in
             zero/optim/rules.py); given by the optimizer.
+        device: where the model computes.
     """
 
     def __init__(self, params: list[nn.Parameter], names: dict[nn.Parameter, str], comm: Comm,
-                 precision: Precision, offload: OffloadOptions | None, gauges: Gauges, *,
+                 precision: Precision, offload: OffloadPolicy | None, gauges: Gauges, *,
                  grad_final: Callable[[torch.Tensor], None], step_number: Callable[[], int],
-                 state_specs: StateSpecs):
+                 state_specs: StateSpecs, device: torch.device):
         self.params = params
         self.names = names
         self.comm = comm
         self.precision = precision
-        self.offload = offload
         self.gauges = gauges
-        self.host_memory = HostMemory(self)
+        # the optimizer state: where the offload policy puts it (see [Note: offload policies])
+        self.store = StateStore(offload, device, self, step_number)
+        self.host_memory = self.store.memory
         self._watched: list[nn.Parameter] = []
         self.grad_final = grad_final
         self.step_number = step_number
@@ -114,75 +117,14 @@ class ParamStorage(abc.ABC):
         """A copy made by pickling or deepcopy of the model: its hooks leave the copy alone."""
         return "params" not in self.__dict__
 
-    def new_state(self, like: torch.Tensor, compute_device: torch.device, dtype: torch.dtype = torch.float32
-                  ) -> torch.Tensor:
-        """A zero optimizer-state tensor shaped like `like` (fp32 unless `dtype`): in host memory
-        when offloaded (page-locked if asked), else on the compute device."""
-        if self.offload is not None:
-            return self.host_memory.empty(like.shape, dtype, self.offload.pin_memory).zero_()
-        return torch.zeros(like.shape, dtype=dtype, device=compute_device)
-
-    def new_states(self, specs: tuple[StateSpec, ...], like: torch.Tensor, compute_device: torch.device
-                   ) -> dict[str, torch.Tensor]:
-        """Zero optimizer state for the master `like`, as `specs` declares it (see [Note: declared
-        state] in zero/optim/rules.py): per-element and per-block tensors with the other state (in
-        host memory under offload); a per-slot scalar in host memory, where torch optimizers keep
-        their step counts."""
-        out = {}
-        for spec in specs:
-            if spec.per == "scalar":
-                out[spec.name] = torch.zeros((), dtype=spec.dtype)
-            else:
-                out[spec.name] = self.new_state(torch.empty(spec.numel(like.numel()), device="meta"), compute_device,
-                                                spec.dtype)
-        return out
-
-    def new_master(self, shard: torch.Tensor, compute_device: torch.device, alias: bool) -> torch.Tensor:
+    def new_master(self, shard: torch.Tensor, alias: bool) -> torch.Tensor:
         """The master of `shard` (this rank's part of the parameters): the shard itself when it is
         its own master (`alias`), else a new tensor of the master format (values set by the caller)."""
-        return shard if alias else self.new_state(shard, compute_device, self.precision.adam.master_dtype)
+        return self.store.new_master(shard, self.precision.adam.master_dtype, alias)
 
-    # -- checkpoint views of low-precision states -------------------------------------------------
-
-    def begin_checkpoint(self) -> None:
-        """A checkpoint or an accessor is about to collect views (`param_chunks`), or is done
-        reading them: forget decoded copies (a reader keeps what it holds alive)."""
-        self._decoded = {}
-
-    forget_state_views = begin_checkpoint
-
-    def state_view(self, key, spec: StateSpec, state: dict[str, torch.Tensor]) -> torch.Tensor:
-        """What checkpoints read and write for one state: the tensor itself, flat (a scalar as one
-        element), or, for 8-bit codes, a bf16 copy of their exact values (every code's value is a
-        bf16 number, so nothing is lost and DCP can reshard it; see [Note: 8-bit moments in
-        checkpoints]). Loads into that copy are encoded back by `finish_checkpoint_load`."""
-        t = state[spec.name]
-        if spec.scales is None:
-            return t.view(1) if spec.per == "scalar" else t
-        if self.__dict__.get("_decoded_at") != self.step_number():  # a step since: the copies are stale
-            self._decoded, self._decoded_at = {}, self.step_number()
-        cache = self._decoded
-        if (key, spec.name) not in cache:
-            scales = state[spec.scales]
-            value = decode_moment(t, scales, spec.name).to(torch.bfloat16)
-            cache[(key, spec.name)] = (value, t, scales, spec.name)
-        return cache[(key, spec.name)][0]
-
-    def finish_checkpoint_load(self) -> None:
-        """[Note: 8-bit moments in checkpoints]
-        8-bit moments are saved as bf16 tensors of their exact values: every code stands for a
-        number with 4 significant bits and an fp32 exponent, which bf16 holds exactly. Loading
-        re-encodes them per block; in the layout that saved them the blocks are the same, so the
-        same codes and scales come back (a bitwise resume); in another layout (world size, stage)
-        the values are re-quantized in the new blocks. An fp32 or bf16 checkpoint loads into 8-bit
-        moments the same way, and 8-bit ones into fp32/bf16 moments as their values."""
-        for value, codes, scales, name in self.__dict__.pop("_decoded", {}).values():
-            new_codes, new_scales = encode_moment(value.float(), name)
-            codes.copy_(new_codes)
-            scales.copy_(new_scales)
-        self._decoded = {}
-
-    commit_state_views = finish_checkpoint_load  # after writing into `state_view`s (zero.accessors)
+    def new_states(self, group: int, like: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The optimizer state param group `group` declares, for the master `like` (in the store)."""
+        return self.store.new_states(self.state_specs(group), like)
 
     # -- what the step sees -----------------------------------------------------------------------
 
@@ -256,9 +198,13 @@ class ParamStorage(abc.ABC):
         rank's part of the sum over ranks; an unreduced one (stages 0 and 1 until the step reduces
         the flat gradient) is this rank's own gradient, whole."""
 
+    def state_written(self) -> None:
+        """An accessor wrote into the store's views: encode what it wrote (8-bit moments)."""
+        self.store.commit_views()
+
     def after_checkpoint_load(self) -> None:
         """Make the loaded values visible to the model (16-bit copies, gathered units)."""
-        self.finish_checkpoint_load()
+        self.store.commit_views()
         self.publish()
 
     # -- user code changing parameters --------------------------------------------------------------

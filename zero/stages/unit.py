@@ -307,7 +307,7 @@ class ParamUnit:
                      ) -> list[tuple[str, int, torch.Tensor]]:
         """This rank's pieces of `p`: its shard (without padding) and, if trainable, the master's
         and the optimizer state's parts (see ParamStorage.param_chunks); `view(key, spec, state)`
-        gives what a checkpoint reads and writes of one state (ParamStorage.state_view)."""
+        gives what a checkpoint reads and writes of one state (StateStore.view)."""
         i = next(i for i, q in enumerate(self.params) if q is p)
         z, off, s = p._zero, self.offsets[i], self.split_sizes[i]
         if saving and not self.placement.writes:  # a replica writes what this rank holds
