@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"zero: {args.config.name} on {world} rank(s), {engine.device}; GPT with {n_params:,} parameters "
               f"on {len(data.data):,} characters; uniform-guess loss {math.log(data.vocab_size):.2f}", flush=True)
 
-    monitor = zero.TrainingMonitor(engine, steps=args.steps, tokens_per_step=engine.train_batch_size() * args.block,
+    monitor = zero.TrainingMonitor(engine, steps=args.steps, tokens_per_step=engine.config.train_batch_size * args.block,
                                    unit="char")
     epoch, losses = 0, []
     batches = iter(loader)

@@ -97,13 +97,13 @@ def main(argv: list[str] | None = None) -> dict:
     model = UNet3D(width=args.width)
     engine, *_ = zero.initialize(model=model, config=config)
     rank, world = engine.comm.rank, engine.world_size
-    micro = engine.train_micro_batch_size_per_gpu()
-    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else torch.float32
+    micro = engine.config.train_micro_batch_size_per_gpu
+    dtype = engine.config.dtype
     if rank == 0:
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         print(f"zero: 3D U-Net with {n_params:,} parameters, {args.size}^3 volumes, {world} rank(s), {engine.device}",
               flush=True)
-    monitor = zero.TrainingMonitor(engine, steps=args.steps, tokens_per_step=engine.train_batch_size() * args.size**3,
+    monitor = zero.TrainingMonitor(engine, steps=args.steps, tokens_per_step=engine.config.train_batch_size * args.size**3,
                                    unit="vox")
     generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own volumes
     losses, scores = [], []

@@ -326,7 +326,7 @@ def _elastic_leg(directory: str, until: int):
     state = engine.consolidated_16bit_state_dict() or {}
     said = [r.getMessage() for r in records if "elasticity" in r.getMessage()]
     return (start, [t.float().clone() for _, t in sorted(state.items())],
-            (engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()), said)
+            (engine.config.train_micro_batch_size_per_gpu, engine.config.gradient_accumulation_steps), said)
 
 
 def test_an_elastic_job_restarted_on_fewer_or_more_ranks_keeps_its_batch_and_its_course(dist_run, tmp_path):

@@ -47,7 +47,7 @@ def _train(config: dict, how: str | None, backend: str = "aot_eager"):
     g = torch.Generator().manual_seed(1 + engine.comm.rank)
     seen = []
     for _ in range(STEPS):
-        for _micro in range(engine.gradient_accumulation_steps()):
+        for _micro in range(engine.config.gradient_accumulation_steps):
             x = torch.randint(0, 64, (2, 9), generator=g)
             engine.backward(engine(x[:, :-1], x[:, 1:]))
             engine.step()

@@ -458,7 +458,7 @@ def _attributes_read(tree: ast.AST) -> set[str]:
 def _read_sites() -> list[tuple[str, set[str]]]:
     """(where, attribute names read) for each module of zero outside zero/config/, and for each config
     property that one of those modules uses."""
-    # DeepSpeed's config objects and engine accessors (zero/deepspeed/, zero/engine_accessors.py)
+    # DeepSpeed's config objects and engine accessors (zero/deepspeed/, zero/deepspeed/engine_accessors.py)
     # show every key's value, as DeepSpeed's do: reading it there is not implementing it
     mirrors = ("config", "deepspeed", "engine_accessors.py")
     sites = [(str(f.relative_to(PACKAGE)), _attributes_read(ast.parse(f.read_text())))

@@ -4,6 +4,7 @@ import torch
 import torch.nn as nn
 
 import zero
+import zero.deepspeed
 import zero.deepspeed as deepspeed
 from zero.deepspeed.runtime.engine import DeepSpeedEngine
 from zero.deepspeed.runtime.zero import unwrap_model_for_generation
@@ -21,7 +22,7 @@ def _net():
 def stage3_attributes(path: str):
     model = _net()
     full_count = sum(p.numel() for p in model.parameters())
-    engine, optimizer, *_ = zero.initialize(model=model, config={
+    engine, optimizer, *_ = zero.deepspeed.initialize(model=model, config={  # DeepSpeed's engine: the facade
         "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
     engine.backward(engine(torch.randn(2, 8)).square().mean())

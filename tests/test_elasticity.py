@@ -64,12 +64,12 @@ def test_batch_keys_beside_the_section_and_bad_sections_are_errors_naming_the_ke
 def test_the_engine_says_it_is_elastic_and_initialize_logs_the_choice(caplog):
     import torch
 
-    import zero
+    import zero.deepspeed as deepspeed
 
     config = {"elasticity": {"enabled": True, "max_train_batch_size": 12, "micro_batch_sizes": [1, 2],
                              "version": 0.2}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
-    with caplog.at_level(logging.WARNING, logger="zero"):
-        engine, *_ = zero.initialize(model=torch.nn.Linear(4, 4), config=config)
+    with caplog.at_level(logging.WARNING, logger="zero"):  # DeepSpeed's accessors: the facade's engine
+        engine, *_ = deepspeed.initialize(model=torch.nn.Linear(4, 4), config=config)
     assert engine.elasticity_enabled() and engine.is_elastic_model_parallel_supported()
     assert engine.train_batch_size() == 12 and engine.gradient_accumulation_steps() == 6
     assert any("elasticity: train_batch_size 12 = micro-batch 2 x accumulation 6 x 1" in r.getMessage()

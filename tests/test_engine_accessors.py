@@ -1,4 +1,4 @@
-"""Specification of zero/engine_accessors.py and zero/deepspeed/runtime/config.py: DeepSpeedEngine's
+"""Specification of zero/deepspeed/engine_accessors.py and zero/deepspeed/runtime/config.py: DeepSpeedEngine's
 config accessors and DeepSpeed's config objects give DeepSpeed's values for the same config, read
 from zero's config (its validation, errors and batch rule).
 
@@ -14,9 +14,10 @@ import pytest
 import torch
 from pydantic import BaseModel
 
-import zero
+import zero.deepspeed as deepspeed
 from zero.config import ConfigError, ConfigWarning, load_config
 from zero.config.errors import DeepSpeedConfigError
+from zero.deepspeed.engine_accessors import ConfigAccessors
 from zero.deepspeed.runtime.config import DeepSpeedConfig, DtypeEnum
 from zero.deepspeed.runtime.zero.config import DeepSpeedZeroConfig, ZeroStageEnum, get_zero_config
 from zero.deepspeed.runtime.zero.offload_config import (
@@ -25,7 +26,6 @@ from zero.deepspeed.runtime.zero.offload_config import (
     OffloadDeviceEnum,
     OffloadStateTypeEnum,
 )
-from zero.engine_accessors import ConfigAccessors
 from zero.testing.models import MLP
 
 # Every config gives gradient_clipping and offload pin_memory: their defaults differ between DeepSpeed
@@ -73,7 +73,7 @@ class _Holder(ConfigAccessors):
 
 
 def accessors(engine):
-    """The engine itself once Engine derives from ConfigAccessors; until then the mixin over its config."""
+    """The engine itself when it is the DeepSpeedEngine facade; otherwise the mixin over its config."""
     return engine if isinstance(engine, ConfigAccessors) else _Holder(engine.config, engine.comm)
 
 
@@ -84,7 +84,7 @@ def engines():
         warnings.simplefilter("ignore")
         for name, config in CONFIGS.items():
             torch.manual_seed(0)
-            built[name] = zero.initialize(model=MLP(), config=copy.deepcopy(config))[0]
+            built[name] = deepspeed.initialize(model=MLP(), config=copy.deepcopy(config))[0]  # the facade's engine
     return built
 
 

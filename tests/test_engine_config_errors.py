@@ -87,8 +87,8 @@ def test_json_path_config_and_a_world_of_one_without_torchrun(tmp_path):
     path.write_text('{"train_batch_size": 8, "gradient_accumulation_steps": 2, "optimizer": {"type": "Adam"},'
                     ' "zero_optimization": {"stage": 2}}')
     engine, optimizer, loader, scheduler = zero.initialize(model=MLP(), config=str(path))
-    assert engine.train_micro_batch_size_per_gpu() == 4 and engine.gradient_accumulation_steps() == 2
-    assert engine.zero_optimization_stage() == 2 and engine.world_size == 1
+    assert engine.config.train_micro_batch_size_per_gpu == 4 and engine.config.gradient_accumulation_steps == 2
+    assert engine.config.zero_optimization.stage == 2 and engine.world_size == 1
     assert optimizer is engine.optimizer and loader is None and scheduler is None
     for _ in range(2):
         assert engine.is_gradient_accumulation_boundary() == (engine.micro_steps % 2 == 1)

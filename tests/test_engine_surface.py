@@ -1,4 +1,4 @@
-"""DeepSpeedEngine's acting methods on zero's engine (zero/engine_surface.py), the engine without an
+"""DeepSpeedEngine's acting methods on zero's engine (zero/deepspeed/engine_methods.py), the engine without an
 optimizer, and zero.Init's DeepSpeed bookkeeping: an evaluation engine at every stage and HF
 generation under stage 3 on 2 ranks against the plain model (also with TRL's hook removal),
 offload_states/reload_states bit for bit against training without the round trip, batch-size
@@ -204,9 +204,11 @@ def test_engine_methods_with_deepspeeds_meaning(tmp_path):
         def twice(self, x):
             return 2 * self.net(x)
 
+    import zero.deepspeed as deepspeed  # DeepSpeed's methods: the facade's engine (zero/deepspeed/engine.py)
+
     model = WithHelper()
-    engine, *_ = zero.initialize(model=model, config={"train_micro_batch_size_per_gpu": 2, "optimizer": ADAMW,
-                                                      "gradient_accumulation_steps": 2})
+    engine, *_ = deepspeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 2, "optimizer": ADAMW,
+                                                           "gradient_accumulation_steps": 2})
     x = batch(0)
     assert engine.label == "mine" and torch.equal(engine.twice(x), 2 * engine(x))  # the module's, through the engine
     with pytest.raises(AttributeError, match="neither the engine nor its module"):
@@ -239,8 +241,8 @@ def test_engine_methods_with_deepspeeds_meaning(tmp_path):
         steps.append(engine.was_step_applied())
     assert steps == [False, False, True] * 2
     fresh_model = WithHelper()
-    fresh, *_ = zero.initialize(model=fresh_model, config={"train_micro_batch_size_per_gpu": 2, "optimizer": ADAMW,
-                                                           "gradient_accumulation_steps": 3})
+    fresh, *_ = deepspeed.initialize(model=fresh_model, config={"train_micro_batch_size_per_gpu": 2,
+                                                                "optimizer": ADAMW, "gradient_accumulation_steps": 3})
     fresh.load_module_state_dict({"module": state})
     for i in range(6):
         fresh.backward(fresh(batch(i)).pow(2).mean())
@@ -363,12 +365,14 @@ def test_checkpoint_tag_validation_and_deepspeeds_fp32_output(dist_run, tmp_path
 
 def test_deepspeed_engine_members_exist_with_their_meaning_or_explain_themselves():
     """Every public member of DeepSpeed 0.19.8's DeepSpeedEngine beyond nn.Module (the generated
-    list in zero/deepspeed/engine_members.txt) exists on zero's Engine: at least 90% with DeepSpeed's
-    meaning (the accessors, checked in tests/test_engine_accessors.py, and the methods, checked
-    above), the rest raising NotAvailableError that says why."""
+    list in zero/deepspeed/engine_members.txt) exists on the DeepSpeedEngine facade over zero's Engine:
+    at least 90% with DeepSpeed's meaning (the accessors, checked in tests/test_engine_accessors.py,
+    and the methods, checked above), the rest raising NotAvailableError that says why; zero's own
+    Engine has none of DeepSpeed's accessors."""
+    import zero.deepspeed as deepspeed
     from zero.deepspeed._missing import NotAvailableError, engine_members
-    from zero.engine import Engine
-    from zero.engine_surface import NOT_AVAILABLE
+    from zero.deepspeed.engine import DeepSpeedEngine as Engine
+    from zero.deepspeed.engine_methods import NOT_AVAILABLE
 
     members = engine_members()
     assert len(members) == 175, len(members)
@@ -376,7 +380,8 @@ def test_deepspeed_engine_members_exist_with_their_meaning_or_explain_themselves
     assert not absent, absent
     real = [n for n in members if n not in NOT_AVAILABLE]
     assert len(real) / len(members) >= 0.9, (len(real), len(members))
-    engine, *_ = zero.initialize(model=mlp(), config={"train_micro_batch_size_per_gpu": 2, "optimizer": ADAMW})
+    assert not hasattr(zero.Engine, "fp16_enabled") and not hasattr(zero.Engine, "get_batch_info")
+    engine, *_ = deepspeed.initialize(model=mlp(), config={"train_micro_batch_size_per_gpu": 2, "optimizer": ADAMW})
     for name in NOT_AVAILABLE:
         with pytest.raises(NotAvailableError, match=f"engine.{name} is not available in zero: .+"):
             getattr(engine, name)()

@@ -113,7 +113,7 @@ def run_and_measure(stage: int, offload: str, dtype: str, extra: dict | None = N
     estimate = estimate_memory(model, 2, stage=stage, offload=offload, dtype=dtype, config=config)[0]
     engine, *_ = zero.initialize(model=model, config=config)
     x = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(engine.comm.rank))
-    for _ in range(2 * engine.gradient_accumulation_steps()):
+    for _ in range(2 * engine.config.gradient_accumulation_steps):
         logits = engine(x)
         engine.backward(F.cross_entropy(logits.float().flatten(0, 1), x.flatten()))
         engine.step()

@@ -58,7 +58,7 @@ def _engine(stage: int, client: bool, model: nn.Module, **zc):
 
 def _train(engine, steps: range) -> None:
     rank, m = dist.get_rank(), BATCH // dist.get_world_size()
-    k = engine.gradient_accumulation_steps()
+    k = engine.config.gradient_accumulation_steps
     for step in steps:
         x, y = _batch(step)
         for micro in range(k):  # the rank's samples, in k micro-batches

@@ -329,7 +329,7 @@ def variants(stage: int, extra: dict, steps: int = 8):
     for key, value in extra.items():
         config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
     engine, *_ = zero.initialize(model=model, config=config)
-    for step in range(steps * engine.gradient_accumulation_steps()):
+    for step in range(steps * engine.config.gradient_accumulation_steps):
         x = torch.randint(0, 40, (4, 17), generator=torch.Generator().manual_seed(1000 * step + rank))
         engine.backward(engine(x[:, :-1], x[:, 1:]).float())
         engine.step()

@@ -267,7 +267,7 @@ def _gpt_with_sequence_parallelism(stage: int, offload: bool):
     exchanged = engine.comm_report()["all_to_all (sequence)"]
     assert exchanged["calls"] == 8 * cfg.n_layer, exchanged
     assert exchanged["elements"] == 8 * cfg.n_layer * 2 * (s // world) * cfg.n_embd, exchanged
-    assert engine.get_sequence_parallel_group() is engine.seq_parallel_group is not None
+    assert engine.seq_parallel_group is engine.parallel.group("sp") is not None
     return _max_error(engine, reference, stage)
 
 

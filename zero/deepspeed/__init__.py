@@ -11,7 +11,7 @@ from zero import __version__  # noqa: F401
 from zero.deepspeed import accelerator, checkpointing, comm, ops, runtime, utils, zero  # noqa: F401
 from zero.deepspeed._missing import NotAvailableError, missing  # noqa: F401
 from zero.deepspeed.comm import init_distributed  # noqa: F401
-from zero.engine import Engine as DeepSpeedEngine  # noqa: F401 - isinstance checks
+from zero.deepspeed.engine import DeepSpeedEngine
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
@@ -23,9 +23,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                          "tensor_parallel.size; see docs/parallelism.md), not from an mpu object; leave mpu unset")
     if config is None and config_params is None and args is not None:
         config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
-    from zero.engine.launch import initialize as _initialize
+    from zero.engine.launch import launch
 
-    return _initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+    return launch(DeepSpeedEngine, args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                        training_data=training_data, lr_scheduler=lr_scheduler, collate_fn=collate_fn, config=config,
                        config_params=config_params, dist_init_required=dist_init_required, **kwargs)
 

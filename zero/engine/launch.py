@@ -62,8 +62,29 @@ def initialize(
             `tensor_parallel.size`).
 
     Returns:
-        (engine, optimizer, training_dataloader or None, lr_scheduler or None)
+        (engine, optimizer, training_dataloader or None, lr_scheduler or None): the engine is a
+        zero.Engine (`zero.deepspeed.initialize` returns the DeepSpeedEngine facade over it).
     """
+    return launch(Engine, args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                  training_data=training_data, lr_scheduler=lr_scheduler, collate_fn=collate_fn, config=config,
+                  config_params=config_params, dist_init_required=dist_init_required, mpu=mpu)
+
+
+def launch(
+    engine_class: type[Engine],
+    args=None,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | Callable | None = None,
+    model_parameters: Iterable | None = None,
+    training_data=None,
+    lr_scheduler=None,
+    collate_fn: Callable | None = None,
+    config: dict | str | os.PathLike | None = None,
+    config_params: dict | None = None,
+    dist_init_required: bool | None = None,
+    mpu=None,
+):
+    """`initialize` building an engine of `engine_class` (zero.Engine, or a facade over it)."""
     if model is None:
         raise ValueError("initialize() needs model=")
     from zero.compilation import backend_name, unwrap_compiled
@@ -129,8 +150,8 @@ def initialize(
         optimizer = optimizer(model.parameters() if model_parameters is None else model_parameters)
         if isinstance(optimizer, torch.optim.Optimizer):  # the rules load_config checks for an optimizer passed
             check_optimizer_object(cfg, type(optimizer))
-    engine = Engine(model, cfg, mesh, parallel=ParallelGroups(dims, mesh), model_parameters=model_parameters,
-                    optimizer=optimizer, lr_scheduler=lr_scheduler)
+    engine = engine_class(model, cfg, mesh, parallel=ParallelGroups(dims, mesh), model_parameters=model_parameters,
+                          optimizer=optimizer, lr_scheduler=lr_scheduler)
     if compiled_with is not None:
         if engine.comm.rank == 0:
             log.warning("zero: the model was compiled whole with torch.compile (backend %r); zero compiles its blocks "

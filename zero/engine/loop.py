@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 import warnings
 from typing import Any
@@ -67,8 +66,6 @@ from zero.engine.guards import (
     next_engine_number,
 )
 from zero.engine.progress import BackwardCounter, TrainingProgress, mark_scaled
-from zero.engine_accessors import ConfigAccessors
-from zero.engine_surface import DeepSpeedMethods
 from zero.offload.relocation import BACKWARD_NEEDS
 from zero.optim.build import build_optimizer
 from zero.optim.choice import client_state_dtype, optimizer_groups
@@ -77,7 +74,7 @@ from zero.optim.step import ADAM_DEFAULTS, check_param_groups
 from zero.parallel.comm import Comm, Tag, compute_device
 from zero.parallel.dims import ParallelDims
 from zero.parallel.groups import ParallelGroups
-from zero.parallel.mesh import MeshTraffic, ModelParallelNorm, ParallelMesh, refuse_whole_model_save
+from zero.parallel.mesh import MeshTraffic, ModelParallelNorm, ParallelMesh
 from zero.partition.layout import local_tensor
 from zero.pipe.module import PipelineModule
 from zero.sequence.ulysses import exchanges, refuse_without_exchange, take_traffic
@@ -125,7 +122,7 @@ def _check_loss(loss: Any, what: str) -> None:
         raise TypeError(f"{what} takes the scalar loss tensor, got a {type(loss).__name__}{hint}")
 
 
-class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
+class TrainingLoop(nn.Module):
     """A model wrapped for ZeRO data-parallel training, on any (pp, dp, tp) mesh; see [Note: one
     engine, any mesh]. Build it with `zero.initialize`.
 
@@ -413,8 +410,12 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         try:
             return getattr(module, name)
         except AttributeError:
+            hint = "" if name.startswith("_") else (
+                "; DeepSpeed's engine accessors and methods (engine.train_batch_size(), engine.fp16_enabled(), ...) "
+                "are on the engine `import zero.deepspeed as deepspeed; deepspeed.initialize(...)` returns, and "
+                "zero's engine has the config itself as engine.config")
             raise AttributeError(f"neither the engine nor its module ({type(module).__name__}) has an attribute "
-                                 f"{name!r}") from None
+                                 f"{name!r}{hint}") from None
 
     def _refuse_with_pipeline(self, what: str) -> None:
         if self.pipeline is not None:
@@ -508,205 +509,8 @@ class Engine(ConfigAccessors, DeepSpeedMethods, nn.Module):
         finally:
             self._in_no_sync = False
 
-    # -- DeepSpeed-compatible accessors -----------------------------------------------------
-
-    def get_global_grad_norm(self) -> float | None:
-        """Norm of the averaged, unscaled gradient of the last step (before clipping)."""
-        return self.optimizer.global_grad_norm
-
-    def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    @property
-    def world_size(self) -> int:
-        return self.comm.world_size
-
-    @property
-    def local_rank(self) -> int:
-        return int(os.environ.get("LOCAL_RANK", 0))
-
-    @property
-    def global_rank(self) -> int:
-        return self.comm.rank
-
-    @property
-    def loss_scale(self) -> float:
-        """The current loss scale (1.0 without fp16)."""
-        return self.optimizer.loss_scaler.scale
-
-    def was_step_applied(self) -> bool:
-        """Whether the last `step()` updated the weights (False inside an accumulation window and on
-        a skipped (overflowed) step)."""
-        return self.progress.last_step_applied
-
-    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """Make the coming `step()` an accumulation boundary (True) or not (False), whatever the
-        micro-step count says (DeepSpeed's manual override)."""
-        ga = self.config.gradient_accumulation_steps
-        at = self.progress.micro_steps % ga == ga - 1
-        if is_boundary and not at:
-            self.progress.micro_steps += ga - 1 - self.progress.micro_steps % ga
-        elif not is_boundary and at:
-            raise ValueError("set_gradient_accumulation_boundary(False) at the last micro-step of a window: "
-                             "raise gradient_accumulation_steps instead")
-        self.optimizer.at_boundary = self.is_gradient_accumulation_boundary()
-
-    def get_mom(self) -> list:
-        """Per param group, Adam's betas, or the momentum of an optimizer that has one (SGD,
-        RMSprop), or None (DeepSpeed's momentum accessor)."""
-        client = self.optimizer.client.defaults if self.optimizer.client is not None else None
-        if client is None:
-            return [tuple(g["betas"]) for g in self.optimizer.param_groups]
-        key = "momentum" if "momentum" in client else "betas" if "betas" in client else None
-        return [(tuple(g[key]) if key == "betas" else g[key]) if key else None for g in self.optimizer.param_groups]
-
-    # -- reports ----------------------------------------------------------------------------
-
-    def memory_report(self) -> dict[str, Any]:
-        """Bytes this rank holds, measured from the storages the engine holds (an alias counts
-        once; a freed stage-3 buffer counts 0), not computed from a formula.
-
-        Keys: `params`, `grads`, `fp32_master`, `optimizer_states` and their sum
-        `model_states_total`; `device_bytes` and `host_bytes` (where they live: offload moves
-        optimizer states, and stage-3 parameter shards, to the host); `host_staging` (offload's
-        host gradient and copy-back buffers); `reduce_buffers` and `reduce_buffers_peak`
-        (gradient buffers being filled or reduced, now and at most). Stage 3 adds
-        `gathered_bytes` and `gathered_peak` (gathered full parameters now and at most, persistent
-        ones excluded), `gather_buffers_peak` (all-gather outputs before they are copied into
-        units) and `persistent_params` (elements kept whole on every rank). With a mesh, `mesh`:
-        its shape, this rank's coordinates and how it divides the parameters (see MeshTraffic).
-        `offloaded_bytes`: the host copies of states `offload_states()` moved off the device.
-        """
-        report = self.optimizer.memory_report()
+    def _check_states_home(self, what: str, needs: set[str] | None = None) -> None:
+        """Raise if model states `what` needs (None: all) are offloaded (see offload_states)."""
         away = self.__dict__.get("_away")
-        report["offloaded_bytes"] = away.host_bytes() if away is not None else 0  # offload_states' host copies
-        if self.traffic is not None:
-            report["mesh"] = self.traffic.memory()
-        return report
-
-    # -- saving -----------------------------------------------------------------------------
-
-    def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
-        """The full state dict in the training dtype on rank 0 (None elsewhere); all ranks call it.
-        Under stage 3 parameters are gathered one at a time."""
-        from zero.checkpoint import consolidated_state_dict
-
-        refuse_whole_model_save(self.mesh, "consolidated_16bit_state_dict")
-        self._check_states_home("consolidated_16bit_state_dict()")
-        return consolidated_state_dict(self.module, self.comm, exclude_frozen_parameters)
-
-    _zero3_consolidated_16bit_state_dict = consolidated_16bit_state_dict  # DeepSpeed's name (accelerate calls it)
-
-    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "model.safetensors",
-                         exclude_frozen_parameters: bool = False) -> bool:
-        """Save the consolidated 16-bit state dict from rank 0 (atomically); all ranks call it.
-        `model.safetensors` by default (tied parameters once, as HuggingFace saves them); a
-        filename ending in `.bin` or `.pt` gets torch.save instead.
-
-        Under stage 3 this needs `stage3_gather_16bit_weights_on_model_save: true` (as in
-        DeepSpeed); otherwise it warns, saves nothing and returns False.
-        """
-        from zero.checkpoint import atomic_save, checked_save_path
-
-        refuse_whole_model_save(self.mesh, "save_16bit_model")
-        save_path = checked_save_path(save_dir, save_filename)  # on every rank, before any gather or write
-        if self.config.zero_optimization.stage == 3 and not self.config.zero_optimization.gather_16bit_weights_on_model_save:
-            warnings.warn("save_16bit_model: stage3_gather_16bit_weights_on_model_save is false, nothing saved "
-                          "(set it to true to gather the weights)", stacklevel=2)
-            return False
-        state = self.consolidated_16bit_state_dict(exclude_frozen_parameters)
-        error = None
-        if self.comm.rank == 0:
-            try:
-                atomic_save(state, save_path)
-            except Exception as exc:  # noqa: BLE001 - every rank must learn of it, then it is raised
-                error = exc
-        if self.comm.any_rank(error is not None):  # as long as the write takes: the process group's timeout
-            if error is not None:
-                raise error
-            raise RuntimeError(f"save_16bit_model: rank 0 could not write {save_path} (its error says why); nothing "
-                               f"was written and training can go on")
-        return True
-
-    def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None,
-                        save_latest: bool = True, exclude_frozen_parameters: bool = False,
-                        async_save: bool | None = None) -> str:
-        """Save the whole training state under `save_dir/tag` (default tag `global_step<N>`); all
-        ranks call it. See docs/checkpoint.md for the layout and guarantees.
-
-        Args:
-            save_dir: the checkpoint directory (each node's own with use_node_local_storage).
-            tag: the sub-directory name; `latest` then names it (with `save_latest`).
-            client_state: your own JSON-serialisable values, returned by `load_checkpoint`.
-            save_latest: point `save_dir/latest` at this tag once it is complete.
-            exclude_frozen_parameters: leave out parameters with requires_grad=False.
-            async_save: copy the state to host memory and write it in the background (default:
-                the config's `checkpoint.async_save`); the next save, `load_checkpoint`,
-                `wait_for_checkpoint()` and process exit wait for it.
-        """
-        from zero.checkpoint.training import save_checkpoint
-
-        self._check_states_home("save_checkpoint()")
-        self.wait_for_checkpoint()
-        if async_save is None:
-            async_save = self.config.checkpoint.async_save
-        result = save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters, async_save)
-        if not async_save:
-            return result
-        self._pending_save = result
-        return result.path
-
-    def wait_for_checkpoint(self) -> str | None:
-        """Wait for an asynchronous save to finish (raising its error, if any); returns its path."""
-        pending, self._pending_save = self._pending_save, None
-        return pending.wait() if pending is not None else None
-
-    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False) -> tuple[str, dict]:
-        """Resume from `load_dir/tag` (default: the tag `latest` names), saved at any world size and
-        stage; all ranks call it. Every check is made before anything changes.
-
-        Returns:
-            (the tag's path, the client_state saved with it)
-        """
-        from zero.checkpoint.training import load_checkpoint
-
-        self._check_states_home("load_checkpoint()")
-        self.wait_for_checkpoint()
-        loaded = load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                                 load_lr_scheduler_states, load_module_only)
-        self.optimizer.at_boundary = self.is_gradient_accumulation_boundary()  # for the next backward
-        return loaded
-
-    def wall_clock_report(self, reset: bool = False) -> dict[str, float]:
-        """Seconds spent in forward, backward and step since the last reset (with
-        `wall_clock_breakdown: true`; backward is what `engine.backward` took: a plain
-        `loss.backward()` is not timed); `communication_wait`, the part of them the host spent
-        waiting for collectives (measured on gloo; under NCCL the waits are on the GPU's streams
-        and this stays 0); and, with optimizer offload, inside the step: waiting for gradient
-        copies, in CPU Adam, waiting for parameter copies.
-
-        Args:
-            reset: start counting again from zero after reading.
-        """
-        report = dict(self._times)
-        report["communication_wait"] = self.comm.waited_s()  # inside forward, backward and step; gloo only
-        host = self.optimizer.host_adam
-        if host is not None:
-            report.update(host.times)
-        if reset:
-            self._times = dict.fromkeys(self._times, 0.0)
-            self.comm.reset_waited()
-            if host is not None:
-                host.times = dict.fromkeys(host.times, 0.0)
-        return report
-
-    def comm_report(self) -> dict[str, dict[str, int]]:
-        """Logical calls/elements/bytes per collective during the last optimizer step's window
-        (from the previous step's end to this step's end). See [Note: logical counts]. With a
-        mesh: {"dp": that, "pp": the activations and gradients sent between stages, "tp": the
-        tensor-parallel collectives} (see MeshTraffic)."""
-        if self.traffic is None:
-            return self._last_comm
-        return {"dp": self._last_comm, **{d: dict(v) for d, v in self.traffic.last.items()}}
+        if away is not None:
+            away.check(what, needs)

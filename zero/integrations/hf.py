@@ -459,7 +459,7 @@ class ZeroTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         engine = self.engine
-        ga = engine.gradient_accumulation_steps()
+        ga = engine.config.gradient_accumulation_steps
         if self.accelerator.sync_gradients and not engine.is_gradient_accumulation_boundary():
             # Trainer ends a window early (the last, shorter one of an epoch): so does the engine
             engine.set_gradient_accumulation_boundary(True)
@@ -577,7 +577,7 @@ def _raw(config) -> dict:
 def _sync_generate(model, engine) -> None:
     """Under stage 3 on several ranks every rank must run the same forward passes, also when its
     sequences end early: `generate` gets `synced_gpus=True` unless the caller says otherwise."""
-    if engine.zero_optimization_stage() != 3 or engine.world_size == 1 or not hasattr(model, "generate"):
+    if engine.config.zero_optimization.stage != 3 or engine.world_size == 1 or not hasattr(model, "generate"):
         return
     generate = model.generate
 

@@ -3,7 +3,7 @@
 [Note: DeepSpeedConfig is a view]
 DeepSpeed code and scripts read a config through `DeepSpeedConfig` attributes
 (`ds_config.zero_config.stage`, `.train_micro_batch_size_per_gpu`, `.fp16_enabled`) and the
-engine's accessors (zero/engine_accessors.py) read them through `engine._config`. Here the config is
+engine's accessors (zero/deepspeed/engine_accessors.py) read them through `engine._config`. Here the config is
 loaded once by zero's `load_config`: the same validation, errors (`ConfigError`, which is a
 `DeepSpeedConfigError`), warnings and batch-size rule as `zero.initialize`; a key zero refuses is
 refused here too. `DeepSpeedConfig` then only names its values as DeepSpeed does, in three kinds:

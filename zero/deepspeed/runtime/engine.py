@@ -1,6 +1,6 @@
 """`deepspeed.runtime.engine`."""
 from zero.deepspeed._missing import missing
-from zero.engine import Engine as DeepSpeedEngine  # noqa: F401 - for isinstance checks
+from zero.deepspeed.engine import DeepSpeedEngine  # noqa: F401 - for isinstance checks
 
 
 def __getattr__(name: str):

@@ -1,4 +1,4 @@
-"""DeepSpeedEngine's methods that act (the config accessors are in zero/engine_accessors.py).
+"""DeepSpeedEngine's methods that act (the config accessors are in zero/deepspeed/engine_accessors.py).
 
 `Engine` inherits them. Each has DeepSpeed's signature and meaning, built on the engine's own
 pieces (its optimizer and storage, its progress, its mesh): moving model states off the device
@@ -12,70 +12,15 @@ import dataclasses
 import gc
 import logging
 import os
-import warnings
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 log = logging.getLogger("zero")
 
 
 class DeepSpeedMethods:
     """Mixed into zero.engine.Engine."""
-
-    # -- model states off the device ---------------------------------------------------------------
-
-    def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False) -> None:
-        """Move this rank's model states (DeepSpeed's `include`: optim_states, hp_params, lp_params,
-        lp_grads, contiguous_grad_buffer; None: all) from the device to host memory, freeing
-        their device memory until `reload_states()`; between a step and the next backward. States
-        already in host memory (optimizer or parameter offload) stay. See [Note: states away] in
-        zero/offload/relocation.py."""
-        from zero.offload.relocation import StatesAway
-
-        where = getattr(device, "value", device)
-        if where == "none":
-            warnings.warn("offload_states(device='none'): nothing to do", stacklevel=2)
-            return
-        if where != "cpu":
-            raise ValueError(f"offload_states(device={device!r}): states can be moved to 'cpu' (host memory) only")
-        if self.progress.backwards:
-            raise RuntimeError(f"offload_states(): {self.progress.backwards} backward pass(es) since the last step, "
-                               f"whose gradients may still be being reduced; offload after engine.step() at the "
-                               f"end of the accumulation window")
-        self.wait_for_checkpoint()  # an asynchronous save may still be copying them
-        if self.__dict__.get("_away") is None:
-            self._away = StatesAway(self.optimizer, [self.module, *getattr(self.module, "parts", [])])
-        self._away.offload(include, pin_memory, non_blocking)
-
-    def reload_states(self, non_blocking: bool = False) -> None:
-        """Bring back what `offload_states` moved to host memory (nothing if nothing is away)."""
-        away = self.__dict__.get("_away")
-        if away is not None:
-            away.reload(non_blocking)
-
-    def _check_states_home(self, what: str, needs: set[str] | None = None) -> None:
-        """Raise if model states `what` needs (None: all) are offloaded (see offload_states)."""
-        away = self.__dict__.get("_away")
-        if away is not None:
-            away.check(what, needs)
-
-    def empty_partition_cache(self) -> None:
-        """Release the gathered copies of stage-3 parameters (each is gathered again at its next
-        use) and return the freed memory to the device (a no-op for stages 0-2)."""
-        self.optimizer.storage.release_gathered()
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def destroy(self) -> None:
-        """Finish any checkpoint being written and release the gathered stage-3 parameters, before
-        the engine is dropped (its memory goes with the engine object)."""
-        self.wait_for_checkpoint()
-        self.optimizer.storage.release_gathered()
-        gc.collect()
 
     # -- the module's state ------------------------------------------------------------------------
 
@@ -204,12 +149,6 @@ class DeepSpeedMethods:
         return getattr(self, "seq_parallel_group", None)
 
     @property
-    def dp_world_size(self) -> int:
-        """Data-parallel replicas: the ranks that load different samples (a sequence-parallel group
-        shares its samples; see [Note: parallel dimensions] in zero/parallel/dims.py)."""
-        return self.parallel.size("batch")
-
-    @property
     def mp_world_size(self) -> int:
         return self.mesh.tp if self.mesh is not None else 1
 
@@ -314,55 +253,6 @@ class DeepSpeedMethods:
         from zero.deepspeed.utils import log_dist
 
         log_dist(f"time (ms) | fwd: {fwd_time:.2f}", ranks=[0])
-
-    def compile(self, backend: str | Callable = "inductor", compile_kwargs: dict | None = None, schedule=None,
-                compiled_autograd_enabled: bool = False, modules: list[nn.Module] | None = None) -> None:
-        """Compile the model's repeated blocks with torch.compile, zero's hooks outside the graphs
-        (DeepSpeed's signature; see [Note: compiled blocks] in zero/compilation.py).
-
-        Args:
-            backend: torch.compile's backend ("inductor", "aot_eager", a callable).
-            compile_kwargs: torch.compile's other keyword arguments (mode, fullgraph, dynamic, ...).
-            schedule: DeepCompile's pass schedule: not implemented (an error when given).
-            compiled_autograd_enabled: refused: compiled autograd would trace zero's backward hooks.
-            modules: zero's: the blocks to compile (default: found from the model's repeated modules).
-        """
-        from zero.compilation import backend_name, compile_blocks
-
-        if schedule is not None:
-            raise NotImplementedError("engine.compile(schedule=...): DeepCompile's pass schedules are not "
-                                      "implemented; zero compiles each block with its hooks outside the graphs")
-        if compiled_autograd_enabled:
-            raise NotImplementedError("engine.compile(compiled_autograd_enabled=True): compiled autograd would trace "
-                                      "zero's gradient hooks into the backward graph; leave it off")
-        if self.mesh is not None and (self.mesh.pp > 1 or self.mesh.tp > 1):
-            raise NotImplementedError("engine.compile with pipeline stages or tensor slicing is not implemented yet: "
-                                      "their send/receive and DTensor collectives run inside the layers; compile "
-                                      "without them, or run eagerly")
-        if self.sequence_parallel_size > 1:
-            raise NotImplementedError("engine.compile with sequence_parallel_size > 1 is not implemented yet: "
-                                      "Ulysses' all-to-all runs inside the attention of each layer")
-        mode = (compile_kwargs or {}).get("mode") if isinstance(compile_kwargs, dict) else None
-        if mode in ("reduce-overhead", "max-autotune") and self.zero_optimization_stage() == 3:
-            raise ValueError(f"engine.compile(compile_kwargs={{'mode': {mode!r}}}): that mode records CUDA graphs, "
-                             f"which need each parameter at a fixed address, and stage 3 frees and gathers them "
-                             f"again; use 'max-autotune-no-cudagraphs' or the default mode")
-        hf = getattr(self.module, "config", None)
-        if getattr(hf, "use_cache", False) is True:  # a key/value cache in training forwards makes each layer
-            hf.use_cache = False  # a graph of its own (its layer index); generate() passes use_cache itself
-            if self.comm.rank == 0:
-                log.info("zero: compile sets the model's config.use_cache = False for training (HF Trainer does the "
-                         "same under gradient checkpointing)")
-        self._compiled_blocks = compile_blocks(self.module, backend, compile_kwargs, modules)
-        if self.comm.rank == 0:
-            log.info("zero: compiled %d block(s) (%s) with backend %r", len(self._compiled_blocks),
-                     ", ".join(sorted({type(b).__name__ for b in self._compiled_blocks})) or "none found",
-                     backend_name(backend))
-
-    @property
-    def is_compiled(self) -> bool:
-        """Whether `compile` (or the config's compile.enabled) compiled the model's blocks."""
-        return bool(getattr(self, "_compiled_blocks", None))
 
     def get_compile_time(self) -> dict:
         """Time per DeepCompile pass: none ran."""

@@ -13,7 +13,7 @@ The view is built on first use and again whenever `engine.config` is replaced by
 (`set_train_batch_size` does); it is read-only: DeepSpeed code that assigns to it
 (`engine._config.train_batch_size = n`) gets an error saying what to call instead, since the engine
 would not train with the new value. Methods that act on the engine's state (step, checkpoints,
-batch-size changes, collectives) are in zero/engine/loop.py and zero/engine_surface.py.
+batch-size changes, collectives) are in zero/engine/loop.py and zero/deepspeed/engine_methods.py.
 """
 from __future__ import annotations
 
