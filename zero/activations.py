@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
+from zero.engine.components import Component
+
 log = logging.getLogger("zero")
 
 
@@ -149,3 +151,19 @@ def checkpoint(function, *args):
 def kept_bytes(args) -> int:
     """Bytes the checkpoint would keep of `args` now (for tests and the estimator)."""
     return sum(_Kept(a).nbytes() for a in args if isinstance(a, torch.Tensor))
+
+
+class ActivationCheckpointing(Component):
+    """ZeRO-R as the engine's "activations" component (see [Note: engine components]): the
+    config's `activation_checkpointing` switches partitioned and host-memory checkpoints on for
+    `deepspeed.checkpointing.checkpoint` when the engine is built.
+
+    Args:
+        partition_activations, cpu_checkpointing: the config's keys.
+        group: the ranks holding the same activations (the tensor-parallel group), or None.
+    """
+
+    name = "activations"
+
+    def __init__(self, partition_activations: bool, cpu_checkpointing: bool, group=None):
+        configure(partition_activations, cpu_checkpointing, group)

@@ -41,11 +41,13 @@ import time
 
 import torch
 
+from zero.engine.components import Component
 from zero.estimate import format_bytes as _bytes
 
 
-class TrainingMonitor:
-    """A tqdm progress bar on rank 0 and the end-of-run table (see [Note: what the monitor measures]).
+class TrainingMonitor(Component):
+    """A tqdm progress bar on rank 0 and the end-of-run table (see [Note: what the monitor measures]),
+    the engine's "monitor" component (see [Note: engine components]).
 
     Args:
         engine: the zero engine being trained.
@@ -57,6 +59,8 @@ class TrainingMonitor:
         memory_every: gather every rank's memory every this many steps.
         description: the bar's label.
     """
+
+    name = "monitor"
 
     def __init__(self, engine, steps: int, tokens_per_step: int | None = None, unit: str = "tok",
                  window: int = 20, memory_every: int = 10, description: str = "train"):
@@ -80,6 +84,7 @@ class TrainingMonitor:
         self.timed_from = 2  # the first step inside the wall-clock totals
         self.step_peak: float | None = None  # this rank's measured peak of one step (bytes)
         self.peak_before_step = 0  # CUDA: the allocator's peak before StepPeak reset it
+        engine.add_component(self)
 
     def _capture_inputs(self, module, args, kwargs) -> None:
         as_meta = lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta", requires_grad=t.requires_grad) \
@@ -90,9 +95,18 @@ class TrainingMonitor:
     # -- during training ------------------------------------------------------------------------
 
     def step(self, loss: torch.Tensor | float | None = None) -> None:
-        """Call after every `engine.step()` on every rank (acts at accumulation boundaries)."""
+        """Call after every `engine.step()` on every rank with the micro-batch's loss, for the bar
+        (the monitor counts the steps itself, as the engine's "monitor" component)."""
+        if loss is not None and self.rank == 0:
+            self.loss = float(loss.detach().float().item() if torch.is_tensor(loss) else loss)
+        if self.rank == 0:
+            self.bar.set_postfix_str(self._postfix(), refresh=False)
+
+    def after_step(self, engine, applied: bool) -> None:
+        """At each accumulation boundary (see [Note: engine components]): the step's time, every
+        rank's memory now and then, the bar."""
         if self.engine.global_steps == self.seen_steps:
-            return  # a micro-step inside an accumulation window
+            return
         self.seen_steps = self.engine.global_steps
         now = time.perf_counter()
         if self.last_time is None:  # the first step: ops built, orders recorded; measure the next one's peak
@@ -106,8 +120,6 @@ class TrainingMonitor:
             self.durations.append(now - self.last_time)
             self.timed_steps += 1
         self.last_time = time.perf_counter()
-        if loss is not None and self.rank == 0:
-            self.loss = float(loss.detach().float().item() if torch.is_tensor(loss) else loss)
         if self.seen_steps % self.memory_every == 0 or self.seen_steps == 1:
             self.rank_memory = self._gather([self._memory_now()])
         if self.rank == 0:

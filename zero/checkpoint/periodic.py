@@ -34,6 +34,7 @@ from zero.checkpoint.training import (
     remember_verified,
     verify_files,
 )
+from zero.engine.components import Component
 
 log = logging.getLogger("zero")
 _TAG = re.compile(r"global_step(\d+)")
@@ -129,14 +130,17 @@ def _newest_on_every_node(io, root: Path) -> str | None:
     return None
 
 
-class PeriodicSaves:
-    """Saves to `dir` after every `save_interval` optimizer steps and keeps the newest `keep_last`."""
+class PeriodicSaves(Component):
+    """Saves to `dir` after every `save_interval` optimizer steps and keeps the newest `keep_last`
+    (the engine's "periodic_saves" component; see [Note: engine components])."""
+
+    name = "periodic_saves"
 
     def __init__(self, directory: str, interval: int | None, keep_last: int | None):
         self.root, self.interval, self.keep_last = Path(directory), interval, keep_last
         self._nodes = None  # with node-local storage: which ranks share a node (asked at the first prune)
 
-    def after_step(self, engine) -> None:
+    def after_step(self, engine, applied: bool = True) -> None:
         if not self.interval or engine.global_steps % self.interval:
             return
         engine.save_checkpoint(self.root)  # waits for the previous (asynchronous) save first

@@ -41,6 +41,7 @@ import torch.nn as nn
 from zero.checkpoint.chunks import Chunk, load_chunks, load_chunks_across_nodes, save_chunks, saved_tensors
 from zero.checkpoint.nodes import Nodes, expected_here, gather_objects, mark, publishes, storage_ranks, unmark
 from zero.checkpoint.placement import Placement, from_whole, layout_of, piece_offset, to_whole
+from zero.engine.components import stateful_parts
 from zero.errors import ZeroRuntimeError
 from zero.parallel.comm import Tag
 
@@ -181,6 +182,9 @@ def _agreed_tag(place: Placement, tag: str, validation: str) -> str:
     return tags[0]
 
 
+_WHAT = {"optimizer": "the optimizer's state (its param groups)", "lr_scheduler": "the lr scheduler's state_dict()"}
+
+
 def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None,
                     save_latest: bool = True, exclude_frozen_parameters: bool = False, async_save: bool = False):
     """See Engine.save_checkpoint. Returns the tag's path, or with `async_save` a PendingSave."""
@@ -192,19 +196,16 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
     if not tag or "/" in tag or tag in (".", "..") or tag.startswith("."):
         raise CheckpointError(f"checkpoint tag {tag!r} must be a plain directory name")
     root = Path(save_dir)
-    scheduler = engine.lr_scheduler
     state = {
         "format": FORMAT, "version": VERSION, "world_size": comm.world_size, "mesh": place.mesh_shape(),
         "stage": engine.config.zero_optimization.stage, "dtype": str(engine.config.dtype),
-        "progress": engine.progress.state_dict(),
-        "optimizer": _json_or_error(engine.optimizer.state_dict(), "the optimizer's state (its param groups)"),
-        "lr_scheduler": _json_or_error(scheduler.state_dict(), "the lr scheduler's state_dict()")
-        if scheduler is not None and hasattr(scheduler, "state_dict") else None,
+        # the engine's stateful parts, by name (see [Note: engine components] in zero/engine/components.py)
+        **{name: _json_or_error(part.state_dict(), _WHAT.get(name, f"the {name}'s state_dict()"))
+           if part is not None and hasattr(part, "state_dict") else None for name, part in stateful_parts(engine).items()},
         "tensors": _tensor_entries(engine),
         "scalar_state": sorted(engine.optimizer.scalar_state()),
         "client_state": _json_or_error(dict(client_state or {}), "client_state"),
         "tied": _tied_aliases(engine.module),
-        "dataloader": engine.training_dataloader.state_dict() if engine.training_dataloader is not None else None,
     }
     node_local = engine.config.checkpoint.use_node_local_storage  # each node's save_dir may differ (its own disk)
     # every rank, or none (see [Note: rank-agreement tags]), then one tag
@@ -690,12 +691,14 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
         own = engine.optimizer.state_dict()["param_groups"]  # kept where the pipeline was split otherwise
         engine.optimizer.load_state_dict({**state["optimizer"], "param_groups": own if groups is None else groups})
 
-    if load_lr_scheduler_states and state["lr_scheduler"] is not None and engine.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    engine.progress.load_state_dict(state["progress"])  # a window of accumulated micro-batches is not in a
-    # checkpoint: it starts at the window's beginning
-    if state.get("dataloader") is not None and engine.training_dataloader is not None:
-        engine.training_dataloader.load_state_dict(state["dataloader"])
+    # the other stateful parts, by name; a window of accumulated micro-batches is not in a checkpoint: the
+    # progress counters start at the window's beginning
+    for name, part in stateful_parts(engine).items():
+        if name == "optimizer" or part is None or state.get(name) is None:
+            continue
+        if name == "lr_scheduler" and not load_lr_scheduler_states:
+            continue
+        part.load_state_dict(state[name])
     rng = path / "rng" / f"rank{place.world.rank}.safetensors"
     if rng.is_file():
         with safe_open(str(rng), framework="pt") as f:

@@ -1,6 +1,14 @@
-"""The engine: the training loop (`loop.py`), the Engine a user holds (`engine.py`),
-`zero.initialize` (`launch.py`), the counters a checkpoint saves (`progress.py`) and the checks
-made when an engine is built (`guards.py`)."""
-from zero.engine.engine import Engine
+"""The engine: the training loop (`loop.py`), the Engine a user holds (`engine.py`), its
+components (`components.py`), `zero.initialize` (`launch.py`), the counters a checkpoint saves
+(`progress.py`) and the checks made when an engine is built (`guards.py`)."""
+
+
+def __getattr__(name: str):  # the rooms the engine uses import `zero.engine.components` without the engine
+    if name == "Engine":
+        from zero.engine.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'zero.engine' has no attribute {name!r}")
+
 
 __all__ = ["Engine"]

@@ -58,6 +58,7 @@ import torch.nn as nn
 
 from zero.checkpoint.periodic import PeriodicSaves
 from zero.config import ZeroConfig
+from zero.engine.components import Component
 from zero.engine.guards import (
     _claim,
     _refuse_claimed,
@@ -77,7 +78,7 @@ from zero.parallel.groups import ParallelGroups
 from zero.parallel.mesh import MeshTraffic, ModelParallelNorm, ParallelMesh
 from zero.partition.layout import local_tensor
 from zero.pipe.module import PipelineModule
-from zero.sequence.ulysses import exchanges, refuse_without_exchange, take_traffic
+from zero.sequence.ulysses import SequenceParallelism
 from zero.stages.policies import strict_tag_checks
 
 log = logging.getLogger("zero")
@@ -212,26 +213,43 @@ class TrainingLoop(nn.Module):
         # Ulysses sequence parallelism (zero.sequence): groups of consecutive ranks share samples
         self.sequence_parallel_size = config.sequence_parallel_size
         self.seq_parallel_group = parallel.group("sp") if parallel.size("sp") > 1 else None
-        self._exchanges_at_start = exchanges(self.seq_parallel_group)  # see refuse_without_exchange
-        ck = config.checkpoint  # periodic saves (zero/checkpoint/periodic.py)
-        self._periodic = PeriodicSaves(ck.dir, ck.save_interval, ck.keep_last) if ck.save_interval else None
-        ac = config.activation_checkpointing  # ZeRO-R (zero/activations.py): for deepspeed.checkpointing.checkpoint
-        if ac.partition_activations or ac.cpu_checkpointing:
-            from zero import activations
-
-            activations.configure(ac.partition_activations, ac.cpu_checkpointing,
-                                  mesh.group("tp") if mesh is not None and mesh.tp > 1 else None)
-        if pipelined:
-            from zero.pipe.schedule import PipelineSchedule
-
-            self.pipeline = PipelineSchedule(self, mesh)
-        self.traffic = None if mesh is None else MeshTraffic(
-            module, mesh, module.parts if pipelined else [], sum(slot.master.numel() for slot in self.optimizer.slots()))
+        self.components: dict[str, Component] = {}  # see [Note: engine components]
+        self._build_components(pipelined)
         if config.dump_state and self.comm.rank == 0:
             print(f"zero: engine state\n  config: {config.model_dump_json(exclude_defaults=True)}\n"
                   f"  device: {self.device}  world size: {self.comm.world_size}\n"
                   f"  trainable params: {sum(p.numel() for p in self.optimizer.params):,}\n"
                   f"  memory: {self.memory_report()}", flush=True)
+
+    def add_component(self, component: Component) -> None:
+        """Hold `component` under its name and call it at the loop's points (see [Note: engine
+        components]); a component of the same name is replaced."""
+        self.components[component.name] = component
+
+    def _build_components(self, pipelined: bool) -> None:
+        """The components the config asks for (see [Note: engine components])."""
+        config, mesh = self.config, self.mesh
+        if self.seq_parallel_group is not None:
+            self.add_component(SequenceParallelism(self.seq_parallel_group, self.sequence_parallel_size))
+        ck = config.checkpoint
+        if ck.save_interval:
+            self.add_component(PeriodicSaves(ck.dir, ck.save_interval, ck.keep_last))
+        ac = config.activation_checkpointing  # ZeRO-R, for deepspeed.checkpointing.checkpoint
+        if ac.partition_activations or ac.cpu_checkpointing:
+            from zero.activations import ActivationCheckpointing
+
+            self.add_component(ActivationCheckpointing(ac.partition_activations, ac.cpu_checkpointing,
+                                                       mesh.group("tp") if mesh is not None and mesh.tp > 1 else None))
+        if pipelined:
+            from zero.pipe.schedule import PipelineSchedule
+
+            self.pipeline = PipelineSchedule(self, mesh)
+            self.add_component(self.pipeline)
+        self.traffic = None if mesh is None else MeshTraffic(
+            self.module, mesh, self.module.parts if pipelined else [],
+            sum(slot.master.numel() for slot in self.optimizer.slots()))
+        if self.traffic is not None:
+            self.add_component(self.traffic)
 
     def _build_scheduler(self, lr_scheduler):
         if lr_scheduler is not None:
@@ -325,8 +343,8 @@ class TrainingLoop(nn.Module):
         # one would contribute stale or zero gradients), before its collectives
         steps, backwards = self.progress.global_steps + 1, self.progress.backwards
         self.comm.agree(Tag.STEP, steps, backwards, f"optimizer step {steps}")
-        if steps == 1 and backwards and self.sequence_parallel_size > 1:
-            refuse_without_exchange(self.sequence_parallel_size, self.seq_parallel_group, self._exchanges_at_start)
+        for component in list(self.components.values()):
+            component.before_step(self)
         if not backwards and not self._warned_count:
             self._warned_count = True
             warnings.warn(
@@ -363,16 +381,12 @@ class TrainingLoop(nn.Module):
         if self.replicate is not None:  # the replicas' all-reduces, under their own labels
             self._last_comm.update(self.replicate.report())
             self.replicate.reset_counts()
-        if self.sequence_parallel_size > 1:  # Ulysses' all-to-alls, in the same window
-            self._last_comm.update(take_traffic())
         self.comm.reset_counts()
-        if self.traffic is not None:
-            self.traffic.close_window()
         every = self.config.steps_per_print
         if every and p.global_steps % every == 0 and self.comm.rank == 0:
             self._print_progress(every)
-        if self._periodic is not None:
-            self._periodic.after_step(self)
+        for component in list(self.components.values()):  # see [Note: engine components]
+            component.after_step(self, updated)
 
     @torch.no_grad()
     def _sync_buffers(self) -> None:

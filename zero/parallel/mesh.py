@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from zero.engine.components import Component
 from zero.parallel.comm import Comm
 from zero.partition.layout import local_tensor, slicing
 
@@ -134,9 +135,10 @@ def refuse_whole_model_save(mesh: ParallelMesh | None, what: str) -> None:
             f"`python -m zero.checkpoint to-fp32 dir out --dtype bf16` (or zero.checkpoint.consolidate.get_fp32_state_dict(dir))")
 
 
-class MeshTraffic:
+class MeshTraffic(Component):
     """The pipeline and tensor-parallel traffic of a 3D-parallel model, counted per step, and how
-    the mesh divides its parameters: the engine's comm_report() and memory_report() add these.
+    the mesh divides its parameters: the engine's comm_report() and memory_report() add these (the
+    engine's "mesh_traffic" component; see [Note: engine components]).
 
     - Communication, per step: "pp" the activations sent to the next stage and the gradients sent
       back (each part's outputs and inputs, counted by hooks); "tp" the tensor-parallel
@@ -199,6 +201,11 @@ class MeshTraffic:
         Comm().all_reduce(share, "sum")
         self.parameters = {"model": int(round(share.item())), "stage": whole, "rank": local,
                            "optimizer_shard": optimizer_numel}
+
+    name = "mesh_traffic"
+
+    def after_step(self, engine, applied: bool) -> None:
+        self.close_window()
 
     def close_window(self) -> None:
         """At the end of a step: this step's pipeline and tensor traffic becomes the report's."""

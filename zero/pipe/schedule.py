@@ -32,6 +32,7 @@ import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from zero.config import ZeroConfig
+from zero.engine.components import Component
 from zero.parallel.comm import Comm
 from zero.parallel.groups import group_of, shared_comm
 from zero.parallel.mesh import ParallelMesh
@@ -95,14 +96,17 @@ def tie_initial_values(module: PipelineModule, mesh: ParallelMesh) -> None:
             comm.broadcast(local_tensor(t).data, src=sorted(ranks).index(ranks[0]), label="broadcast (tied parameters)")
 
 
-class PipelineSchedule:
+class PipelineSchedule(Component):
     """One rank's stages of a PipelineModule and the schedule that runs them (see [Note: a
-    pipelined step]): the pipeline API of the engine that owns it (`engine.train_batch`, ...).
+    pipelined step]): the pipeline API of the engine that owns it (`engine.train_batch`, ...); the
+    engine's "pipeline" component (see [Note: engine components]).
 
     Args:
         engine: the engine whose model is the PipelineModule (held weakly); it steps the optimizer.
         mesh: the (pp, dp, tp) mesh.
     """
+
+    name = "pipeline"
 
     def __init__(self, engine, mesh: ParallelMesh):
         module, config = engine.module, engine.config

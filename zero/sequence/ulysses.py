@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from zero.engine.components import Component
+
 LABEL = "all_to_all (sequence)"
 KIND = "sequence"  # the shared Comms' kind (see [Note: one group registry] in zero/parallel/groups.py)
 
@@ -65,6 +67,31 @@ def exchanged(group) -> int:
 def exchanges(group) -> int:
     """Sequence-parallel exchanges over `group` so far (see `exchanged`)."""
     return _exchanges.get(id(group), 0)
+
+
+class SequenceParallelism(Component):
+    """The engine's component for Ulysses sequence parallelism (see [Note: engine components]):
+    before the first step it refuses a run whose forward and backward exchanged nothing over the
+    group (`refuse_without_exchange`), and after each step it adds the step's sequence traffic to
+    the engine's comm report.
+
+    Args:
+        group: the sequence-parallel group.
+        size: its size (`sequence_parallel_size`).
+    """
+
+    name = "sequence"
+
+    def __init__(self, group, size: int):
+        self.group, self.size = group, size
+        self.exchanges_at_start = exchanges(group)
+
+    def before_step(self, engine) -> None:
+        if engine.progress.global_steps == 0 and engine.progress.backwards:
+            refuse_without_exchange(self.size, self.group, self.exchanges_at_start)
+
+    def after_step(self, engine, applied: bool) -> None:
+        engine._last_comm.update(take_traffic())  # in the same window as the engine's own collectives
 
 
 def refuse_without_exchange(size: int, group, before: int) -> None:
