@@ -45,70 +45,12 @@ import types
 from pathlib import Path
 from typing import NamedTuple
 
-# DeepSpeed packages with no counterpart here (everything under them), and what to use instead
-ABSENT_PACKAGES = {
-    "deepspeed.moe": "expert parallelism is not implemented; MoE layers train as ordinary modules "
-                     "(zero.set_z3_leaf_modules keeps an MoE block one unit under stage 3)",
-    "deepspeed.profiling": "use torch.profiler; engine.wall_clock_report() and engine.comm_report() give zero's "
-                           "breakdown",
-    "deepspeed.launcher": "launch with torchrun",
-    "deepspeed.compression": "compression training is not implemented",
-    "deepspeed.inference": "inference engines are not implemented",
-    "deepspeed.sequence": "sequence parallelism is not implemented",
-    "deepspeed.ops.transformer": "DeepSpeed's fused transformer layers are not implemented; use torch's layers "
-                                 "(F.scaled_dot_product_attention)",
-    "deepspeed.ops.lamb": "LAMB is refused: its trust ratio needs whole parameters, which ZeRO partitions",
-    "deepspeed.runtime.zero.tiling": "TiledLinear is not implemented; stage 3 gathers one module at a time "
-                                     "(split a huge Linear into several modules)",
-    "deepspeed.utils.groups": "zero's process groups are its mesh's: zero.tp.mesh(config).group('pp' | 'dp' | 'tp') "
-                              "(see docs/parallelism.md); DeepSpeed's group helpers are not provided",
-    "deepspeed.utils.timer": "use engine.wall_clock_report() for zero's timings, or torch.profiler",
-    "deepspeed.runtime.sequence_parallel": "sequence parallelism is not implemented",
-    "deepspeed.runtime.fp16": "mixed precision is the engine's (the config's fp16 and bf16 sections; "
-                              "engine.loss_scale)",
-    "deepspeed.runtime.bf16_optimizer": "mixed precision is the engine's (the config's bf16 section)",
-    "deepspeed.autotuning": "autotuning is not implemented; zero.estimate_memory gives each stage's memory per rank "
-                            "(docs/estimate.md)",
-    **dict.fromkeys(("deepspeed.nvme", "deepspeed.io", "deepspeed.ops.aio", "deepspeed.ops.gds",
-                     "deepspeed.runtime.swap_tensor"),
-                    "NVMe offload is not implemented; zero offloads to CPU memory (docs/offload.md)"),
-    "deepspeed.ops.adagrad": "DeepSpeedCPUAdagrad is not provided; set \"optimizer\": {\"type\": \"Adagrad\"} in the "
-                             "config (zero runs torch's Adagrad on each rank's shards)",
-    "deepspeed.compile": "DeepCompile is not implemented",
-    "deepspeed.runtime.zenflow": "ZenFlow is not implemented; optimizer offload is the config's offload_optimizer "
-                                 "(docs/offload.md)",
-    "deepspeed.runtime.superoffload": "SuperOffload is not implemented; optimizer offload is the config's "
-                                      "offload_optimizer (docs/offload.md)",
-    "deepspeed.runtime.hybrid_engine": "the hybrid (training and generation) engine is not implemented",
-    "deepspeed.runtime.data_pipeline": "DeepSpeed's data efficiency library (curriculum learning, random-LTD) is not "
-                                       "implemented",
-    "deepspeed.model_implementations": "inference engines are not implemented",
-}
+from zero.features import absent_names, absent_packages
 
-# single DeepSpeed names with no counterpart here, keyed by where DeepSpeed defines them (a module that
-# re-exports one says the same); OnebitAdam and ZeroOneAdam are from DeepSpeed before 0.19
-_GATHER_HANDLE = ("zero's stage-3 gathers have finished when they return (param.all_gather_coalesced() returns a handle "
-                  "whose wait() does nothing); DeepSpeed's handle classes are not provided")
-ABSENT_NAMES = {
-    "deepspeed.init_inference": "inference engines are not implemented; use the model directly (under stage 3, "
-                                "with zero.integrations.hf.from_pretrained and model.generate)",
-    "deepspeed.runtime.zero.partition_parameters.ZeroParamType": "zero's stage-3 parameters tell their state by "
-                                                                 "ds_status; there are no remote parameters",
-    **{f"deepspeed.runtime.zero.partition_parameters.{handle}": _GATHER_HANDLE
-       for handle in ("AllGatherHandle", "AllGatherCoalescedHandle", "MultipleAllGatherHandles", "NoGatherHandle",
-                      "NoGatherCoalescedHandle")},
-    "deepspeed.runtime.zero.partition_parameters.DeepSpeedTensorOverride": "zero.Init does not wrap torch's tensor "
-                                                                           "constructors: parameters are made with the "
-                                                                           "dtype and device they ask for, and "
-                                                                           "zero.Init(dtype=...) casts the shards",
-    "deepspeed.runtime.fp16.onebit.adam.OnebitAdam": "1-bit Adam runs inside the engine: set \"optimizer\": "
-                                                    "{\"type\": \"OneBitAdam\"} in the config (docs/onebit.md)",
-    "deepspeed.runtime.fp16.onebit.zoadam.ZeroOneAdam": "0/1 Adam runs inside the engine: set \"optimizer\": "
-                                                      "{\"type\": \"ZeroOneAdam\"} in the config (docs/onebit.md)",
-    "deepspeed.runtime.activation_checkpointing.checkpointing.model_parallel_cuda_manual_seed": (
-        "zero's tensor slices keep no separate model-parallel generator (docs/parallelism.md, Dropout); seed every "
-        "rank alike with torch.manual_seed"),
-}
+# DeepSpeed packages zero lacks (or has in part), and single names it lacks, with what to use instead:
+# from the one feature table (see [Note: the feature table] in zero/features.py)
+ABSENT_PACKAGES = absent_packages()
+ABSENT_NAMES = absent_names()
 
 _HERE = Path(__file__).resolve().parent
 
@@ -245,6 +187,18 @@ def _nearest_package(full: str) -> str | None:
                  if p in ABSENT_PACKAGES), None)
 
 
+def _absent_feature(full: str) -> str | None:
+    """The reason a DeepSpeed module zero has no file for lies in a package of a feature zero lacks
+    (see [Note: the feature table] in zero/features.py), or None."""
+    parts = full.split(".")
+    package = next((".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in ABSENT_PACKAGES),
+                   None)
+    if package is None:
+        return None
+    # a module of a name with a reason of its own (an older DeepSpeed's OnebitAdam) says that one
+    return next((r for name, r in ABSENT_NAMES.items() if name.rpartition(".")[0] == full), ABSENT_PACKAGES[package])
+
+
 def _reason(*names: str | None) -> str:
     """Why a DeepSpeed name is absent: the entry of the first of `names` (the name as used, its listed
     path, where DeepSpeed defines it) that has one, else the nearest absent package of one of them."""
@@ -307,7 +261,10 @@ def missing(module: str, name: str):
     listed = module_names(path).get(name)
     if listed is None:
         if listed_full in _module_paths() or f"{here}.{name}" in _own_paths():  # a submodule not imported yet
-            return importlib.import_module(f"zero.{listed_full if listed_full in _module_paths() else full}")
+            try:
+                return importlib.import_module(f"zero.{listed_full if listed_full in _module_paths() else full}")
+            except ImportError as exc:  # a feature zero lacks: an attribute that is not there (hasattr)
+                raise AttributeError(str(exc)) from None
         if listed_full in ABSENT_NAMES:  # a name of an older DeepSpeed
             return stand_in(full, ABSENT_NAMES[listed_full])
         raise AttributeError(f"{full} is not part of zero's DeepSpeed compatibility layer (see "
@@ -315,7 +272,10 @@ def missing(module: str, name: str):
     if listed.kind == "constant":
         return listed.value
     if listed.kind == "module":
-        return importlib.import_module(f"zero.{listed.value}")
+        try:
+            return importlib.import_module(f"zero.{listed.value}")
+        except ImportError as exc:  # a feature zero lacks (see _absent_feature)
+            raise AttributeError(str(exc)) from None
     if listed.kind == "logger":
         return logging.getLogger("zero")  # deepspeed.utils.logger
     if listed.kind in ("class", "function"):
@@ -355,6 +315,9 @@ class _AbsentPackages(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         full = fullname.removeprefix("zero.")
         if not fullname.startswith("zero.deepspeed.") or full in _own_paths():
             return None
+        reason = _absent_feature(full)
+        if reason is not None:  # a part of DeepSpeed zero does not implement at all: import probes see it missing
+            raise ImportError(f"{full} is not available in zero: {reason}", name=fullname)
         if full in _module_paths():
             return importlib.util.spec_from_loader(fullname, self, is_package=True)
         if path and not all(Path(p).resolve().is_relative_to(_HERE) for p in path):

@@ -16,6 +16,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from zero.features import refused_engine_methods
+
 log = logging.getLogger("zero")
 
 
@@ -274,26 +276,9 @@ def _not_available(name: str, reason: str):
     return method
 
 
-# DeepSpeedEngine members with no counterpart here: each raises, saying why, when called
-NOT_AVAILABLE = {
-    "buffered_allreduce_fallback": "gradients are reduced by the ZeRO stage's hooks and at step(); "
-                                   "use engine.allreduce_no_retain(tensors, group) for tensors of your own",
-    "clip_fp32_gradients": "the engine clips inside step() (the config's gradient_clipping)",
-    "coalesce_grad_reduction": "use engine.no_sync() (stages 0-1) or gradient_accumulation_steps",
-    "get_autosp_backend": "torch.compile integration is not implemented yet",
-    "get_autotp_backend": "torch.compile integration is not implemented yet",
-    "get_deepcompile_backend": "DeepCompile is not implemented",
-    "get_deepspeed_compile_backend": "DeepCompile is not implemented",
-    "register_compile_pass": "DeepCompile is not implemented",
-    "get_optimizer_configuration": "zero builds the config's optimizer itself (zero/optim/choice.py)",
-    "load_moe_state_dict": "expert parallelism is not implemented",
-    "random_ltd_initialize": "random layer-token drop (data efficiency) is not implemented",
-    "set_custom_curriculum_learning_schedule": "curriculum learning (data efficiency) is not implemented",
-    "sparse_all_gather": "sparse gradients are not supported (use dense embeddings)",
-    "sparse_allreduce": "sparse gradients are not supported (use dense embeddings)",
-    "sparse_allreduce_bucket": "sparse gradients are not supported (use dense embeddings)",
-    "sparse_allreduce_no_retain": "sparse gradients are not supported (use dense embeddings)",
-}
+# DeepSpeedEngine members with no counterpart here: each raises, saying why, when called (from the one
+# feature table: see [Note: the feature table] in zero/features.py)
+NOT_AVAILABLE = refused_engine_methods()
 for _name, _reason in NOT_AVAILABLE.items():
     setattr(DeepSpeedMethods, _name, _not_available(_name, _reason))
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from zero.config import ZeroConfig
+from zero.features import refused_optimizers
 from zero.optim.rules import ClientRule
 
 
@@ -43,11 +44,7 @@ def _param_groups(module: nn.Module, model_parameters, defaults: dict) -> list[d
 # they are refused; an optimizer class zero does not know is run with a warning.
 _ELEMENTWISE = (torch.optim.SGD, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.Adamax, torch.optim.NAdam,
                 torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD)
-_WHOLE_TENSOR = {"LBFGS": "its line search needs the whole model in one closure",
-                 "Adafactor": "its factored second moments need whole matrices",
-                 "SparseAdam": "it takes sparse gradients",
-                 "Lamb": "its trust ratio needs each parameter's whole norm", "LARS": "its trust ratio needs each "
-                 "parameter's whole norm", "Shampoo": "its preconditioners need whole matrices"}
+_WHOLE_TENSOR = refused_optimizers()  # see [Note: the feature table] in zero/features.py
 
 
 def optimizer_groups(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None, module: nn.Module,

@@ -419,8 +419,8 @@ def _mpu_size(mpu: Any) -> Optional[int]:
     if mpu is None:
         return None
     if not hasattr(mpu, "get_data_parallel_world_size"):
-        raise ConfigError("DeepSpeedConfig(mpu=...): zero knows no sequence parallelism; an mpu must have "
-                          "get_data_parallel_world_size()")
+        raise ConfigError("DeepSpeedConfig(mpu=...): an mpu must have get_data_parallel_world_size() (zero's "
+                          "sequence parallelism is the config's sequence_parallel_size)")
     return int(mpu.get_data_parallel_world_size())
 
 
