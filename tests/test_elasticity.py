@@ -1,11 +1,11 @@
-"""The elasticity section's arithmetic (zero/elasticity.py): the batch it chooses, what each world
+"""The elasticity section's arithmetic (zero/config/elasticity.py): the batch it chooses, what each world
 size trains with, and the errors. The restarts themselves: tests/test_auto_resume.py."""
 import logging
 
 import pytest
 
 from zero.config import ConfigError, load_config
-from zero.elasticity import compute_elastic_config, highly_composite_numbers
+from zero.config.elasticity import compute_elastic_config, highly_composite_numbers
 
 V01 = {"enabled": True, "max_train_batch_size": 10000, "micro_batch_sizes": [8, 12, 16, 17], "min_gpus": 32,
        "max_gpus": 1500, "version": 0.1}

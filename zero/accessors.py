@@ -17,7 +17,7 @@ import torch
 def _owner(param, frozen_ok: bool = True):
     """The engine's optimizer that trains `param`; None for a frozen parameter (the safe_get_*
     accessors then answer None, as DeepSpeed's do)."""
-    from zero.engine.guards import _OWNERS
+    from zero.owners import OWNERS as _OWNERS
 
     if not param.requires_grad:
         if frozen_ok:

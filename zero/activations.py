@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
-from zero.engine.components import Component
+from zero.components import Component
 
 log = logging.getLogger("zero")
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from zero.parallel.comm import Comm, Tag
-from zero.partition.layout import local_tensor
+from zero.parallel.sliced import local_tensor
 from zero.partition.shards import ShardedParam, ZeroParamStatus, gather_param, mark_ds, shard_numel, take_shard
 
 
@@ -367,7 +367,7 @@ def z3_leaf_module(model: nn.Module) -> bool:
 
 def refuse_after_initialize(model: nn.Module, what: str) -> None:
     """Leaf marks decide the units when zero.initialize builds them: later they would change nothing."""
-    from zero.engine.guards import _OWNERS
+    from zero.owners import OWNERS as _OWNERS
 
     if any(p in _OWNERS for p in model.parameters()):
         raise RuntimeError(f"{what}: this model is already wrapped by zero.initialize, which formed its stage-3 units; "

@@ -41,7 +41,7 @@ import time
 
 import torch
 
-from zero.engine.components import Component
+from zero.components import Component
 from zero.estimate import format_bytes as _bytes
 
 

@@ -34,7 +34,7 @@ from zero.checkpoint.training import (
     remember_verified,
     verify_files,
 )
-from zero.engine.components import Component
+from zero.components import Component
 
 log = logging.getLogger("zero")
 _TAG = re.compile(r"global_step(\d+)")

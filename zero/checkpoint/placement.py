@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from zero.parallel.comm import Comm
-from zero.partition.layout import slicing
+from zero.parallel.sliced import slicing
 
 
 def _piece_sizes(n: int, parts: int) -> list[int]:

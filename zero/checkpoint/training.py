@@ -41,7 +41,7 @@ import torch.nn as nn
 from zero.checkpoint.chunks import Chunk, load_chunks, load_chunks_across_nodes, save_chunks, saved_tensors
 from zero.checkpoint.nodes import Nodes, expected_here, gather_objects, mark, publishes, storage_ranks, unmark
 from zero.checkpoint.placement import Placement, from_whole, layout_of, piece_offset, to_whole
-from zero.engine.components import stateful_parts
+from zero.components import stateful_parts
 from zero.errors import ZeroRuntimeError
 from zero.parallel.comm import Tag
 
@@ -199,7 +199,7 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
     state = {
         "format": FORMAT, "version": VERSION, "world_size": comm.world_size, "mesh": place.mesh_shape(),
         "stage": engine.config.zero_optimization.stage, "dtype": str(engine.config.dtype),
-        # the engine's stateful parts, by name (see [Note: engine components] in zero/engine/components.py)
+        # the engine's stateful parts, by name (see [Note: engine components] in zero/components.py)
         **{name: _json_or_error(part.state_dict(), _WHAT.get(name, f"the {name}'s state_dict()"))
            if part is not None and hasattr(part, "state_dict") else None for name, part in stateful_parts(engine).items()},
         "tensors": _tensor_entries(engine),

@@ -116,7 +116,7 @@ def _resolve_batch(cfg: ZeroConfig, world_size: int) -> dict[str, int]:
 
 def _elastic(cfg: ZeroConfig, world_size: int, model_parallel: int, source) -> ZeroConfig:
     """The config with the three batch keys of the elasticity section's plan for this world size."""
-    from zero.elasticity import ElasticityError, batch_keys
+    from zero.config.elasticity import ElasticityError, batch_keys
 
     try:
         keys = batch_keys(cfg, world_size, model_parallel)
@@ -255,7 +255,7 @@ def load_config(config: Union[Mapping[str, Any], str, pathlib.Path], world_size:
         _raise([(("sequence_parallel_size",), f"is {sp}, which does not divide the world of {world_size} ranks "
                  f"into sequence-parallel groups")], source)
     data_parallel = world_size // (stages * cfg.tensor_parallel.size * sp)
-    if cfg.elasticity.enabled:  # the section decides the batch (zero/elasticity.py)
+    if cfg.elasticity.enabled:  # the section decides the batch (zero/config/elasticity.py)
         cfg = _elastic(cfg, world_size, world_size // data_parallel, source)
     m, accum = pipe.micro_batches, cfg.gradient_accumulation_steps
     if m is not None and accum is not None and m != accum:

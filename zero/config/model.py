@@ -82,7 +82,7 @@ class ZeroConfig(_Section):
     dataloader_drop_last: bool = Field(False, description="Drop the last incomplete batch.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoint options.")
     elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig, description="Elastic batch sizes "
-                                         "(zero/elasticity.py).")
+                                         "(zero/config/elasticity.py).")
     activation_checkpointing: ActivationCheckpointingConfig = Field(
         default_factory=ActivationCheckpointingConfig, description="ZeRO-R activation checkpoints "
         "(deepspeed.checkpointing).")

@@ -11,9 +11,9 @@ from pydantic import Field, field_validator, model_validator
 from zero.config.errors import _fmt
 from zero.config.features import with_placeholders
 from zero.config.sections import _lr, _Section
+from zero.optim.choice import CLIENT_OPTIMIZERS, optimizer_class  # params: their own constructor's
 
 SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "Lion", "Muon", "OneBitAdam", "ZeroOneAdam")
-CLIENT_OPTIMIZERS = ("SGD", "Adagrad", "Lion")  # run as element-wise optimizers on the shards; params as their own
 NOT_ON_SHARDS = {"Lamb": "LAMB's trust ratio needs each parameter's whole norm, which a shard does not have",
                  "OneBitLamb": "LAMB's trust ratio needs each parameter's whole norm, which a shard does not have"}
 
@@ -106,17 +106,6 @@ def _client_params(kind: str, params: Any) -> dict:
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
         raise ValueError(f"optimizer.params.lr must be a finite number >= 0, got {lr!r}")
     return dict(params)
-
-
-def optimizer_class(kind: str) -> type:
-    """The torch optimizer class of a config optimizer type other than Adam/AdamW."""
-    import torch
-
-    if kind == "Lion":
-        from zero.optim.lion import Lion
-
-        return Lion
-    return {"SGD": torch.optim.SGD, "Adagrad": torch.optim.Adagrad}[kind]
 
 
 ONEBIT_KEYS = ("freeze_step", "comm_backend_name", "cuda_aware", "compress_param_gather")

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from zero.config.errors import _raise
+from zero.config.errors import ConfigError, _raise
 
 if TYPE_CHECKING:
     from zero.config.model import ZeroConfig
@@ -178,3 +178,22 @@ def _state_formats(cfg: ZeroConfig, caller: Caller) -> Issues:
             issues.append((("bf16", key), f"is true, but {why}: low-precision state formats are for zero's "
                            f"Adam/AdamW"))
     return issues
+
+
+def client_state_dtype(optimizer, cfg: ZeroConfig) -> str | None:
+    """The moments' format a client optimizer object asks for, or None: DeepSpeedCPUAdam's
+    `fp32_optimizer_states=False` means the training dtype, as in DeepSpeed."""
+
+    from zero.stages.policies import adam_format
+
+    if getattr(optimizer, "zero_state_dtype", None) != "model":
+        return None
+    if cfg.precision == "fp16":
+        raise ConfigError("DeepSpeedCPUAdam(fp32_optimizer_states=False) under fp16: zero keeps Adam's moments as "
+                          "fp32, bf16 or 8-bit codes, not fp16; train with bf16, or set optimizer.params.state_dtype")
+    configured = adam_format(cfg).state
+    if configured not in ("fp32", cfg.precision):
+        raise ConfigError(f"DeepSpeedCPUAdam(fp32_optimizer_states=False) keeps the moments in the training dtype "
+                          f"({cfg.precision}), but the config asks for {configured!r} moments "
+                          f"(optimizer.params.state_dtype / bf16.bf16_optimizer_states): keep one of the two")
+    return cfg.precision

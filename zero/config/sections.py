@@ -16,9 +16,9 @@ from typing import Any, Literal, Optional, Union
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from zero.config.elasticity import LATEST_VERSION as LATEST_ELASTICITY_VERSION
 from zero.config.errors import _fmt, _keys_of, _NestedIssues, _suggest, _validate_nested, _warn
 from zero.config.features import with_placeholders
-from zero.elasticity import LATEST_VERSION as LATEST_ELASTICITY_VERSION
 from zero.lr_schedules.build import mistyped_params
 
 AUTO = "auto"
@@ -558,7 +558,7 @@ class CheckpointConfig(_Section):
 
 @with_placeholders("elasticity")
 class ElasticityConfig(_Section):
-    """`elasticity`: DeepSpeed's elastic batch sizes, versions 0.1 and 0.2 (zero/elasticity.py,
+    """`elasticity`: DeepSpeed's elastic batch sizes, versions 0.1 and 0.2 (zero/config/elasticity.py,
     docs/checkpoint.md "Restarting on another number of ranks")."""
 
     enabled: bool = Field(False, description="Choose the global batch from this section, so that a restart on "

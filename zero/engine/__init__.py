@@ -3,7 +3,7 @@ components (`components.py`), `zero.initialize` (`launch.py`), the counters a ch
 (`progress.py`) and the checks made when an engine is built (`guards.py`)."""
 
 
-def __getattr__(name: str):  # the rooms the engine uses import `zero.engine.components` without the engine
+def __getattr__(name: str):  # the rooms the engine uses import `zero.components` without the engine
     if name == "Engine":
         from zero.engine.engine import Engine
 

@@ -9,9 +9,9 @@ import weakref
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from zero.config import ZeroConfig
+from zero.owners import OWNERS
 from zero.parallel.comm import Comm, RankDivergenceError, Tag
 
 _ENGINE_NUMBERS = itertools.count(1)  # engines of this process, in the order built (see [Note: rank-agreement tags])
@@ -78,9 +78,7 @@ def check_ranks_agree(module: nn.Module, config: ZeroConfig, comm: Comm) -> None
         f"build the same model (same parameters in the same order) from the same config.")
 
 
-# parameter -> (the optimizer whose hooks take its gradient, whether it is stage 3, which shards
-# every parameter); weak both ways, and kept off the parameter so the model stays picklable
-_OWNERS = WeakIdKeyDictionary()
+_OWNERS = OWNERS  # see zero/owners.py
 
 
 def _refuse_claimed(module: nn.Module, trained: set, stage: int) -> None:

@@ -117,8 +117,8 @@ def launch(
                f"(LOCAL_WORLD_SIZE): version 0.2 counts nodes, so give the ranks per node (or use version 0.1, "
                f"which counts ranks)")
         raise ConfigError(f"invalid config: elasticity.num_gpus_per_node: {why}", [("elasticity.num_gpus_per_node", why)])
-    if cfg.elasticity.enabled and Comm().rank == 0:  # what this start trains with (zero/elasticity.py)
-        from zero.elasticity import plan
+    if cfg.elasticity.enabled and Comm().rank == 0:  # what this start trains with (zero/config/elasticity.py)
+        from zero.config.elasticity import plan
 
         parallel = cfg.pipeline.stages * cfg.tensor_parallel.size * cfg.sequence_parallel_size
         chosen = plan(cfg, world_size, parallel)

@@ -57,8 +57,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zero.checkpoint.periodic import PeriodicSaves
+from zero.components import Component
 from zero.config import ZeroConfig
-from zero.engine.components import Component
+from zero.config.rules import client_state_dtype
+from zero.engine.build import build_optimizer
 from zero.engine.guards import (
     _claim,
     _refuse_claimed,
@@ -68,15 +70,14 @@ from zero.engine.guards import (
 )
 from zero.engine.progress import BackwardCounter, TrainingProgress, mark_scaled
 from zero.offload.relocation import BACKWARD_NEEDS
-from zero.optim.build import build_optimizer
-from zero.optim.choice import client_state_dtype, optimizer_groups
+from zero.optim.choice import optimizer_groups
 from zero.optim.loss_scale import NonFiniteGradientError
 from zero.optim.step import ADAM_DEFAULTS, check_param_groups
 from zero.parallel.comm import Comm, Tag, compute_device
 from zero.parallel.dims import ParallelDims
 from zero.parallel.groups import ParallelGroups
 from zero.parallel.mesh import MeshTraffic, ModelParallelNorm, ParallelMesh
-from zero.partition.layout import local_tensor
+from zero.parallel.sliced import local_tensor
 from zero.pipe.module import PipelineModule
 from zero.sequence.ulysses import SequenceParallelism
 from zero.stages.policies import strict_tag_checks

@@ -10,7 +10,7 @@ import torch
 from zero.offload.host import HostMemory
 from zero.offload.policy import OffloadPolicy, OnDevice
 from zero.ops.adam_formats import decode_moment, encode_moment
-from zero.optim.rules import StateSpec
+from zero.state import StateSpec
 
 STATE_KINDS = ("fp32_master", "optimizer_states")  # the memory-report kinds a store holds
 

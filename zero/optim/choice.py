@@ -3,13 +3,28 @@ element-wise optimizer on the shards (see [Note: other optimizers on shards]).""
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
-from zero.config import ZeroConfig
 from zero.features import refused_optimizers
 from zero.optim.rules import ClientRule
+
+if TYPE_CHECKING:
+    from zero.config import ZeroConfig
+
+
+CLIENT_OPTIMIZERS = ("SGD", "Adagrad", "Lion")  # the config's types run as element-wise optimizers on the shards
+
+
+def optimizer_class(kind: str) -> type:
+    """The torch optimizer class of a config optimizer type other than Adam/AdamW."""
+    if kind == "Lion":
+        from zero.optim.lion import Lion
+
+        return Lion
+    return {"SGD": torch.optim.SGD, "Adagrad": torch.optim.Adagrad}[kind]
 
 
 def _param_groups(module: nn.Module, model_parameters, defaults: dict) -> list[dict]:
@@ -83,8 +98,6 @@ def client_step(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None) -> Cli
         if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
             return None
         return ClientRule(type(optimizer), dict(optimizer.defaults))
-    from zero.config.optimizer import CLIENT_OPTIMIZERS, optimizer_class
-
     if cfg.optimizer is not None and cfg.optimizer.type in CLIENT_OPTIMIZERS:
         cls = optimizer_class(cfg.optimizer.type)
         return ClientRule(cls, dict(cls([torch.nn.Parameter(torch.zeros(1))], **cfg.optimizer.other_params).defaults))
@@ -125,22 +138,3 @@ def _optimizer_defaults(cfg: ZeroConfig, optimizer: torch.optim.Optimizer | None
     p = cfg.optimizer.params
     return dict(lr=p.lr, betas=tuple(p.betas), eps=p.eps, weight_decay=p.weight_decay,
                 bias_correction=p.bias_correction, adamw_mode=cfg.optimizer.adamw)
-
-
-def client_state_dtype(optimizer, cfg: ZeroConfig) -> str | None:
-    """The moments' format a client optimizer object asks for, or None: DeepSpeedCPUAdam's
-    `fp32_optimizer_states=False` means the training dtype, as in DeepSpeed."""
-    from zero.config.errors import ConfigError
-    from zero.stages.policies import adam_format
-
-    if getattr(optimizer, "zero_state_dtype", None) != "model":
-        return None
-    if cfg.precision == "fp16":
-        raise ConfigError("DeepSpeedCPUAdam(fp32_optimizer_states=False) under fp16: zero keeps Adam's moments as "
-                          "fp32, bf16 or 8-bit codes, not fp16; train with bf16, or set optimizer.params.state_dtype")
-    configured = adam_format(cfg).state
-    if configured not in ("fp32", cfg.precision):
-        raise ConfigError(f"DeepSpeedCPUAdam(fp32_optimizer_states=False) keeps the moments in the training dtype "
-                          f"({cfg.precision}), but the config asks for {configured!r} moments "
-                          f"(optimizer.params.state_dtype / bf16.bf16_optimizer_states): keep one of the two")
-    return cfg.precision

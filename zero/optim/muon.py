@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from zero.stages.placement import assign_owners, ns_cost  # noqa: F401 - where owners are chosen
+
 # the config's optimizer params and the half they go to (DeepSpeed's routing; torch's Muon names)
 MUON_ONLY = ("momentum", "nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn")
 ADAMW_ONLY = ("betas", "eps")
@@ -265,23 +267,3 @@ def _update_across(param: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, d
                                         s["eps"]).to(param.device)
     param.mul_(1 - s["lr"] * s["weight_decay"])
     param.add_(ortho, alpha=-_adjust_lr(s["lr"], s["adjust_lr_fn"], param.shape))
-
-
-def ns_cost(shape: tuple[int, ...]) -> int:
-    """The Newton-Schulz work of one matrix, up to a constant: each iteration multiplies the
-    (short x long) matrix by its Gram matrix, short^2 x long."""
-    short, long_ = sorted(shape[:2]) if len(shape) >= 2 else (1, shape[0] if shape else 1)
-    return short * short * long_
-
-
-def assign_owners(shapes: list[tuple[int, ...]], world_size: int) -> list[int]:
-    """The rank that updates each Muon matrix, whole: largest first, each to the rank with the least
-    work so far (ties to the lowest rank), so no rank does more than the others by more than one
-    matrix's work. The same on every rank (it depends only on the shapes)."""
-    load = [0] * world_size
-    owners = [0] * len(shapes)
-    for i in sorted(range(len(shapes)), key=lambda i: (-ns_cost(shapes[i]), i)):
-        rank = min(range(world_size), key=lambda r: (load[r], r))
-        owners[i] = rank
-        load[rank] += ns_cost(shapes[i])
-    return owners

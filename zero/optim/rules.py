@@ -25,40 +25,12 @@ The 1-bit optimizers' rules (zero/onebit/) derive from AdamRule.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 
-from zero.ops.adam_formats import AdamFormat, q8_blocks
-
-
-class StateSpec(NamedTuple):
-    """One tensor of optimizer state a rule keeps for each slot.
-
-    Args:
-        name: its name in checkpoints and accessors ("exp_avg", "momentum_buffer", "sum", "step").
-        dtype: as stored.
-        per: "element" (as long as the slot's master), "block" (one per Q8_BLOCK elements: 8-bit
-            moments' scales) or "scalar" (one value per slot: a torch optimizer's `step`).
-        scales: for 8-bit codes, the name of the "block" state holding their scales (checkpoints
-            and accessors see the codes' exact values, decoded, under `name`).
-    """
-
-    name: str
-    dtype: torch.dtype
-    per: str = "element"
-    scales: str | None = None
-
-    def numel(self, n: int) -> int:
-        """Elements of this state for a slot of `n` elements."""
-        return n if self.per == "element" else q8_blocks(n) if self.per == "block" else 1
-
-
-def saved_specs(specs: tuple[StateSpec, ...]) -> tuple[StateSpec, ...]:
-    """The specs a checkpoint holds as tensors of their own (block scales travel inside their codes)."""
-    return tuple(s for s in specs if s.per != "block")
+from zero.ops.adam_formats import AdamFormat
+from zero.state import StateSpec
 
 
 class UpdateRule(abc.ABC):
@@ -405,5 +377,3 @@ class ClientRule(UpdateRule):
             if slot.out16 is not None:
                 slot.out16.copy_(slot.master)
 
-
-StateSpecs = Callable[[int], tuple[StateSpec, ...]]  # param-group index -> its declared state

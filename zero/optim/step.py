@@ -24,11 +24,12 @@ from torch.autograd.profiler import record_function
 
 from zero.offload.host import HostAdam
 from zero.optim.loss_scale import LossScaler
-from zero.optim.rules import ClientRule, StateSpec, UpdateRule
+from zero.optim.rules import ClientRule, UpdateRule
 from zero.parallel.comm import Comm
 from zero.stages.memory import measure_kinds
 from zero.stages.policies import Precision, StepOptions
 from zero.stages.storage import ParamStorage, Slot
+from zero.state import StateSpec
 
 logger = logging.getLogger("zero")
 _FP32_MAX = float(torch.finfo(torch.float32).max)

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from zero.engine.components import Component
+from zero.components import Component
 from zero.parallel.comm import Comm
-from zero.partition.layout import local_tensor, slicing
+from zero.parallel.sliced import local_tensor, slicing
 
 
 @dataclasses.dataclass
@@ -243,7 +243,7 @@ def _sliced_direction(module: torch.nn.Module) -> tuple[str, int] | None:
         return ("column" if s[0] == 0 else "row"), weight.shape[0]
     if isinstance(module, torch.nn.Embedding):  # weight [vocab, dim]
         return ("row" if s[0] == 0 else "column"), weight.shape[1]
-    from zero.tp.styles import is_conv1d
+    from zero.parallel.sliced import is_conv1d
 
     if is_conv1d(module):  # HuggingFace Conv1D, weight [in, out]
         return ("column" if s[0] == 1 else "row"), weight.shape[1]

@@ -14,15 +14,11 @@ import enum
 import functools
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from zero.parallel.comm import Comm
-from zero.partition.layout import local_tensor
-
-if TYPE_CHECKING:
-    from zero.stages.unit import ParamUnit
+from zero.parallel.sliced import local_tensor
 
 
 def shard_numel(numel: int, world_size: int) -> int:
@@ -47,7 +43,7 @@ class ShardedParam:
     numel: int
     shard_numel: int
     local: torch.Tensor | None = None
-    unit: ParamUnit | None = None
+    unit: object | None = None  # a stage-3 unit (zero/stages/unit.py): its shard, comm, freshen()
     offset: int = 0
 
     def shard(self) -> torch.Tensor:

@@ -31,12 +31,12 @@ from typing import Any
 import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from zero.components import Component
 from zero.config import ZeroConfig
-from zero.engine.components import Component
 from zero.parallel.comm import Comm
 from zero.parallel.groups import group_of, shared_comm
 from zero.parallel.mesh import ParallelMesh
-from zero.partition.layout import local_tensor
+from zero.parallel.sliced import local_tensor
 from zero.pipe.module import PipelineModule
 
 KIND = "pipeline"  # the shared Comms' kind (see [Note: one group registry] in zero/parallel/groups.py)

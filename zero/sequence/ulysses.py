@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zero.engine.components import Component
+from zero.components import Component
 
 LABEL = "all_to_all (sequence)"
 KIND = "sequence"  # the shared Comms' kind (see [Note: one group registry] in zero/parallel/groups.py)

@@ -4,5 +4,5 @@ Rooms: `policies.py` (what the config asks, decided once), `storage.py` (what th
 stage's storage), `readiness.py` (when gradients are final, stages 2 and 3), `buckets.py` (stages
 0-2: FlatParams), `unit.py`, `planning.py` and `stage3.py` (stage 3: UnitParams and its runtime),
 `memory.py` (bytes measured from the storages). The step over them is zero/optim/step.py; the
-optimizer is built by zero/optim/build.py.
+optimizer is built by zero/engine/build.py.
 """

@@ -40,14 +40,15 @@ import torch.nn as nn
 from torch.autograd.profiler import record_function
 
 from zero.offload.policy import OffloadPolicy
-from zero.optim.rules import StateSpecs, saved_specs
 from zero.parallel.comm import Comm, Tag
-from zero.partition.layout import Bucket, ShardLayout, local_grad, local_tensor
+from zero.parallel.sliced import local_grad, local_tensor
+from zero.partition.layout import Bucket, ShardLayout
 from zero.stages.memory import Gauges
 from zero.stages.placement import Placement
 from zero.stages.policies import Precision, ReduceOptions
 from zero.stages.readiness import GradReadiness, UnusedParameterError
 from zero.stages.storage import ParamStorage, Slot
+from zero.state import StateSpecs, saved_specs
 
 
 class GradPath(Protocol):

@@ -155,8 +155,6 @@ class Owned(Placement):
             raise NotImplementedError("whole parameters on owners (Muon) with replicated shards (hybrid sharding) "
                                       "are not implemented")
         super().__init__(shard, partitions)
-        from zero.optim.muon import assign_owners
-
         self.shapes = dict(shapes)
         whole = sorted(self.shapes, key=_order)
         owners = assign_owners([self.shapes[i] for i in whole], partitions) if partitions > 1 else [0] * len(whole)
@@ -200,6 +198,26 @@ class Owned(Placement):
 def _order(key):
     """Owners are assigned in the order of the parameters' keys (indices, or objects by position)."""
     return key if isinstance(key, int) else 0
+
+
+def ns_cost(shape: tuple[int, ...]) -> int:
+    """The Newton-Schulz work of one matrix, up to a constant: each iteration multiplies the
+    (short x long) matrix by its Gram matrix, short^2 x long."""
+    short, long_ = sorted(shape[:2]) if len(shape) >= 2 else (1, shape[0] if shape else 1)
+    return short * short * long_
+
+
+def assign_owners(shapes: list[tuple[int, ...]], world_size: int) -> list[int]:
+    """The rank that updates each Muon matrix, whole: largest first, each to the rank with the least
+    work so far (ties to the lowest rank), so no rank does more than the others by more than one
+    matrix's work. The same on every rank (it depends only on the shapes)."""
+    load = [0] * world_size
+    owners = [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: (-ns_cost(shapes[i]), i)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owners[i] = rank
+        load[rank] += ns_cost(shapes[i])
+    return owners
 
 
 class Each:

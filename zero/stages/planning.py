@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 from zero.parallel.comm import Comm
-from zero.partition.layout import local_tensor
+from zero.parallel.sliced import local_tensor
 from zero.partition.shards import ShardedParam, shard_numel, take_shard
 
 

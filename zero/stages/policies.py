@@ -9,12 +9,15 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from zero.config import ZeroConfig
 from zero.offload.policy import CPUOffload, OffloadPolicy, OnDevice
 from zero.ops.adam_formats import PLAIN, Q8_BLOCK, AdamFormat
+
+if TYPE_CHECKING:
+    from zero.config import ZeroConfig
 
 DEFAULT_UNIT_ELEMENTS = 1_000_000  # stage3_module_granularity_threshold 0 means this
 

@@ -61,9 +61,8 @@ import torch.nn as nn
 from zero.graph import graph_outputs, in_backward
 from zero.init import external_parameters
 from zero.offload.policy import OffloadPolicy
-from zero.optim.rules import StateSpecs
 from zero.parallel.comm import Comm, RankDivergenceError, Tag  # noqa: F401 - RankDivergenceError: its old home
-from zero.partition.layout import local_tensor
+from zero.parallel.sliced import local_tensor
 from zero.stages.memory import Gauges
 from zero.stages.placement import Owned, Sharded
 from zero.stages.planning import describe_shard, plan_units, take_local_shard
@@ -71,6 +70,7 @@ from zero.stages.policies import Precision, ReduceOptions, Stage3Options
 from zero.stages.readiness import GradReadiness
 from zero.stages.storage import ParamStorage, Slot
 from zero.stages.unit import ParamUnit, ShardedState
+from zero.state import StateSpecs
 
 FORWARD, BACKWARD, REDUCE = "forward", "backward", "reduce"  # what a unit collective is for
 _PHASE_TAG = {FORWARD: Tag.UNIT_FORWARD, BACKWARD: Tag.UNIT_BACKWARD, REDUCE: Tag.UNIT_REDUCE}

@@ -22,10 +22,10 @@ import torch.nn as nn
 from zero.offload.policy import OffloadPolicy
 from zero.offload.store import StateStore
 from zero.ops.adam_formats import Q8_BLOCK
-from zero.optim.rules import StateSpec, StateSpecs
 from zero.parallel.comm import Comm
 from zero.stages.memory import Gauges
 from zero.stages.policies import Precision
+from zero.state import StateSpec, StateSpecs
 
 
 @dataclass(eq=False)

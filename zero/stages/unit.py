@@ -41,13 +41,13 @@ import torch
 import torch.nn as nn
 from torch.autograd.profiler import record_function
 
-from zero.optim.rules import StateSpecs, saved_specs
-from zero.partition.layout import local_grad, local_tensor
+from zero.parallel.sliced import local_grad, local_tensor
 from zero.partition.shards import ZeroParamStatus, gather_param, mark_ds, take_shard
 from zero.stages.memory import Gauges
 from zero.stages.owned import OwnedParams
 from zero.stages.placement import Owned, Sharded
 from zero.stages.policies import Precision
+from zero.state import StateSpecs, saved_specs
 
 
 class ShardedState(enum.Enum):

@@ -20,6 +20,8 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard, dist
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
+from zero.parallel.sliced import is_conv1d
+
 __all__ = ["Conv1DColwise", "Conv1DRowwise", "GPT2AttentionHeads"]
 
 
@@ -30,14 +32,6 @@ def _strided(dim: int, split: int) -> Placement:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return _StridedShard(dim, split_factor=split)
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """HuggingFace's Conv1D (found by shape, so transformers need not be imported): a [nx, nf]
-    weight and an [nf] bias."""
-    w, b = getattr(module, "weight", None), getattr(module, "bias", None)
-    return (hasattr(module, "nf") and hasattr(module, "nx") and isinstance(w, torch.Tensor)
-            and tuple(w.shape) == (module.nx, module.nf) and (b is None or tuple(b.shape) == (module.nf,)))
 
 
 def _replace(module: nn.Module, name: str, mesh: DeviceMesh, placement) -> None:

@@ -41,11 +41,11 @@ from pydantic import BaseModel
 from zero.config import ConfigError, ZeroConfig, load_config
 from zero.config.errors import DeepSpeedConfigError
 from zero.config.loading import _read, _resolve_batch
-from zero.config.optimizer import CLIENT_OPTIMIZERS
 from zero.config.parallel import mesh_sizes
 from zero.deepspeed._missing import missing
 from zero.deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
 from zero.deepspeed.runtime.zero.config import DeepSpeedZeroConfig, ZeroStageEnum  # noqa: F401
+from zero.optim.choice import CLIENT_OPTIMIZERS
 
 __all__ = ["DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedConfigWriter", "DtypeEnum", "ZeroStageEnum"]
 
