@@ -38,7 +38,7 @@ to compare, install it next to (not over) your torch, e.g. into a separate direc
 (fused=True and foreach), with a device-to-device copy as the ceiling (bytes counted both ways);
 without a GPU it says so and exits 0.
 
-`--formats` measures zero's CPU step (`cpu_adam_step_fmt`) in each state format instead (see
+`--formats` measures zero's CPU step (`zero.ops.adam.adam_step`) in each state format instead (see
 [Note: state formats] in csrc/adam/adam_formats.h), in the offload case: a bf16 gradient and a bf16
 copy-out. Fewer bytes per element should make a faster step. Bytes per element, reading param,
 grad, exp_avg, exp_avg_sq (+ the 8-bit scales) and writing param, exp_avg, exp_avg_sq, out16
@@ -361,19 +361,23 @@ class FormatRow:
 
 
 def format_step_fn(fmt, grad: torch.Tensor, out16: torch.Tensor, num_threads: int) -> Callable[[], None]:
-    """A closure doing one cpu_adam_step_fmt on its own master and moments in `fmt` (grad shared, read
-    only; out16 shared, written only). The first step runs here, through the checked entry point."""
+    """A closure doing one CPU adam_step on its own master and moments in `fmt` (grad shared, read
+    only; out16 shared, written only). The first step runs here, with the argument checks."""
+    from zero.ops.adam import AdamArgs, adam_step
     from zero.ops.adam_formats import new_moment, new_scales
-    from zero.ops.cpu_adam import cpu_adam_step_fmt, cpu_adam_step_fmt_unchecked
 
     n = grad.numel()
     param = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(fmt.master_dtype)
     m, v = new_moment(n, fmt, device="cpu"), new_moment(n, fmt, device="cpu")
-    kw = dict(fmt=fmt, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, out16=out16, num_threads=num_threads,
-              m_scale=new_scales(n, fmt, device="cpu"), v_scale=new_scales(n, fmt, device="cpu"))  # fmt: skip
+    kw = dict(out16=out16, num_threads=num_threads, m_scale=new_scales(n, fmt, device="cpu"),
+              v_scale=new_scales(n, fmt, device="cpu"))  # fmt: skip
     steps = itertools.count(1)
-    cpu_adam_step_fmt(param, grad, m, v, step=next(steps), **kw)
-    return lambda: cpu_adam_step_fmt_unchecked(param, grad, m, v, step=next(steps), **kw)
+
+    def args() -> AdamArgs:
+        return AdamArgs(step=next(steps), lr=1e-3, weight_decay=0.01, fmt=fmt)
+
+    adam_step(param, grad, m, v, args(), **kw)
+    return lambda: adam_step(param, grad, m, v, args(), checked=False, **kw)
 
 
 def format_stream_pass(traffic: Traffic, n: int, scratch: dict[str, torch.Tensor],

@@ -10,9 +10,28 @@ import inspect
 import pytest
 import torch
 
+from zero.ops.adam import AdamArgs, adam_step
 from zero.ops.adam_formats import AdamFormat, new_moment, new_scales
-from zero.ops.cpu_adam import cpu_adam_step_fmt_unchecked
-from zero.ops.fused_adam import fused_adam_step_fmt_unchecked
+
+_ARGS = ("step", "lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction", "grad_scale", "fmt")
+
+
+def _split(kwargs: dict) -> tuple[AdamArgs, dict]:
+    """The old keyword form of a step: the step's numbers make the AdamArgs, the rest stays keywords."""
+    return AdamArgs(**{k: kwargs.pop(k) for k in _ARGS if k in kwargs}), kwargs
+
+
+def cpu_adam_step_fmt_unchecked(param, grad, exp_avg, exp_avg_sq, **kwargs):
+    """zero.ops.adam.adam_step (checked=False), called with the step's numbers as keywords."""
+    args, rest = _split(dict(kwargs))
+    adam_step(param, grad, exp_avg, exp_avg_sq, args, checked=False, **rest)
+
+
+def fused_adam_step_fmt_unchecked(param, grad, exp_avg, exp_avg_sq, **kwargs):
+    """zero.ops.adam.adam_step (checked=False), called with the step's numbers as keywords."""
+    args, rest = _split(dict(kwargs))
+    adam_step(param, grad, exp_avg, exp_avg_sq, args, checked=False, **rest)
+
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -21,9 +40,9 @@ INDEX = 2**32 - 100  # the generator's counter crosses 2^32 inside the buffer
 HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 
 
-def test_the_gpu_step_takes_the_cpu_steps_arguments():
-    cpu = [name for name in inspect.signature(cpu_adam_step_fmt_unchecked).parameters if name not in ("simd", "num_threads")]
-    assert list(inspect.signature(fused_adam_step_fmt_unchecked).parameters) == cpu
+def test_one_entry_point_steps_both_devices():
+    """The CPU and the CUDA step are one function (zero.ops.adam.adam_step), chosen by the tensors."""
+    assert "simd" in inspect.signature(adam_step).parameters and "index" in inspect.signature(adam_step).parameters
 
 
 def _state(fmt: AdamFormat, device: str) -> list[torch.Tensor | None]:

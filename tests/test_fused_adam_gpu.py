@@ -9,10 +9,37 @@ import io
 import pytest
 import torch
 
+import zero.ops.adam as adam_module
 import zero.ops.fused_adam as fused_adam_module
 from zero.ops import builder
-from zero.ops.cpu_adam import cpu_adam_step
-from zero.ops.fused_adam import FusedAdam, fused_adam_step, fused_adam_step_unchecked
+from zero.ops.adam import AdamArgs, adam_step
+from zero.ops.fused_adam import FusedAdam
+
+_ARGS = ("step", "lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction", "grad_scale", "fmt")
+
+
+def _split(kwargs: dict) -> tuple[AdamArgs, dict]:
+    """The old keyword form of a step: the step's numbers make the AdamArgs, the rest stays keywords."""
+    return AdamArgs(**{k: kwargs.pop(k) for k in _ARGS if k in kwargs}), kwargs
+
+
+def cpu_adam_step(param, grad, exp_avg, exp_avg_sq, **kwargs):
+    """zero.ops.adam.adam_step, called with the step's numbers as keywords."""
+    args, rest = _split(dict(kwargs))
+    adam_step(param, grad, exp_avg, exp_avg_sq, args, checked=True, **rest)
+
+
+def fused_adam_step(param, grad, exp_avg, exp_avg_sq, **kwargs):
+    """zero.ops.adam.adam_step, called with the step's numbers as keywords."""
+    args, rest = _split(dict(kwargs))
+    adam_step(param, grad, exp_avg, exp_avg_sq, args, checked=True, **rest)
+
+
+def fused_adam_step_unchecked(param, grad, exp_avg, exp_avg_sq, **kwargs):
+    """zero.ops.adam.adam_step (checked=False), called with the step's numbers as keywords."""
+    args, rest = _split(dict(kwargs))
+    adam_step(param, grad, exp_avg, exp_avg_sq, args, checked=False, **rest)
+
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -221,13 +248,17 @@ def test_unchecked_step_gives_the_checked_bits_and_bumps_autograd_versions():
 
 
 def test_unchecked_step_raises_a_remembered_build_failure_without_building(monkeypatch):
-    failure = builder.OpUnavailable("op 'fused_adam' failed to build: (a test's stand-in)")
+    failures = {name: builder.OpUnavailable(f"op {name!r} failed to build: (a test's stand-in)")
+                for name in ("fused_adam", "cpu_adam")}
     monkeypatch.setattr(builder, "_loaded", {})
-    monkeypatch.setattr(builder, "_failed", {"fused_adam": failure})
+    monkeypatch.setattr(builder, "_failed", failures)
     monkeypatch.setattr(builder, "_build", lambda name: pytest.fail("a failed op was built again"))
     params, grads, exp_avgs, exp_avg_sqs = _cpu_lists()
     for _ in range(2):
-        with pytest.raises(builder.OpUnavailable, match="stand-in"):
+        # The CUDA launch (what adam_step calls for CUDA tensors) and the CPU entry point.
+        with pytest.raises(builder.OpUnavailable, match="'fused_adam'.*stand-in"):
+            fused_adam_module.launch(params, grads, exp_avgs, exp_avg_sqs, [None] * 2, AdamArgs(step=1, **HP))
+        with pytest.raises(builder.OpUnavailable, match="'cpu_adam'.*stand-in"):
             fused_adam_step_unchecked(params, grads, exp_avgs, exp_avg_sqs, step=1, **HP)
 
 
@@ -322,12 +353,13 @@ def test_torch_adamw_state_dict_loads_into_fused_adam():
 
 @pytest.fixture
 def no_launch(monkeypatch):
-    """Fail the test if the op were loaded: every check must come before any launch."""
+    """Fail the test if an op were loaded: every check must come before any launch."""
 
-    def refuse():
-        raise AssertionError("the fused_adam op was loaded before the arguments were rejected")
+    def refuse(name="fused_adam"):
+        raise AssertionError(f"the {name} op was loaded before the arguments were rejected")
 
     monkeypatch.setattr(fused_adam_module, "_op", refuse)
+    monkeypatch.setattr(adam_module, "load", refuse)
 
 
 def _cpu_lists(n=2, size=4):
@@ -403,9 +435,9 @@ def test_step_rejects_bad_tensors_before_looking_at_devices(no_launch):
         call(params=[torch.zeros(4), torch.zeros(8)[::2]])
     with pytest.raises(ValueError, match=r"params must be a list"):
         call(params=torch.zeros(4))
-    # Everything else is right: what is left is that these tensors are not on a GPU.
-    with pytest.raises(ValueError, match=r"params\[0\] must be a CUDA tensor"):
-        call()
+    # Every dtype and size is right: what is left is the devices (each tensor on its param's).
+    with pytest.raises(ValueError, match=r"exp_avgs\[1\] is on meta but its param is on cpu"):
+        call(exp_avgs=[torch.zeros(4), torch.zeros(4, device="meta")])
 
 
 @needs_gpu

@@ -5,8 +5,9 @@ Nothing is compiled when this package is imported; each op is built the first ti
 zero.env` reports. simd.py reads the CPU ops' `simd=` and `num_threads=`; fallback.py is the one
 rule for an op that cannot be built ([Note: native-op fallback]).
 """
+from zero.ops.adam import AdamArgs, adam_step, torch_adam_step
 from zero.ops.builder import OPS, OpUnavailable, is_built, load, missing
-from zero.ops.cpu_adam import CPUAdam, cpu_adam_step
+from zero.ops.cpu_adam import CPUAdam
 from zero.ops.fused_adam import FusedAdam
 
-__all__ = ["CPUAdam", "cpu_adam_step", "FusedAdam", "OPS", "OpUnavailable", "is_built", "load", "missing"]
+__all__ = ["AdamArgs", "adam_step", "torch_adam_step", "CPUAdam", "FusedAdam", "OPS", "OpUnavailable", "is_built", "load", "missing"]

@@ -7,8 +7,8 @@ elements); each step widens them to fp32, applies the Adam update and rounds the
 
 `AdamFormat` names a combination; `new_moment` / `new_scales` allocate the buffers a format
 stores; `decode_moment` / `encode_moment` convert between a stored moment and fp32 (checkpoint
-conversions, tests); `torch_adam_step_fmt` is the torch reference of the kernels' step (the
-fallback when the native op cannot be built, and an independent check of it).
+conversions, tests); `sr_words` / `to_bf16_stochastic` are the kernels' stochastic rounding in
+torch. The step itself, native and in torch, is zero.ops.adam's.
 """
 from __future__ import annotations
 
@@ -216,42 +216,3 @@ def to_bf16_stochastic(x: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     h = ((u + (words & 0xFFFF)) >> 16) & 0xFFFF
     h = torch.where(torch.isnan(x), torch.full_like(h, 0x7FC0), h)
     return (torch.where(h >= 2**15, h - 2**16, h)).to(torch.int16).view(torch.bfloat16)
-
-
-# ----------------------------------------------------------------------------- the step in torch
-
-
-def torch_adam_step_fmt(param, grad, exp_avg, exp_avg_sq, *, m_scale=None, v_scale=None, out16=None, step, lr,
-                        betas, eps, weight_decay, adamw_mode=True, bias_correction=True, grad_scale=1.0,
-                        fmt: AdamFormat, index: int = 0) -> None:
-    """The kernels' step in `fmt` with torch ops, in place (flat 1-D buffers). The update itself is
-    torch's Adam formula (equal to the kernels' to fp32 round-off, see zero.optim.step's
-    torch_adam_step); widening, rounding and codes are the kernels' exactly."""
-    from zero.optim.step import torch_adam_step
-
-    n = param.numel()
-    p = param.float()
-    m = decode_moment(exp_avg, m_scale, "exp_avg")
-    v = decode_moment(exp_avg_sq, v_scale, "exp_avg_sq")
-    torch_adam_step(p, grad, m, v, step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                    adamw_mode=adamw_mode, bias_correction=bias_correction, grad_scale=grad_scale)
-    sr = fmt.stochastic
-    words = sr_words(sr_key(fmt.seed, step), index, n, p.device) if sr else None
-    if param.dtype == torch.bfloat16:
-        param.copy_(to_bf16_stochastic(p, words) if sr else p.to(torch.bfloat16))
-    else:
-        param.copy_(p)
-    if out16 is not None:
-        out16.copy_(param)
-    if exp_avg.dtype == torch.uint8:
-        for t, s, new, which in ((exp_avg, m_scale, m, "exp_avg"), (exp_avg_sq, v_scale, v, "exp_avg_sq")):
-            codes, scales = encode_moment(new, which)
-            t.copy_(codes)
-            s.copy_(scales)
-    elif exp_avg.dtype == torch.bfloat16 and sr:
-        exp_avg.copy_(to_bf16_stochastic(m, words >> 16))
-        k2 = sr_key(fmt.seed, step)[1]
-        exp_avg_sq.copy_(to_bf16_stochastic(v, (((words ^ k2) * 0x9E3779B9) & _M32) >> 16))
-    else:
-        exp_avg.copy_(m)
-        exp_avg_sq.copy_(v)

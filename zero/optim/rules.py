@@ -108,43 +108,19 @@ class AdamRule(UpdateRule):
 
 
 def adam_kernel(fmt: AdamFormat, master, grad, state: dict, out16, index: int, num_threads, kwargs: dict) -> None:
-    """The Adam step on one flat range: the CPU or CUDA kernel of `fmt`, the torch reference where
-    no native op can be built (see [Note: native-op fallback] in zero/ops/fallback.py)."""
+    """The Adam step on one flat range (zero.ops.adam.adam_step, unchecked: the storage made the
+    tensors), the torch reference where no native op can be built (see [Note: native-op fallback]
+    in zero/ops/fallback.py)."""
+    from zero.ops.adam import AdamArgs, adam_step, torch_adam_step
     from zero.ops.fallback import run_native
 
+    args = AdamArgs(**kwargs, fmt=fmt)
     exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-    if not fmt.plain:
-        from zero.ops.adam_formats import torch_adam_step_fmt
-
-        fmt_kwargs = dict(m_scale=state.get("exp_avg.scale"), v_scale=state.get("exp_avg_sq.scale"), out16=out16,
-                          fmt=fmt, index=index, **kwargs)
-        if master.device.type == "cuda":
-            from zero.ops.fused_adam import fused_adam_step_fmt_unchecked
-
-            op, native = "fused_adam", lambda: fused_adam_step_fmt_unchecked(
-                master, grad, exp_avg, exp_avg_sq, **fmt_kwargs)
-        else:
-            from zero.ops.cpu_adam import cpu_adam_step_fmt_unchecked
-
-            op, native = "cpu_adam", lambda: cpu_adam_step_fmt_unchecked(
-                master, grad, exp_avg, exp_avg_sq, num_threads=num_threads, **fmt_kwargs)
-        run_native(op, native, lambda: torch_adam_step_fmt(master, grad, exp_avg, exp_avg_sq, **fmt_kwargs),
-                   what="zero's Adam step")
-        return
-    from zero.optim.step import torch_adam_step
-
-    if master.device.type == "cuda":
-        from zero.ops.fused_adam import fused_adam_step_unchecked
-
-        op, native = "fused_adam", lambda: fused_adam_step_unchecked(
-            [master], [grad], [exp_avg], [exp_avg_sq], out16=None if out16 is None else [out16], **kwargs)
-    else:
-        from zero.ops.cpu_adam import cpu_adam_step_unchecked
-
-        op, native = "cpu_adam", lambda: cpu_adam_step_unchecked(
-            master, grad, exp_avg, exp_avg_sq, out16=out16, num_threads=num_threads, **kwargs)
-    run_native(op, native, lambda: torch_adam_step(master, grad, exp_avg, exp_avg_sq, out16=out16, **kwargs),
-               what="zero's Adam step")  # see [Note: native-op fallback]
+    tensors = dict(m_scale=state.get("exp_avg.scale"), v_scale=state.get("exp_avg_sq.scale"), out16=out16, index=index)
+    op = "fused_adam" if master.device.type == "cuda" else "cpu_adam"
+    run_native(op, lambda: adam_step(master, grad, exp_avg, exp_avg_sq, args, checked=False, num_threads=num_threads,
+                                     **tensors),
+               lambda: torch_adam_step(master, grad, exp_avg, exp_avg_sq, args, **tensors), what="zero's Adam step")
 
 
 # -- Muon ----------------------------------------------------------------------------------------------

@@ -346,23 +346,3 @@ def check_param_groups(groups: list[dict], source: str) -> None:
             raise ValueError(f"param group {i} has betas={betas!r}: expected two numbers in [0, 1). {source}")
         if "eps" in g and not (isinstance(g["eps"], (int, float)) and math.isfinite(g["eps"]) and g["eps"] >= 0):
             raise ValueError(f"param group {i} has eps={g['eps']!r}: expected a finite number >= 0. {source}")
-
-
-def torch_adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, betas, eps, weight_decay, adamw_mode,
-                    bias_correction, grad_scale, out16=None) -> None:
-    """Adam/AdamW on flat tensors with torch ops: the fallback when no native kernel can be built.
-    Same formula as the kernels (see [Note: adam math] in csrc/adam/)."""
-    beta1, beta2 = betas
-    g = grad.float() / grad_scale
-    if adamw_mode:
-        param.mul_(1 - lr * weight_decay)
-    elif weight_decay:
-        g = g.add(param, alpha=weight_decay)
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    bc1 = 1 - beta1**step if bias_correction else 1.0
-    bc2 = 1 - beta2**step if bias_correction else 1.0
-    denom = (exp_avg_sq.sqrt() / math.sqrt(bc2)).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-lr / bc1)
-    if out16 is not None:
-        out16.copy_(param)
