@@ -219,10 +219,11 @@ def test_a_rank_killed_at_a_random_step_under_torchrun_restarts_and_ends_as_an_u
         _killed_run_matches(tmp_path, unbroken, args, kill_at, kill_rank, (kill_at - kill_at % INTERVAL,))
 
 
-@pytest.mark.parametrize("optimizer,stage,offload", [("SGD", 1, False), ("RMSprop", 3, True)])
+@pytest.mark.parametrize("optimizer,stage,offload",
+                         [("SGD", 1, False), ("Lion", 2, False), ("Adagrad", 3, False), ("RMSprop", 3, True)])
 def test_a_killed_rank_auto_resumes_other_optimizers_as_the_unbroken_run(tmp_path, optimizer, stage, offload):
-    """The config's SGD and a client torch optimizer (RMSprop, stepping on host masters) keep their
-    state in zero's storage, so periodic saves hold it: a rank killed under torchrun --max-restarts
+    """The config's SGD, Lion and Adagrad and a client torch optimizer (RMSprop, stepping on host
+    masters) keep their state in zero's storage, so periodic saves hold it: a rank killed under torchrun --max-restarts
     resumes and ends as the unbroken run, bit for bit."""
     args = ["--steps", "7", "--stage", str(stage), "--optimizer", optimizer, *(["--offload"] if offload else [])]
     _, unbroken = _torchrun(tmp_path, "unbroken", *args)
