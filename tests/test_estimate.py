@@ -132,6 +132,13 @@ def test_estimates_equal_memory_report_of_real_runs_within_padding(dist_run):
     muon = {"optimizer": {"type": "Muon"}}  # one fp32 momentum per matrix, whole on its owner (balanced here)
     cases += [(0, "none", "fp32", muon, True), (1, "none", "bf16", muon, True), (2, "optimizer", "bf16", muon, False),
               (3, "none", "fp32", muon, True), (3, "optimizer+param", "bf16", muon, False)]
+    # other optimizers keep the state their rule declares: SGD's momentum (none without), Lion's
+    # exp_avg, Adagrad's sum and step
+    sgd = {"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}
+    cases += [(1, "none", "bf16", sgd, False), (3, "optimizer", "bf16", sgd, False),
+              (2, "optimizer", "fp32", {"optimizer": {"type": "Lion", "params": {"lr": 1e-3}}}, False),
+              (3, "none", "bf16", {"optimizer": {"type": "Adagrad", "params": {"lr": 1e-2}}}, False),
+              (2, "none", "bf16", {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, False)]
     for stage, offload, dtype, extra, tie in cases:
         for estimate, measured, pieces in dist_run(2, run_and_measure, stage, offload, dtype, extra, tie):
             slack = 2 * ALIGN * 4 * (pieces + 1)  # each bucket/unit pads to 2 x ALIGN elements, <= 4 bytes each

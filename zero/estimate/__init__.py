@@ -21,7 +21,10 @@ optimizer's state format (zero/ops/adam_formats.py; docs/config.md, "State forma
     S  bytes per element of Adam's m and v together: 8 (fp32), 4 (bf16), or 2 + 8/256 (8-bit codes:
        one byte each, plus one fp32 scale per block of 256 elements of each moment; the blocks
        start at each bucket slice's or unit shard's start, so a planned model's scales are counted
-       per slot, as the engine allocates them)
+       per slot, as the engine allocates them). Another optimizer keeps the state its update rule
+       declares (see [Note: declared state] in zero/optim/rules.py), read from the same rule the
+       engine builds: SGD with momentum 4 (its momentum_buffer; without momentum 0), Lion 4
+       (exp_avg), Adagrad 4 (sum) plus its 4-byte step once per slot.
 
     stage  params           grads      master   Adam m, v
     0      p Psi            g Psi      M Psi    S Psi          (plain data parallelism)
@@ -96,7 +99,8 @@ class MemoryEstimate:
     params: int
     grads: int
     fp32_master: int  # the master weights in their format (fp32 or bf16), as memory_report() names them
-    optimizer_states: int  # Adam's m and v in their format, 8-bit codes' block scales included
+    optimizer_states: int  # the optimizer's declared state: Adam's m and v in their format (8-bit codes' block
+    # scales included), or another optimizer's (SGD's momentum, Lion's exp_avg, Adagrad's sum and step)
     host_staging: int  # offload's host gradient copy and copy-back tiles
     buffers: int  # device communication and gathered-parameter buffers, at most
     compression_errors: int  # OneBitAdam's error buffers (device), see zero/onebit/optimizer.py
@@ -108,6 +112,7 @@ class MemoryEstimate:
     buffers_in_backward: int = 0  # the part of `buffers` alive while backward starts (see the note)
     muon_params: int = 0  # the elements Muon updates (one fp32 momentum each; see the note)
     element_bytes: tuple[int, int] = (2, 2)  # bytes per parameter and per gradient-shard element
+    optimizer_state: str = ""  # a non-Adam optimizer's declared state ("SGD: momentum_buffer (fp32)"); "": Adam's
 
     @property
     def peak_bytes(self) -> int:
@@ -128,7 +133,10 @@ class MemoryEstimate:
     @property
     def state_format(self) -> str:
         """"fp32 master + fp32 moments", "bf16 master + 8-bit moments", ... (", Muon" when Muon
-        updates some of the parameters)."""
+        updates some of the parameters); "fp32 master + SGD: momentum_buffer (fp32)" for another
+        optimizer."""
+        if self.optimizer_state:
+            return f"{self.master_dtype} master + {self.optimizer_state}"
         return state_format_label(self.master_dtype, self.state_dtype) + (", Muon" if self.muon_params else "")
 
     def bytes_per_param(self, psi: int) -> float:
@@ -383,13 +391,18 @@ def _policies(config, stage: int, offload: str, dtype: str, world_size: int, mas
         else None
     gather = kind == "OneBitAdam" and cfg.optimizer.onebit.compress_param_gather and stage in (1, 2) and world_size > 1
     muon = cfg.optimizer is not None and cfg.optimizer.type == "Muon"
-    return (*options_from_config(cfg, world_size, num_threads=1, state_dtype=given_state), kind, gather, muon)
+    from zero.optim.choice import client_step
+
+    client = client_step(cfg, None)  # SGD, Lion, Adagrad, ...: the state their rule declares
+    declared = (client.name, client.state(dict(client.defaults))) if client is not None else None
+    return (*options_from_config(cfg, world_size, num_threads=1, state_dtype=given_state), kind, gather, muon,
+            declared)
 
 
 def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, config, persistent_given,
               largest_layer: int | None, master_dtype: str | None = None, state_dtype: str | None = None,
               activations: int = 0, muon_params: int | None = None):
-    precision, step, reduce, s3, onebit, compressed_gather, muon_config = _policies(
+    precision, step, reduce, s3, onebit, compressed_gather, muon_config, declared = _policies(
         config, stage, offload, dtype, n, master_dtype, state_dtype)
     members = None  # ids of the parameters Muon updates, where known
     if muon_params is None and muon_config and model is not None:
@@ -455,11 +468,18 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
         slots = [b.slice_numel for b in layout.buckets if b.group == 0]
     adam_shard = (psi - muon_params) / n if stage >= 1 else psi - muon_params
     fp32_master = master * adam_shard + (4 if apart or stage == 3 else 0) * muon_shard
-    states = 2 * fmt.state_dtype.itemsize * adam_shard + 4 * muon_shard
+    if declared is not None:  # another optimizer's declared state: per element, and per slot (its `step`)
+        per_element = sum(spec.dtype.itemsize for spec in declared[1] if spec.per == "element")
+        per_slot = sum(spec.dtype.itemsize for spec in declared[1] if spec.per == "scalar")
+        states = per_element * adam_shard + per_slot * (len(slots) if stage >= 1 or model is None else 1)
+    else:
+        states = 2 * fmt.state_dtype.itemsize * adam_shard + 4 * muon_shard
     if fmt.quantized:  # one fp32 scale per block of each 8-bit moment; blocks start at each slot's start
         blocks = sum(q8_blocks(math.ceil(s)) for s in slots) if model is not None else shard / Q8_BLOCK
         states += 2 * 4 * blocks
-    staged = offload_opt and p < 4 and not offload_param  # offload_param: written in place on the host
+    # offload_param: written in place on the host; other optimizers write their 16-bit values whole,
+    # with no copy-back tiles
+    staged = offload_opt and p < 4 and not offload_param and declared is None
     tiles = _copy_back_tiles(slots, step.offload.tile_elements) * p if staged else 0
     host_staging = g * (adam_shard + muon_shard) + tiles if offload_opt else 0
     if stage < 2:
@@ -488,8 +508,12 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
     values = dict(params=params, grads=grads, fp32_master=fp32_master, optimizer_states=states,
                   host_staging=host_staging, buffers=buffers, device_bytes=device, host_bytes=host,
                   compression_errors=errors, buffers_in_backward=in_backward, activations=activations)
+    optimizer_state = "" if declared is None else f"{declared[0]}: " + (", ".join(
+        f"{spec.name} ({'fp32' if spec.dtype == torch.float32 else str(spec.dtype).replace('torch.', '')}"
+        f"{'' if spec.per == 'element' else ', one per slot'})" for spec in declared[1]) or "no state")
     row = MemoryEstimate(stage=stage, offload=offload, world_size=n, **{k: int(round(v)) for k, v in values.items()},
-                         master_dtype=fmt.master, state_dtype=fmt.state, muon_params=muon_params, element_bytes=(p, g))
+                         master_dtype=fmt.master, state_dtype=fmt.state, muon_params=muon_params, element_bytes=(p, g),
+                         optimizer_state=optimizer_state)
     return row, persistent, largest_unit
 
 
