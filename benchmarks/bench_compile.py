@@ -11,7 +11,7 @@ compiles), then `--steps` timed steps. Reported per configuration:
 - graph breaks (dynamo's counter) and graphs compiled: after the warm-up and at the end, so a
   recompilation during the timed steps shows as a difference;
 - the allocator peak of one untimed step after the warm-up (see [Note: measuring memory on the CPU]
-  in zero/testing/memory.py): compiled graphs must not keep gathered parameters alive.
+  in zero/probes.py): compiled graphs must not keep gathered parameters alive.
 Both systems shard per transformer block, release after forward and prefetch one block ahead.
 FSDP2 compiles each block with `block.compile()` before `fully_shard` (torchtitan's order; dynamo
 skips FSDP2's hooks); zero with `engine.compile()` (its hooks outside the graphs). On CPU the
@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from zero.testing.dist import DistPool  # noqa: E402
-from zero.testing.memory import AllocatorPeak  # noqa: E402
+from zero.probes import AllocatorPeak  # noqa: E402
 from zero.testing.models import GPT, GPTConfig  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -9,7 +9,7 @@ a few warm-up steps and then `--steps` timed steps, and reports:
   from the storages each system holds, beside the ZeRO paper's formula for our stages;
 - the measured peak: the most bytes torch's allocator held at once in a separate, untimed run of
   the same job (model construction, wrapping and two steps), read from the allocator's events
-  (see [Note: measuring memory on the CPU] in zero/testing/memory.py): parameters, gradients,
+  (see [Note: measuring memory on the CPU] in zero/probes.py): parameters, gradients,
   optimizer states, gathered parameters, communication buffers and activations, all of it;
 - the rank process's peak resident memory (also includes torch itself and the Python heap).
 
@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from zero.testing.dist import DistPool  # noqa: E402
-from zero.testing.memory import AllocatorPeak, distinct_storage_bytes  # noqa: E402
+from zero.probes import AllocatorPeak, distinct_storage_bytes  # noqa: E402
 from zero.testing.models import GPT, GPTConfig  # noqa: E402
 
 

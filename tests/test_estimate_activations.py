@@ -13,7 +13,7 @@ import torch.nn as nn
 import zero
 from zero.estimate import estimate_activations, estimate_memory
 from zero.models import GPT, GPTConfig
-from zero.testing.memory import AllocatorPeak
+from zero.probes import AllocatorPeak
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import zero
-from zero.testing.memory import AllocatorPeak
+from zero.probes import AllocatorPeak
 from zero.testing.models import GPT, GPTConfig
 
 WIDTH = 256

@@ -114,7 +114,7 @@ def _mlp_and_loss(mlp: _MLP, head: _Head, x: torch.Tensor, y: torch.Tensor, shar
 
 def test_tiled_mlp_and_tiled_logits_loss_equal_the_untiled_ones_and_hold_less():
     from zero.deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
-    from zero.testing.memory import AllocatorPeak
+    from zero.probes import AllocatorPeak
 
     mlp, head = _MLP(), _Head()
     g = torch.Generator().manual_seed(2)

@@ -21,7 +21,7 @@ from zero.sparse_attention import (
     replace_self_attention,
     sparse_attention,
 )
-from zero.testing.memory import SavedTensorProbe
+from zero.probes import SavedTensorProbe
 from zero.testing.models import GPT, GPTConfig
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -7,14 +7,14 @@ nothing kept for reuse, at most two layers are alive between forward and backwar
 parameter offload. F.linear saves `weight.t()`, a view of the gathered weight, so a release that
 only swaps `param.data` leaves every layer alive here (7 of 8 layers, measured before the fix).
 Whatever the config, default included, `memory_report()` accounts for everything autograd holds.
-See [Note: measuring memory on the CPU] in zero/testing/memory.py.
+See [Note: measuring memory on the CPU] in zero/probes.py.
 """
 import pytest
 import torch
 import torch.nn as nn
 
 import zero
-from zero.testing.memory import AllocatorPeak, SavedTensorProbe
+from zero.probes import AllocatorPeak, SavedTensorProbe
 
 WIDTH, LAYERS = 2048, 8
 LAYER_BYTES = WIDTH * WIDTH * 4  # fp32 weight

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import zero
-from zero.testing.memory import AllocatorPeak, SavedTensorProbe
+from zero.probes import AllocatorPeak, SavedTensorProbe
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

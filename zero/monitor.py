@@ -297,7 +297,7 @@ class StepPeak:
             self.before = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         elif not torch.autograd.profiler._is_profiler_enabled:
-            from zero.testing.memory import AllocatorPeak
+            from zero.probes import AllocatorPeak
 
             report = engine.memory_report()  # what the engine holds as the step starts
             self.base = (report["model_states_total"] + report["host_staging"] + report["reduce_buffers"]

@@ -108,7 +108,7 @@ class _LiveBytes(TorchDispatchMode):
 
 def _scratch(func, *args, **kwargs) -> int:
     """Bytes the real `func(*args, **kwargs)` allocates beyond its outputs, at the most."""
-    from zero.testing.memory import AllocatorPeak
+    from zero.probes import AllocatorPeak
 
     with AllocatorPeak() as measured:
         outs = func(*args, **kwargs)

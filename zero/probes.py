@@ -12,9 +12,10 @@ Two measurements stand in for it here, and both see real storages, not an engine
 - `AllocatorPeak` is the peak of bytes allocated (minus freed) by torch's allocator inside the
   `with` block, above the level at its start. On CUDA it reads the allocator's own counters; on
   the CPU it reads the allocation and free events torch's profiler records with
-  `profile_memory=True` (c10's CPU allocator reports each one). Frees of blocks allocated before
-  the block started are not reported by the profiler, so the CPU figure is the peak of what was
-  allocated inside the block: exactly what a phase adds.
+  `profile_memory=True` (c10's CPU allocator reports each one, with its address). A free is
+  counted only for a block allocated inside the `with` block (the profiler also reports frees of
+  blocks whose allocation an earlier profiling session saw), so the CPU figure is the peak of what
+  was allocated inside the block: exactly what a phase adds.
 """
 from __future__ import annotations
 
@@ -103,11 +104,28 @@ class AllocatorPeak:
             self.end = torch.cuda.memory_allocated(self.device) - self._start
             return
         self._prof.__exit__(*exc)
-        events = sorted((e.start_ns(), e.nbytes()) for e in self._prof.profiler.kineto_results.events()
-                        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
-        live = peak = 0
-        for _, nbytes in events:
-            live += nbytes
-            peak = max(peak, live)
+        live: dict[int, int] = {}  # address -> bytes of each block allocated inside the block
+        total = peak = 0
+        for _, ptr, nbytes in _cpu_allocations(self._prof):
+            if nbytes > 0:
+                live[ptr] = live.get(ptr, 0) + nbytes
+                total += nbytes
+            elif ptr in live:  # a free of a block allocated before the block: not ours
+                total -= live.pop(ptr)
+            peak = max(peak, total)
         self.peak = peak
-        self.end = live
+        self.end = total
+
+
+def _cpu_allocations(prof) -> list[tuple[int, int, int]]:
+    """(time, address, bytes: + allocated, - freed) of each CPU allocator event `prof` recorded, in order."""
+    from torch._C._profiler import _ExtraFields_Allocation
+
+    out, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        e = todo.pop()
+        extra = e.extra_fields
+        if isinstance(extra, _ExtraFields_Allocation) and extra.device.type == "cpu":
+            out.append((e.start_time_ns, extra.ptr, extra.alloc_size))
+        todo.extend(e.children)
+    return sorted(out)
