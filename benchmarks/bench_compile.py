@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from zero.testing.dist import DistPool  # noqa: E402
 from zero.probes import AllocatorPeak  # noqa: E402
+from zero.testing.dist import DistPool  # noqa: E402
 from zero.testing.models import GPT, GPTConfig  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

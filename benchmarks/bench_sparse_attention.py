@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from zero.sparse_attention import BigBirdSparsityConfig, FixedSparsityConfig, SparseSelfAttention  # noqa: E402
 from zero.probes import AllocatorPeak  # noqa: E402
+from zero.sparse_attention import BigBirdSparsityConfig, FixedSparsityConfig, SparseSelfAttention  # noqa: E402
 
 HEADS, HEAD_DIM, BLOCK = 12, 64, 64
 

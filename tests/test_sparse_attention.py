@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from zero.ops.builder import load
 from zero.ops.sparse_attention import BlockSparseIndex
+from zero.probes import SavedTensorProbe
 from zero.sparse_attention import (
     BigBirdSparsityConfig,
     BSLongformerSparsityConfig,
@@ -21,7 +22,6 @@ from zero.sparse_attention import (
     replace_self_attention,
     sparse_attention,
 )
-from zero.probes import SavedTensorProbe
 from zero.testing.models import GPT, GPTConfig
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -29,8 +29,8 @@ def _loss(self, hidden_states, labels, reduction="mean"):
 
 def test_sequence_tiled_compute_equals_the_untiled_function_with_uneven_tiles_and_holds_less():
     from zero.deepspeed.runtime.sequence_parallel import ulysses_sp
-    from zero.sequence import SequenceTiledCompute, sequence_tiled_compute
     from zero.probes import AllocatorPeak
+    from zero.sequence import SequenceTiledCompute, sequence_tiled_compute
 
     assert ulysses_sp.sequence_tiled_compute is sequence_tiled_compute
     assert ulysses_sp.SequenceTiledCompute is SequenceTiledCompute

@@ -13,7 +13,7 @@ def __getattr__(name):  # keep `import zero` light: torch-heavy modules load on 
 
         return initialize
     if name == "init_distributed":
-        from zero.parallel.comm import init_distributed
+        from zero.parallel.process_group import init_distributed
 
         return init_distributed
     if name == "Engine":

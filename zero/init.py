@@ -19,8 +19,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-from zero.parallel.comm import Comm, Tag
+from zero.parallel.comm import Comm
 from zero.parallel.sliced import local_tensor
+from zero.parallel.tags import Tag
 from zero.partition.shards import ShardedParam, ZeroParamStatus, gather_param, mark_ds, shard_numel, take_shard
 
 

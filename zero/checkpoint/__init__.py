@@ -22,7 +22,8 @@ from pathlib import Path, PurePath
 import torch
 import torch.nn as nn
 
-from zero.parallel.comm import Comm, Tag
+from zero.parallel.comm import Comm
+from zero.parallel.tags import Tag
 
 # An orphaned temporary file whose writer cannot be checked (another host, or no pid in its name)
 # is removed once it has not been written to for this long. See [Note: atomic checkpoint writes].

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from zero.checkpoint.placement import to_whole
-from zero.checkpoint.training import CheckpointError, read_state, resolve_tag
+from zero.checkpoint.tags import CheckpointError, read_state, resolve_tag
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 

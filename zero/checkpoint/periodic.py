@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from zero.checkpoint.nodes import Nodes, gather_objects
 from zero.checkpoint.placement import Placement
-from zero.checkpoint.training import (
+from zero.checkpoint.tags import (
     NODE_LOCAL_HINT,
     STATE_FILE,
     CheckpointError,

@@ -6,7 +6,7 @@ import os
 import torch.distributed as _dist
 
 from zero.deepspeed._missing import missing, module_names
-from zero.parallel.comm import init_distributed as _init_distributed
+from zero.parallel.process_group import init_distributed as _init_distributed
 
 ReduceOp = _dist.ReduceOp
 

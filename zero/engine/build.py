@@ -16,18 +16,18 @@ from zero.optim.choice import ClientRule
 from zero.optim.loss_scale import LossScaler
 from zero.optim.muon import matrix_shape
 from zero.optim.rules import AdamRule, MuonRule
-from zero.optim.step import ShardedAdam
+from zero.optim.step import ShardedOptimizer
 from zero.parallel.comm import Comm
 from zero.stages.buckets import FlatParams
 from zero.stages.memory import Gauges
 from zero.stages.placement import Owned, Sharded
 from zero.stages.policies import options_from_config
-from zero.stages.stage3 import UnitParams
+from zero.stages.unit_params import UnitParams
 
 
 def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], config: ZeroConfig, comm: Comm,
                     device: torch.device, *, replicate: Comm | None = None, client: ClientRule | None = None,
-                    model_parallel=None, state_dtype: str | None = None, muon: bool = False) -> ShardedAdam:
+                    model_parallel=None, state_dtype: str | None = None, muon: bool = False) -> ShardedOptimizer:
     """The partitioned optimizer the config's ZeRO stage asks for, owning `module`'s parameters.
 
     Trainable parameters (all parameters under stage 3) move into the stage's storage one at a
@@ -98,4 +98,4 @@ def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], confi
                                     predivide=step.predivide, device=device, placement=sharded, owned=whole)
     else:
         storage = functools.partial(FlatParams, module, params, groups, master_is_params=fp32_in_place, **flat)
-    return ShardedAdam(param_groups, storage, rules=rules, **common)
+    return ShardedOptimizer(param_groups, storage, rules=rules, **common)

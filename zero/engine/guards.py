@@ -12,7 +12,8 @@ import torch.nn as nn
 
 from zero.config import ZeroConfig
 from zero.owners import OWNERS
-from zero.parallel.comm import Comm, RankDivergenceError, Tag
+from zero.parallel.comm import Comm
+from zero.parallel.tags import RankDivergenceError, Tag
 
 _ENGINE_NUMBERS = itertools.count(1)  # engines of this process, in the order built (see [Note: rank-agreement tags])
 

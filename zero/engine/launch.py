@@ -21,9 +21,10 @@ import torch.nn as nn
 from zero.config import ConfigError, load_config
 from zero.config.rules import check_optimizer_object
 from zero.engine import Engine
-from zero.parallel.comm import Comm, compute_device, init_distributed
+from zero.parallel.comm import Comm
 from zero.parallel.dims import ParallelDims
 from zero.parallel.groups import ParallelGroups
+from zero.parallel.process_group import compute_device, init_distributed
 
 log = logging.getLogger("zero")
 

@@ -73,11 +73,13 @@ from zero.offload.relocation import BACKWARD_NEEDS
 from zero.optim.choice import optimizer_groups
 from zero.optim.loss_scale import NonFiniteGradientError
 from zero.optim.step import ADAM_DEFAULTS, check_param_groups
-from zero.parallel.comm import Comm, Tag, compute_device
+from zero.parallel.comm import Comm
 from zero.parallel.dims import ParallelDims
 from zero.parallel.groups import ParallelGroups
 from zero.parallel.mesh import MeshTraffic, ModelParallelNorm, ParallelMesh
+from zero.parallel.process_group import compute_device
 from zero.parallel.sliced import local_tensor
+from zero.parallel.tags import Tag
 from zero.pipe.module import PipelineModule
 from zero.sequence.ulysses import SequenceParallelism
 from zero.stages.policies import strict_tag_checks

@@ -29,7 +29,7 @@ import torch
 from zero.onebit.exchange import CompressedExchange, gather_changes
 from zero.optim.loss_scale import LossScaler
 from zero.optim.rules import AdamRule
-from zero.optim.step import ShardedAdam
+from zero.optim.step import ShardedOptimizer
 from zero.stages.buckets import FlatParams
 
 
@@ -97,9 +97,9 @@ class OneBitParams(FlatParams):
         report["device_bytes"] += errors
 
 
-class OneBitAdam(ShardedAdam):
+class OneBitAdam(ShardedOptimizer):
     """ZeRO stages 0-2 with 1-bit compressed gradient exchange after `freeze_step` (see
-    [Note: 1-bit Adam on shards]). Arguments as ShardedAdam (its storage a OneBitParams), plus:
+    [Note: 1-bit Adam on shards]). Arguments as ShardedOptimizer (its storage a OneBitParams), plus:
 
     Args:
         freeze_step: steps of exact Adam before the variance freezes and compression starts.
@@ -129,7 +129,7 @@ class OneBitAdam(ShardedAdam):
         self.storage.error_scale.fill_(self.loss_scaler.scale)
 
     def memory_report(self) -> dict:
-        """As ShardedAdam's, plus `compression_errors` (see OneBitParams.memory_extras) and, with the
+        """As ShardedOptimizer's, plus `compression_errors` (see OneBitParams.memory_extras) and, with the
         compressed gather, its buffers' peak."""
         report = super().memory_report()
         if self.compress_param_gather:

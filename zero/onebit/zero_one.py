@@ -31,7 +31,7 @@ import torch
 
 from zero.onebit.exchange import CompressedExchange
 from zero.optim.rules import AdamRule
-from zero.optim.step import ShardedAdam
+from zero.optim.step import ShardedOptimizer
 from zero.stages.buckets import FlatParams
 
 
@@ -94,9 +94,9 @@ class ZeroOneParams(FlatParams):
         report["device_bytes"] += errors + local
 
 
-class ZeroOneAdam(ShardedAdam):
+class ZeroOneAdam(ShardedOptimizer):
     """ZeRO stage 0 with 0/1 Adam's variance freezing, local steps and 1-bit syncs (see
-    [Note: 0/1 Adam]). Arguments as ShardedAdam (its storage a ZeroOneParams), plus the
+    [Note: 0/1 Adam]). Arguments as ShardedOptimizer (its storage a ZeroOneParams), plus the
     schedule's four numbers."""
 
     def __init__(self, *args, var_freeze_step: int, var_update_scaler: int, local_step_scaler: int,

@@ -36,8 +36,10 @@ _FP32_MAX = float(torch.finfo(torch.float32).max)
 ADAM_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bias_correction=True, adamw_mode=True)
 
 
-class ShardedAdam(torch.optim.Optimizer):
-    """Adam/AdamW over this rank's shards: the step every stage shares.
+class ShardedOptimizer(torch.optim.Optimizer):
+    """The optimizer over this rank's shards: the step every stage shares, each param group
+    updated by its rule (Adam/AdamW in every state format, Muon, or a client optimizer; see
+    [Note: declared state] in zero/optim/rules.py).
 
     Behaves as a torch optimizer for schedulers and user code (`param_groups` with `lr`, `betas`,
     ... per group), but `step()` is meant to be called by the engine at the accumulation
@@ -45,7 +47,7 @@ class ShardedAdam(torch.optim.Optimizer):
     model is the storage's business (`storage`: zero/stages/storage.py).
 
     Args:
-        param_groups: torch-style groups of trainable parameters with Adam hyperparameters.
+        param_groups: torch-style groups of trainable parameters with their hyperparameters.
         storage: builds the stage's storage of parameters, optimizer state and gradient shards,
             given the optimizer's `grad_final` and `step_number` callbacks (ParamStorage's
             arguments of those names).
@@ -332,6 +334,9 @@ class ShardedAdam(torch.optim.Optimizer):
         self.skipped = (norm, before, self.loss_scaler.scale)
         self.global_grad_norm = None
         self.zero_grad()
+
+
+ShardedAdam = ShardedOptimizer  # its name before every optimizer ran on the shards
 
 
 def check_param_groups(groups: list[dict], source: str) -> None:

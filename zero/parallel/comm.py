@@ -33,12 +33,9 @@ reduce-scatter with an all-reduce; a ring all-reduce sends about 2E), so do not 
 """
 from __future__ import annotations
 
-import atexit
-import enum
 import math
 import os
 import time
-import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,6 +46,7 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from zero.errors import ZeroRuntimeError
+from zero.parallel.tags import TAG_SIZE, RankDivergenceError, Tag, describe_tag
 
 # torch 2.13 renamed the single-tensor collectives; 2.11 only has the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -60,67 +58,6 @@ _CONTROL: dict[tuple[int, int, str], tuple[object, Comm]] = {}  # see Comm.contr
 
 class CollectiveTimeout(ZeroRuntimeError):
     """A collective did not complete in time; the message says which and what to check."""
-
-
-class RankDivergenceError(ZeroRuntimeError):
-    """Ranks reached different collectives (different modules, a skipped backward, an extra step)."""
-
-
-# [Note: rank-agreement tags]
-# Before a collective whose place in the program could differ between ranks, every rank
-# all-gathers a small tag saying where it is, on the control group (`Comm.control`): four int64s,
-# (what, a, b, engine), where `what` is a `Tag` and `engine` numbers the engines of the process in
-# the order they were built (the same on every rank; 0 outside an engine), so two engines'
-# collectives (a GAN's generator and discriminator) never pass for each other. Every
-# control-group message has this one size, so a rank that is somewhere else shows up as a
-# different tag, never as a size mismatch (which aborts gloo without a word). A mismatch raises
-# RankDivergenceError on every rank, naming where each rank was.
-#
-# When: on gloo a tag is checked before its data collective is issued (mismatched sizes abort gloo
-# without a word). On NCCL the collectives of a backward (bucket and unit reductions, unit
-# gathers) are deferred: their tags are checked together at the end of the backward
-# (`Comm.check_deferred`), so the CPU never waits for the other ranks per collective; NCCL does not
-# check sizes, so there the check is best effort, and `enable_sanity_checks` (or
-# TORCH_DISTRIBUTED_DEBUG=DETAIL) checks every tag before its collective. `Comm.tagged` is the one
-# place that decides.
-class Tag(enum.IntEnum):
-    """What a rank-agreement tag says a rank is about to do (its `a` and `b` in `TAG_WORDS`)."""
-
-    UNIT_FORWARD = 0  # a: the stage-3 unit
-    UNIT_BACKWARD = 1
-    UNIT_REDUCE = 2
-    BUCKET_REDUCE = 3  # a: the bucket, b: its elements
-    STEP = 4  # a: the optimizer step, b: backward passes since the last one
-    GATHERED_PARAMETERS = 5  # a: parameters, b: their elements
-    SAVE_16BIT_MODEL = 6
-    END_OF_BACKWARD = 7  # a: groups with late gradients, b: groups
-    INITIALIZE = 8  # a, b: a digest of the model and config
-    SAVE_CHECKPOINT = 9  # b: a checksum of the tag name
-
-
-TAG_WORDS = {
-    Tag.UNIT_FORWARD: "forward of unit {a}",
-    Tag.UNIT_BACKWARD: "backward of unit {a}",
-    Tag.UNIT_REDUCE: "gradient reduction of unit {a}",
-    Tag.BUCKET_REDUCE: "gradient reduction of bucket {a} ({b} elements)",
-    Tag.STEP: "optimizer step {a} after {b} backward pass(es)",
-    Tag.GATHERED_PARAMETERS: "GatheredParameters over {a} parameter(s) of {b} elements",
-    Tag.SAVE_16BIT_MODEL: "saving the 16-bit model",
-    Tag.END_OF_BACKWARD: "the end of a backward pass",
-    Tag.INITIALIZE: "zero.initialize",
-    Tag.SAVE_CHECKPOINT: "save_checkpoint (tag checksum {b})",
-}
-TAG_SIZE = 4
-UNIT_TAGS = (Tag.UNIT_FORWARD, Tag.UNIT_BACKWARD, Tag.UNIT_REDUCE)  # tags whose `a` is a stage-3 unit
-
-
-def describe_tag(row: list[int], unit_label: Callable[[int], str] | None = None, engine: bool = False) -> str:
-    """Words for one rank's tag (see [Note: rank-agreement tags]); `engine` adds the engine number."""
-    what, a, b, number = row
-    if what in UNIT_TAGS and unit_label is not None:
-        a = unit_label(a)
-    words = TAG_WORDS[Tag(what)].format(a=a, b=b) if what in Tag._value2member_map_ else f"unknown tag {row}"
-    return f"{words} of engine {number}" if engine else words
 
 
 class _Done:
@@ -565,74 +502,6 @@ class Comm:
             raise CollectiveTimeout(f"waiting for every rank to finish {what} failed because another rank stopped "
                                     f"or crashed (see its log for the first error) ({exc}).") from exc
         return bool(t.item())
-
-
-def init_distributed(dist_backend: str | None = None, timeout_s: float | None = None, init_method: str | None = None,
-                     rank: int = -1, world_size: int = -1) -> None:
-    """Join the torch.distributed group that torchrun (or a similar launcher) describes, or the
-    one `init_method`, `rank` and `world_size` describe (torch's `init_process_group` arguments).
-
-    Does nothing if a group is already initialised, or when neither a launcher environment nor
-    an `init_method` is there (a world of one). The backend is NCCL when CUDA is available, gloo
-    otherwise.
-
-    Args:
-        dist_backend: override the backend ("nccl", "gloo").
-        timeout_s: the process group's collective timeout in seconds (default: ZERO_COLLECTIVE_TIMEOUT,
-            1800), after which NCCL's watchdog ends a hung collective; see [Note: bounded waits].
-        init_method: where the ranks meet ("tcp://host:port", "file:///path"); default the
-            launcher's environment ("env://").
-        rank, world_size: this process's rank and the number of ranks (-1: from the environment).
-    """
-    launched = "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-    if dist.is_initialized():
-        return
-    if not launched and init_method in (None, "env://"):
-        if rank != -1 or world_size != -1:
-            raise ValueError(f"init_distributed(rank={rank}, world_size={world_size}) without init_method, and no "
-                             f"launcher set MASTER_ADDR/WORLD_SIZE: pass init_method='tcp://host:port' (or "
-                             f"'file:///shared/path') too, or launch with torchrun")
-        return  # a world of one
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    kwargs = {}
-    if "nccl" in backend:  # bind the rank to its GPU up front (no device guessing, eager communicator)
-        local = os.environ.get("LOCAL_RANK")
-        device = torch.device("cuda", int(local) if local is not None else max(rank, 0) % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        kwargs["device_id"] = device
-    if timeout_s is None:
-        timeout_s = collective_timeout_s()
-    dist.init_process_group(backend=backend, init_method=init_method or "env://", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s), **kwargs)
-    atexit.register(_destroy_process_group)
-
-
-def _destroy_process_group() -> None:
-    """[Note: gloo at exit]
-    A gloo group still alive when the interpreter shuts down can abort the process from its worker
-    threads ("terminate called without an active exception", pytorch/pytorch#190489): measured on
-    torch 2.13, 2 ranks exiting after a few collectives abort in about half the runs once a torch
-    optimizer exists. `destroy_process_group()` alone is not enough there, because a reference
-    cycle keeps the group alive; destroying it and then collecting garbage, while the interpreter
-    is still whole, brings it to 0 in 12 runs. So the group zero created, zero also takes down."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-        import gc
-
-        gc.collect()
-
-
-def compute_device(comm: Comm) -> torch.device:
-    """The current CUDA device, unless there is none or the process group is gloo-only (CPU ranks)."""
-    if not torch.cuda.is_available() or (comm.distributed and not comm.uses_nccl):
-        return torch.device("cpu")
-    device = torch.device("cuda", torch.cuda.current_device())
-    local = os.environ.get("LOCAL_RANK")
-    if comm.distributed and local is not None and int(local) != device.index and torch.cuda.device_count() > 1:
-        warnings.warn(f"zero: LOCAL_RANK is {local} but the current CUDA device is {device}; call "
-                      f"torch.cuda.set_device(LOCAL_RANK) before init_process_group (or let zero.initialize do it), "
-                      f"or several ranks will share one GPU", stacklevel=3)
-    return device
 
 
 def __getattr__(name: str):

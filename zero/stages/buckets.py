@@ -40,8 +40,9 @@ import torch.nn as nn
 from torch.autograd.profiler import record_function
 
 from zero.offload.policy import OffloadPolicy
-from zero.parallel.comm import Comm, Tag
+from zero.parallel.comm import Comm
 from zero.parallel.sliced import local_grad, local_tensor
+from zero.parallel.tags import Tag
 from zero.partition.layout import Bucket, ShardLayout
 from zero.stages.memory import Gauges
 from zero.stages.placement import Placement

@@ -44,7 +44,8 @@ from torch.autograd.profiler import record_function
 
 from zero.errors import ZeroRuntimeError
 from zero.graph import graph_outputs, in_backward
-from zero.parallel.comm import Comm, Tag
+from zero.parallel.comm import Comm
+from zero.parallel.tags import Tag
 
 
 class UnusedParameterError(ZeroRuntimeError, AssertionError):

@@ -6,7 +6,7 @@ parameter's chunks), and what happens when user code changes a parameter (an in-
 `load_state_dict`): those hooks belong to the storage that holds the values, as FSDP2 registers
 them on its parameters. Two implementations: `FlatParams` (stages 0-2, one flat buffer in
 buckets; zero/stages/buckets.py) and `UnitParams` (stage 3, parameter units;
-zero/stages/stage3.py).
+zero/stages/unit_params.py).
 """
 from __future__ import annotations
 

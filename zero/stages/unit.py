@@ -329,7 +329,7 @@ class ParamUnit:
         return out
 
     def grad_piece(self, p: nn.Parameter) -> tuple[int, torch.Tensor, bool]:
-        """This rank's part of the reduced gradient of trainable `p` (see ShardedAdam.grad_piece)."""
+        """This rank's part of the reduced gradient of trainable `p` (see ShardedOptimizer.grad_piece)."""
         i = next(i for i, q in enumerate(self.params) if q is p)
         z, off, s = p._zero, self.offsets[i], self.split_sizes[i]
         if i in self.matrices:

@@ -31,8 +31,9 @@ def mesh(config: Any, world_size: int | None = None):
     import torch.distributed as dist
 
     from zero.config import load_config
-    from zero.parallel.comm import Comm, compute_device, init_distributed
+    from zero.parallel.comm import Comm
     from zero.parallel.mesh import build_mesh
+    from zero.parallel.process_group import compute_device, init_distributed
 
     init_distributed()
     world = world_size or (dist.get_world_size() if dist.is_initialized() else 1)

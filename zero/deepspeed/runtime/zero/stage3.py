@@ -2,12 +2,12 @@
 from zero.deepspeed._kinds import kind
 from zero.deepspeed._missing import missing
 from zero.estimate import estimate_memory
-from zero.optim.step import ShardedAdam
-from zero.stages.stage3 import UnitParams
+from zero.optim.step import ShardedOptimizer
+from zero.stages.unit_params import UnitParams
 
 DeepSpeedZeroOptimizer_Stage3 = kind(
-    "DeepSpeedZeroOptimizer_Stage3", __name__, lambda o: isinstance(o, ShardedAdam) and isinstance(o.storage, UnitParams),
-    "the engine's optimizer at stage 3 (zero.optim.step.ShardedAdam over UnitParams)")
+    "DeepSpeedZeroOptimizer_Stage3", __name__, lambda o: isinstance(o, ShardedOptimizer) and isinstance(o.storage, UnitParams),
+    "the engine's optimizer at stage 3 (zero.optim.step.ShardedOptimizer over UnitParams)")
 
 
 def estimate_zero3_model_states_mem_needs_all_live(model, num_gpus_per_node: int = 1, num_nodes: int = 1,

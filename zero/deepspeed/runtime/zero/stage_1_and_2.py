@@ -2,12 +2,12 @@
 from zero.deepspeed._kinds import kind
 from zero.deepspeed._missing import missing
 from zero.estimate import estimate_memory
-from zero.optim.step import ShardedAdam
+from zero.optim.step import ShardedOptimizer
 from zero.stages.buckets import FlatParams
 
 DeepSpeedZeroOptimizer = kind(
-    "DeepSpeedZeroOptimizer", __name__, lambda o: isinstance(o, ShardedAdam) and isinstance(o.storage, FlatParams),
-    "the engine's optimizer at stages 0-2 (zero.optim.step.ShardedAdam over FlatParams)")
+    "DeepSpeedZeroOptimizer", __name__, lambda o: isinstance(o, ShardedOptimizer) and isinstance(o.storage, FlatParams),
+    "the engine's optimizer at stages 0-2 (zero.optim.step.ShardedOptimizer over FlatParams)")
 
 
 def estimate_zero2_model_states_mem_needs_all_live(model, num_gpus_per_node: int = 1, num_nodes: int = 1,
