@@ -1,8 +1,9 @@
-"""DeepSpeedEngine's acting methods on zero's engine (zero/deepspeed/engine_methods.py), the engine without an
-optimizer, and zero.Init's DeepSpeed bookkeeping: an evaluation engine at every stage and HF
-generation under stage 3 on 2 ranks against the plain model (also with TRL's hook removal),
-offload_states/reload_states bit for bit against training without the round trip, batch-size
-changes against an engine built with the new size, the module's state dict, rank queries."""
+"""DeepSpeedEngine's acting methods (zero/deepspeed/engine_methods.py, on the facade
+zero.deepspeed.initialize returns) and zero's Engine's own, the engine without an optimizer, and
+zero.Init's DeepSpeed bookkeeping: an evaluation engine at every stage and HF generation under
+stage 3 on 2 ranks against the plain model (also with TRL's hook removal), offload_states/
+reload_states bit for bit against training without the round trip, batch-size changes against an
+engine built with the new size, the module's state dict, rank queries."""
 import pytest
 import torch
 import torch.nn as nn

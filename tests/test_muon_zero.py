@@ -1,6 +1,7 @@
-"""Muon under ZeRO (zero/optim/muon.py, [Note: Muon in buckets]): every stage and world size equals
-single-process torch.optim.Muon + torch.optim.AdamW on DeepSpeed's split, on a model with awkward
-shapes; a checkpoint resumes at another world size and stage; the bytes sent equal Adam's."""
+"""Muon under ZeRO (zero/optim/muon.py, [Note: placements] in zero/stages/placement.py): every stage
+and world size equals single-process torch.optim.Muon + torch.optim.AdamW on DeepSpeed's split, on a
+model with awkward shapes; a checkpoint resumes at another world size and stage; the bytes sent equal
+Adam's."""
 import copy
 
 import pytest

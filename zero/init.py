@@ -219,7 +219,9 @@ class GatheredParameters:
                         "GatheredParameters")
         with torch.no_grad():
             for unit in dict.fromkeys(p._zero.unit for p in self.params if p._zero.unit is not None):
-                unit.freshen()  # Muon's matrices updated since their last gather (see [Note: Muon in units])
+                # Muon's matrices updated since their last gather (see [Note: owned parameters in units]
+                # in zero/stages/owned.py)
+                unit.freshen()
             for p in self.params:
                 info: ShardedParam = p._zero
                 if local_tensor(p).numel() == info.numel and info.numel > 0:

@@ -2,10 +2,12 @@
 
 [Note: checkpoint chunks]
 Every saved tensor is a global 1-D tensor of its parameter's full length: `model/<name>` (the
-parameter in the training dtype), `master/<name>`, `exp_avg/<name>` and `exp_avg_sq/<name>` (in
-the optimizer's state format: fp32 or bf16; 8-bit moments as bf16 tensors of their exact values,
-see [Note: 8-bit moments in checkpoints] in zero/stages/storage.py). A matrix that Muon
-updates has `momentum_buffer/<name>` (fp32) in place of the two moments.
+parameter in the training dtype), `master/<name>`, and `<state>/<name>` for each state the
+parameter's update rule declares (see [Note: declared state] in zero/optim/rules.py): Adam's
+`exp_avg/<name>` and `exp_avg_sq/<name>` (in the optimizer's state format: fp32 or bf16; 8-bit
+moments as bf16 tensors of their exact values, see [Note: 8-bit moments in checkpoints] in
+zero/offload/store.py), Muon's or SGD's `momentum_buffer/<name>` (fp32), Adagrad's `sum/<name>`,
+and so on. A per-slot scalar (a torch optimizer's `step`) is a global tensor of one element.
 Each rank says which pieces of them it holds (`Chunk`: a name, an offset into the global tensor, and
 a local 1-D view), whatever the stage: a stage-1/2 bucket slice, a stage-3 shard, or (stage 0,
 frozen parameters, rank 0 only) the whole tensor. DCP's planner does the rest: on save it records

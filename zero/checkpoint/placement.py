@@ -9,7 +9,7 @@ of pieces 0..t-1. For d = 0 that is the parameter's own row-major order, so noth
 for d > 0 the checkpoint records the layout {"dim": d, "parts": T} beside the tensor's shape, and
 for a strided slice (GPT-2's fused q/k/v, [Note: fused q/k/v slices] in zero/tp/styles.py) also
 "split": 3, along any dimension: rank t's piece is then the t-th piece of each third. ZeRO's
-flat buffers hold local pieces ([Note: sliced parameters] in zero/partition/layout.py), so a rank's
+flat buffers hold local pieces ([Note: sliced parameters] in zero/parallel/sliced.py), so a rank's
 chunks are its optimizer's offsets within its local piece plus the piece's start.
 
 Loading a tensor stored in another layout than this engine's (a change of tensor_parallel.size,

@@ -8,8 +8,10 @@
                                   (engine.progress.state_dict()), the optimizer's step count, param
                                   groups and loss scale (engine.optimizer.state_dict()), the lr
                                   scheduler, every parameter's shape/dtype, client_state
-        tensors/*.safetensors     model/master/exp_avg/exp_avg_sq as chunked global 1-D tensors,
-                                  one file per saving rank (see [Note: checkpoint chunks])
+        tensors/*.safetensors     model, master and the optimizer's declared state (Adam:
+                                  exp_avg/exp_avg_sq; see [Note: declared state] in
+                                  zero/optim/rules.py) as chunked global 1-D tensors, one file
+                                  per saving rank (see [Note: checkpoint chunks])
         rng/rank<r>.safetensors   each rank's torch (CPU and CUDA), numpy and python RNG states
         optimizer/rank<r>.safetensors   each rank's own optimizer state, if any (1-bit Adam's error buffers)
 Nothing is a pickle: tensors are safetensors, everything else JSON. A tag is written under a

@@ -21,7 +21,7 @@ The package, one concern a file: `errors.py` (ConfigError, readable messages fro
 `sections.py`, `optimizer.py` and `parallel.py` (the section models), `model.py` (`ZeroConfig`, the
 root), `features.py` (the keys we refuse or warn about, one row each, from which the section models
 get their fields), `rules.py` (settings that cannot go together), `loading.py` (`load_config`,
-`resolve_auto`, the batch rule).
+`resolve_auto`, the batch rule), `elasticity.py` (the `elasticity` section's batch arithmetic).
 """
 from zero.config.errors import ConfigError, ConfigWarning
 from zero.config.features import UNIMPLEMENTED_FEATURES, UnimplementedFeature

@@ -340,7 +340,7 @@ def _no_nvme(v: str) -> str:
 
 @with_placeholders("zero_optimization.offload_optimizer")
 class OffloadOptimizerConfig(_Section):
-    """`zero_optimization.offload_optimizer`: fp32 master weights, Adam state and step on the CPU."""
+    """`zero_optimization.offload_optimizer`: fp32 master weights, optimizer state and step on the CPU."""
 
     device: Literal["none", "cpu", "nvme"] = Field("none", description="Where optimizer state lives: none or "
                                                    "cpu ('nvme' is refused).")

@@ -1,7 +1,9 @@
 """DeepSpeed's public names on zero: `import zero.deepspeed as deepspeed` runs DeepSpeed scripts.
 
 A thin map onto zero's real modules (see docs/migrating-from-deepspeed.md). A name DeepSpeed has
-and zero does not raises an error that says what to use instead, when it is used.
+and zero does not raises an error that says what to use instead, when it is used; the packages of
+a feature zero lacks altogether (`deepspeed.moe`, `deepspeed.inference`, ...) raise ImportError with
+the reason when imported.
 """
 from __future__ import annotations
 

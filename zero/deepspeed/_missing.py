@@ -6,9 +6,12 @@ public_names.txt, generated from an installed DeepSpeed by tools/deepspeed_names
 module path of DeepSpeed and every public name of each module with its kind. It decides what
 `zero.deepspeed` answers for, so a DeepSpeed script finds every name it imports:
 - a listed module path `deepspeed.a.b` imports as `zero.deepspeed.a.b`: zero's own file where there
-  is one, else an _AbsentModule made on import by `_AbsentPackages`. A file of zero's that stands for
-  a DeepSpeed package answers `__path__` (through `missing`), so DeepSpeed's other modules under it
-  import too;
+  is one, else an _AbsentModule made on import by `_AbsentPackages`, unless it lies in the package
+  of a feature zero lacks altogether (ABSENT_PACKAGES: `deepspeed.moe`, `deepspeed.inference`, ...;
+  see [Note: the feature table] in zero/features.py): that import raises ImportError with the
+  reason, so a `try: import deepspeed.moe` probe takes the branch without it. A file of zero's that
+  stands for a DeepSpeed package answers `__path__` (through `missing`), so DeepSpeed's other
+  modules under it import too;
 - a listed name is zero's own object where zero has the feature: defined in that file, or, for a
   class or function DeepSpeed re-exports, in zero's file for the module that defines it or for
   another module that re-exports it (`deepspeed.zero.Init` is zero.init.Init under every path).
@@ -23,13 +26,15 @@ everywhere: a file of zero's for a DeepSpeed package keeps its own names clear o
 modules' names (`torch`, `logging` and `builder` are modules of DeepSpeed packages).
 
 [Note: absent names]
-A DeepSpeed script often imports more than it uses (`from deepspeed.moe.layer import MoE` at
-the top of a file that trains without experts). So a DeepSpeed name that zero lacks imports fine
-and fails when used: it resolves to a stand-in class whose call, attribute access or instantiation
-of a subclass raises `NotAvailableError` with the reason and what to use instead.
-`isinstance(x, StandIn)` is simply False. The reason is the name's entry in ABSENT_NAMES, else that
-of the nearest package in ABSENT_PACKAGES that holds it (or holds the module DeepSpeed defines it
-in), else a general sentence pointing to docs/migrating-from-deepspeed.md.
+A DeepSpeed script often imports more than it uses (`from deepspeed.runtime.zero import TiledLinear`
+at the top of a file that never builds one). So a DeepSpeed name that zero lacks imports fine and
+fails when used: it resolves to a stand-in class whose call, attribute access or instantiation of
+a subclass raises `NotAvailableError` with the reason and what to use instead. (A module zero has
+no file for in the package of a feature zero lacks altogether raises ImportError on import
+instead; see [Note: the name list].) `isinstance(x, StandIn)` is simply False. The reason is the
+name's entry in ABSENT_NAMES, else that of the nearest package in ABSENT_PACKAGES that holds it (or
+holds the module DeepSpeed defines it in), else a general sentence pointing to
+docs/migrating-from-deepspeed.md.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """DeepSpeedEngine's config accessors (`engine.fp16_enabled()`, `engine.zero_offload_optimizer()`, ...),
-mixed into zero's `Engine`.
+mixed into `DeepSpeedEngine` (zero/deepspeed/engine.py), the facade over zero's `Engine`.
 
 Each accessor reads `engine._config`, a `DeepSpeedConfig` (zero/deepspeed/runtime/config.py) viewing
 the engine's `ZeroConfig` (`engine.config`) over its data-parallel ranks, as DeepSpeed's accessors

@@ -1,10 +1,11 @@
 """DeepSpeedEngine's methods that act (the config accessors are in zero/deepspeed/engine_accessors.py).
 
-`Engine` inherits them. Each has DeepSpeed's signature and meaning, built on the engine's own
-pieces (its optimizer and storage, its progress, its mesh): moving model states off the device
-and back (`offload_states` / `reload_states`, see [Note: states away] in
-zero/offload/relocation.py), the module's state dict, batch-size changes, rank queries, the data
-loader, and the old names of methods that have new ones.
+`DeepSpeedEngine` (zero/deepspeed/engine.py) inherits them. Each has DeepSpeed's signature and
+meaning, built on the engine's own pieces (its optimizer and storage, its progress, its mesh): the
+module's state dict, batch-size changes, rank queries, the data loader, DeepSpeed's collectives on
+tensors of one's own, and the old names of methods that have new ones. Moving model states off the
+device and back (`offload_states` / `reload_states`, see [Note: states away] in
+zero/offload/relocation.py) is zero's `Engine`'s own (zero/engine/engine.py).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ log = logging.getLogger("zero")
 
 
 class DeepSpeedMethods:
-    """Mixed into zero.engine.Engine."""
+    """Mixed into DeepSpeedEngine, over zero.engine.Engine."""
 
     # -- the module's state ------------------------------------------------------------------------
 

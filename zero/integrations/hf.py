@@ -96,7 +96,9 @@ def resolve_auto(config: dict | str | os.PathLike, args, model, num_training_ste
 
     optim = getattr(args.optim, "value", args.optim)
     if "optimizer" not in cfg and "adam" not in str(optim).lower():
-        mismatches.append(f"TrainingArguments.optim={optim!r} but zero trains with Adam/AdamW only")
+        mismatches.append(f"TrainingArguments.optim={optim!r}, which zero does not map to a config optimizer (it "
+                          f"maps the Adam/AdamW ones): name the optimizer in the config's `optimizer` section "
+                          f"(AdamW, SGD, Lion, Adagrad, ...) instead")
     micro, ga = args.per_device_train_batch_size, args.gradient_accumulation_steps
     fill(cfg, "train_micro_batch_size_per_gpu", micro, "train_micro_batch_size_per_gpu")
     fill(cfg, "gradient_accumulation_steps", ga, "gradient_accumulation_steps")

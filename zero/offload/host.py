@@ -1,4 +1,4 @@
-"""ZeRO-Offload: the fp32 master weights, Adam's moments and the update live in host memory.
+"""ZeRO-Offload: the fp32 master weights, the optimizer state and the update live in host memory.
 
 [Note: offload data path]
 Per rank and step, with Psi/N the rank's share of the parameters:
@@ -12,6 +12,10 @@ Per rank and step, with Psi/N the rank's share of the parameters:
    the same pass. Each finished tile is copied back to the device on the copy stream, through two
    alternating page-locked tiles, while the next tile is being updated: the 2 Psi/N bytes that
    come back. The compute stream waits for the last of them before the parameters are used.
+   Other update rules step on the same host masters and the state they declare (see [Note:
+   declared state] in zero/optim/rules.py), on gradients fetched to the host (`HostAdam.fetch`):
+   Lion and Adagrad with zero's native CPU kernels, other client optimizers with torch's step,
+   Muon with Newton-Schulz where the model computes.
 3. The model's 16-bit parameters never leave the device (stage 3 with `offload_param` keeps their
    shards on the host too, and stages a shard onto the device only to all-gather it).
 

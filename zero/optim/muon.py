@@ -1,7 +1,8 @@
 """Muon (`"optimizer": {"type": "Muon"}`, or a client torch.optim.Muon): which parameters it updates,
 how the config's keys reach its two halves, the update of one whole matrix, and which rank owns
-each matrix. The stages keep the matrices whole on their owners: [Note: Muon in buckets] in
-zero/stages/buckets.py (stages 0-2) and [Note: Muon in units] in zero/stages/unit.py (stage 3).
+each matrix. The stages keep the matrices whole on their owners: the `Owned` placement ([Note:
+placements] in zero/stages/placement.py; stages 0-2) and [Note: owned parameters in units] in
+zero/stages/owned.py (stage 3).
 
 [Note: Muon and partitions]
 Muon updates a matrix with its momentum orthogonalised by Newton-Schulz iterations, which need the

@@ -270,10 +270,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None) -> bool:
-        """Reduce, check, clip and apply Adam to this rank's shards, then publish them.
+        """Reduce, check, clip and apply each param group's update rule to this rank's shards, then
+        publish them.
 
         A step whose gradient holds inf or NaN (on any rank) is skipped on every rank and logged:
-        parameters, master weights and Adam state stay as they were, and the gradients are
+        parameters, master weights and optimizer state stay as they were, and the gradients are
         dropped. With fp16 this is the loss scale's overflow rule; in fp32 and bf16 it keeps one
         bad batch from turning every parameter into NaN.
 

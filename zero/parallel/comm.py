@@ -137,7 +137,8 @@ class Comm:
         group: the torch.distributed group; None means the default group, or a world of one
             when torch.distributed is not initialised.
         strict_tags: check the rank-agreement tags of a pass's collectives before each one also
-            on NCCL, instead of at the end of the pass (see [Note: rank-agreement tags]).
+            on NCCL, instead of at the end of the pass (see [Note: rank-agreement tags] in
+            zero/parallel/tags.py).
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, strict_tags: bool = False):
@@ -151,7 +152,8 @@ class Comm:
         # (default 1800). Every gloo collective waits this way (see [Note: bounded waits]).
         self.timeout_s = collective_timeout_s()
         self.data: Comm | None = None  # for a control group (see `control`), the group it serves
-        self.engine = 0  # the engine these collectives belong to (see [Note: rank-agreement tags])
+        # the engine these collectives belong to (see [Note: rank-agreement tags] in zero/parallel/tags.py)
+        self.engine = 0
         self.wait_s = 0.0  # seconds the host waited for this group's gloo collectives (NCCL: not measured)
         self.defer_tags = self.uses_nccl and not strict_tags  # check a pass's tags at its end (`tagged`)
         self._deferred: list = []
@@ -411,7 +413,7 @@ class Comm:
 
     def start_tag(self, tag: Tag, a: int = 0, b: int = 0):
         """All-gather (tag, a, b) and this group's engine number on the control group; returns
-        (handle, gathered tags). See [Note: rank-agreement tags]."""
+        (handle, gathered tags). See [Note: rank-agreement tags] in zero/parallel/tags.py."""
         ctl = self.control()
         mine = torch.tensor([int(tag), a, b, self.engine], dtype=torch.int64)
         tags = torch.empty(self.world_size * TAG_SIZE, dtype=torch.int64)
@@ -445,7 +447,7 @@ class Comm:
                unit_label: Callable[[int], str] | None = None, advice: str = "") -> None:
         """Tag a data collective of a backward (or forward) about to be issued: its tag is checked
         now, or, when `defer_tags` is set (NCCL without strict checks), by `check_deferred` at the
-        end of the pass. See [Note: rank-agreement tags]."""
+        end of the pass. See [Note: rank-agreement tags] in zero/parallel/tags.py."""
         if self.world_size == 1:
             return
         work, tags = self.start_tag(tag, a, b)

@@ -24,7 +24,8 @@ def init_distributed(dist_backend: str | None = None, timeout_s: float | None = 
     Args:
         dist_backend: override the backend ("nccl", "gloo").
         timeout_s: the process group's collective timeout in seconds (default: ZERO_COLLECTIVE_TIMEOUT,
-            1800), after which NCCL's watchdog ends a hung collective; see [Note: bounded waits].
+            1800), after which NCCL's watchdog ends a hung collective; see [Note: bounded waits]
+            in zero/parallel/comm.py.
         init_method: where the ranks meet ("tcp://host:port", "file:///path"); default the
             launcher's environment ("env://").
         rank, world_size: this process's rank and the number of ranks (-1: from the environment).

@@ -6,6 +6,7 @@ unchanged on whole sequences for its share of the heads. See zero/sequence/ulyss
 and `TiledFusedLogitsLoss` compute an MLP and the logits + loss one sequence tile at a time, and
 `sequence_tiled_compute` any function of sequence-shaped tensors (zero/sequence/tiled.py). For HF
 models (zero/sequence/hf.py): `UlyssesSPAttentionHF`, `tile_mlps` and `tiled_causal_lm_loss`.
+`sequence_parallel_group` is the one group registry's (zero/parallel/groups.py).
 """
 from zero.parallel.groups import sequence_parallel_group
 from zero.sequence.data import UlyssesSPDataLoaderAdapter, sequence_loss, shard_batch

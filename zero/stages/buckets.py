@@ -10,8 +10,9 @@ this rank owns. The engine never holds a second full copy of the model. After ea
 owners' slices are all-gathered back into the flat buffer, bucket by bucket, in place.
 
 Per bucket this rank keeps the fp32 master of its slice (a view into the flat buffer itself when
-training in fp32 without offload, so fp32 training holds no second copy), Adam's exp_avg and
-exp_avg_sq, and its gradient shard.
+training in fp32 without offload, so fp32 training holds no second copy), the optimizer state its
+param group's rule declares (Adam's exp_avg and exp_avg_sq; see [Note: declared state] in
+zero/optim/rules.py), and its gradient shard.
 
 [Note: gradient path of stages 0-2]
 A post-accumulate-grad hook on every trainable parameter takes its gradient as soon as autograd

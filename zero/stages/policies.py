@@ -140,7 +140,7 @@ class Stage3Options:
 def strict_tag_checks(cfg: ZeroConfig) -> bool:
     """Check every collective's rank-agreement tag before issuing it, also on NCCL (one host
     synchronisation per collective): `enable_sanity_checks` or TORCH_DISTRIBUTED_DEBUG=DETAIL.
-    See [Note: rank-agreement tags] in zero/parallel/comm.py."""
+    See [Note: rank-agreement tags] in zero/parallel/tags.py."""
     return cfg.zero_optimization.enable_sanity_checks or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
 
 

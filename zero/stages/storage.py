@@ -189,7 +189,8 @@ class ParamStorage(abc.ABC):
     def param_chunks(self, param: nn.Parameter, saving: bool) -> list[tuple[str, int, torch.Tensor]]:
         """(kind, offset, local 1-D view) of `param`'s global tensors this rank writes (`saving`)
         or reads: kind "model" (the parameter in the training dtype), and for a trainable
-        parameter "master", "exp_avg" and "exp_avg_sq" (fp32)."""
+        parameter "master" and each state its update rule declares ("exp_avg" and "exp_avg_sq" for
+        Adam; see [Note: declared state] in zero/optim/rules.py)."""
 
     @abc.abstractmethod
     def grad_piece(self, param: nn.Parameter) -> tuple[int, torch.Tensor, bool]:

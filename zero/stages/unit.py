@@ -20,7 +20,8 @@ Releasing the unit resizes that buffer's storage to 0 bytes, which frees the mem
 every view autograd saved. Gathering resizes the same storage back and writes into it, so a saved
 view reads the new values when backward uses it (the runtime gathers the unit again before its
 backward; see [Note: stage 3 hooks]). Between uses `param.data` is an empty tensor, so nothing
-reads the freed storage by accident. This is FSDP2's [Note: FSDP and autograd] applied to units.
+reads the freed storage by accident. This is FSDP2's [Note: FSDP and autograd] (in torch's
+torch/distributed/fsdp/_fully_shard/_fsdp_param.py) applied to units.
 
 A world of one without parameter offload needs none of this: the shard is the whole parameter,
 and the parameters stay views into the shard.

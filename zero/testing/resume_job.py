@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         save_file({k: v.detach().clone() for k, v in state.items()}, args.out)  # tied ones apart
     torch.distributed.barrier()
     # out of the interpreter without its teardown, where gloo's threads can still abort a process
-    # now and then ([Note: gloo at exit] in zero/parallel/comm.py): torchrun would count that as a failure
+    # now and then ([Note: gloo at exit] in zero/parallel/process_group.py): torchrun would count that as a failure
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -11,7 +11,7 @@ zero.models (built with fused_qkv=False), HuggingFace Llama and GPT-2 (zero/tp/p
 GPT-2's Conv1D layers and fused attention take the styles of zero/tp/styles.py); see
 docs/parallelism.md.
 The engine then runs ZeRO on each rank's pieces over the "dp" group ([Note: sliced parameters]
-in zero/partition/layout.py).
+in zero/parallel/sliced.py).
 """
 from __future__ import annotations
 

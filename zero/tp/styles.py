@@ -10,7 +10,7 @@ split_factor=3)`: the dimension is first cut into 3 (q, k, v), each part into T,
 the t-th piece of every part, side by side. DTensor's full_tensor and redistribute read it
 correctly, so the model, state_dict and checkpoints see the fused weight in its usual order.
 `_StridedShard` is private in torch (2.11-2.13 have it; 2.13 made it no longer a `Shard`);
-`zero.partition.layout.slicing()` reads both kinds, and is what the rest of zero asks.
+`zero.parallel.sliced.slicing()` reads both kinds, and is what the rest of zero asks.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ rank's slice as DTensor parameters on the one-dimensional mesh of `mp_group`: Li
 weight's rows and the bias's matching entries (Shard(0), what ColwiseParallel does), LinearAllreduce
 its weight's columns (Shard(1), RowwiseParallel) and the whole bias. So they are what
 zero.tp.parallelize makes of a Linear, and zero's engine trains them like any sliced parameter
-([Note: sliced parameters] in zero/partition/layout.py): build them before zero.initialize, with
+([Note: sliced parameters] in zero/parallel/sliced.py): build them before zero.initialize, with
 the config's tensor_parallel.size equal to the group's size. Their inputs and outputs are plain
 tensors, as DeepSpeed's: LinearLayer takes the whole input and returns its slice of the outputs
 (all of them with gather_output=True); LinearAllreduce takes the slice of the input that matches
