@@ -4,6 +4,8 @@ come from it, and no reason anywhere denies a feature zero has."""
 import re
 from pathlib import Path
 
+import pytest
+
 from zero.features import FEATURES, IMPLEMENTED, absent_packages, markdown_table, refused_engine_methods
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +50,21 @@ def test_the_stand_ins_refusals_and_optimizers_come_from_the_one_table():
 
     for method in NOT_AVAILABLE:  # refused by the facade, not defined by zero's engine
         assert not hasattr(zero.Engine, method), method
+
+
+def test_a_features_config_keys_are_refused_or_warned_about_by_the_config():
+    from zero.config import ConfigError, ConfigWarning, load_config
+    from zero.config.features import UNIMPLEMENTED_FEATURES
+    from zero.features import config_keys
+
+    rows = {row.path: row for row in UNIMPLEMENTED_FEATURES}
+    assert config_keys() and set(config_keys()) <= set(rows), set(config_keys()) - set(rows)
+    # and the config does refuse (or warn about) one when it is set
+    with pytest.raises(ConfigError, match="compression_training"):
+        load_config({"train_micro_batch_size_per_gpu": 1, "compression_training": {"weight_quantization": {
+            "shared_parameters": {"enabled": True}}}})
+    with pytest.warns(ConfigWarning, match="aio"):
+        load_config({"train_micro_batch_size_per_gpu": 1, "aio": {"block_size": 1048576}})
 
 
 def test_the_migration_guide_shows_the_table():

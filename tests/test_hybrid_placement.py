@@ -42,6 +42,20 @@ def _hybrid(stage: int, steps: int = 4) -> dict:
         reference(x, y).backward()
         torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
         ref_opt.step()
+    # what does not take a replicate group yet is refused, before anything is written
+    from zero.checkpoint.tags import CheckpointError
+
+    refused = []
+    try:
+        engine.save_checkpoint("/nonexistent/never-written")
+    except CheckpointError as exc:
+        refused.append("dp_replicate" in str(exc))
+    try:
+        Engine(build_model("mlp"), load_config({**config.model_dump(by_alias=True, exclude_unset=True),
+                                                "zero_optimization": {"stage": 3}}, world_size=world),
+               parallel=parallel)
+    except NotImplementedError as exc:
+        refused.append("stage 3" in str(exc))
     masters = torch.cat([s.master.reshape(-1) for s in engine.optimizer.slots()])
     theirs = torch.empty(2 * masters.numel())
     dist.all_gather_into_tensor(theirs, masters, group=parallel.group("replicate"))
@@ -50,7 +64,7 @@ def _hybrid(stage: int, steps: int = 4) -> dict:
             "replicas_equal": torch.equal(theirs[: masters.numel()], theirs[masters.numel():]),
             "master_numel": masters.numel(), "psi": sum(p.numel() for p in model.parameters()),
             "divisor": engine.optimizer.grad_divisor(reduced=True), "comm": engine.comm_report(),
-            "norm": engine.get_global_grad_norm()}
+            "norm": engine.get_global_grad_norm(), "refused": refused}
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -70,3 +84,4 @@ def test_a_hybrid_placement_shards_in_pairs_replicates_across_them_and_trains_as
         assert comm["all_reduce (replicas)"]["elements"] * 2 == comm["reduce_scatter"]["elements"], comm
         assert comm["all_gather"]["elements"] == comm["reduce_scatter"]["elements"], comm  # inside the pair
     assert len({r["norm"] for r in results}) == 1  # every rank clips with the same norm
+    assert all(r["refused"] == [True, True] for r in results)  # checkpoints and stage 3 wait for the full feature

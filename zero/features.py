@@ -11,9 +11,12 @@ every place a user meets it:
 - `names`: single DeepSpeed names with that reason;
 - `engine_methods`: DeepSpeedEngine methods the facade (zero/deepspeed/engine_methods.py) refuses
   with the reason;
-- `optimizers`: optimizer classes zero refuses to run on shards (zero/optim/choice.py).
-The config keys zero refuses or warns about are the rows of `UNIMPLEMENTED_FEATURES` in
-zero/config/features.py, each with its own reason and placeholder field. The migration guide's
+- `optimizers`: optimizer classes zero refuses to run on shards (zero/optim/choice.py);
+- `config_keys`: the feature's config keys. Every config key zero refuses or warns about is a row
+  of `UNIMPLEMENTED_FEATURES` in zero/config/features.py, which holds what only a key has (its
+  placeholder field: DeepSpeed's type and default, when setting it matters, why that key
+  matters); a test checks that each key named here is a row there, so a key and a package of one
+  feature are refused for the same feature. The migration guide's
 table (docs/migrating-from-deepspeed.md, "What zero does not do") is `markdown_table()`, and a test
 checks that no reason denies a feature zero has (`IMPLEMENTED`) and that the guide shows the table.
 This module imports nothing: the config, the facade and the optimizers all read it.
@@ -34,6 +37,8 @@ class Feature:
         names: single DeepSpeed names of it (`deepspeed.init_inference`).
         engine_methods: DeepSpeedEngine methods of it.
         optimizers: optimizer class names of it (refused by the engine).
+        config_keys: its config keys (each a row of zero/config/features.py's table, which holds
+            the key's field and when setting it matters).
     """
 
     name: str
@@ -42,6 +47,7 @@ class Feature:
     names: tuple[str, ...] = ()
     engine_methods: tuple[str, ...] = ()
     optimizers: tuple[str, ...] = ()
+    config_keys: tuple[str, ...] = ()
 
 
 _GATHER_HANDLE = ("zero's stage-3 gathers have finished when they return (param.all_gather_coalesced() returns a handle "
@@ -53,11 +59,13 @@ _DEEPCOMPILE = "DeepCompile is not implemented; engine.compile() compiles the mo
 FEATURES: tuple[Feature, ...] = (
     Feature("expert parallelism (MoE)", "expert parallelism is not implemented; MoE layers train as ordinary modules "
             "(zero.set_z3_leaf_modules keeps an MoE block one unit under stage 3)",
-            packages=("deepspeed.moe",), engine_methods=("load_moe_state_dict",)),
+            packages=("deepspeed.moe",), engine_methods=("load_moe_state_dict",),
+            config_keys=("use_data_before_expert_parallelism",)),
     Feature("DeepSpeed's profilers", "use torch.profiler; engine.wall_clock_report() and engine.comm_report() give "
-            "zero's breakdown", packages=("deepspeed.profiling",)),
+            "zero's breakdown", packages=("deepspeed.profiling",), config_keys=("flops_profiler.enabled",)),
     Feature("DeepSpeed's launcher", "launch with torchrun", packages=("deepspeed.launcher",)),
-    Feature("compression training", "compression training is not implemented", packages=("deepspeed.compression",)),
+    Feature("compression training", "compression training is not implemented", packages=("deepspeed.compression",),
+            config_keys=("compression_training",)),
     Feature("inference engines", "inference engines are not implemented; use the model directly (under stage 3, with "
             "zero.integrations.hf.from_pretrained and model.generate)",
             packages=("deepspeed.inference", "deepspeed.model_implementations"), names=("deepspeed.init_inference",)),
@@ -84,7 +92,7 @@ FEATURES: tuple[Feature, ...] = (
             "engine.parallel.group('zero' | 'sp' | 'pp' | 'tp' | ...) (see docs/parallelism.md); DeepSpeed's group "
             "helpers are not provided", packages=("deepspeed.utils.groups",)),
     Feature("DeepSpeed's timers", "use engine.wall_clock_report() for zero's timings, or torch.profiler",
-            packages=("deepspeed.utils.timer",)),
+            packages=("deepspeed.utils.timer",), config_keys=("timers",)),
     Feature("DeepSpeed's mixed-precision optimizers", "mixed precision is the engine's (the config's fp16 and bf16 "
             "sections; engine.loss_scale); 1-bit and 0/1 Adam run inside the engine: set \"optimizer\": {\"type\": "
             "\"OneBitAdam\"} or {\"type\": \"ZeroOneAdam\"} in the config (docs/onebit.md)",
@@ -93,27 +101,32 @@ FEATURES: tuple[Feature, ...] = (
             "\"OneBitAdam\"} or {\"type\": \"ZeroOneAdam\"} in the config (docs/onebit.md)",
             names=("deepspeed.runtime.fp16.onebit.adam.OnebitAdam", "deepspeed.runtime.fp16.onebit.zoadam.ZeroOneAdam")),
     Feature("autotuning", "autotuning is not implemented; zero.estimate_memory gives each stage's memory per rank "
-            "(docs/estimate.md)", packages=("deepspeed.autotuning",)),
+            "(docs/estimate.md)", packages=("deepspeed.autotuning",), config_keys=("autotuning.enabled",)),
     Feature("NVMe offload", _NVME, packages=("deepspeed.nvme", "deepspeed.io", "deepspeed.ops.aio", "deepspeed.ops.gds",
-                                             "deepspeed.runtime.swap_tensor")),
+                                             "deepspeed.runtime.swap_tensor"),
+            config_keys=("aio", "zero_optimization.offload_optimizer.nvme_path",
+                         "zero_optimization.offload_param.nvme_path")),
     Feature("DeepSpeedCPUAdagrad", "DeepSpeedCPUAdagrad is not provided; set \"optimizer\": {\"type\": \"Adagrad\"} in "
             "the config (zero runs Adagrad on each rank's shards, natively under optimizer offload)",
             packages=("deepspeed.ops.adagrad",)),
     Feature("DeepCompile", _DEEPCOMPILE, packages=("deepspeed.compile",),
-            engine_methods=("get_deepcompile_backend", "get_deepspeed_compile_backend", "register_compile_pass")),
+            engine_methods=("get_deepcompile_backend", "get_deepspeed_compile_backend", "register_compile_pass"),
+            config_keys=("compile.deepcompile",)),
     Feature("AutoSP and AutoTP compile backends", "DeepSpeed's AutoSP and AutoTP compile backends are not implemented; "
             "engine.compile() compiles the model's blocks with torch.compile (docs/compile.md), sequence parallelism "
             "is the config's sequence_parallel_size and tensor slicing its tensor_parallel.size",
             engine_methods=("get_autosp_backend", "get_autotp_backend")),
     Feature("ZenFlow", "ZenFlow is not implemented; optimizer offload is the config's offload_optimizer "
-            "(docs/offload.md)", packages=("deepspeed.runtime.zenflow",)),
+            "(docs/offload.md)", packages=("deepspeed.runtime.zenflow",), config_keys=("zero_optimization.zenflow",)),
     Feature("SuperOffload", "SuperOffload is not implemented; optimizer offload is the config's offload_optimizer "
-            "(docs/offload.md)", packages=("deepspeed.runtime.superoffload",)),
+            "(docs/offload.md)", packages=("deepspeed.runtime.superoffload",),
+            config_keys=("zero_optimization.offload_optimizer.super_offload",)),
     Feature("the hybrid engine", "the hybrid (training and generation) engine is not implemented",
-            packages=("deepspeed.runtime.hybrid_engine",)),
+            packages=("deepspeed.runtime.hybrid_engine",), config_keys=("hybrid_engine.enabled",)),
     Feature("data efficiency (curriculum learning, random-LTD)", "DeepSpeed's data efficiency library (curriculum "
             "learning, random-LTD) is not implemented", packages=("deepspeed.runtime.data_pipeline",),
-            engine_methods=("random_ltd_initialize", "set_custom_curriculum_learning_schedule")),
+            engine_methods=("random_ltd_initialize", "set_custom_curriculum_learning_schedule"),
+            config_keys=("curriculum_learning.enabled", "data_efficiency.enabled")),
     Feature("stage-3 gather handles", _GATHER_HANDLE,
             names=tuple(f"deepspeed.runtime.zero.partition_parameters.{handle}" for handle in (
                 "AllGatherHandle", "AllGatherCoalescedHandle", "MultipleAllGatherHandles", "NoGatherHandle",
@@ -137,13 +150,13 @@ FEATURES: tuple[Feature, ...] = (
             "(zero/optim/choice.py)", engine_methods=("get_optimizer_configuration",)),
     Feature("sparse gradients", _SPARSE,
             engine_methods=("sparse_all_gather", "sparse_allreduce", "sparse_allreduce_bucket",
-                            "sparse_allreduce_no_retain")),
+                            "sparse_allreduce_no_retain"), config_keys=("sparse_gradients",)),
 )
 
 # Features zero has, by the words a reason would use to deny one (a test checks no reason does)
 IMPLEMENTED = ("sequence parallelism", "torch.compile", "tensor parallelism", "pipeline parallelism", "Muon",
                "1-bit Adam", "0/1 Adam", "optimizer offload", "parameter offload", "activation checkpointing",
-               "elasticity", "Lion", "Adagrad", "sparse attention", "hybrid sharding", "client optimizer checkpoints")
+               "elasticity", "Lion", "Adagrad", "sparse attention", "client optimizer checkpoints")
 
 
 def absent_packages() -> dict[str, str]:
@@ -166,6 +179,11 @@ def refused_optimizers() -> dict[str, str]:
     return {name: f.reason for f in FEATURES for name in f.optimizers}
 
 
+def config_keys() -> dict[str, str]:
+    """Config key -> the feature zero lacks that it belongs to."""
+    return {key: f.name for f in FEATURES for key in f.config_keys}
+
+
 def markdown_table() -> str:
     """The migration guide's table of what zero does not do (docs/migrating-from-deepspeed.md)."""
     rows = ["| DeepSpeed | what zero does instead |", "| --- | --- |"]
@@ -174,6 +192,7 @@ def markdown_table() -> str:
         where += [f"`{n.removeprefix('deepspeed.')}`" for n in f.names]
         where += [f"`engine.{m}()`" for m in f.engine_methods]
         where += [f"`{o}`" for o in f.optimizers]
+        where += [f"config `{k}`" for k in f.config_keys]
         rows.append(f"| {f.name}: {', '.join(where)} | {f.reason} |")
     return "\n".join(rows)
 

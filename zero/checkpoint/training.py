@@ -7,7 +7,8 @@
         zero_checkpoint.json      format, world size, stage, the engine's counters
                                   (engine.progress.state_dict()), the optimizer's step count, param
                                   groups and loss scale (engine.optimizer.state_dict()), the lr
-                                  scheduler, every parameter's shape/dtype, client_state
+                                  scheduler, every parameter's shape/dtype, client_state,
+                                  the state of components that have one
         tensors/*.safetensors     model, master and the optimizer's declared state (Adam:
                                   exp_avg/exp_avg_sq; see [Note: declared state] in
                                   zero/optim/rules.py) as chunked global 1-D tensors, one file
@@ -52,7 +53,7 @@ from zero.checkpoint.tags import (
     resolve_everywhere,
     verify_everywhere,
 )
-from zero.components import stateful_parts
+from zero.components import ENGINE_PARTS, stateful_parts
 from zero.parallel.tags import Tag
 
 MODEL = ("model",)  # the kinds `_chunks` lists: the model's,
@@ -198,16 +199,19 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
     if not tag or "/" in tag or tag in (".", "..") or tag.startswith("."):
         raise CheckpointError(f"checkpoint tag {tag!r} must be a plain directory name")
     root = Path(save_dir)
+    parts = {name: _json_or_error(part.state_dict(), _WHAT.get(name, f"the {name}'s state_dict()"))
+             if part is not None and hasattr(part, "state_dict") else None for name, part in stateful_parts(engine).items()}
+    components = {name: state for name, state in parts.items() if name not in ENGINE_PARTS}
     state = {
         "format": FORMAT, "version": VERSION, "world_size": comm.world_size, "mesh": place.mesh_shape(),
         "stage": engine.config.zero_optimization.stage, "dtype": str(engine.config.dtype),
         # the engine's stateful parts, by name (see [Note: engine components] in zero/components.py)
-        **{name: _json_or_error(part.state_dict(), _WHAT.get(name, f"the {name}'s state_dict()"))
-           if part is not None and hasattr(part, "state_dict") else None for name, part in stateful_parts(engine).items()},
+        **{name: state for name, state in parts.items() if name in ENGINE_PARTS},
         "tensors": _tensor_entries(engine),
         "scalar_state": sorted(engine.optimizer.scalar_state()),
         "client_state": _json_or_error(dict(client_state or {}), "client_state"),
         "tied": _tied_aliases(engine.module),
+        **({"components": components} if components else {}),
     }
     node_local = engine.config.checkpoint.use_node_local_storage  # each node's save_dir may differ (its own disk)
     # every rank, or none (see [Note: rank-agreement tags]), then one tag
@@ -507,11 +511,12 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
     # the other stateful parts, by name; a window of accumulated micro-batches is not in a checkpoint: the
     # progress counters start at the window's beginning
     for name, part in stateful_parts(engine).items():
-        if name == "optimizer" or part is None or state.get(name) is None:
+        saved = state.get(name) if name in ENGINE_PARTS else state.get("components", {}).get(name)
+        if name == "optimizer" or part is None or saved is None:
             continue
         if name == "lr_scheduler" and not load_lr_scheduler_states:
             continue
-        part.load_state_dict(state[name])
+        part.load_state_dict(saved)
     rng = path / "rng" / f"rank{place.world.rank}.safetensors"
     if rng.is_file():
         with safe_open(str(rng), framework="pt") as f:

@@ -28,22 +28,24 @@ from zero.config.features import UNIMPLEMENTED_FEATURES, UnimplementedFeature
 from zero.config.loading import load_config, resolve_auto
 from zero.config.model import ZeroConfig
 from zero.config.optimizer import SUPPORTED_OPTIMIZERS, AdamParams, OptimizerConfig
-from zero.config.sections import (
-    AUTO,
+from zero.config.scheduler import (
     DEEPSPEED_SCHEDULERS,
-    BF16Config,
-    CheckpointConfig,
-    DataTypesConfig,
-    FP16Config,
     LRRangeTestParams,
-    OffloadOptimizerConfig,
-    OffloadParamConfig,
     OneCycleParams,
-    ParallelWriteConfig,
     SchedulerConfig,
     WarmupCosineLRParams,
     WarmupDecayLRParams,
     WarmupLRParams,
+)
+from zero.config.sections import (
+    AUTO,
+    BF16Config,
+    CheckpointConfig,
+    DataTypesConfig,
+    FP16Config,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    ParallelWriteConfig,
     ZeroOptimizationConfig,
 )
 

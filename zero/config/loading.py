@@ -254,7 +254,7 @@ def load_config(config: Union[Mapping[str, Any], str, pathlib.Path], world_size:
     if world_size % sp:
         _raise([(("sequence_parallel_size",), f"is {sp}, which does not divide the world of {world_size} ranks "
                  f"into sequence-parallel groups")], source)
-    data_parallel = world_size // (stages * cfg.tensor_parallel.size * sp)
+    data_parallel = _parallel_dims(cfg, world_size, source).size("batch")  # the ranks loading different samples
     if cfg.elasticity.enabled:  # the section decides the batch (zero/config/elasticity.py)
         cfg = _elastic(cfg, world_size, world_size // data_parallel, source)
     m, accum = pipe.micro_batches, cfg.gradient_accumulation_steps
@@ -269,3 +269,14 @@ def load_config(config: Union[Mapping[str, Any], str, pathlib.Path], world_size:
         _raise([(("pipeline", "micro_batches"), f"schedule 'interleaved_1f1b' runs micro-batches in rounds of the "
                  f"{stages} stages: the micro-batches per step ({m}) must be a multiple of {stages}")], source)
     return cfg.model_copy(update={**batch, "pipeline": pipe.model_copy(update={"stages": stages, "micro_batches": m})})
+
+
+def _parallel_dims(cfg: ZeroConfig, world_size: int, source: str):
+    """The run's parallel dimensions (see [Note: parallel dimensions] in zero/parallel/dims.py),
+    validated here with the rest of the config."""
+    from zero.parallel.dims import ParallelDims, ParallelDimsError
+
+    try:
+        return ParallelDims.from_config(cfg, world_size)
+    except ParallelDimsError as err:
+        _raise([((), f"the parallel sizes do not split the world: {err}")], source)

@@ -11,6 +11,7 @@ from zero.config.features import with_placeholders
 from zero.config.optimizer import OptimizerConfig
 from zero.config.parallel import PipelineConfig, TensorParallelConfig
 from zero.config.rules import Caller, combination_issues
+from zero.config.scheduler import SchedulerConfig
 from zero.config.sections import (
     ActivationCheckpointingConfig,
     BF16Config,
@@ -18,7 +19,6 @@ from zero.config.sections import (
     DataTypesConfig,
     ElasticityConfig,
     FP16Config,
-    SchedulerConfig,
     ZeroOptimizationConfig,
     _Section,
 )

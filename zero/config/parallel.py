@@ -1,7 +1,8 @@
 """The `pipeline` and `tensor_parallel` sections: how the ranks split into a (pp, dp, tp) mesh.
 
 [Note: the parallel mesh]
-World = P x D x T ranks: P pipeline stages (`pipeline.stages`), T tensor slices
+The (pp, dp, tp) case of [Note: parallel dimensions] (zero/parallel/dims.py), which a pipeline or
+tensor slices build as a torch DeviceMesh. World = P x D x T ranks: P pipeline stages (`pipeline.stages`), T tensor slices
 (`tensor_parallel.size`) and D = world / (P x T) data-parallel replicas, over which ZeRO
 partitions. Ranks are laid out tp fastest, then dp, then pp (rank = (pp * D + dp) * T + tp), so
 a tensor-parallel group, whose collectives run inside every layer, is the closest set of ranks

@@ -298,13 +298,6 @@ class Engine(TrainingLoop):
         gc.collect()
 
 
-    @property
-    def dp_world_size(self) -> int:
-        """Data-parallel replicas: the ranks that load different samples (a sequence-parallel group
-        shares its samples; see [Note: parallel dimensions] in zero/parallel/dims.py)."""
-        return self.parallel.size("batch")
-
-
     def compile(self, backend: str | Callable = "inductor", compile_kwargs: dict | None = None, schedule=None,
                 compiled_autograd_enabled: bool = False, modules: list[nn.Module] | None = None) -> None:
         """Compile the model's repeated blocks with torch.compile, zero's hooks outside the graphs

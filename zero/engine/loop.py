@@ -167,6 +167,13 @@ class TrainingLoop(nn.Module):
         self.comm = parallel.comm("zero", strict_tag_checks(config))
         # hybrid sharding: the ranks holding the same partition (see [Note: placements])
         self.replicate = parallel.comm("replicate") if parallel.size("replicate") > 1 else None
+        if self.replicate is not None and config.zero_optimization.stage not in (1, 2):
+            raise NotImplementedError(
+                f"replicas of the partitioned state (dp_replicate={parallel.size('replicate')}) run at ZeRO stages 1 "
+                f"and 2 so far, not stage {config.zero_optimization.stage}: stage 3's units and the pipeline do not "
+                f"take a replicate group yet (hybrid sharding is its own issue)")
+        # every rank whose gradient enters the sum: the zero group, and its replicas
+        self.dp = parallel.comm("dp") if self.replicate is not None else self.comm
         self.comm.engine = next_engine_number()
         self.device = compute_device(self.comm)
         # without an optimizer (none passed, no optimizer section) the engine evaluates and generates:
@@ -206,7 +213,7 @@ class TrainingLoop(nn.Module):
         self._warned_count = False
         self._pending_save = None  # an asynchronous checkpoint save being written
         self.training_dataloader = None  # the loader initialize(training_data=...) made
-        _place_the_rest(module, self.optimizer.params, self.device, config.dtype, self.comm)
+        _place_the_rest(module, self.optimizer.params, self.device, config.dtype, self.dp)
         self.optimizer.at_boundary = config.gradient_accumulation_steps == 1
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self._last_comm: dict = {}
@@ -369,7 +376,7 @@ class TrainingLoop(nn.Module):
         """The bookkeeping of a boundary step: buffers, scheduler, counters, reports."""
         p = self.progress
         p.backwards = 0
-        if self.comm.world_size > 1 and self.module.training:
+        if self.dp.world_size > 1 and self.module.training:
             self._sync_buffers()
         if updated:
             if self.lr_scheduler is not None:
@@ -381,15 +388,24 @@ class TrainingLoop(nn.Module):
         if not updated:
             self._report_skip()
         self._last_comm = self.comm.report()
-        if self.replicate is not None:  # the replicas' all-reduces, under their own labels
-            self._last_comm.update(self.replicate.report())
-            self.replicate.reset_counts()
         self.comm.reset_counts()
+        for other in {id(c): c for c in (self.replicate, self.dp) if c is not None and c is not self.comm}.values():
+            for label, count in other.report().items():  # the replicas' all-reduces, the buffers' sync
+                total = self._last_comm.setdefault(label, dict.fromkeys(count, 0))
+                for key in count:
+                    total[key] += count[key]
+            other.reset_counts()
         every = self.config.steps_per_print
         if every and p.global_steps % every == 0 and self.comm.rank == 0:
             self._print_progress(every)
         for component in list(self.components.values()):  # see [Note: engine components]
             component.after_step(self, updated)
+
+    @property
+    def dp_world_size(self) -> int:
+        """Data-parallel replicas: the ranks that load different samples (a sequence-parallel group
+        shares its samples; see [Note: parallel dimensions] in zero/parallel/dims.py)."""
+        return self.parallel.size("batch")
 
     @torch.no_grad()
     def _sync_buffers(self) -> None:
@@ -400,9 +416,9 @@ class TrainingLoop(nn.Module):
         for m in self.module.modules():
             if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats:
                 for b in (m.running_mean, m.running_var):
-                    self.comm.all_reduce(b, "sum")
-                    b.div_(self.comm.world_size)
-                self.comm.broadcast(m.num_batches_tracked, src=0)
+                    self.dp.all_reduce(b, "sum")
+                    b.div_(self.dp.world_size)
+                self.dp.broadcast(m.num_batches_tracked, src=0)
 
     # -- the pipeline schedule (a PipelineModule's engine) --------------------------------------------
 

@@ -58,6 +58,7 @@ except ImportError as exc:  # pragma: no cover - the message is what matters
                       "(or pip install transformers accelerate)") from exc
 
 import zero
+from zero.parallel.dims import ParallelDims
 from zero.parallel.groups import data_parallel_rank_and_size
 from zero.sequence.data import IGNORE, sequence_loss, shard_batch
 
@@ -394,7 +395,8 @@ class ZeroTrainer(Trainer):
     def _ensure_engine(self, max_steps: int) -> None:
         """Build the engine (once), and a schedule for `max_steps` (for every `train()`, as Trainer does)."""
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        cfg = resolve_auto(self.zero_config, self.args, self.model, max(1, max_steps), world // self.sequence_parallel_size)
+        batch = ParallelDims(world, sp=self.sequence_parallel_size).size("batch")  # ranks loading different samples
+        cfg = resolve_auto(self.zero_config, self.args, self.model, max(1, max_steps), batch)
         if self.args.torch_compile and "compile" not in cfg:  # zero compiles the blocks (docs/compile.md)
             mode = self.args.torch_compile_mode
             cfg = {**cfg, "compile": {"enabled": True, "backend": self.args.torch_compile_backend or "inductor",

@@ -12,15 +12,13 @@ import difflib
 import inspect
 from typing import Any
 
+from zero.lr_schedules.checks import is_int, is_number, torch_optimizer
 from zero.lr_schedules.schedules import (
     LRRangeTest,
     OneCycle,
     WarmupCosineLR,
     WarmupDecayLR,
     WarmupLR,
-    _is_int,
-    _is_number,
-    _torch_optimizer,
 )
 
 DEEPSPEED_SCHEDULERS: dict[str, type] = {
@@ -96,8 +94,8 @@ def _matches_annotation(value: Any, ann: Any) -> bool | None:
 
     simple = {
         "None": lambda v: v is None,
-        "int": _is_int,
-        "float": _is_number,
+        "int": is_int,
+        "float": is_number,
         "bool": lambda v: isinstance(v, bool),
         "str": lambda v: isinstance(v, str),
     }
@@ -209,7 +207,7 @@ def build_scheduler(type_name: str, params: dict[str, Any] | None, optimizer: An
         return cls(optimizer, **params)  # validates every value before writing the optimizer
 
     # torch schedulers write initial_lr/lr as they construct; undo that if they then fail.
-    groups = _torch_optimizer(optimizer, type_name).param_groups
+    groups = torch_optimizer(optimizer, type_name).param_groups
     saved = [{k: v for k, v in group.items() if k != "params"} for group in groups]
     try:
         return cls(optimizer, **params)

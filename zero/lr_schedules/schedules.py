@@ -42,115 +42,27 @@ import math
 import warnings
 from typing import Any
 
-import torch
 from torch.optim import Optimizer
+
+from zero.lr_schedules.checks import (  # noqa: F401 - the package's names
+    WARMUP_LINEAR_RATE,
+    WARMUP_LOG_RATE,
+    check_int,
+    check_lr,
+    check_number,
+    check_warmup_type,
+    per_group,
+    torch_optimizer,
+    warmup_fraction,
+    write_lrs,
+)
 
 logger = logging.getLogger("zero.lr_schedules")  # the package's name, as before the split
 
-WARMUP_LOG_RATE = "log"
-WARMUP_LINEAR_RATE = "linear"
-_WARMUP_TYPES = (WARMUP_LOG_RATE, WARMUP_LINEAR_RATE)
 
 # OneCycle replaces the second Adam beta with this constant while it cycles the first one.
 # See [Note: OneCycle momentum].
 _ONE_CYCLE_BETA2 = 0.99
-
-
-# ---------------------------------------------------------------------------------------------
-# Shared helpers
-# ---------------------------------------------------------------------------------------------
-
-
-def _torch_optimizer(optimizer: Any, scheduler: str) -> Any:
-    """The object whose ``param_groups`` the scheduler writes.
-
-    A torch Optimizer is used as is; a wrapper exposing ``.optimizer`` (as DeepSpeed's and our
-    ZeRO optimizers do) is unwrapped; anything else with a ``param_groups`` list is accepted.
-    """
-    if isinstance(optimizer, Optimizer):
-        return optimizer
-    inner = getattr(optimizer, "optimizer", None)
-    if isinstance(inner, Optimizer):
-        return inner
-    if isinstance(getattr(optimizer, "param_groups", None), list):
-        return optimizer
-    raise TypeError(
-        f"{scheduler}: optimizer must be a torch.optim.Optimizer (or wrap one as .optimizer), "
-        f"got {type(optimizer).__name__}"
-    )
-
-
-def _write_lrs(param_groups: list[dict], lrs: list[float]) -> list[float]:
-    """Store one lr per group; tensor lrs are filled in place. Returns the values written."""
-    for group, lr in zip(param_groups, lrs):
-        if isinstance(group["lr"], torch.Tensor):
-            group["lr"].fill_(lr)
-        else:
-            group["lr"] = lr
-    return list(lrs)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_int(scheduler: str, name: str, value: Any, minimum: int | None = None) -> None:
-    if not _is_int(value):
-        raise ValueError(f"{scheduler}: {name} must be an integer, got {type(value).__name__} {value!r}")
-    if minimum is not None and value < minimum:
-        bound = "positive" if minimum == 1 else f">= {minimum}"
-        raise ValueError(f"{scheduler}: {name} must be {bound}, got {value}")
-
-
-def _check_number(scheduler: str, name: str, value: Any) -> None:
-    if not _is_number(value):
-        raise ValueError(f"{scheduler}: {name} must be a number, got {type(value).__name__} {value!r}")
-
-
-_FP32_MAX = torch.finfo(torch.float32).max
-
-
-def _check_lr(scheduler: str, name: str, value: Any) -> None:
-    """A learning rate: a finite number in [0, largest float32] (the optimizer computes with it in fp32)."""
-    _check_number(scheduler, name, value)
-    if not (math.isfinite(value) and 0 <= value <= _FP32_MAX):
-        raise ValueError(f"{scheduler}: {name} must be a finite learning rate in [0, {_FP32_MAX:.6g}] "
-                         f"(the largest float32), got {value!r}")
-
-
-def _per_group(scheduler: str, name: str, value: Any, num_groups: int) -> list[float]:
-    """A learning rate broadcast to every param group, or a list/tuple with one per group."""
-    if isinstance(value, (list, tuple)):
-        if len(value) != num_groups:
-            raise ValueError(
-                f"{scheduler}: {name} has {len(value)} values but the optimizer has {num_groups} "
-                f"param groups; give one value per group or a single number"
-            )
-        for i, item in enumerate(value):
-            _check_lr(scheduler, f"{name}[{i}]", item)
-        return list(value)
-    _check_lr(scheduler, name, value)
-    return [value] * num_groups
-
-
-def _check_warmup_type(scheduler: str, warmup_type: Any) -> None:
-    if warmup_type not in _WARMUP_TYPES:
-        raise ValueError(f"{scheduler}: warmup_type must be 'log' or 'linear', got {warmup_type!r}")
-
-
-def _warmup_fraction(batch: int, warmup_num_steps: int, warmup_type: str) -> float:
-    """How far warmup has progressed at batch index ``batch`` (< warmup_num_steps), in [0, 1).
-
-    "log" rises as log(batch + 1) / log(warmup_num_steps), so it reaches 1 at the last warmup
-    batch; "linear" rises as batch / warmup_num_steps and stops one step short of 1.
-    """
-    if warmup_type == WARMUP_LOG_RATE:
-        return math.log(batch + 1) / math.log(warmup_num_steps)
-    return batch / warmup_num_steps
 
 
 class _BatchScheduler:
@@ -167,7 +79,7 @@ class _BatchScheduler:
         if batch_iteration is None:
             batch_iteration = self.last_batch_iteration + 1
         self.last_batch_iteration = batch_iteration
-        self._last_lr = _write_lrs(self.optimizer.param_groups, self.get_lr())
+        self._last_lr = write_lrs(self.optimizer.param_groups, self.get_lr())
 
     def get_last_lr(self) -> list[float]:
         """The learning rates last written to the optimizer, one per param group."""
@@ -218,15 +130,15 @@ class LRRangeTest(_BatchScheduler):
         last_batch_iteration: int = -1,
     ) -> None:
         name = type(self).__name__
-        self.optimizer = _torch_optimizer(optimizer, name)
-        self.min_lr = _per_group(name, "lr_range_test_min_lr", lr_range_test_min_lr,
+        self.optimizer = torch_optimizer(optimizer, name)
+        self.min_lr = per_group(name, "lr_range_test_min_lr", lr_range_test_min_lr,
                                  len(self.optimizer.param_groups))
-        _check_int(name, "lr_range_test_step_size", lr_range_test_step_size, minimum=1)
-        _check_number(name, "lr_range_test_step_rate", lr_range_test_step_rate)
+        check_int(name, "lr_range_test_step_size", lr_range_test_step_size, minimum=1)
+        check_number(name, "lr_range_test_step_rate", lr_range_test_step_rate)
         if not isinstance(lr_range_test_staircase, bool):
             raise ValueError(f"{name}: lr_range_test_staircase must be true or false, "
                              f"got {lr_range_test_staircase!r}")
-        _check_int(name, "last_batch_iteration", last_batch_iteration, minimum=-1)
+        check_int(name, "last_batch_iteration", last_batch_iteration, minimum=-1)
 
         self.step_size = lr_range_test_step_size
         self.step_rate = lr_range_test_step_rate
@@ -234,7 +146,7 @@ class LRRangeTest(_BatchScheduler):
         self.last_batch_iteration = last_batch_iteration
         self._last_lr = None
         if last_batch_iteration == -1:
-            self._last_lr = _write_lrs(self.optimizer.param_groups, self.min_lr)
+            self._last_lr = write_lrs(self.optimizer.param_groups, self.min_lr)
 
     def _interval(self) -> float:
         interval = (self.last_batch_iteration + 1) / self.step_size
@@ -309,22 +221,22 @@ class OneCycle(_BatchScheduler):
         last_batch_iteration: int = -1,
     ) -> None:
         name = type(self).__name__
-        self.optimizer = _torch_optimizer(optimizer, name)
-        _check_lr(name, "cycle_min_lr", cycle_min_lr)
-        _check_lr(name, "cycle_max_lr", cycle_max_lr)
+        self.optimizer = torch_optimizer(optimizer, name)
+        check_lr(name, "cycle_min_lr", cycle_min_lr)
+        check_lr(name, "cycle_max_lr", cycle_max_lr)
         for key, value in (("decay_lr_rate", decay_lr_rate), ("cycle_min_mom", cycle_min_mom),
                            ("cycle_max_mom", cycle_max_mom), ("decay_mom_rate", decay_mom_rate)):
-            _check_number(name, key, value)
-        _check_int(name, "cycle_first_step_size", cycle_first_step_size, minimum=1)
+            check_number(name, key, value)
+        check_int(name, "cycle_first_step_size", cycle_first_step_size, minimum=1)
         if cycle_second_step_size is not None:
-            _check_int(name, "cycle_second_step_size", cycle_second_step_size, minimum=1)
-        _check_int(name, "cycle_first_stair_count", cycle_first_stair_count, minimum=0)
+            check_int(name, "cycle_second_step_size", cycle_second_step_size, minimum=1)
+        check_int(name, "cycle_first_stair_count", cycle_first_stair_count, minimum=0)
         if cycle_second_stair_count is not None:
-            _check_int(name, "cycle_second_stair_count", cycle_second_stair_count, minimum=0)
-        _check_int(name, "decay_step_size", decay_step_size, minimum=0)
+            check_int(name, "cycle_second_stair_count", cycle_second_stair_count, minimum=0)
+        check_int(name, "decay_step_size", decay_step_size, minimum=0)
         if not isinstance(cycle_momentum, bool):
             raise ValueError(f"{name}: cycle_momentum must be true or false, got {cycle_momentum!r}")
-        _check_int(name, "last_batch_iteration", last_batch_iteration, minimum=-1)
+        check_int(name, "last_batch_iteration", last_batch_iteration, minimum=-1)
 
         # Cycle shape (sizes kept as floats: the position within the cycle is fractional).
         self.first_step_size = float(cycle_first_step_size)
@@ -449,11 +361,11 @@ class WarmupLR(_BatchScheduler):
         last_batch_iteration: int = -1,
     ) -> None:
         name = type(self).__name__
-        self.optimizer = _torch_optimizer(optimizer, name)
+        self.optimizer = torch_optimizer(optimizer, name)
         groups = self.optimizer.param_groups
-        _check_int(name, "warmup_num_steps", warmup_num_steps, minimum=1)
-        _check_warmup_type(name, warmup_type)
-        _check_int(name, "last_batch_iteration", last_batch_iteration, minimum=-1)
+        check_int(name, "warmup_num_steps", warmup_num_steps, minimum=1)
+        check_warmup_type(name, warmup_type)
+        check_int(name, "last_batch_iteration", last_batch_iteration, minimum=-1)
         if warmup_max_lr is None:
             warmup_max_lr = [float(group["lr"]) for group in groups]
         own = sorted({float(group["lr"]) for group in groups})
@@ -461,8 +373,8 @@ class WarmupLR(_BatchScheduler):
             warnings.warn(f"{name}: warmup_max_lr={warmup_max_lr} becomes the lr of every param group, replacing "
                           f"their own lrs {own}; leave warmup_max_lr unset (WarmupLR then warms each group up to its "
                           f"own lr), or use WarmupCosineLR, which scales each group's own lr", stacklevel=3)
-        self.min_lrs = _per_group(name, "warmup_min_lr", warmup_min_lr, len(groups))
-        self.max_lrs = _per_group(name, "warmup_max_lr", warmup_max_lr, len(groups))
+        self.min_lrs = per_group(name, "warmup_min_lr", warmup_min_lr, len(groups))
+        self.max_lrs = per_group(name, "warmup_max_lr", warmup_max_lr, len(groups))
         self.delta_lrs = [hi - lo for hi, lo in zip(self.max_lrs, self.min_lrs)]
         self.warmup_num_steps = max(2, warmup_num_steps)
         self.warmup_type = warmup_type
@@ -471,7 +383,7 @@ class WarmupLR(_BatchScheduler):
         self.last_batch_iteration = last_batch_iteration
         self._last_lr = None
         if last_batch_iteration == -1:
-            self._last_lr = _write_lrs(groups, self.get_lr())
+            self._last_lr = write_lrs(groups, self.get_lr())
 
     def _validate_extra(self, name: str) -> None:
         """Checks a subclass adds; runs before the optimizer is written."""
@@ -479,7 +391,7 @@ class WarmupLR(_BatchScheduler):
     def _gamma(self) -> float:
         """Fraction of ``max_lr - min_lr`` to add at batch ``last_batch_iteration`` (>= 0)."""
         if self.last_batch_iteration < self.warmup_num_steps:
-            return _warmup_fraction(self.last_batch_iteration, self.warmup_num_steps, self.warmup_type)
+            return warmup_fraction(self.last_batch_iteration, self.warmup_num_steps, self.warmup_type)
         return 1.0
 
     def get_lr(self) -> list[float]:
@@ -525,7 +437,7 @@ class WarmupDecayLR(WarmupLR):
                          last_batch_iteration)
 
     def _validate_extra(self, name: str) -> None:
-        _check_int(name, "total_num_steps", self.total_num_steps, minimum=1)
+        check_int(name, "total_num_steps", self.total_num_steps, minimum=1)
         if self.total_num_steps < self.warmup_num_steps:
             raise ValueError(
                 f"{name}: total_num_steps ({self.total_num_steps}) is less than warmup_num_steps "
@@ -535,7 +447,7 @@ class WarmupDecayLR(WarmupLR):
 
     def _gamma(self) -> float:
         if self.last_batch_iteration < self.warmup_num_steps:
-            return _warmup_fraction(self.last_batch_iteration, self.warmup_num_steps, self.warmup_type)
+            return warmup_fraction(self.last_batch_iteration, self.warmup_num_steps, self.warmup_type)
         remaining = float(self.total_num_steps - self.last_batch_iteration)
         return max(0.0, remaining / float(max(1.0, self.total_num_steps - self.warmup_num_steps)))
 
@@ -576,13 +488,13 @@ class WarmupCosineLR(_BatchScheduler):
         last_batch_iteration: int = -1,
     ) -> None:
         name = type(self).__name__
-        self.optimizer = _torch_optimizer(optimizer, name)
-        _check_int(name, "total_num_steps", total_num_steps, minimum=1)
-        _check_number(name, "warmup_min_ratio", warmup_min_ratio)
-        _check_int(name, "warmup_num_steps", warmup_num_steps, minimum=1)
-        _check_number(name, "cos_min_ratio", cos_min_ratio)
-        _check_warmup_type(name, warmup_type)
-        _check_int(name, "last_batch_iteration", last_batch_iteration, minimum=-1)
+        self.optimizer = torch_optimizer(optimizer, name)
+        check_int(name, "total_num_steps", total_num_steps, minimum=1)
+        check_number(name, "warmup_min_ratio", warmup_min_ratio)
+        check_int(name, "warmup_num_steps", warmup_num_steps, minimum=1)
+        check_number(name, "cos_min_ratio", cos_min_ratio)
+        check_warmup_type(name, warmup_type)
+        check_int(name, "last_batch_iteration", last_batch_iteration, minimum=-1)
 
         self.total_num_steps = total_num_steps
         self.warmup_min_ratio = warmup_min_ratio
@@ -594,14 +506,14 @@ class WarmupCosineLR(_BatchScheduler):
         self.last_batch_iteration = last_batch_iteration
         self._last_lr = None
         if last_batch_iteration == -1:
-            self._last_lr = _write_lrs(self.optimizer.param_groups, self.get_lr())
+            self._last_lr = write_lrs(self.optimizer.param_groups, self.get_lr())
 
     def get_lr_ratio(self) -> float:
         """The multiplier applied to every group's peak lr at batch ``last_batch_iteration``."""
         if self.last_batch_iteration < 0:
             return 0.0
         if self.last_batch_iteration < self.warmup_num_steps:
-            g = _warmup_fraction(self.last_batch_iteration, self.warmup_num_steps, self.warmup_type)
+            g = warmup_fraction(self.last_batch_iteration, self.warmup_num_steps, self.warmup_type)
             return self.warmup_min_ratio + g * (1.0 - self.warmup_min_ratio)
         past_warmup = self.last_batch_iteration - self.warmup_num_steps + 1
         decay_steps = max(1, self.total_num_steps - self.warmup_num_steps)

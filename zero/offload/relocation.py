@@ -61,8 +61,8 @@ def model_states(optimizer) -> tuple[dict[str, list[torch.Tensor]], set[str]]:
     storage's (every optimizer's state among them, see [Note: declared state] in
     zero/optim/rules.py) and its per-rank state (1-bit Adam's error feedback)."""
     parts, host_kinds = optimizer.storage.memory_parts()
-    if optimizer.offload.on_host:
-        host_kinds = host_kinds | {"fp32_master", "optimizer_states", "rank_state"}
+    if optimizer.storage.store.on_host:
+        host_kinds = host_kinds | optimizer.storage.store.host_kinds() | {"rank_state"}
     parts["rank_state"] = list(optimizer.rank_state().values())
     return parts, host_kinds
 

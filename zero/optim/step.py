@@ -191,8 +191,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         at most."""
         parts, host_kinds = self.storage.memory_parts()
         parts["host_staging"] = self._host.host_tensors() if self._host is not None else []
-        if self.offload.on_host:
-            host_kinds = host_kinds | {"fp32_master", "optimizer_states"}
+        host_kinds = host_kinds | self.storage.store.host_kinds()
         report = measure_kinds(parts, host_kinds | {"host_staging"})
         g = self.gauges
         report["reduce_buffers"] = g.reduce_buffers.now
@@ -335,9 +334,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.skipped = (norm, before, self.loss_scaler.scale)
         self.global_grad_norm = None
         self.zero_grad()
-
-
-ShardedAdam = ShardedOptimizer  # its name before every optimizer ran on the shards
 
 
 def check_param_groups(groups: list[dict], source: str) -> None:

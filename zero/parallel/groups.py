@@ -16,6 +16,7 @@ which counts their logical bytes and bounds their waits on gloo:
 """
 from __future__ import annotations
 
+import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -27,17 +28,21 @@ from zero.parallel.dims import ParallelDims
 if TYPE_CHECKING:
     from zero.parallel.mesh import ParallelMesh
 
-_GROUPS: dict[tuple, dist.ProcessGroup] = {}  # (the world, ranks) -> the group over them
+# ranks -> (a weak reference to the world it was made in, the group); the reference does not keep a
+# destroyed world alive (see [Note: gloo at exit] in zero/parallel/process_group.py)
+_GROUPS: dict[tuple, tuple[weakref.ref, dist.ProcessGroup]] = {}
 _SHARED: dict[tuple, tuple[object, Comm]] = {}  # (id of a group, kind) -> (the group, the shared Comm over it)
 
 
 def group_of(ranks: list[int]) -> dist.ProcessGroup:
     """A process group over `ranks` (made once per process; only its members take part)."""
-    key = (id(dist.group.WORLD), *sorted(ranks))
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(sorted(ranks), timeout=timedelta(seconds=collective_timeout_s()),
-                                      use_local_synchronization=True)
-    return _GROUPS[key]
+    key, world = tuple(sorted(ranks)), dist.group.WORLD
+    entry = _GROUPS.get(key)
+    if entry is None or entry[0]() is not world:  # made in a process group since destroyed: make it again
+        group = dist.new_group(list(key), timeout=timedelta(seconds=collective_timeout_s()),
+                               use_local_synchronization=True)
+        entry = _GROUPS[key] = (weakref.ref(world), group)
+    return entry[1]
 
 
 def shared_comm(group, kind: str = "side") -> Comm:
@@ -89,12 +94,6 @@ class ParallelGroups:
         self.rank = dist.get_rank() if distributed else 0
         self._groups: dict[str, object] = {}
 
-    @classmethod
-    def of_world(cls) -> ParallelGroups:
-        """Plain data parallelism over the whole world."""
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        return cls(ParallelDims(world))
-
     def ranks(self, name: str) -> list[int]:
         """This rank's group `name`, as global ranks in rank order."""
         return self.dims.ranks(name, self.rank)
@@ -132,10 +131,6 @@ class ParallelGroups:
         report); `strict_tags` as Comm's. Over the whole world it is the default group's."""
         group = self.group(name)
         return Comm(None if group is dist.group.WORLD else group, strict_tags)
-
-    def shared(self, name: str, kind: str = "side") -> Comm:
-        """The shared Comm over this rank's group `name` for traffic of `kind` (see `shared_comm`)."""
-        return shared_comm(self.group(name), kind)
 
 
 def sequence_parallel_group(size: int):

@@ -61,11 +61,6 @@ class Placement(abc.ABC):
         first = self.replicate is None or self.replicate.rank == 0
         return first and (self.partitions > 1 or self.comm.rank == 0)
 
-    @property
-    def partitioned(self) -> bool:
-        """Each rank holds a different part of the reduced gradient (norms are summed over ranks)."""
-        return self.partitions > 1
-
     # -- the reducer and the gatherer (buckets' and units')
 
     def reduce_scatter(self, mine: torch.Tensor, buf: torch.Tensor, async_op: bool = False):

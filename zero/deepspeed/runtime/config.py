@@ -41,7 +41,6 @@ from pydantic import BaseModel
 from zero.config import ConfigError, ZeroConfig, load_config
 from zero.config.errors import DeepSpeedConfigError
 from zero.config.loading import _read, _resolve_batch
-from zero.config.parallel import mesh_sizes
 from zero.deepspeed._missing import missing
 from zero.deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
 from zero.deepspeed.runtime.zero.config import DeepSpeedZeroConfig, ZeroStageEnum  # noqa: F401
@@ -170,8 +169,12 @@ def _copied(cls: type[BaseModel], section: BaseModel) -> BaseModel:
 
 
 def _data_parallel_size(cfg: ZeroConfig, world_size: int) -> int:
+    """The ranks loading different samples (a sequence-parallel group shares its samples; see
+    [Note: parallel dimensions] in zero/parallel/dims.py)."""
+    from zero.parallel.dims import ParallelDims
+
     try:
-        return mesh_sizes(cfg.pipeline, cfg.tensor_parallel, world_size)[1]
+        return ParallelDims.from_config(cfg, world_size).size("batch")
     except ValueError as err:
         raise ConfigError(str(err)) from None
 

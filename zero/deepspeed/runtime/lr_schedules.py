@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 
 from zero.deepspeed._missing import missing
 from zero.lr_schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR  # noqa: F401
-from zero.lr_schedules.schedules import WARMUP_LINEAR_RATE, WARMUP_LOG_RATE  # noqa: F401
+from zero.lr_schedules.checks import WARMUP_LINEAR_RATE, WARMUP_LOG_RATE  # noqa: F401
 
 LR_SCHEDULE = "lr_schedule"  # the command-line flag naming the schedule
 LR_RANGE_TEST = "LRRangeTest"
