@@ -12,10 +12,12 @@ setup:
 	$(PYTHON) -m pip install --no-build-isolation -e ".[test]"
 
 demo: setup
+	$(PYTHON) -m zero.ops build
 	$(PYTHON) -m torch.distributed.run --nproc_per_node 2 examples/train_gpt.py
 
 test: setup
 	$(PYTHON) -m ruff check .
+	$(PYTHON) -m zero.ops build
 	$(PYTHON) -m pytest -q
 
 bench: setup

@@ -601,7 +601,7 @@ _SETTINGS = {  # a value that sets each row whose key is not a typed bool
     "weight_quantization": {"post_init_quant": {"fc": {"num_bits": 8}}},
     "timers": {"throughput": {"enabled": True}}, "activation_checkpointing": {"partition_activations": True},
     "aio": {"block_size": 1048576}, "sequence_parallel_size": 2, "gradient_allreduce_op": "sum",
-    "data_types.grad_accum_dtype": "fp32", "zero_optimization.zero_hpz_partition_size": 2,
+    "data_types.grad_accum_dtype": "bf16", "zero_optimization.zero_hpz_partition_size": 2,
     "zero_optimization.zeropp_loco_param": {"err_beta": 0.8}, "zero_optimization.mics_shard_size": 2,
     "zero_optimization.zenflow": {"topk_ratio": 0.1}, "vocabulary_size": 50257,
     "checkpoint.tag_validation": "Fail", "zero_optimization.cpu_offload_use_pin_memory": True,
@@ -782,9 +782,9 @@ def test_every_broken_rule_is_reported_at_once():
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
      "zero_optimization.offload_optimizer.ratio", r"partial offload"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}},
-     "zero_optimization.offload_optimizer.device", r"'nvme'.*not yet supported.*use 'cpu'"),
+     "zero_optimization.offload_optimizer.device", r"'nvme'.*not in zero yet.*docs/offload.md#nvme.*Use 'cpu'"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
-     "zero_optimization.offload_param.device", r"'nvme'.*not yet supported.*use 'cpu'"),
+     "zero_optimization.offload_param.device", r"'nvme'.*not in zero yet.*docs/offload.md#nvme.*Use 'cpu'"),
 ])
 def test_nvme_and_partial_offload_are_refused_at_load_with_the_key_path(extra, path, message):
     with pytest.raises(ConfigError, match=message) as info:
@@ -801,6 +801,9 @@ def test_sub_group_size_warns_only_without_optimizer_offload():
         load({"zero_optimization": {"stage": 3, "sub_group_size": 1e9}})
     with pytest.warns(ConfigWarning, match="sub_group_size = 0 has no effect"):  # as in some published ZeRO-3 configs
         load({"zero_optimization": {"stage": 3, "sub_group_size": 0}})
+    with pytest.warns(ConfigWarning, match="sub_group_size = 0: DeepSpeed then updates each parameter as a "
+                                           "sub-group of its own.*largest tile"):  # axolotl's offload configs
+        load({"zero_optimization": {"stage": 3, "sub_group_size": 0, "offload_optimizer": {"device": "cpu"}}})
 
 
 def test_pin_memory_without_offload_warns():

@@ -168,12 +168,9 @@ def test_integral_floats_and_auto_still_work():
     ({"gradient_predivide_factor": 1e-300}, "gradient_predivide_factor", "expected a value >= 1, got 1e-300"),
     ({"gradient_predivide_factor": 0.5}, "gradient_predivide_factor", "expected a value >= 1, got 0.5"),
     ({"gradient_predivide_factor": float("inf")}, "gradient_predivide_factor", "expected a finite number"),
-    # C56: a CPU Adam tile holds at least one element
-    ({"zero_optimization": {"stage": 2, "sub_group_size": 0, **OFFLOAD}}, "zero_optimization.sub_group_size",
-     "expected a value >= 1 with offload_optimizer"),
-    pytest.param({"zero_optimization": {"stage": 2, "sub_group_size": 0, "cpu_offload": True}},
-                 "zero_optimization.sub_group_size", "expected a value >= 1 with offload_optimizer",
-                 marks=pytest.mark.filterwarnings("ignore:zero_optimization.cpu_offload is deprecated")),
+    # C56: a CPU Adam tile is not negative (0 is DeepSpeed's "each parameter alone": tests/test_config.py)
+    ({"zero_optimization": {"stage": 2, "sub_group_size": -1, **OFFLOAD}}, "zero_optimization.sub_group_size",
+     "expected a value >= 0, got -1"),
     # C60: batch keys below 2**31, given or derived
     ({"train_batch_size": 2**70}, "train_batch_size", "expected a value < 2**31 = 2147483648, got 1180591620717411303424"),
     ({"train_micro_batch_size_per_gpu": 2**31, "train_batch_size": None}, "train_micro_batch_size_per_gpu",

@@ -1,10 +1,13 @@
 """The JIT op builder: nothing at import, one build per source version, toolkit and GPU, one attempt
 per process for an op that fails, and clear errors."""
+import ctypes
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -14,8 +17,8 @@ from zero.ops import builder
 LOAD_CPU_ADAM = "import zero.ops.builder as b; b.load('cpu_adam')"
 
 
-def run_python(code: str, cache: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, ZERO_CACHE_DIR=cache)
+def run_python(code: str, cache: str, **env_vars: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, ZERO_CACHE_DIR=cache, **env_vars)
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -47,9 +50,27 @@ def test_changing_a_source_or_flag_means_a_new_build_directory(tmp_path, monkeyp
     second = builder.build_dir("cpu_adam")
     assert second != first
     (src / "common" / "dtypes.h").write_text((src / "common" / "dtypes.h").read_text() + "\n")
-    assert builder.build_dir("cpu_adam") != second  # shared headers count too
+    third = builder.build_dir("cpu_adam")
+    assert third != second  # shared headers count too
+    monkeypatch.setattr(builder, "_c_flags", lambda: ("-std=c11", "-O2", "-fPIC"))
+    assert builder.build_dir("cpu_adam") not in (first, second, third)
+
+
+def test_a_cpu_op_is_plain_c_and_survives_a_torch_upgrade(monkeypatch):
+    """A CPU op links no torch (no C++ binding to compile), so its build fits every torch and every
+    CUDA toolkit; the structs its entry points take have the same size in C and in ctypes."""
+    from zero.ops import native
+
+    cpu_ops = [name for name, spec in builder.OPS.items() if spec.c_sources]
+    assert all(builder.OPS[name].is_c_library for name in cpu_ops)
+    before = {name: builder.build_dir(name) for name in cpu_ops}
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
-    assert builder.build_dir("cpu_adam") not in (first, second)
+    assert {name: builder.build_dir(name) for name in cpu_ops} == before
+    lib = builder.load("cpu_adam")
+    for struct, twin in native.STRUCTS.items():
+        assert lib.sizeof(struct) == ctypes.sizeof(twin), struct
+    assert lib.sizeof("no_such_struct") == 0
 
 
 def test_each_cpu_op_compiles_its_own_kernel_and_the_shared_simd_detection_only():
@@ -140,6 +161,33 @@ def test_a_failed_build_is_tried_once_per_process(tmp_path):
     reports = r.stdout.splitlines()
     assert len(reports) == 4 and len(set(reports)) == 1, r.stdout
     assert "compiling adam/cpu_adam.c failed" in reports[0]
+
+
+def test_a_killed_build_keeps_what_it_compiled_and_the_next_compiles_the_rest(tmp_path):
+    """A first use killed mid-build (Ctrl-C, a timeout) must not cost the next run the whole build:
+    every C file compiles into an object of its own, renamed into the cache when complete."""
+    real = builder.c_compiler()
+    cc = tmp_path / "cc"  # the real compiler, except that it hangs on the AVX-512 unit when asked to
+    cc.write_text(f'#!/bin/sh\ncase "$*" in *cpu_adam_avx512.c*) [ -n "$HANG" ] && sleep 600;; esac\n'
+                  f'exec {real} "$@"\n')
+    cc.chmod(0o755)
+    cache = tmp_path / "cache"
+    env = dict(os.environ, ZERO_CACHE_DIR=str(cache), CC=str(cc), ZERO_BUILD_JOBS="2")
+    first = subprocess.Popen([sys.executable, "-c", LOAD_CPU_ADAM], env=dict(env, HANG="1"),
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for _ in range(600):  # the four other files compile while the AVX-512 one hangs
+            if len(list((cache / "objects").glob("*.o"))) == 4:
+                break
+            time.sleep(0.5)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.communicate()
+    done = sorted(o.name.rsplit("-", 1)[0] for o in (cache / "objects").glob("*.o"))
+    assert done == ["adam_cpu_adam", "adam_cpu_adam_avx2", "common_abi", "common_simd"], done
+    again = run_python(LOAD_CPU_ADAM, str(cache), CC=str(cc))
+    assert again.returncode == 0, again.stderr
+    assert "compiling native op 'cpu_adam'" in again.stderr and ": 1 of 5 C files" in again.stderr, again.stderr
 
 
 def test_missing_compiler_is_a_clear_error_at_first_use(monkeypatch):

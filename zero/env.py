@@ -65,7 +65,8 @@ def report() -> str:
         ("nvcc", f"{nvcc}: {_version([nvcc, '--version'])}" if nvcc else "not found"),
         ("C compiler", f"{cc}: {_version([cc, '--version'])}" if cc else "not found"),
         ("OpenMP", "yes" if "-fopenmp" in builder._c_flags() else "no (kernels run single-threaded)"),
-        ("ninja", "yes" if builder._ninja_ok() else "no (pip install ninja)"),
+        ("ninja", "yes" if builder._ninja_ok() else "no (pip install ninja; the CUDA ops need it)"),
+        ("compiler jobs", f"{builder.build_jobs()} (ZERO_BUILD_JOBS)"),
         ("CPU SIMD", cpu_simd_level()),
         ("op cache", str(builder.cache_dir())),
     ]

@@ -92,4 +92,4 @@ ZV_INLINE void ZV_NAME(adam_tile_typed)(TILE_PARAMS) {
     partial_out(&t, n - full, p + full, m + full, v + full, od == ZERO_F32 ? NULL : (uint16_t *)out + full);
 }
 
-ZV_FN void ZV_NAME(adam_tile)(TILE_PARAMS) { DISPATCH_DTYPES(ZV_NAME(adam_tile_typed)) }
+ZV_ENTRY void ZV_NAME(adam_tile)(TILE_PARAMS) { DISPATCH_DTYPES(ZV_NAME(adam_tile_typed)) }

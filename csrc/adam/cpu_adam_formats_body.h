@@ -289,7 +289,7 @@ ZV_INLINE void ZV_NAME(adam_fmt_tile_typed)(int64_t n, int64_t at, void *p, cons
         FMT_STATE(GD, ZERO_F32)            \
     }
 
-ZV_FN void ZV_NAME(adam_fmt_tile)(FMT_TILE_PARAMS) {
+ZV_ENTRY void ZV_NAME(adam_fmt_tile)(FMT_TILE_PARAMS) {
     if (gd == ZERO_F32) {
         FMT_MASTER(ZERO_F32)
     } else if (gd == ZERO_BF16) {

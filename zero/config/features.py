@@ -183,9 +183,11 @@ UNIMPLEMENTED_FEATURES: tuple[UnimplementedFeature, ...] = (
              _key(Literal["mean", "sum"], "mean", "Average or sum grads across ranks ('sum' not implemented)."),
              "gradients are always averaged across ranks"),
     _refused("data_types.grad_accum_dtype",
-             _key(Optional[str], None, "Gradient accumulation dtype (only the default, matching the params, "
-                  "is implemented)."),
-             "zero chooses the gradient accumulation dtype itself"),
+             _key(Optional[str], None, "Gradient accumulation dtype: zero accumulates micro-batches in fp32, so "
+                  "\"fp32\" (OpenRLHF's and Megatron-DeepSpeed's choice under bf16) is accepted; another dtype "
+                  "is refused."),
+             "zero accumulates gradients over micro-batches in fp32 (set \"fp32\" or leave it out)",
+             lambda v: v is not None and v != "fp32"),
     _refused("checkpoint.load_universal", _flag(False, "Load a DeepSpeed universal checkpoint (not implemented)."),
              "zero cannot read DeepSpeed's universal checkpoints"),
     _refused("fp16.fp16_master_weights_and_grads", _flag(False, "Keep master weights in fp16 (not implemented)."),

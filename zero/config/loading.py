@@ -71,6 +71,42 @@ def resolve_auto(config: Mapping[str, Any], values: Optional[Mapping[str, Any]] 
 
 
 # ---------------------------------------------------------------------------------------------
+# Top-level keys zero does not know (see [Note: unknown top-level keys])
+# ---------------------------------------------------------------------------------------------
+
+# [Note: unknown top-level keys]
+# DeepSpeed reads the keys it knows from the top of a config and ignores the rest, and public
+# configs carry such keys: comments (`_comment`), launcher settings (`cuda_visible_devices`),
+# sections of other tools (`comms_config`, `monitor_config`). zero therefore drops an unknown
+# top-level key with a ConfigWarning naming it (a key starting with "_" or holding "comment" is a
+# comment: dropped without a word), except when it looks like a mistake, which stays an error with
+# a suggestion: a near-miss of a key zero knows (`gradient_clip`), or a key of a section given at
+# the top (`stage`). Inside a section every key is checked strictly, as DeepSpeed's section models do.
+_TYPO_CUTOFF = 0.7  # fp17 -> fp16 is 0.75; comms_config -> comms_logger (a real key elsewhere) 0.58
+
+
+def _drop_unknown_top_level(data: dict) -> dict:
+    import difflib
+
+    from zero.config.errors import _all_paths, _keys_of, _warn
+
+    known = _keys_of(ZeroConfig) | {"bfloat16"}  # bf16's old name, renamed by ZeroConfig._legacy_spellings
+    nested = {leaf for leaf, path in _all_paths(ZeroConfig).items() if "." in path}
+    out = {}
+    for key, value in data.items():
+        if key in known or not isinstance(key, str):
+            out[key] = value
+        elif key.startswith("_") or "comment" in key.lower():
+            continue
+        elif key in nested or difflib.get_close_matches(key, sorted(known), n=1, cutoff=_TYPO_CUTOFF):
+            out[key] = value  # validation reports it, with the suggestion
+        else:
+            _warn(f"'{key}' is not a DeepSpeed key zero knows; it is ignored, as DeepSpeed ignores unknown "
+                  f"top-level keys (remove it to silence this)")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # Batch sizes
 # ---------------------------------------------------------------------------------------------
 
@@ -219,6 +255,7 @@ def load_config(config: Union[Mapping[str, Any], str, pathlib.Path], world_size:
                     client_optimizer=client_optimizer)
     data, source = _read(config)
     data = resolve_auto(data, auto_values)
+    data = _drop_unknown_top_level(data)
     try:
         cfg = ZeroConfig.model_validate(data, context={"caller": caller})
     except ValidationError as err:

@@ -14,8 +14,9 @@ from zero.config.sections import _lr, _Section
 from zero.optim.choice import CLIENT_OPTIMIZERS, optimizer_class  # params: their own constructor's
 
 SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad", "Lion", "Muon", "OneBitAdam", "ZeroOneAdam")
-NOT_ON_SHARDS = {"Lamb": "LAMB's trust ratio needs each parameter's whole norm, which a shard does not have",
-                 "OneBitLamb": "LAMB's trust ratio needs each parameter's whole norm, which a shard does not have"}
+_LAMB = ("LAMB's trust ratio needs each parameter's whole norm, which a shard does not have; use AdamW (its "
+         "large-batch recipes train with AdamW and warmup too) or OneBitAdam for compressed communication")
+NOT_ON_SHARDS = {"Lamb": _LAMB, "OneBitLamb": _LAMB}
 
 
 @with_placeholders("optimizer.params")
@@ -144,6 +145,9 @@ class OptimizerConfig(_Section):
     @classmethod
     def _misplaced(cls, data: Any) -> Any:
         if isinstance(data, dict) and isinstance(data.get("type"), str):
+            known = {n.lower() for n in (*SUPPORTED_OPTIMIZERS, *CLIENT_OPTIMIZERS, "muon")}
+            if data["type"].lower() not in known:  # refused by type: its params would only add noise
+                data = {k: v for k, v in data.items() if k != "params"}
             kind = next((n for n in CLIENT_OPTIMIZERS if n.lower() == data["type"].lower()), None)
             if kind is not None:  # its own constructor's arguments, checked against it
                 data = {**data, "type": kind, "other_params": _client_params(kind, data.get("params") or {})}

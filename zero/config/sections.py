@@ -179,7 +179,9 @@ def _lr(v: Optional[float]) -> Optional[float]:
 
 def _no_nvme(v: str) -> str:
     if v == "nvme":
-        raise ValueError("'nvme' (NVMe offload) is not yet supported in zero; use 'cpu'")
+        raise ValueError("'nvme' (NVMe offload, ZeRO-Infinity) is not in zero yet: it is the next offload "
+                         "feature on the roadmap (docs/offload.md#nvme). Use 'cpu' meanwhile; with a model larger "
+                         "than host memory, that is not possible yet")
     return v
 
 
@@ -315,9 +317,11 @@ class ZeroOptimizationConfig(_Section):
         Without it the key is not read (0 appears in published configs), see _warn_without_effect."""
         if self.offload_optimizer is None or self.offload_optimizer.device == "none":
             return
-        if self.sub_group_size < 1:
-            raise _NestedIssues([(("sub_group_size",), f"expected a value >= 1 with offload_optimizer (elements "
-                                  f"per CPU Adam tile; DeepSpeed's default is 1e9), got {self.sub_group_size}")])
+        if self.sub_group_size == 0:  # in published configs (axolotl's): DeepSpeed then steps each parameter alone
+            _warn("zero_optimization.sub_group_size = 0: DeepSpeed then updates each parameter as a sub-group of "
+                  "its own; zero's CPU Adam tiles do not follow parameters (the results are the same either "
+                  "way), so it takes its largest tile (4M elements), as for DeepSpeed's default 1e9")
+            return
         if self.sub_group_size < SMALL_SUB_GROUP_SIZE:
             _warn(f"zero_optimization.sub_group_size = {self.sub_group_size} makes CPU Adam work on tiles of "
                   f"{self.sub_group_size} elements; each tile has a fixed overhead worth ~15,000 elements of Adam, "

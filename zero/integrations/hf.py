@@ -105,7 +105,8 @@ def resolve_auto(config: dict | str | os.PathLike, args, model, num_training_ste
     fill(cfg, "gradient_accumulation_steps", ga, "gradient_accumulation_steps")
     fill(cfg, "train_batch_size", micro * ga * world_size, "train_batch_size")
     fill(cfg, "gradient_clipping", float(args.max_grad_norm), "gradient_clipping")
-    for name, flag in (("fp16", args.fp16), ("bf16", args.bf16)):
+    for names, flag in ((("fp16",), args.fp16), (("bf16", "bfloat16"), args.bf16)):  # bfloat16: bf16's old name
+        name = next((n for n in names if n in cfg), names[0])
         section = cfg.setdefault(name, {})
         fill(section, "enabled", bool(flag), f"{name}.enabled")
     opt = cfg.setdefault("optimizer", {"type": "AdamW"})

@@ -1,27 +1,39 @@
 """Find a compiler, JIT-build each native op once, and cache it on disk.
 
 [Note: op builds]
-Kernels live in csrc/ as C11 (CPU) and CUDA C (GPU) files with a C ABI; thin C++ files in
-csrc/bindings/ turn tensors into pointers. An op is built at its first use, never at
-`import zero` and never at `pip install` (so installing needs no torch and no compiler):
+Kernels live in csrc/ as C11 (CPU) and CUDA C (GPU) files with a C ABI. An op is built at its
+first use, never at `import zero` and never at `pip install` (so installing needs no torch and no
+compiler), or ahead of time by `python -m zero.ops build` (what `make demo` and `make test` run).
 
-1. The C files are compiled by the system C compiler as real C11 (`cc -std=c11 -O3 -fopenmp`).
-   No `-march=native`: SIMD paths carry their own `target` attributes and are picked at run time
-   by the one detection in csrc/common/simd.c, which every CPU op links (see [Note: SIMD levels]
-   in csrc/common/simd.h), so one build runs on any x86-64 host (and on ARM, where only the
-   portable path is compiled). A CPU op never compiles another op's kernel.
-2. The bindings (and any .cu files) are compiled and linked with the C objects by
-   `torch.utils.cpp_extension.load`, which uses ninja and nvcc.
-   The bindings use torch's own C++ standard (c++20 in torch 2.13).
-3. The result lands in `<cache>/<op>-<hash>/`, where the hash covers every source and header
-   under csrc/, the flags, the compiler, and the torch/Python/CUDA versions; for an op with CUDA
-   sources also the `nvcc --version` output and, unless TORCH_CUDA_ARCH_LIST names the archs, the
-   compute capability of every visible GPU (the binary holds code for those only). A changed source,
-   flag, toolkit or GPU therefore means a new directory and a rebuild; an unchanged one is
-   imported directly, without asking a compiler or ninja anything.
+1. A CPU op is a plain C shared library, `libzero_<op>.so`: its C files are compiled by the
+   system C compiler as real C11 (`cc -std=c11 -O3 -fopenmp`) and linked with `cc -shared`. No
+   C++ and no torch headers: Python calls its entry points through ctypes (zero/ops/native.py,
+   [Note: CPU ops without C++]). No `-march=native`: SIMD paths carry their own `target`
+   attributes and are picked at run time by the one detection in csrc/common/simd.c, which every
+   CPU op links (see [Note: SIMD levels] in csrc/common/simd.h), so one build runs on any x86-64
+   host (and on ARM, where only the portable path is compiled). A CPU op never compiles another
+   op's kernel.
+2. The C files are compiled in parallel ($ZERO_BUILD_JOBS, default: the CPUs this process may
+   use), each into an object of its own under `<cache>/objects/`, named by a hash of the file, the
+   headers it includes, the flags and the compiler. An object is written to a temporary name and
+   renamed when complete, so a build that fails in one file or is killed (Ctrl-C, a timeout, a
+   scheduler) keeps every object it finished: the next build compiles only what is missing. The
+   heavy kernels are split by vector width into translation units of their own
+   (adam/cpu_adam_avx2.c, adam/cpu_adam_avx512.c), so that they compile side by side.
+3. A CUDA op's bindings (C++) and .cu files are compiled and linked by
+   `torch.utils.cpp_extension.load`, which uses ninja and nvcc; the bindings use torch's own C++
+   standard (c++20 in torch 2.13).
+4. The result lands in `<cache>/<op>-<hash>/`, where the hash covers every source and every header
+   it includes, the flags and the compiler; for a CUDA op also the torch/Python/CUDA versions, the
+   `nvcc --version` output and, unless TORCH_CUDA_ARCH_LIST names the archs, the compute capability
+   of every visible GPU (the binary holds code for those only). A CPU op links no torch, so it
+   survives a torch upgrade. A changed source, flag, toolkit or GPU therefore means a new directory
+   and a rebuild; an unchanged one is imported directly, without asking a compiler or ninja anything.
 
 The cache lives in `$ZERO_CACHE_DIR` (default `~/.cache/zero/ops`). Concurrent ranks that
-need the same op take a file lock: one builds, the others wait and import the result.
+need the same op take a file lock: one builds (one line when it starts, one with its time when it
+is done), the others wait, saying every 15 s which op they wait for and for how long, and import
+the result.
 
 An op that cannot be built (no compiler, a compile error, an nvcc whose major version differs
 from torch's CUDA, a cache directory that cannot be created or written) raises OpUnavailable,
@@ -39,6 +51,9 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache
@@ -59,7 +74,8 @@ class OpSpec:
     Args:
         name: short name used by `load()` and the env report (`cpu_adam`, `fused_adam`).
         what: one line for people: what the op does.
-        c_sources: C11 kernel files, relative to csrc/; compiled by the C compiler.
+        c_sources: C11 kernel files, relative to csrc/; compiled by the C compiler. An op with
+            C sources only is a C library called through ctypes (zero/ops/native.py).
         cpp_sources: C++ binding files (torch extension entry points), relative to csrc/.
         cuda_sources: CUDA C kernel files, relative to csrc/; compiled by nvcc.
     """
@@ -77,6 +93,14 @@ class OpSpec:
     def needs_cuda(self) -> bool:
         return bool(self.cuda_sources)
 
+    @property
+    def is_c_library(self) -> bool:
+        """Plain C, no torch extension: built by the C compiler alone, called through ctypes."""
+        return not (self.cpp_sources or self.cuda_sources)
+
+
+_CPU_COMMON = ("common/simd.c", "common/abi.c")  # every CPU op: the SIMD detection, the struct sizes
+
 
 OPS: dict[str, OpSpec] = {
     spec.name: spec
@@ -84,20 +108,17 @@ OPS: dict[str, OpSpec] = {
         OpSpec(
             "cpu_adam",
             "CPU Adam/AdamW (AVX-512 / AVX2 / portable C, OpenMP)",
-            c_sources=("adam/cpu_adam.c", "common/simd.c"),
-            cpp_sources=("bindings/cpu_adam.cpp",),
+            c_sources=("adam/cpu_adam.c", "adam/cpu_adam_avx2.c", "adam/cpu_adam_avx512.c", *_CPU_COMMON),
         ),
         OpSpec(
             "cpu_optim",
             "CPU Lion and Adagrad, the host update of their optimizer offload (C, OpenMP)",
-            c_sources=("optim/cpu_optim.c", "common/simd.c"),
-            cpp_sources=("bindings/cpu_optim.cpp",),
+            c_sources=("optim/cpu_optim.c", *_CPU_COMMON),
         ),
         OpSpec(
             "onebit",
             "1-bit pack with error feedback and unpack-mean (AVX-512 / AVX2 / portable C, OpenMP)",
-            c_sources=("onebit/onebit.c", "common/simd.c"),
-            cpp_sources=("bindings/onebit.cpp",),
+            c_sources=("onebit/onebit.c", *_CPU_COMMON),
         ),
         OpSpec(
             "onebit_cuda",
@@ -114,8 +135,7 @@ OPS: dict[str, OpSpec] = {
         OpSpec(
             "sparse_attention",
             "block-sparse attention forward/backward (AVX-512 / AVX2 / portable C, OpenMP)",
-            c_sources=("sparse_attention/sparse_attention.c", "common/simd.c"),
-            cpp_sources=("bindings/sparse_attention.cpp",),
+            c_sources=("sparse_attention/sparse_attention.c", *_CPU_COMMON),
         ),
         OpSpec(
             "sparse_attention_cuda",
@@ -250,7 +270,7 @@ def missing(name: str) -> str | None:
         return f"source file(s) missing from {src}: {', '.join(absent)}"
     if spec.c_sources and c_compiler() is None:
         return "no C compiler found (install gcc or clang, or set CC)"
-    if (spec.cpp_sources or spec.cuda_sources) and not _ninja_ok():
+    if not spec.is_c_library and not _ninja_ok():
         return "ninja is not installed (pip install ninja)"
     if spec.needs_cuda:
         if torch.version.cuda is None:
@@ -264,18 +284,64 @@ def missing(name: str) -> str | None:
 
 # ----------------------------------------------------------------------------- build
 
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def _included(src: Path, rel: str, seen: set[str] | None = None) -> set[str]:
+    """`rel` and every csrc/ header it includes, directly or not (paths relative to csrc/)."""
+    seen = set() if seen is None else seen
+    if rel in seen:
+        return seen
+    seen.add(rel)
+    path = src / rel
+    if path.is_file():
+        for inc in _INCLUDE.findall(path.read_text(errors="replace")):
+            if (src / inc).is_file():
+                _included(src, inc, seen)
+    return seen
+
+
+def _hash_files(h, src: Path, files) -> None:
+    for rel in sorted(files):
+        h.update(rel.encode())
+        h.update((src / rel).read_bytes())
+
+
+@cache
+def _cc_version(cc: str) -> str:
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _c_identity() -> tuple:
+    cc = c_compiler()
+    return _c_flags(), cc, _cc_version(cc) if cc else "", sysconfig.get_platform()
+
+
+def _object_path(rel: str) -> Path:
+    """Where the object of C file `rel` goes: named by the file, what it includes, flags, compiler."""
+    src = source_dir()
+    h = hashlib.sha256()
+    _hash_files(h, src, _included(src, rel))
+    h.update(repr(_c_identity()).encode())
+    return cache_dir() / "objects" / f"{rel.replace('/', '_').rsplit('.', 1)[0]}-{h.hexdigest()[:16]}.o"
+
 
 def _fingerprint(spec: OpSpec) -> str:
     h = hashlib.sha256()
     src = source_dir()
+    if spec.is_c_library:
+        for rel in spec.c_sources:
+            h.update(_object_path(rel).name.encode())
+        h.update(repr(_c_identity()).encode())
+        return h.hexdigest()[:16]
     sources = [src / s for s in spec.c_sources + spec.cpp_sources + spec.cuda_sources]
     # Headers an op can include: the shared ones and those beside its own sources.
     header_dirs = {src / "common", src / "bindings", *(f.parent for f in sources)}
     headers = [h for d in header_dirs if d.is_dir() for pat in ("*.h", "*.cuh") for h in d.glob(pat)]
-    files = sorted({*sources, *headers})
-    for f in files:
-        h.update(str(f.relative_to(src)).encode())
-        h.update(f.read_bytes())
+    _hash_files(h, src, {str(f.relative_to(src)) for f in {*sources, *headers}})
     h.update(repr((_c_flags(), c_compiler(), spec.extra_cuda_cflags, os.environ.get("TORCH_CUDA_ARCH_LIST"))).encode())
     h.update(repr((torch.__version__, torch.version.cuda, sys.version_info[:2], sysconfig.get_platform())).encode())
     if spec.needs_cuda:
@@ -294,6 +360,8 @@ def _module_name(name: str) -> str:
 
 
 def _built_library(name: str) -> Path:
+    if OPS[name].is_c_library:
+        return build_dir(name) / f"lib{_module_name(name)}.so"
     return build_dir(name) / f"{_module_name(name)}{'.so' if os.name != 'nt' else '.pyd'}"
 
 
@@ -312,37 +380,109 @@ def _cache_unusable(name: str, path: Path, exc: OSError) -> OpUnavailable:
                          f"writable directory.")
 
 
+def _say(message: str) -> None:
+    print(f"zero: {message}", file=sys.stderr, flush=True)
+
+
+WAIT_REPORT_S = 15.0  # how often a process waiting for another's build says so
+
+
 @contextmanager
 def _locked(path: Path, name: str):
-    """An exclusive lock on `path` for building op `name` (OpUnavailable if the cache is unusable)."""
+    """An exclusive lock on `path` for building op `name` (OpUnavailable if the cache is unusable).
+
+    While another process holds it, say every WAIT_REPORT_S seconds which op we wait for and for
+    how long, so that ranks waiting on one build do not look hung."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fh = open(path, "w")
     except OSError as exc:
         raise _cache_unusable(name, path.parent, exc) from exc
     with fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+        start = last = time.monotonic()
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                now = time.monotonic()
+                if now - last >= WAIT_REPORT_S:
+                    _say(f"waiting for native op '{name}', which another process is compiling "
+                         f"({now - start:.0f} s so far; lock {path})")
+                    last = now
+                time.sleep(0.1)
         try:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _compile_c(spec: OpSpec, out_dir: Path) -> list[str]:
-    cc = c_compiler()
+def build_jobs() -> int:
+    """How many C files compile at once: $ZERO_BUILD_JOBS, else the CPUs this process may use."""
+    env = os.environ.get("ZERO_BUILD_JOBS")
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise OpUnavailable(f"ZERO_BUILD_JOBS must be a positive integer, got {env!r}")
+        return int(env)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def _compile_object(rel: str, obj: Path) -> str | None:
+    """Compile C file `rel` into `obj` (complete or not at all); the failure's text, or None."""
     src = source_dir()
-    objects = []
-    for rel in spec.c_sources:
-        obj = out_dir / (rel.replace("/", "_").rsplit(".", 1)[0] + ".o")
-        cmd = [cc, *_c_flags(), "-I", str(src), "-c", str(src / rel), "-o", str(obj)]
+    obj.parent.mkdir(parents=True, exist_ok=True)
+    tmp = obj.with_name(f"{obj.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    cmd = [c_compiler(), *_c_flags(), "-I", str(src), "-c", str(src / rel), "-o", str(tmp)]
+    try:
         r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise OpUnavailable(f"op '{spec.name}': compiling {rel} failed:\n$ {' '.join(cmd)}\n{r.stderr}")
-        objects.append(str(obj))
-    return objects
+    except OSError as exc:
+        return f"$ {' '.join(cmd)}\n{exc}"
+    if r.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        return f"$ {' '.join(cmd)}\n{r.stderr}"
+    os.replace(tmp, obj)  # atomic: an object is there whole or not at all
+    return None
 
 
-def _import_library(name: str, path: Path) -> ModuleType:
+def _compile_c(spec: OpSpec) -> list[Path]:
+    """The objects of `spec`'s C files, compiling in parallel those not in the cache yet.
+
+    Every file is attempted even when one fails, and what compiled is kept."""
+    objects = {rel: _object_path(rel) for rel in spec.c_sources}
+    todo = [rel for rel, obj in objects.items() if not obj.is_file()]
+    if todo:
+        with ThreadPoolExecutor(max_workers=min(build_jobs(), len(todo))) as pool:
+            errors = dict(zip(todo, pool.map(lambda rel: _compile_object(rel, objects[rel]), todo)))
+        failed = [rel for rel in todo if errors[rel] is not None]
+        if failed:
+            kept = len(todo) - len(failed)
+            raise OpUnavailable(f"op '{spec.name}': compiling {failed[0]} failed"
+                                f"{f' (and {len(failed) - 1} more)' if len(failed) > 1 else ''}; the {kept} "
+                                f"file(s) that compiled are kept for the next try:\n{errors[failed[0]]}")
+    return list(objects.values())
+
+
+def _link(name: str, objects: list[Path], library: Path) -> None:
+    cmd = [c_compiler(), "-shared", *map(str, objects), "-o", str(library.with_suffix(".so.tmp"))]
+    if "-fopenmp" in _c_flags():
+        cmd.append("-fopenmp")
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise OpUnavailable(f"op '{name}': linking failed:\n$ {' '.join(cmd)}\n{r.stderr}")
+    os.replace(library.with_suffix(".so.tmp"), library)
+
+
+def _import_library(name: str, path: Path) -> object:
+    if OPS[name].is_c_library:
+        from zero.ops.native import BINDINGS
+
+        try:
+            return BINDINGS[name](path)
+        except (OSError, AttributeError) as exc:  # a missing symbol: the cached build does not fit
+            raise OpUnavailable(f"op '{name}' was built in {path.parent} but does not load: {exc}") from exc
     modname = _module_name(name)
     spec = importlib.util.spec_from_file_location(modname, path)
     module = importlib.util.module_from_spec(spec)
@@ -353,26 +493,37 @@ def _import_library(name: str, path: Path) -> ModuleType:
     return module
 
 
-def _build(name: str) -> ModuleType:
-    from torch.utils import cpp_extension
-
+def _build(name: str) -> object:
     spec = OPS[name]
     out = build_dir(name)
     out.mkdir(parents=True, exist_ok=True)
-    print(
-        f"zero: compiling native op '{name}' ({spec.what}) into {out}; this happens once per "
-        f"source/torch version and takes a moment (set ZERO_CACHE_DIR to move the cache)",
-        file=sys.stderr,
-        flush=True,
-    )
-    objects = _compile_c(spec, out)
+    start = time.monotonic()
+    if spec.is_c_library:
+        todo = sum(not _object_path(rel).is_file() for rel in spec.c_sources)
+        _say(f"compiling native op '{name}' ({spec.what}): {todo} of {len(spec.c_sources)} C files, "
+             f"{min(build_jobs(), max(todo, 1))} at a time, into {out} (once per source version; "
+             f"ZERO_CACHE_DIR moves the cache)")
+        objects = _compile_c(spec)
+        _link(name, objects, _built_library(name))
+        module = _import_library(name, _built_library(name))
+    else:
+        _say(f"compiling native op '{name}' ({spec.what}) into {out}; this happens once per source/torch "
+             f"version (set ZERO_CACHE_DIR to move the cache)")
+        module = _build_extension(spec, out)
+    _say(f"native op '{name}' built in {time.monotonic() - start:.1f} s")
+    return module
+
+
+def _build_extension(spec: OpSpec, out: Path) -> ModuleType:
+    from torch.utils import cpp_extension
+
     src = source_dir()
-    ldflags = [*objects]
-    if "-fopenmp" in _c_flags():
+    ldflags = [str(o) for o in _compile_c(spec)] if spec.c_sources else []
+    if spec.c_sources and "-fopenmp" in _c_flags():
         ldflags.append("-fopenmp")
     try:
         return cpp_extension.load(
-            name=_module_name(name),
+            name=_module_name(spec.name),
             sources=[str(src / s) for s in spec.cpp_sources + spec.cuda_sources],
             extra_cflags=["-O3"],  # and torch's own -std
             extra_cuda_cflags=list(spec.extra_cuda_cflags),
@@ -383,15 +534,16 @@ def _build(name: str) -> ModuleType:
             verbose=os.environ.get("ZERO_VERBOSE_BUILD", "0") not in ("", "0"),
         )
     except Exception as exc:  # the compiler's own message is the useful part
-        raise OpUnavailable(f"op '{name}' failed to build in {out}: {exc}") from exc
+        raise OpUnavailable(f"op '{spec.name}' failed to build in {out}: {exc}") from exc
 
 
-_loaded: dict[str, ModuleType] = {}
+_loaded: dict[str, object] = {}
 _failed: dict[str, OpUnavailable] = {}  # tried once in this process, and why it failed
 
 
-def load(name: str) -> ModuleType:
-    """Return the compiled module of op `name`, building it first if needed.
+def load(name: str) -> object:
+    """Return op `name`, building it first if needed: a CPU op's ctypes binding
+    (zero/ops/native.py) or a CUDA op's torch extension module.
 
     A failure is remembered: once an op was found unavailable in this process, every later call
     raises the same OpUnavailable at once, without looking for a compiler or compiling again.
@@ -413,7 +565,7 @@ def load(name: str) -> ModuleType:
     return _loaded[name]
 
 
-def _load_once(name: str) -> ModuleType:
+def _load_once(name: str) -> object:
     reason = missing(name)
     if reason is not None:
         raise OpUnavailable(f"op '{name}' ({OPS[name].what}) is unavailable: {reason}")

@@ -158,7 +158,7 @@ def options_from_config(cfg: ZeroConfig, world_size: int, num_threads: int, stat
     offload: OffloadPolicy = OnDevice()
     if zc.offload_optimizer is not None and zc.offload_optimizer.device == "cpu":
         offload = CPUOffload(pin_memory=zc.offload_optimizer.pin_memory,
-                                 tile_elements=max(Q8_BLOCK, min(zc.sub_group_size, 1 << 22)) // Q8_BLOCK * Q8_BLOCK,
+                                 tile_elements=max(Q8_BLOCK, min(zc.sub_group_size or 1 << 22, 1 << 22)) // Q8_BLOCK * Q8_BLOCK,
                                  num_threads=num_threads)  # whole 8-bit blocks per tile
     predivide = float(world_size) if cfg.prescale_gradients else cfg.gradient_predivide_factor
     step = StepOptions(clipping=cfg.gradient_clipping, predivide=predivide,

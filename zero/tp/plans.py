@@ -119,11 +119,14 @@ def auto_plan_for(model: nn.Module, size: int) -> str | None:
         return None
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     name = model_type if model_type in ("gpt2", "llama") else None
-    if name is None:
-        raise ValueError(f"tensor_parallel.size is {size} but no parameter of the {type(model).__name__} is sliced: "
-                         f"slice it first with zero.tp.parallelize(model, zero.tp.mesh(config), plan) (named plans: "
-                         f"{sorted(PLANS)}, or a dict of module path -> ParallelStyle); HuggingFace GPT-2 and Llama "
-                         f"models are sliced by initialize itself")
+    if name is None:  # a ConfigError (a ValueError) naming the key, as DeepSpeed's AutoTP users set autotp_size
+        from zero.config.errors import _raise
+
+        _raise([(("tensor_parallel", "size"), f"is {size} (DeepSpeed's autotp_size) but no parameter of the "
+                 f"{type(model).__name__} is sliced: slice it first with zero.tp.parallelize(model, "
+                 f"zero.tp.mesh(config), plan) (named plans: {sorted(PLANS)}, or a dict of module path -> "
+                 f"ParallelStyle), or leave tensor parallelism out (size 1); HuggingFace GPT-2 and Llama models "
+                 f"are sliced by initialize itself")])
     try:
         PLANS[name](model, size)
     except ValueError as exc:
