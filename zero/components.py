@@ -13,7 +13,8 @@ loader).
 The components zero builds from the config: "sequence" (Ulysses' first-step check and traffic,
 zero/sequence/ulysses.py), "periodic_saves" (zero/checkpoint/periodic.py), "activations" (ZeRO-R,
 zero/activations.py), "pipeline" (the schedule, zero/pipe/schedule.py), "mesh_traffic" (the
-pipeline and tensor traffic, zero/parallel/mesh.py); a `zero.TrainingMonitor` adds itself as
+pipeline and tensor traffic, zero/parallel/mesh.py), "events" (DeepSpeed's csv and TensorBoard
+monitors, zero/events.py); a `zero.TrainingMonitor` adds itself as
 "monitor". A new part of a run is one component here, not a branch in the loop.
 """
 from __future__ import annotations

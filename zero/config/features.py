@@ -141,7 +141,8 @@ def _other_than(value: Any) -> Predicate:
 
 _NVME_ONLY = "only NVMe offload uses it, and zero offloads to the CPU only"
 _NO_CHECKPOINTS = "zero's training checkpoints do not use it (see docs/checkpoint.md)"
-_NOT_MONITORED = "zero has no monitoring backends; log from your training loop"
+_NOT_MONITORED = ("zero writes DeepSpeed's events to csv_monitor and tensorboard, not to this service; "
+                  "log from your training loop")
 _MONITORING = _raw("Monitoring (ignored with a warning).")
 
 UNIMPLEMENTED_FEATURES: tuple[UnimplementedFeature, ...] = (
@@ -213,9 +214,7 @@ UNIMPLEMENTED_FEATURES: tuple[UnimplementedFeature, ...] = (
     _refused("zero_optimization.offload_optimizer.super_offload",
              _flag(False, "DeepSpeed SuperOffload (not implemented)."), "SuperOffload"),
     # --- logging, monitoring, profiling: ConfigWarning --------------------------------------------
-    _warned("tensorboard.enabled", _MONITORING, _NOT_MONITORED, bool),
     _warned("wandb.enabled", _MONITORING, _NOT_MONITORED, bool),
-    _warned("csv_monitor.enabled", _MONITORING, _NOT_MONITORED, bool),
     _warned("comet.enabled", _MONITORING, _NOT_MONITORED, bool),
     _warned("flops_profiler.enabled", _raw("Profiling (ignored with a warning)."), "use torch.profiler", bool),
     _warned("comms_logger.enabled", _raw("Communication logging (ignored with a warning)."),

@@ -8,6 +8,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from zero.config.errors import _fmt, _NestedIssues, _warn
 from zero.config.features import with_placeholders
+from zero.config.monitor import MonitorConfig, TensorBoardConfig
 from zero.config.optimizer import OptimizerConfig
 from zero.config.parallel import PipelineConfig, TensorParallelConfig
 from zero.config.rules import Caller, combination_issues
@@ -77,6 +78,10 @@ class ZeroConfig(_Section):
     # logging / io
     steps_per_print: Optional[int] = Field(None, ge=0, description="Log progress every N steps; null = never.")
     wall_clock_breakdown: bool = Field(False, description="Time forward/backward/step.")
+    csv_monitor: MonitorConfig = Field(default_factory=MonitorConfig, description="DeepSpeed's CSV monitor: the "
+                                       "learning rate and loss scale per step in csv files (zero/events.py).")
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig, description="The same events for "
+                                           "TensorBoard.")
     memory_breakdown: bool = Field(False, description="Log memory use.")
     dump_state: bool = Field(False, description="Print the engine state after initialization.")
     dataloader_drop_last: bool = Field(False, description="Drop the last incomplete batch.")

@@ -260,6 +260,10 @@ class TrainingLoop(nn.Module):
             sum(slot.master.numel() for slot in self.optimizer.slots()))
         if self.traffic is not None:
             self.add_component(self.traffic)
+        if config.csv_monitor.enabled or config.tensorboard.enabled:  # DeepSpeed's monitors (zero/events.py)
+            from zero.events import MonitorEvents
+
+            self.add_component(MonitorEvents(config, self.comm.rank))
 
     def _build_scheduler(self, lr_scheduler):
         if lr_scheduler is not None:

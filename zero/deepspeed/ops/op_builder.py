@@ -2,7 +2,8 @@
 
 Every builder DeepSpeed 0.19.8 has is here under its name with DeepSpeed's op name (`NAME`). Those of the
 ops zero has answer for them: `CPUAdamBuilder` and `FusedAdamBuilder` build zero's `cpu_adam` and
-`fused_adam` kernels; the Lion builders are compatible everywhere, because zero's Lion
+`fused_adam` kernels (on a machine without a CUDA GPU, FusedAdam's is `cpu_adam`, as DeepSpeed's CPU
+accelerator builds a host FusedAdam); the Lion builders are compatible everywhere, because zero's Lion
 (zero.optim.lion.Lion, behind deepspeed.ops.lion) is torch code with no native op. The others are not
 compatible, and `load()` says so.
 """
@@ -81,9 +82,22 @@ class OpBuilder:
         return f"zero.ops.{self.OP}"
 
 
+class _FusedAdamBuilder(OpBuilder):
+    """Without a CUDA GPU DeepSpeed's CPU accelerator builds its FusedAdam for the host, and zero's
+    FusedAdam steps host tensors with the CPU Adam kernel: there the op is `cpu_adam`."""
+
+    @property
+    def OP(self) -> str:  # noqa: N802 - the class attribute of the other builders
+        import torch
+
+        return "fused_adam" if torch.cuda.is_available() else "cpu_adam"
+
+
 for _name, (_op_name, _op) in BUILDERS.items():
-    globals()[_name] = type(_name, (OpBuilder,), {"NAME": _op_name, "OP": _op, "__module__": __name__})
-del _name, _op_name, _op
+    _base = _FusedAdamBuilder if _op == "fused_adam" else OpBuilder
+    _attrs = {"NAME": _op_name, "__module__": __name__, **({} if _op == "fused_adam" else {"OP": _op})}
+    globals()[_name] = type(_name, (_base,), _attrs)
+del _name, _op_name, _op, _base, _attrs
 
 
 def __getattr__(name: str):
