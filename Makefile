@@ -12,7 +12,7 @@ setup:
 	$(PYTHON) -m pip install --no-build-isolation -e ".[test]"
 
 demo: setup
-	$(PYTHON) -m zero.ops build
+	-$(PYTHON) -m zero.ops build
 	$(PYTHON) -m torch.distributed.run --nproc_per_node 2 examples/train_gpt.py
 
 test: setup

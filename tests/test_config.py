@@ -601,7 +601,7 @@ _SETTINGS = {  # a value that sets each row whose key is not a typed bool
     "weight_quantization": {"post_init_quant": {"fc": {"num_bits": 8}}},
     "timers": {"throughput": {"enabled": True}}, "activation_checkpointing": {"partition_activations": True},
     "aio": {"block_size": 1048576}, "sequence_parallel_size": 2, "gradient_allreduce_op": "sum",
-    "data_types.grad_accum_dtype": "bf16", "zero_optimization.zero_hpz_partition_size": 2,
+    "data_types.grad_accum_dtype": "bf16", "seq_parallel_communication_data_type": "bf16", "zero_optimization.zero_hpz_partition_size": 2,
     "zero_optimization.zeropp_loco_param": {"err_beta": 0.8}, "zero_optimization.mics_shard_size": 2,
     "zero_optimization.zenflow": {"topk_ratio": 0.1}, "vocabulary_size": 50257,
     "checkpoint.tag_validation": "Fail", "zero_optimization.cpu_offload_use_pin_memory": True,

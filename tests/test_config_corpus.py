@@ -12,7 +12,10 @@ without an optimizer section gets a client torch.optim.AdamW, as the scripts tha
 """
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import tempfile
 import types
 import warnings
 from pathlib import Path
@@ -57,12 +60,15 @@ REFUSED_AT = {
 }
 
 
-def _enabled(cfg: dict, *names: str) -> bool:
-    return any(isinstance(cfg.get(n), dict) and cfg[n].get("enabled") is True for n in names)
+def _enabled(cfg: dict, *names: str, auto: bool = False) -> bool:
+    """Whether a precision section is on (`auto`: what an "auto" there becomes)."""
+    return any(isinstance(cfg.get(n), dict) and cfg[n].get("enabled") in ((True, "auto") if auto else (True,))
+               for n in names)
 
 
-def _as_used(name: str, world_size: int) -> dict:
-    """The config as its users' launcher hands it to `initialize` (see the module's docstring)."""
+def _as_used(name: str, world_size: int, auto_bf16: bool = False) -> dict:
+    """The config as its users' launcher hands it to `initialize` (see the module's docstring);
+    `auto_bf16`: TrainingArguments(bf16=True), which an "auto" bf16.enabled follows."""
     from zero.integrations.hf import resolve_auto
     from zero.parallel.dims import ParallelDims
 
@@ -78,7 +84,7 @@ def _as_used(name: str, world_size: int) -> dict:
         per_device_train_batch_size=number(raw.get("train_micro_batch_size_per_gpu"), 2),
         gradient_accumulation_steps=number(raw.get("gradient_accumulation_steps"), 1),
         max_grad_norm=number(raw.get("gradient_clipping"), 1.0), fp16=_enabled(raw, "fp16"),
-        bf16=_enabled(raw, "bf16", "bfloat16"), optim="adamw_torch", learning_rate=number(opt.get("lr"), 1e-3),
+        bf16=_enabled(raw, "bf16", "bfloat16", auto=auto_bf16), optim="adamw_torch", learning_rate=number(opt.get("lr"), 1e-3),
         adam_beta1=betas[0], adam_beta2=betas[1], adam_epsilon=number(opt.get("eps"), 1e-8),
         weight_decay=number(opt.get("weight_decay"), 0.0), get_warmup_steps=lambda steps: 1)
     tp = (raw.get("tensor_parallel") or {}).get("autotp_size", 1)
@@ -86,43 +92,64 @@ def _as_used(name: str, world_size: int) -> dict:
     return resolve_auto(raw, args, None, 10, batch)
 
 
-def _train(names: list[str]) -> dict[str, tuple]:
-    """On every rank: each config's outcome, ("trained", warnings) or ("refused", paths, message)."""
+def _train(names: list[str], auto_bf16: bool = False) -> dict[str, tuple]:
+    """On every rank: each config's outcome, ("trained", steps, finite, warnings) or ("refused",
+    paths, message); `auto_bf16`: train the configs whose bf16 is "auto" in bf16 (see `_as_used`)."""
+    world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    out = {}
+    home = os.getcwd()
+    with tempfile.TemporaryDirectory() as scratch:
+        os.chdir(scratch)  # monitors write relative to the working directory
+        try:
+            for name in names:
+                out[name] = _train_one(name, world_size, auto_bf16)
+        finally:
+            os.chdir(home)
+    return out
+
+
+def _train_one(name: str, world_size: int, auto_bf16: bool) -> tuple:
     import zero
     from zero.config import ConfigWarning
 
-    world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    out = {}
-    for name in names:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                config = _as_used(name, world_size)
-                client = None if config.get("optimizer") else torch.optim.AdamW(model.parameters(), lr=1e-3)
-                engine, *_ = zero.initialize(model=model, optimizer=client, config=config)
-            except zero.ConfigError as err:
-                out[name] = ("refused", [p for p, _ in err.issues], str(err))
-                continue
-            dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(engine.config.precision, torch.float32)
-            accum = engine.config.gradient_accumulation_steps
-            for _ in range(2 * accum):
-                x = torch.randn(engine.config.train_micro_batch_size_per_gpu, 8, dtype=dtype)
-                engine.backward(engine(x).float().square().mean())
-                engine.step()
-            finite = all(torch.isfinite(p.detach().float()).all() for p in engine.module.parameters())
-            steps = engine.global_steps
-            engine.destroy()
-        messages = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
-        out[name] = ("trained", steps, finite, messages)
-    return out
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            config = _as_used(name, world_size, auto_bf16)
+            client = None if config.get("optimizer") else torch.optim.AdamW(model.parameters(), lr=1e-3)
+            engine, *_ = zero.initialize(model=model, optimizer=client, config=config)
+        except zero.ConfigError as err:
+            return ("refused", [p for p, _ in err.issues], str(err))
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(engine.config.precision, torch.float32)
+        for _ in range(2 * engine.config.gradient_accumulation_steps):
+            x = torch.randn(engine.config.train_micro_batch_size_per_gpu, 8, dtype=dtype)
+            engine.backward(engine(x).float().square().mean())
+            engine.step()
+        finite = all(torch.isfinite(p.detach().float()).all() for p in engine.module.parameters())
+        steps = engine.global_steps
+        engine.destroy()
+    messages = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+    return ("trained", steps, finite, messages)
+
+
+def _tensorboard(name: str) -> bool:
+    raw = json.loads((CORPUS / f"{name}.json").read_text())
+    return isinstance(raw.get("tensorboard"), dict) and raw["tensorboard"].get("enabled") is True
+
+
+# Without the tensorboard package a config that enables it is refused at load naming the key (DeepSpeed
+# raises ImportError then); with it, it trains and writes its events (into a temporary directory).
+NO_TENSORBOARD = importlib.util.find_spec("tensorboard") is None
 
 
 def _check(outcomes: dict, world_size: int) -> None:
     problems = []
     for name, outcome in outcomes.items():
         refused = REFUSED.get(name) or REFUSED_AT.get((name, world_size))
+        if NO_TENSORBOARD and _tensorboard(name):
+            refused = ("tensorboard", "pip install tensorboard")
         if refused is not None:
             key, fragment = refused
             if outcome[0] != "refused" or key not in outcome[1] or fragment not in outcome[2]:
@@ -148,7 +175,8 @@ def test_the_corpus_is_large_and_its_sources_are_listed():
 
 
 def test_every_config_trains_or_is_refused_by_key_on_one_rank():
-    _check(_train(NAMES), 1)
+    """On one rank as a Trainer user with bf16=True runs them; on two (below) as one in fp32."""
+    _check(_train(NAMES, auto_bf16=True), 1)
 
 
 def test_every_config_trains_or_is_refused_by_key_on_two_ranks(dist_run):

@@ -53,6 +53,13 @@ def op_status(name: str) -> str:
     return "buildable (compiled on first use)" if reason is None else f"unavailable: {reason}"
 
 
+def _build_jobs() -> str:
+    try:
+        return f"{builder.build_jobs()} (ZERO_BUILD_JOBS)"
+    except ValueError as exc:
+        return str(exc)
+
+
 def report() -> str:
     cc = builder.c_compiler()
     nvcc = builder.nvcc()
@@ -66,7 +73,7 @@ def report() -> str:
         ("C compiler", f"{cc}: {_version([cc, '--version'])}" if cc else "not found"),
         ("OpenMP", "yes" if "-fopenmp" in builder._c_flags() else "no (kernels run single-threaded)"),
         ("ninja", "yes" if builder._ninja_ok() else "no (pip install ninja; the CUDA ops need it)"),
-        ("compiler jobs", f"{builder.build_jobs()} (ZERO_BUILD_JOBS)"),
+        ("compiler jobs", _build_jobs()),
         ("CPU SIMD", cpu_simd_level()),
         ("op cache", str(builder.cache_dir())),
     ]

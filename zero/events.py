@@ -36,8 +36,8 @@ class CsvWriter:
                 writer.writerow(["step", name.rsplit("/", 1)[-1]])
             writer.writerow([step, value])
 
-    def close(self) -> None:
-        pass
+    def flush(self) -> None:
+        pass  # every write opens, appends and closes its file
 
 
 class TensorBoardWriter:
@@ -51,8 +51,8 @@ class TensorBoardWriter:
     def write(self, name: str, value: float, step: int) -> None:
         self.writer.add_scalar(name, value, step)
 
-    def close(self) -> None:
-        self.writer.flush()
+    def flush(self) -> None:
+        self.writer.flush()  # after every step, as DeepSpeed's monitor flushes after its events
 
 
 class MonitorEvents(Component):
@@ -90,4 +90,4 @@ class MonitorEvents(Component):
             for writer in self.writers:
                 writer.write(name, value, step)
         for writer in self.writers:
-            writer.close()
+            writer.flush()

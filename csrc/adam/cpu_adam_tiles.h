@@ -93,11 +93,13 @@ static inline void partial_out(const partial_vec *t, int64_t rest, float *p, flo
     if (out != NULL) memcpy(out, t->out, (size_t)rest * 2);
 }
 
-/* The vector tiles, one translation unit per width (ZV_ENTRY functions of the bodies). */
-void adam_tile_avx2(TILE_PARAMS);
-void adam_tile_avx512(TILE_PARAMS);
-void adam_fmt_tile_avx2(FMT_TILE_PARAMS);
-void adam_fmt_tile_avx512(FMT_TILE_PARAMS);
+/* The vector tiles, one translation unit per width (ZV_ENTRY functions of the bodies), hidden:
+ * the library exports its zero_* entry points only. */
+#define ZERO_INTERNAL __attribute__((visibility("hidden")))
+ZERO_INTERNAL void adam_tile_avx2(TILE_PARAMS);
+ZERO_INTERNAL void adam_tile_avx512(TILE_PARAMS);
+ZERO_INTERNAL void adam_fmt_tile_avx2(FMT_TILE_PARAMS);
+ZERO_INTERNAL void adam_fmt_tile_avx512(FMT_TILE_PARAMS);
 #endif /* ZERO_HAVE_X86_SIMD */
 
 #endif /* ZERO_ADAM_CPU_ADAM_TILES_H */

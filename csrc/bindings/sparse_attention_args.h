@@ -1,4 +1,5 @@
-// What both sparse-attention bindings share: the kernels' problem struct filled from tensors.
+// The CUDA sparse-attention binding's problem struct, filled from tensors (the CPU op fills the same
+// struct from Python: zero/ops/native.py).
 // zero/ops/sparse_attention.py has checked every shape, dtype, device and index before this.
 #pragma once
 

@@ -9,7 +9,7 @@
 #include <cpuid.h>
 #endif
 
-int zero_simd_available(int level) {
+static int detect(int level) {
     if (level == ZERO_SIMD_SCALAR) return 1;
 #if ZERO_HAVE_X86_SIMD
     __builtin_cpu_init();
@@ -23,6 +23,22 @@ int zero_simd_available(int level) {
     }
 #endif
     return 0;
+}
+
+/* Every kernel call resolves its level, and CPUID is slow under a hypervisor (each one exits to
+ * it: several microseconds per call measured in this project's VM), so the answers are asked once
+ * and kept: bit `level` of `known` set when `level` was asked, of `have` when it runs here. Two
+ * threads asking at once both store the same bits. */
+static unsigned known, have;
+
+int zero_simd_available(int level) {
+    if (level < 0 || level >= ZERO_SIMD_LEVELS) return 0;
+    const unsigned bit = 1u << level;
+    if (!(__atomic_load_n(&known, __ATOMIC_ACQUIRE) & bit)) {
+        if (detect(level)) __atomic_fetch_or(&have, bit, __ATOMIC_RELAXED);
+        __atomic_fetch_or(&known, bit, __ATOMIC_RELEASE);
+    }
+    return (__atomic_load_n(&have, __ATOMIC_RELAXED) & bit) != 0;
 }
 
 int zero_simd_best(void) {

@@ -49,7 +49,7 @@
 #define ZV_W ZV_(ZV_W_)                               /* fp32 lanes per vector */
 #define ZV_NAME(f) ZV_CAT(f, ZV_(ZV_SUFFIX_))         /* f_avx2 / f_avx512 */
 #define ZV_FN ZV_(ZV_TARGET_) static                  /* a function of the body */
-#define ZV_ENTRY ZV_(ZV_TARGET_)                     /* one another translation unit calls */
+#define ZV_ENTRY ZV_(ZV_TARGET_) __attribute__((visibility("hidden"))) /* called from another unit of the op */
 #define ZV_INLINE ZV_FN inline __attribute__((always_inline))
 #define ZV_HAS_LANE_MASKS ZV_(ZV_HAS_LANE_MASKS_)     /* 1: zv_loadu_lanes can leave lanes out */
 

@@ -188,7 +188,12 @@ UNIMPLEMENTED_FEATURES: tuple[UnimplementedFeature, ...] = (
                   "\"fp32\" (OpenRLHF's and Megatron-DeepSpeed's choice under bf16) is accepted; another dtype "
                   "is refused."),
              "zero accumulates gradients over micro-batches in fp32 (set \"fp32\" or leave it out)",
-             lambda v: v is not None and v != "fp32"),
+             lambda v: v is not None and str(v).lower() not in ("fp32", "float32", "float", "torch.float32")),
+    _refused("seq_parallel_communication_data_type",
+             _key(Optional[str], "fp32", "DeepSpeed: the dtype of sequence-parallel gradient reductions; zero reduces "
+                  "every gradient in communication_data_type (other than \"fp32\": refused)."),
+             "zero reduces every gradient, sequence-parallel ranks' included, in communication_data_type: set that "
+             "instead", lambda v: v is not None and str(v).lower() not in ("fp32", "float32", "float", "torch.float32")),
     _refused("checkpoint.load_universal", _flag(False, "Load a DeepSpeed universal checkpoint (not implemented)."),
              "zero cannot read DeepSpeed's universal checkpoints"),
     _refused("fp16.fp16_master_weights_and_grads", _flag(False, "Keep master weights in fp16 (not implemented)."),

@@ -313,7 +313,8 @@ class ZeroOptimizationConfig(_Section):
         return self
 
     def _check_sub_group_size(self) -> None:
-        """With optimizer offload, sub_group_size is the CPU Adam tile: at least 1, and small ones warn.
+        """With optimizer offload, sub_group_size is the CPU Adam tile: 0 (DeepSpeed's "each parameter
+        alone") takes the largest tile, with a warning, and small ones warn.
         Without it the key is not read (0 appears in published configs), see _warn_without_effect."""
         if self.offload_optimizer is None or self.offload_optimizer.device == "none":
             return

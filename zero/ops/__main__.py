@@ -14,6 +14,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["build"], help="build: compile every op buildable here")
     parser.add_argument("ops", nargs="*", help="only these ops (default: all)")
     args = parser.parse_args(argv)
+    try:
+        jobs = builder.build_jobs()
+    except ValueError as exc:
+        print(exc)
+        return 2
     failed = 0
     start = time.monotonic()
     for name in args.ops or list(builder.OPS):
@@ -35,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         how = "already built" if cached else f"built in {time.monotonic() - began:.1f} s"
         print(f"{name}: {how} ({builder.build_dir(name)})", flush=True)
-    print(f"native ops: {time.monotonic() - start:.1f} s in all, {builder.build_jobs()} compiler jobs at a time; "
+    print(f"native ops: {time.monotonic() - start:.1f} s in all, {jobs} compiler jobs at a time; "
           f"cache {builder.cache_dir()}")
     return 1 if failed else 0
 

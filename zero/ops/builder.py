@@ -28,7 +28,8 @@ compiler), or ahead of time by `python -m zero.ops build` (what `make demo` and 
    `nvcc --version` output and, unless TORCH_CUDA_ARCH_LIST names the archs, the compute capability
    of every visible GPU (the binary holds code for those only). A CPU op links no torch, so it
    survives a torch upgrade. A changed source, flag, toolkit or GPU therefore means a new directory
-   and a rebuild; an unchanged one is imported directly, without asking a compiler or ninja anything.
+   and a rebuild; an unchanged one is imported directly, without compiling anything (the compiler
+   is asked only its version and whether it takes -fopenmp, once per process).
 
 The cache lives in `$ZERO_CACHE_DIR` (default `~/.cache/zero/ops`). Concurrent ranks that
 need the same op take a file lock: one builds (one line when it starts, one with its time when it
@@ -296,8 +297,11 @@ def _included(src: Path, rel: str, seen: set[str] | None = None) -> set[str]:
     path = src / rel
     if path.is_file():
         for inc in _INCLUDE.findall(path.read_text(errors="replace")):
-            if (src / inc).is_file():
+            beside = (path.parent / inc).relative_to(src).as_posix() if (path.parent / inc).is_file() else None
+            if (src / inc).is_file():  # csrc-relative, as every include in csrc/ is written
                 _included(src, inc, seen)
+            elif beside is not None:  # relative to the including file
+                _included(src, beside, seen)
     return seen
 
 
@@ -418,11 +422,15 @@ def _locked(path: Path, name: str):
 
 
 def build_jobs() -> int:
-    """How many C files compile at once: $ZERO_BUILD_JOBS, else the CPUs this process may use."""
+    """How many C files compile at once: $ZERO_BUILD_JOBS, else the CPUs this process may use.
+
+    Raises:
+        ValueError: ZERO_BUILD_JOBS is set to something other than a positive integer.
+    """
     env = os.environ.get("ZERO_BUILD_JOBS")
     if env:
         if not env.isdigit() or int(env) < 1:
-            raise OpUnavailable(f"ZERO_BUILD_JOBS must be a positive integer, got {env!r}")
+            raise ValueError(f"ZERO_BUILD_JOBS must be a positive integer, got {env!r}")
         return int(env)
     try:
         return max(1, len(os.sched_getaffinity(0)))
@@ -469,6 +477,9 @@ def _link(name: str, objects: list[Path], library: Path) -> None:
     cmd = [c_compiler(), "-shared", *map(str, objects), "-o", str(library.with_suffix(".so.tmp"))]
     if "-fopenmp" in _c_flags():
         cmd.append("-fopenmp")
+    cmd.append("-lm")  # pow, fmaf, sqrtf: linked here, not borrowed from the process that loads the library
+    if sys.platform.startswith("linux"):
+        cmd.append("-Wl,-z,defs")  # an undefined symbol fails the link, with the linker's message
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise OpUnavailable(f"op '{name}': linking failed:\n$ {' '.join(cmd)}\n{r.stderr}")

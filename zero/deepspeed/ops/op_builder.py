@@ -86,18 +86,27 @@ class _FusedAdamBuilder(OpBuilder):
     """Without a CUDA GPU DeepSpeed's CPU accelerator builds its FusedAdam for the host, and zero's
     FusedAdam steps host tensors with the CPU Adam kernel: there the op is `cpu_adam`."""
 
-    @property
-    def OP(self) -> str:  # noqa: N802 - the class attribute of the other builders
+    OP = "fused_adam"
+
+    def __init__(self):
         import torch
 
-        return "fused_adam" if torch.cuda.is_available() else "cpu_adam"
+        super().__init__()
+        if not torch.cuda.is_available():
+            self.OP = "cpu_adam"  # what is_compatible() asks about
+
+    def load(self, verbose: bool = True):
+        if self.OP == "cpu_adam":
+            raise NotAvailableError("deepspeed.ops.op_builder.FusedAdamBuilder: without a CUDA GPU zero's FusedAdam "
+                                    "(deepspeed.ops.adam.FusedAdam) steps host tensors with the CPU Adam kernel, "
+                                    "which CPUAdamBuilder().load() loads; there is no multi-tensor op to load here")
+        return super().load(verbose)
 
 
 for _name, (_op_name, _op) in BUILDERS.items():
     _base = _FusedAdamBuilder if _op == "fused_adam" else OpBuilder
-    _attrs = {"NAME": _op_name, "__module__": __name__, **({} if _op == "fused_adam" else {"OP": _op})}
-    globals()[_name] = type(_name, (_base,), _attrs)
-del _name, _op_name, _op, _base, _attrs
+    globals()[_name] = type(_name, (_base,), {"NAME": _op_name, "OP": _op, "__module__": __name__})
+del _name, _op_name, _op, _base
 
 
 def __getattr__(name: str):
