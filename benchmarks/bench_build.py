@@ -114,11 +114,13 @@ def main() -> None:
         *(f"| - {op} | {t:.1f} |" for op, t in now["ops"].items()),
     ]
     if before:
-        lines.append(f"| the same at `{args.before.name}` (before: C++ torch bindings, one Adam unit) | "
+        then = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=args.before, capture_output=True,
+                              text=True).stdout.strip() or args.before.name
+        lines.append(f"| the same at commit {then} (before: C++ torch bindings, one Adam unit) | "
                      f"{before['wall']:.1f} ({before['wall'] / now['wall']:.1f}x) |")
     lines += [
         f"| cpu_adam killed with {k['kept']} of {k['files']} files built, then built again | {k['wall']:.1f} "
-        f"({k['compiled']} file compiled) |",
+        f"({k['compiled']} of them compiled) |",
         f"| `examples/train_gpt.py --steps 2` on 2 ranks, launch to exit | {first:.1f} |",
         "",
     ]

@@ -1,7 +1,9 @@
 """The JIT op builder: nothing at import, one build per source version, toolkit and GPU, one attempt
 per process for an op that fails, and clear errors."""
 import ctypes
+import fcntl
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -70,7 +72,9 @@ def test_a_cpu_op_is_plain_c_and_survives_a_torch_upgrade(monkeypatch):
     lib = builder.load("cpu_adam")
     for struct, twin in native.STRUCTS.items():
         assert lib.sizeof(struct) == ctypes.sizeof(twin), struct
-    assert lib.sizeof("no_such_struct") == 0
+        for field, _ in twin._fields_:
+            assert lib.offsetof(struct, field) == getattr(twin, field).offset, (struct, field)
+    assert lib.sizeof("no_such_struct") == 0 and lib.offsetof("adam_config", "no_such_field") == -1
 
 
 def test_each_cpu_op_compiles_its_own_kernel_and_the_shared_simd_detection_only():
@@ -188,6 +192,24 @@ def test_a_killed_build_keeps_what_it_compiled_and_the_next_compiles_the_rest(tm
     again = run_python(LOAD_CPU_ADAM, str(cache), CC=str(cc))
     assert again.returncode == 0, again.stderr
     assert "compiling native op 'cpu_adam'" in again.stderr and ": 1 of 5 C files" in again.stderr, again.stderr
+
+
+def test_a_process_waiting_for_anothers_build_says_so(tmp_path):
+    """Ranks that wait on one build print which op they wait for and for how long."""
+    cache = tmp_path / "cache"
+    lock = builder.build_dir("cpu_optim").name + ".lock"
+    (cache).mkdir()
+    code = ("import zero.ops.builder as b; b.WAIT_REPORT_S = 0.2; b.load('cpu_optim')")
+    with open(cache / lock, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as a building process holds it
+        waiter = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, ZERO_CACHE_DIR=str(cache)),
+                                  stderr=subprocess.PIPE, text=True)
+        said = waiter.stderr.readline()  # blocks until the waiter reports (or exits)
+        fcntl.flock(held, fcntl.LOCK_UN)
+    rest = waiter.communicate(timeout=600)[1]
+    assert waiter.returncode == 0, said + rest
+    assert re.search(r"waiting for native op 'cpu_optim', which another process is compiling \(\d+ s so far", said), said
+    assert "compiling native op 'cpu_optim'" in rest  # then it builds, the lock being free
 
 
 def test_missing_compiler_is_a_clear_error_at_first_use(monkeypatch):

@@ -13,7 +13,7 @@ The Python callers (zero/ops/cpu_adam.py, adam.py, cpu_optim.py, onebit.py, spar
 check every argument first, naming the bad one; here nothing is checked but what a C function
 says back. The structs the kernels take (the Adam config and format, the sparse-attention problem)
 are declared below field by field in the C order (ctypes lays them out as the C compiler does);
-tests/test_ops_builder.py compares their sizes with the library's.
+tests/test_ops_builder.py compares their sizes and field offsets with the library's.
 """
 from __future__ import annotations
 
@@ -65,6 +65,7 @@ _COMMON = (
     ("zero_simd_available", c_int, (c_int,)),
     ("zero_simd_name", c_char_p, (c_int,)),
     ("zero_abi_sizeof", c_size_t, (c_char_p,)),
+    ("zero_abi_offsetof", ctypes.c_longlong, (c_char_p, c_char_p)),
 )
 _ENTRY_POINTS = {
     "cpu_adam": (
@@ -110,6 +111,10 @@ class Library:
     def sizeof(self, struct: str) -> int:
         """The C compiler's size of one of STRUCTS (0 for a name the library does not know)."""
         return self.c.zero_abi_sizeof(struct.encode())
+
+    def offsetof(self, struct: str, field: str) -> int:
+        """The C compiler's offset of `field` in one of STRUCTS (-1 for a name it does not know)."""
+        return self.c.zero_abi_offsetof(struct.encode(), field.encode())
 
     def check(self, rc: int, kernel: str, simd: int) -> None:
         if rc == SIMD_UNAVAILABLE:
