@@ -329,9 +329,13 @@ class Comm:
         rows = gathered.view(self.world_size, width)
         return [pickle.loads(rows[r, : int(sizes[r])].numpy().tobytes()) for r in range(self.world_size)]
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, label: str = "all_to_all") -> None:
-        """Block r of `output` = block `rank` of rank r's `input` (world_size equal blocks along dim 0)."""
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, label: str = "all_to_all",
+                   output_splits: list[int] | None = None, input_splits: list[int] | None = None) -> None:
+        """Block r of `output` = block `rank` of rank r's `input`: world_size equal blocks along dim
+        0, or blocks of `input_splits[i]` rows sent to rank i and `output_splits[r]` rows received
+        from rank r (blocks may be empty: a neighbours' exchange)."""
         self._count(label, input)
+        splits = {} if input_splits is None else {"output_split_sizes": output_splits, "input_split_sizes": input_splits}
         with record_function(f"zero::{label}"):
             if self.world_size == 1:
                 output.copy_(input)
@@ -339,13 +343,13 @@ class Comm:
             staged = self._staged([output], [input])
             if staged is not None:
                 (out,), (inp,) = staged
-                dist.all_to_all_single(out, inp, group=self.group)
+                dist.all_to_all_single(out, inp, group=self.group, **splits)
                 output.copy_(out)
             elif self.backend == "gloo":
-                work = dist.all_to_all_single(output, input, group=self.group, async_op=True)
+                work = dist.all_to_all_single(output, input, group=self.group, async_op=True, **splits)
                 self._bounded(work, False, f"an all-to-all of {input.numel():,} elements ({label})")
             else:
-                dist.all_to_all_single(output, input, group=self.group)
+                dist.all_to_all_single(output, input, group=self.group, **splits)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False, label: str = "broadcast"):
         """In-place broadcast from the group's rank `src` (its place in this group, which is the

@@ -1,0 +1,84 @@
+"""Spatial parallelism: one volume split over a group of ranks, for 3D networks whose activations
+do not fit one device.
+
+[Note: spatial parallelism]
+A 3D U-Net's memory is its activations: one 32-channel bf16 feature map of a 512^3 volume is
+8.6 GB. Spatial parallelism splits every activation of a sample over a group of P ranks, each
+holding a slab of the volume along one spatial dimension (`spatial_parallel_dims`, default [2]:
+depth of an (N, C, D, H, W) tensor), so each rank keeps about 1/P of them. Layers that read a
+window of planes (convolutions, pools, interpolation) fetch the planes their output slab needs
+from the neighbouring slabs, the halo, and send the halo's gradient back in backward (see
+[Note: slabs and halos] in zero/spatial/halo.py); pointwise layers and the concatenation of skip
+connections are local, because every tensor is split canonically whatever its length. The model's
+parameters are whole on every rank of the group and their gradients are summed over it, as for
+sequence parallelism (ZeRO partitions model states over data x spatial ranks).
+
+The pieces, in this room:
+- `shard_volume(x)` / `gather_volume(y)`: this rank's slab of a full (N, C, *spatial) tensor, and
+  a slabbed tensor put back together on every rank;
+- `parallelize(model, comm)`: converts the supported modules in place, refusing first, naming it,
+  any module it cannot split (zero/spatial/layers.py);
+- zero/spatial/halo.py: the split and the exchange.
+What is built so far: convolutions (Conv1d/2d/3d, any kernel, stride, zero padding, dilation,
+groups) along one dimension. docs/spatial.md tracks the rest.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zero.parallel.comm import Comm
+from zero.spatial.halo import Split, fetch
+from zero.spatial.layers import Plan, SpatialError, check_conv, convert_conv
+
+__all__ = ["Split", "fetch", "shard_volume", "gather_volume", "parallelize", "SpatialError"]
+
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_POINTWISE = (nn.ReLU, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.PReLU, nn.ELU, nn.Sigmoid, nn.Tanh, nn.Identity,
+              nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def shard_volume(x: torch.Tensor, comm: Comm, dim: int = 2) -> torch.Tensor:
+    """This rank's slab of the full tensor `x` along `dim` (the canonical split: see [Note: slabs
+    and halos]); every rank of `comm` passes the same `x`."""
+    a, b = Split(x.shape[dim], comm.world_size).bounds(comm.rank)
+    if a == b:
+        raise SpatialError(f"shard_volume: dimension {dim} of {x.shape[dim]} planes cannot give each of the "
+                           f"{comm.world_size} spatial ranks a plane")
+    return x.narrow(dim, a, b - a).contiguous()
+
+
+@torch.no_grad()
+def gather_volume(y: torch.Tensor, comm: Comm, dim: int = 2) -> torch.Tensor:
+    """The whole tensor whose slabs (along `dim`) the ranks of `comm` hold, on every rank (for
+    evaluation and saving predictions; not differentiable)."""
+    split = Split.of(y.shape[dim], comm)
+    widest = max(split.sizes())
+    planes = y.movedim(dim, 0)
+    padded = planes.new_zeros((widest, *planes.shape[1:]))
+    padded[:planes.shape[0]] = planes
+    every = planes.new_empty((comm.world_size * widest, *planes.shape[1:]))
+    comm.all_gather(every.view(-1), padded.reshape(-1).contiguous(), label="spatial_gather")
+    parts = [every[r * widest:r * widest + n] for r, n in enumerate(split.sizes())]
+    return torch.cat(parts).movedim(0, dim)
+
+
+def parallelize(model: nn.Module, comm: Comm, dim: int = 2) -> nn.Module:
+    """Convert `model`'s modules to run on slabs split along `dim` over `comm`, in place.
+
+    Raises:
+        SpatialError: a module that cannot run on a split volume (named with its path); nothing
+            was changed.
+    """
+    convs = []
+    for path, module in model.named_modules():
+        if isinstance(module, _CONVS):
+            check_conv(module, path or "<model>")
+            convs.append(module)
+        elif next(module.children(), None) is None and not isinstance(module, _POINTWISE):
+            raise SpatialError(f"{path or '<model>'} ({type(module).__name__}) cannot run on a volume split over "
+                               f"ranks yet (supported so far: convolutions and pointwise layers; see docs/spatial.md)")
+    plan = Plan(comm, dim)
+    for module in convs:
+        convert_conv(module, plan)
+    return model
