@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-CONVS = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+CONVS = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d, "t1": nn.ConvTranspose1d, "t3": nn.ConvTranspose3d}
 # (spatial dims, constructor arguments, length of the split dimension)
 CASES = [
     (3, dict(kernel_size=3, padding=1), 12),
@@ -22,7 +22,79 @@ CASES = [
     (3, dict(kernel_size=(3, 1, 3), padding=(1, 0, 1), groups=2), 10),
     (2, dict(kernel_size=3, padding=1, stride=(2, 1)), 11),
     (1, dict(kernel_size=5, padding=3, dilation=2), 19),
+    # transposed: a U-Net's upsampling, and overlapping / gapped windows
+    ("t3", dict(kernel_size=2, stride=2), 7),
+    ("t3", dict(kernel_size=3, stride=2, padding=1, output_padding=1), 9),
+    ("t3", dict(kernel_size=3, padding=1), 11),
+    ("t3", dict(kernel_size=2, stride=3), 8),  # planes no input reaches: the bias alone
+    ("t3", dict(kernel_size=(3, 3, 1), stride=(2, 1, 1), dilation=(2, 1, 1), groups=2), 6),
+    ("t1", dict(kernel_size=5, stride=2, padding=2, output_padding=1), 10),
+    # pools
+    ("max3", dict(kernel_size=2), 12),
+    ("max3", dict(kernel_size=3, stride=2, padding=1), 13),
+    ("max3", dict(kernel_size=3, stride=1, padding=1, dilation=2), 11),
+    ("avg3", dict(kernel_size=2), 10),
+    ("avg3", dict(kernel_size=3, stride=2, padding=1), 13),
+    ("avg3", dict(kernel_size=3, stride=1, padding=1, divisor_override=5), 9),
+    ("max1", dict(kernel_size=4, stride=3, padding=2), 17),
 ]
+POOLS = {"max1": nn.MaxPool1d, "max3": nn.MaxPool3d, "avg3": nn.AvgPool3d}
+# normalisation: (module, the length of the split dimension)
+NORM_CASES = [
+    (("GroupNorm", 2, 4), {}, 9),
+    (("GroupNorm", 4, 4), {"affine": False}, 12),
+    (("InstanceNorm3d", 4), {"affine": True}, 11),
+    (("InstanceNorm3d", 4), {}, 8),
+    (("BatchNorm3d", 4), {}, 13),
+    (("BatchNorm3d", 4), {"momentum": None}, 10),
+]
+
+
+def _run_norms(cases):
+    import torch.distributed as dist
+
+    import zero.spatial as sp
+    from zero.parallel.comm import Comm
+
+    comm = Comm()
+    errors = []
+    for i, ((name, *args), kwargs, length) in enumerate(cases):
+        torch.manual_seed(i)
+        norm = getattr(nn, name)(*args, **kwargs).double()
+        with torch.no_grad():
+            for p in norm.parameters():
+                p.copy_(torch.randn_like(p))
+        ref = copy.deepcopy(norm)
+        sp.parallelize(norm, comm)
+        worst = 0.0
+        for step in range(2):  # twice: BatchNorm's running statistics after two updates
+            x = torch.randn(2, 4, length, 3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+            xr = x.clone().requires_grad_()
+            yr = ref(xr)
+            gy = torch.randn(yr.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(10 + step))
+            (yr * gy).sum().backward()
+            xs = sp.shard_volume(x, comm).requires_grad_()
+            y = norm(xs)
+            (y * sp.shard_volume(gy, comm)).sum().backward()
+            worst = max(worst, (y - sp.shard_volume(yr.detach(), comm)).abs().max().item(),
+                        (xs.grad - sp.shard_volume(xr.grad, comm)).abs().max().item())
+        for p, q in zip(norm.parameters(), ref.parameters()):
+            g = p.grad.clone()
+            dist.all_reduce(g)
+            worst = max(worst, (g - q.grad).abs().max().item())
+        for b, c in zip(norm.buffers(), ref.buffers()):
+            worst = max(worst, (b.double() - c.double()).abs().max().item())
+        norm.eval(), ref.eval()
+        x = torch.randn(2, 4, length, 3, 5, dtype=torch.float64)
+        worst = max(worst, (norm(sp.shard_volume(x, comm)) - sp.shard_volume(ref(x), comm)).abs().max().item())
+        errors.append(worst)
+    return errors
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_normalisation_over_a_split_volume_equals_the_unsplit_one(dist_run, ranks):
+    for errors in dist_run(ranks, _run_norms, NORM_CASES, timeout=300):
+        assert max(errors) < 1e-12, errors
 
 
 def _run_cases(cases):
@@ -35,8 +107,9 @@ def _run_cases(cases):
     errors = []
     for i, (nd, kwargs, length) in enumerate(cases):
         torch.manual_seed(i)
-        conv = CONVS[nd](4, 6, **kwargs).double()
-        x = torch.randn(2, 4, length, *(5,) * (nd - 1), dtype=torch.float64)
+        conv = POOLS[nd](**kwargs) if nd in POOLS else CONVS[nd](4, 6, **kwargs).double()
+        dims = nd if isinstance(nd, int) else int(nd[-1])
+        x = torch.randn(2, 4, length, *(5,) * (dims - 1), dtype=torch.float64)
         ref = copy.deepcopy(conv)
         xr = x.clone().requires_grad_()
         yr = ref(xr)
@@ -52,7 +125,7 @@ def _run_cases(cases):
         errors.append((
             (y - sp.shard_volume(yr.detach(), comm)).abs().max().item(),
             (xs.grad - sp.shard_volume(xr.grad, comm)).abs().max().item(),
-            max((g - p.grad).abs().max().item() for g, p in zip(grads, ref.parameters())),
+            max([(g - p.grad).abs().max().item() for g, p in zip(grads, ref.parameters())], default=0.0),
             (sp.gather_volume(y, comm) - yr).abs().max().item(),
         ))
     return errors

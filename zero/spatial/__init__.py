@@ -29,11 +29,22 @@ from torch import nn
 
 from zero.parallel.comm import Comm
 from zero.spatial.halo import Split, fetch
-from zero.spatial.layers import Plan, SpatialError, check_conv, convert_conv
+from zero.spatial.layers import (
+    Plan,
+    SpatialError,
+    check_conv,
+    check_pool,
+    convert_conv,
+    convert_conv_transpose,
+    convert_pool,
+)
+from zero.spatial.norms import NORMS, check_norm, convert_norm
 
 __all__ = ["Split", "fetch", "shard_volume", "gather_volume", "parallelize", "SpatialError"]
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
 _POINTWISE = (nn.ReLU, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.PReLU, nn.ELU, nn.Sigmoid, nn.Tanh, nn.Identity,
               nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -70,15 +81,30 @@ def parallelize(model: nn.Module, comm: Comm, dim: int = 2) -> nn.Module:
         SpatialError: a module that cannot run on a split volume (named with its path); nothing
             was changed.
     """
-    convs = []
+    convs, transposed, pools, norms = [], [], [], []
     for path, module in model.named_modules():
         if isinstance(module, _CONVS):
             check_conv(module, path or "<model>")
             convs.append(module)
+        elif isinstance(module, _TRANSPOSED):
+            check_conv(module, path or "<model>")
+            transposed.append(module)
+        elif isinstance(module, _POOLS):
+            check_pool(module, path or "<model>")
+            pools.append(module)
+        elif isinstance(module, NORMS):
+            check_norm(module, path or "<model>")
+            norms.append(module)
         elif next(module.children(), None) is None and not isinstance(module, _POINTWISE):
             raise SpatialError(f"{path or '<model>'} ({type(module).__name__}) cannot run on a volume split over "
                                f"ranks yet (supported so far: convolutions and pointwise layers; see docs/spatial.md)")
     plan = Plan(comm, dim)
     for module in convs:
         convert_conv(module, plan)
+    for module in transposed:
+        convert_conv_transpose(module, plan)
+    for module in pools:
+        convert_pool(module, plan)
+    for module in norms:
+        convert_norm(module, plan)
     return model

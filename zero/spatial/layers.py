@@ -1,5 +1,6 @@
 """Layers over a split volume: each computes its output slab from a fetched input range (see
-[Note: slabs and halos] in zero/spatial/halo.py). So far: convolutions (Conv1d/2d/3d).
+[Note: slabs and halos] in zero/spatial/halo.py). So far: convolutions, transposed
+convolutions, max and average pools (1d/2d/3d).
 
 A converted module keeps its class (as a subclass: `isinstance(m, nn.Conv3d)` holds), its
 parameters and its state-dict keys; only `forward` changes. `convert` refuses, before changing
@@ -78,6 +79,101 @@ class SpatialConv:
         return conv(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
 
 
+def _window(y: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+    """Planes [start, start + length) of `y` along `dim`, zeros where that leaves `y`."""
+    moved = y.movedim(dim, -1)
+    return F.pad(moved, (-start, start + length - moved.shape[-1])).movedim(-1, dim)
+
+
+def _other_dims(values, axis: int, on_axis):
+    """`values` (one per spatial dimension) with the split one replaced by `on_axis`."""
+    return tuple(on_axis if i == axis else v for i, v in enumerate(values))
+
+
+class SpatialConvTranspose:
+    """forward of a ConvTranspose1d/2d/3d whose input is split: each output plane o adds
+    x[i] * w[j] for o = i * stride - padding + dilation * j, so an output slab reads the input
+    planes whose windows reach it, fetched from the neighbours; the bias goes on after cropping,
+    since planes that no input reaches still get it."""
+
+    _zero_spatial: Plan
+
+    def forward(self, x: torch.Tensor, output_size=None) -> torch.Tensor:
+        if output_size is not None:
+            raise SpatialError(f"{type(self).__name__}: output_size= is not supported over a split volume; give "
+                               f"output_padding instead")
+        plan = self._zero_spatial
+        axis = plan.dim - 2
+        split = Split.of(x.shape[plan.dim], plan.comm)
+        k, s, d = self.kernel_size[axis], self.stride[axis], self.dilation[axis]
+        p, op = self.padding[axis], self.output_padding[axis]
+        out = Split((split.length - 1) * s - 2 * p + d * (k - 1) + op + 1, split.parts)
+        if 0 in out.sizes() or 0 in split.sizes():
+            raise SpatialError(f"{type(self).__name__}: a volume of {split.length} planes in, {out.length} out, is too "
+                               f"small to give each of the {split.parts} spatial ranks at least one plane")
+        ranges = []
+        for r in range(out.parts):
+            o0, o1 = out.bounds(r)
+            ranges.append((-((d * (k - 1) - o0 - p) // s), (o1 - 1 + p) // s + 1))  # ceil, floor + 1
+        lo, _ = ranges[plan.comm.rank]
+        x = fetch(x, plan.dim, split, ranges, plan.comm)
+        conv = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}[len(self.kernel_size)]
+        y = conv(x, self.weight, None, self.stride, _other_dims(self.padding, axis, 0),
+                 _other_dims(self.output_padding, axis, 0), self.groups, self.dilation)
+        o0, o1 = out.bounds(plan.comm.rank)
+        y = _window(y, plan.dim, o0 + p - lo * s, o1 - o0)
+        if self.bias is not None:
+            y = y + self.bias.view(-1, *(1,) * len(self.kernel_size))
+        return y
+
+
+def _per_dim(value, nd: int) -> tuple:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * nd
+
+
+class SpatialPool:
+    """forward of a MaxPool or AvgPool (1d/2d/3d) over a split input: a window pool is a
+    convolution with a fixed kernel, so its output slab reads the same kind of input range. Outside
+    the volume the fetched planes are -inf for a max pool and zeros for an average pool (which then
+    counts them, as count_include_pad=True does)."""
+
+    _zero_spatial: Plan
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        plan = self._zero_spatial
+        axis, nd = plan.dim - 2, x.dim() - 2
+        kernel, padding = _per_dim(self.kernel_size, nd), _per_dim(self.padding, nd)
+        stride = _per_dim(self.stride if self.stride is not None else self.kernel_size, nd)
+        dilation = _per_dim(getattr(self, "dilation", 1), nd)
+        split = Split.of(x.shape[plan.dim], plan.comm)
+        k, s, d, p = kernel[axis], stride[axis], dilation[axis], padding[axis]
+        out = Split((split.length + 2 * p - d * (k - 1) - 1) // s + 1, split.parts)
+        ranges = _output_ranges(split, out, k, s, d, p, type(self).__name__)
+        x = fetch(x, plan.dim, split, ranges, plan.comm)
+        lo, hi = ranges[plan.comm.rank]
+        if isinstance(self, nn.modules.pooling._MaxPoolNd) and (lo < 0 or hi > split.length):
+            planes = torch.arange(lo, hi, device=x.device).view(-1, *(1,) * (x.dim() - plan.dim - 1))
+            x = x.masked_fill((planes < 0) | (planes >= split.length), float("-inf"))
+        if isinstance(self, nn.modules.pooling._MaxPoolNd):
+            pool = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[nd]
+            return pool(x, kernel, stride, _other_dims(padding, axis, 0), dilation)
+        pool = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}[nd]
+        extra = {} if nd == 1 else {"divisor_override": self.divisor_override}
+        return pool(x, kernel, stride, _other_dims(padding, axis, 0), False, self.count_include_pad, **extra)
+
+
+def check_pool(module: nn.Module, path: str) -> None:
+    """Raise SpatialError unless `SpatialPool` computes `module` exactly."""
+    name = f"{path} ({type(module).__name__})"
+    if getattr(module, "ceil_mode", False):
+        raise SpatialError(f"{name}: ceil_mode=True is not supported over a split volume yet")
+    if getattr(module, "return_indices", False):
+        raise SpatialError(f"{name}: return_indices=True is not supported over a split volume")
+    if isinstance(module, nn.modules.pooling._AvgPoolNd) and not module.count_include_pad and any(
+            _per_dim(module.padding, 3)):
+        raise SpatialError(f"{name}: count_include_pad=False with padding is not supported over a split volume yet")
+
+
 _CONVERTED: dict[type, type] = {}
 
 
@@ -96,4 +192,14 @@ def check_conv(module: nn.Module, path: str) -> None:
 
 def convert_conv(module: nn.Module, plan: Plan) -> None:
     module.__class__ = _converted_class(type(module), SpatialConv)
+    module._zero_spatial = plan
+
+
+def convert_conv_transpose(module: nn.Module, plan: Plan) -> None:
+    module.__class__ = _converted_class(type(module), SpatialConvTranspose)
+    module._zero_spatial = plan
+
+
+def convert_pool(module: nn.Module, plan: Plan) -> None:
+    module.__class__ = _converted_class(type(module), SpatialPool)
     module._zero_spatial = plan

@@ -1,0 +1,109 @@
+"""Normalisation over a split volume: the statistics of every sample (GroupNorm, InstanceNorm) or
+of the batch (BatchNorm) are reduced over the spatial group, so each rank normalises its slab with
+the whole volume's mean and variance, and backward, through the same reductions, gives the unsplit
+gradients. BatchNorm's running statistics come out identical on every rank.
+
+The mean is reduced first and the variance from it (two reductions, as a one-pass sum of squares
+loses digits in fp32); both go through zero's Comm as "spatial_stats".
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zero.parallel.comm import Comm
+from zero.spatial.halo import Split
+from zero.spatial.layers import Plan, SpatialError, _converted_class
+
+
+class _Sum(torch.autograd.Function):
+    """The sum over the group on every rank; its adjoint is the same sum of the gradients."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        y = x.clone()
+        comm.all_reduce(y, label="spatial_stats")
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        ctx.comm.all_reduce(g, label="spatial_stats")
+        return g, None
+
+
+def _moments(x: torch.Tensor, dims: tuple[int, ...], split_dim: int, comm: Comm):
+    """Mean and biased variance of `x` over `dims` (which include the split `split_dim`) of the
+    whole volume, and the number of elements each covers."""
+    split = Split.of(x.shape[split_dim], comm)
+    count = split.length
+    for d in dims:
+        count *= 1 if d == split_dim else x.shape[d]
+    mean = _Sum.apply(x.sum(dims, keepdim=True), comm) / count
+    var = _Sum.apply((x - mean).square().sum(dims, keepdim=True), comm) / count
+    return mean, var, count
+
+
+def _affine(y: torch.Tensor, weight, bias) -> torch.Tensor:
+    shape = (1, -1, *(1,) * (y.dim() - 2))
+    if weight is not None:
+        y = y * weight.view(shape)
+    if bias is not None:
+        y = y + bias.view(shape)
+    return y
+
+
+class SpatialGroupNorm:
+    _zero_spatial: Plan
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, c = x.shape[:2]
+        grouped = x.reshape(n, self.num_groups, c // self.num_groups, *x.shape[2:])
+        dims = tuple(range(2, grouped.dim()))
+        mean, var, _ = _moments(grouped, dims, self._zero_spatial.dim + 1, self._zero_spatial.comm)
+        y = ((grouped - mean) / torch.sqrt(var + self.eps)).reshape(x.shape)
+        return _affine(y, self.weight, self.bias)
+
+
+class SpatialBatchNorm:
+    """BatchNorm and InstanceNorm: statistics per channel over the batch and the volume
+    (BatchNorm) or per sample and channel over the volume (InstanceNorm)."""
+
+    _zero_spatial: Plan
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        instance = isinstance(self, nn.modules.instancenorm._InstanceNorm)
+        use_batch_stats = self.training or not self.track_running_stats
+        if not use_batch_stats:  # eval with running statistics: pointwise
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+        dims = tuple(range(2, x.dim())) if instance else (0, *range(2, x.dim()))
+        mean, var, count = _moments(x, dims, self._zero_spatial.dim, self._zero_spatial.comm)
+        if self.training and self.track_running_stats:
+            self._update_running(mean, var, count)
+        return _affine((x - mean) / torch.sqrt(var + self.eps), self.weight, self.bias)
+
+    @torch.no_grad()
+    def _update_running(self, mean: torch.Tensor, var: torch.Tensor, count: int) -> None:
+        self.num_batches_tracked += 1
+        factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        unbiased = var * count / max(count - 1, 1)
+        self.running_mean.mul_(1 - factor).add_(mean.reshape(-1), alpha=factor)
+        self.running_var.mul_(1 - factor).add_(unbiased.reshape(-1), alpha=factor)
+
+
+NORMS = (nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.InstanceNorm1d, nn.InstanceNorm2d,
+         nn.InstanceNorm3d)
+
+
+def check_norm(module: nn.Module, path: str) -> None:
+    if isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats:
+        raise SpatialError(f"{path} ({type(module).__name__}): track_running_stats=True is not supported over a split "
+                           f"volume yet (the default False is)")
+
+
+def convert_norm(module: nn.Module, plan: Plan) -> None:
+    mixin = SpatialGroupNorm if isinstance(module, nn.GroupNorm) else SpatialBatchNorm
+    module.__class__ = _converted_class(type(module), mixin)
+    module._zero_spatial = plan
