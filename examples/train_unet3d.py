@@ -50,6 +50,7 @@ class UNet3D(nn.Module):
         self.up = nn.ModuleList(nn.ConvTranspose3d(chans[i + 1], chans[i], 2, stride=2) for i in range(depth - 1))
         self.merge = nn.ModuleList(ConvBlock(2 * chans[i], chans[i]) for i in range(depth - 1))
         self.head = nn.Conv3d(width, cout, 1)
+        self.pool = nn.MaxPool3d(2)  # a module, not F.max_pool3d, so that zero.spatial can split it
 
     def forward(self, x):
         skips = []
@@ -57,7 +58,7 @@ class UNet3D(nn.Module):
             x = block(x)
             if i < len(self.down) - 1:
                 skips.append(x)
-                x = F.max_pool3d(x, 2)
+                x = self.pool(x)
         for i in reversed(range(len(self.up))):
             x = self.merge[i](torch.cat([self.up[i](x), skips[i]], dim=1))
         return self.head(x)

@@ -169,3 +169,46 @@ def test_what_cannot_be_split_is_refused_by_name_before_anything_changes(dist_ru
         assert out[1] is True
         assert "too small to give each of the 2 spatial ranks at least one plane" in out[2]
         assert "padding_mode='reflect' is not supported" in out[3]
+
+
+def _unet(ranks_length):
+    """The example 3D U-Net (examples/train_unet3d.py) on a volume split over the group: output,
+    input gradient and the group's summed parameter gradients against the unsplit model."""
+    import importlib.util
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    import zero.spatial as sp
+    from zero.parallel.comm import Comm
+
+    path = Path(__file__).parents[1] / "examples" / "train_unet3d.py"
+    spec = importlib.util.spec_from_file_location("train_unet3d", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    comm = Comm()
+    torch.manual_seed(0)
+    model = example.UNet3D(width=4, depth=3).double()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 1, ranks_length, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    xr = x.clone().requires_grad_()
+    yr = ref(xr)
+    gy = torch.randn(yr.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    (yr * gy).sum().backward()
+    sp.parallelize(model, comm)
+    xs = sp.shard_volume(x, comm).requires_grad_()
+    y = model(xs)
+    (y * sp.shard_volume(gy, comm)).sum().backward()
+    worst = max((y - sp.shard_volume(yr.detach(), comm)).abs().max().item(),
+                (xs.grad - sp.shard_volume(xr.grad, comm)).abs().max().item())
+    for p, q in zip(model.parameters(), ref.parameters()):
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        worst = max(worst, (g - q.grad).abs().max().item())
+    return worst, model.state_dict().keys() == ref.state_dict().keys()
+
+
+@pytest.mark.parametrize("ranks, length", [(2, 16), (4, 16), (3, 12), (2, 12)])  # 12: uneven slabs deeper down
+def test_the_example_unet_over_a_split_volume_equals_the_unsplit_one(dist_run, ranks, length):
+    for worst, same_keys in dist_run(ranks, _unet, length, timeout=300):
+        assert worst < 1e-11 and same_keys, worst

@@ -19,8 +19,9 @@ The pieces, in this room:
 - `parallelize(model, comm)`: converts the supported modules in place, refusing first, naming it,
   any module it cannot split (zero/spatial/layers.py);
 - zero/spatial/halo.py: the split and the exchange.
-What is built so far: convolutions (Conv1d/2d/3d, any kernel, stride, zero padding, dilation,
-groups) along one dimension. docs/spatial.md tracks the rest.
+What is built so far, along one dimension: convolutions and transposed convolutions, max and
+average pools, GroupNorm/InstanceNorm/BatchNorm (zero/spatial/norms.py). docs/spatial.md tracks
+the rest.
 """
 from __future__ import annotations
 
