@@ -100,6 +100,12 @@ class ZeroConfig(_Section):
                                         "this many consecutive ranks each hold a slice of every sequence of the "
                                         "same samples (zero.sequence); ZeRO partitions over all ranks, and the "
                                         "batch sizes count world / sequence_parallel_size data-parallel ranks.")
+    spatial_parallel_size: int = Field(1, ge=1, description="Spatial parallelism: groups of this many consecutive "
+                                       "ranks each hold a slab of every activation volume of the same samples "
+                                       "(zero.spatial, docs/spatial.md); ZeRO partitions over all ranks, and the "
+                                       "batch sizes count world / spatial_parallel_size data-parallel ranks.")
+    spatial_parallel_dims: list[int] = Field([2], description="The dimension of an (N, C, *spatial) activation "
+                                             "the volumes are split along (one dimension for now).")
 
     @model_validator(mode="before")
     @classmethod

@@ -151,7 +151,12 @@ def launch(
         optimizer = optimizer(model.parameters() if model_parameters is None else model_parameters)
         if isinstance(optimizer, torch.optim.Optimizer):  # the rules load_config checks for an optimizer passed
             check_optimizer_object(cfg, type(optimizer))
-    engine = engine_class(model, cfg, mesh, parallel=ParallelGroups(dims, mesh), model_parameters=model_parameters,
+    groups = ParallelGroups(dims, mesh)
+    if dims.spatial > 1:  # each rank computes its slab of every volume (zero/spatial, docs/spatial.md)
+        from zero.spatial import parallelize as split_volumes
+
+        split_volumes(model, groups.comm("spatial"), dim=cfg.spatial_parallel_dims[0])
+    engine = engine_class(model, cfg, mesh, parallel=groups, model_parameters=model_parameters,
                           optimizer=optimizer, lr_scheduler=lr_scheduler)
     if compiled_with is not None:
         if engine.comm.rank == 0:

@@ -8,23 +8,25 @@ Every rank has a coordinate in five dimensions, slowest to fastest:
                   sharding; 1 unless a run asks for it)
     dp_shard      data-parallel ranks ZeRO partitions over
     sp            sequence-parallel ranks: slices of the same samples (`sequence_parallel_size`)
+    spatial       spatial-parallel ranks: slabs of the same samples' volumes
+                  (`spatial_parallel_size`, zero/spatial/)
     tp            tensor slices (`tensor_parallel.size`)
 
-so rank = ((((pp * R + r) * S + s) * Q + q) * T + t) for sizes (P, R, S, Q, T): a tensor-parallel
-group, whose collectives run inside every layer, is the closest set of ranks, then a sequence
-group, then the shard group (FSDP's "shard within a node, replicate across nodes"), and a
-pipeline stage's ranks are contiguous. Expert parallelism (`ep`) and spatial parallelism (a 3D
-volume split over ranks, `spatial`) have their places in the record and are refused above 1
-until they exist.
+so rank = (((((pp * R + r) * S + s) * Q + q) * V + v) * T + t) for sizes (P, R, S, Q, V, T): the
+groups whose collectives run inside every layer (tensor slices, then a volume's slabs and their
+halos) are the closest sets of ranks, then a sequence group, then the shard group (FSDP's "shard
+within a node, replicate across nodes"), and a pipeline stage's ranks are contiguous. Expert
+parallelism (`ep`) has its place in the record and is refused above 1 until it exists.
 
 Named groups flatten several dimensions; each is the set of ranks that differ from this one only
 in those dimensions:
     batch    dp_replicate x dp_shard: ranks that load different samples (the data loader's
-             replicas; a sequence-parallel group shares its samples)
-    zero     dp_shard x sp: the ranks ZeRO partitions parameters, gradients and optimizer
-             state over (ZeRO shards over data and sequence ranks alike, as DeepSpeed does)
+             replicas; a sequence- or spatial-parallel group shares its samples)
+    zero     dp_shard x sp x spatial: the ranks ZeRO partitions parameters, gradients and
+             optimizer state over (ZeRO shards over data and sequence ranks alike, as DeepSpeed
+             does, and over a volume's slabs the same way)
     replicate  dp_replicate: the ranks holding the same shard (hybrid sharding)
-    dp       dp_replicate x dp_shard x sp: every rank whose gradient enters the sum (the
+    dp       dp_replicate x dp_shard x sp x spatial: every rank whose gradient enters the sum (the
              divisor's world, and the loss's)
 and each dimension on its own ("pp", "sp", "tp", ...).
 
@@ -36,17 +38,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-DIMS = ("pp", "dp_replicate", "dp_shard", "sp", "tp")  # slowest to fastest
+DIMS = ("pp", "dp_replicate", "dp_shard", "sp", "spatial", "tp")  # slowest to fastest
 FLATTENED = {
     "batch": ("dp_replicate", "dp_shard"),
-    "zero": ("dp_shard", "sp"),
+    "zero": ("dp_shard", "sp", "spatial"),
     "replicate": ("dp_replicate",),
-    "dp": ("dp_replicate", "dp_shard", "sp"),
-    "loss": ("dp_replicate", "dp_shard", "sp"),
+    "dp": ("dp_replicate", "dp_shard", "sp", "spatial"),
+    "loss": ("dp_replicate", "dp_shard", "sp", "spatial"),
 }
 _CONFIG_KEYS = {"pp": "pipeline.stages", "dp_replicate": "dp_replicate (hybrid sharding's replicas)", "dp_shard": "the data-parallel size",
                 "sp": "sequence_parallel_size", "tp": "tensor_parallel.size", "ep": "expert parallelism",
-                "spatial": "spatial parallelism"}
+                "spatial": "spatial_parallel_size"}
 
 
 class ParallelDimsError(ValueError):
@@ -62,7 +64,7 @@ class ParallelDims:
         world_size: ranks in the run.
         pp, dp_replicate, dp_shard, sp, tp: the dimensions' sizes.
         ep: expert-parallel ranks (not implemented yet: 1).
-        spatial: ranks a 3D volume is split over (not implemented yet: 1).
+        spatial: ranks a volume is split over (zero/spatial/).
 
     Raises:
         ParallelDimsError: a size below 1, a product that is not the world, or a dimension zero
@@ -83,10 +85,9 @@ class ParallelDims:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ParallelDimsError(f"{_CONFIG_KEYS.get(name, name)}: expected a whole number >= 1, got {value!r}")
-        for name in ("ep", "spatial"):
-            if getattr(self, name) != 1:
-                raise ParallelDimsError(f"{_CONFIG_KEYS[name]} ({name}={getattr(self, name)}) is not implemented yet")
-        rest = self.pp * self.dp_replicate * self.sp * self.tp
+        if self.ep != 1:
+            raise ParallelDimsError(f"{_CONFIG_KEYS['ep']} (ep={self.ep}) is not implemented yet")
+        rest = self.pp * self.dp_replicate * self.sp * self.spatial * self.tp
         if self.dp_shard == -1:
             if self.world_size % rest:
                 raise ParallelDimsError(
@@ -108,7 +109,7 @@ class ParallelDims:
     def from_config(cls, config, world_size: int) -> ParallelDims:
         """The dimensions a validated config asks for over `world_size` ranks."""
         return cls(world_size, pp=config.pipeline.stages or 1, sp=config.sequence_parallel_size,
-                   tp=config.tensor_parallel.size)
+                   spatial=config.spatial_parallel_size, tp=config.tensor_parallel.size)
 
     # -- sizes and coordinates
 

@@ -41,7 +41,19 @@ from zero.spatial.layers import (
 )
 from zero.spatial.norms import NORMS, check_norm, convert_norm
 
-__all__ = ["Split", "fetch", "shard_volume", "gather_volume", "parallelize", "SpatialError"]
+__all__ = ["Split", "fetch", "shard_volume", "gather_volume", "parallelize", "volume_sum", "volume_mean",
+           "SpatialError"]
+
+_current: Comm | None = None  # the spatial group `parallelize` (or `initialize`) last converted a model for
+
+
+def _comm(comm: Comm | None) -> Comm:
+    if comm is not None:
+        return comm
+    if _current is None:
+        raise SpatialError("no spatial group yet: zero.initialize with spatial_parallel_size > 1 (or "
+                           "zero.spatial.parallelize) sets it; or pass comm=")
+    return _current
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
@@ -50,9 +62,11 @@ _POINTWISE = (nn.ReLU, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.PReLU, nn.ELU, nn.Sigm
               nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
-def shard_volume(x: torch.Tensor, comm: Comm, dim: int = 2) -> torch.Tensor:
+def shard_volume(x: torch.Tensor, comm: Comm | None = None, dim: int = 2) -> torch.Tensor:
     """This rank's slab of the full tensor `x` along `dim` (the canonical split: see [Note: slabs
-    and halos]); every rank of `comm` passes the same `x`."""
+    and halos]); every rank of the spatial group (`comm`, default: the one `initialize` made)
+    passes the same `x`."""
+    comm = _comm(comm)
     a, b = Split(x.shape[dim], comm.world_size).bounds(comm.rank)
     if a == b:
         raise SpatialError(f"shard_volume: dimension {dim} of {x.shape[dim]} planes cannot give each of the "
@@ -61,9 +75,10 @@ def shard_volume(x: torch.Tensor, comm: Comm, dim: int = 2) -> torch.Tensor:
 
 
 @torch.no_grad()
-def gather_volume(y: torch.Tensor, comm: Comm, dim: int = 2) -> torch.Tensor:
+def gather_volume(y: torch.Tensor, comm: Comm | None = None, dim: int = 2) -> torch.Tensor:
     """The whole tensor whose slabs (along `dim`) the ranks of `comm` hold, on every rank (for
     evaluation and saving predictions; not differentiable)."""
+    comm = _comm(comm)
     split = Split.of(y.shape[dim], comm)
     widest = max(split.sizes())
     planes = y.movedim(dim, 0)
@@ -73,6 +88,25 @@ def gather_volume(y: torch.Tensor, comm: Comm, dim: int = 2) -> torch.Tensor:
     comm.all_gather(every.view(-1), padded.reshape(-1).contiguous(), label="spatial_gather")
     parts = [every[r * widest:r * widest + n] for r, n in enumerate(split.sizes())]
     return torch.cat(parts).movedim(0, dim)
+
+
+def volume_sum(x: torch.Tensor, comm: Comm | None = None) -> torch.Tensor:
+    """The sum of every element of the split tensor `x` over the whole volume, the same on every
+    rank, differentiable: each rank's gradient is its slab's share times the group's size, which
+    the engine's average over the ranks (the spatial ones included) turns back into the unsplit
+    gradient. Build losses from it (a Dice score's sums)."""
+    from zero.spatial.norms import _Sum
+
+    return _Sum.apply(x.sum(), _comm(comm))
+
+
+def volume_mean(x: torch.Tensor, comm: Comm | None = None, dim: int = 2) -> torch.Tensor:
+    """The mean of every element of the split tensor `x` (slabs along `dim`) over the whole volume:
+    a mean loss (MSE, cross-entropy per voxel) equal to the unsplit one, on every rank."""
+    comm = _comm(comm)
+    split = Split.of(x.shape[dim], comm)
+    count = x.numel() // max(x.shape[dim], 1) * split.length
+    return volume_sum(x, comm) / count
 
 
 def parallelize(model: nn.Module, comm: Comm, dim: int = 2) -> nn.Module:
@@ -108,4 +142,6 @@ def parallelize(model: nn.Module, comm: Comm, dim: int = 2) -> nn.Module:
         convert_pool(module, plan)
     for module in norms:
         convert_norm(module, plan)
+    global _current
+    _current = comm
     return model
