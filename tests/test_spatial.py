@@ -37,8 +37,17 @@ CASES = [
     ("avg3", dict(kernel_size=3, stride=2, padding=1), 13),
     ("avg3", dict(kernel_size=3, stride=1, padding=1, divisor_override=5), 9),
     ("max1", dict(kernel_size=4, stride=3, padding=2), 17),
+    # upsampling: nearest and (bi/tri)linear, both align_corners, scale factors and sizes
+    ("up3", dict(scale_factor=2, mode="nearest"), 7),
+    ("up3", dict(scale_factor=2, mode="trilinear"), 7),
+    ("up3", dict(scale_factor=2, mode="trilinear", align_corners=True), 6),
+    ("up3", dict(size=(11, 6, 4), mode="trilinear"), 5),  # a ratio that is not whole
+    ("up3", dict(scale_factor=(1.5, 2, 1), mode="nearest"), 6),
+    ("up2", dict(scale_factor=2, mode="bilinear"), 5),
+    ("up1", dict(scale_factor=3, mode="linear", align_corners=True), 5),
 ]
-POOLS = {"max1": nn.MaxPool1d, "max3": nn.MaxPool3d, "avg3": nn.AvgPool3d}
+POOLS = {"max1": nn.MaxPool1d, "max3": nn.MaxPool3d, "avg3": nn.AvgPool3d, "up1": nn.Upsample,
+         "up2": nn.Upsample, "up3": nn.Upsample}  # the layers without parameters
 # normalisation: (module, the length of the split dimension)
 NORM_CASES = [
     (("GroupNorm", 2, 4), {}, 9),

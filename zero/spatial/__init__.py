@@ -35,9 +35,11 @@ from zero.spatial.layers import (
     SpatialError,
     check_conv,
     check_pool,
+    check_upsample,
     convert_conv,
     convert_conv_transpose,
     convert_pool,
+    convert_upsample,
 )
 from zero.spatial.norms import NORMS, check_norm, convert_norm
 
@@ -116,7 +118,7 @@ def parallelize(model: nn.Module, comm: Comm, dim: int = 2) -> nn.Module:
         SpatialError: a module that cannot run on a split volume (named with its path); nothing
             was changed.
     """
-    convs, transposed, pools, norms = [], [], [], []
+    convs, transposed, pools, norms, upsamples = [], [], [], [], []
     for path, module in model.named_modules():
         if isinstance(module, _CONVS):
             check_conv(module, path or "<model>")
@@ -130,6 +132,9 @@ def parallelize(model: nn.Module, comm: Comm, dim: int = 2) -> nn.Module:
         elif isinstance(module, NORMS):
             check_norm(module, path or "<model>")
             norms.append(module)
+        elif isinstance(module, nn.Upsample):
+            check_upsample(module, path or "<model>")
+            upsamples.append(module)
         elif next(module.children(), None) is None and not isinstance(module, _POINTWISE):
             raise SpatialError(f"{path or '<model>'} ({type(module).__name__}) cannot run on a volume split over "
                                f"ranks yet (supported so far: convolutions and pointwise layers; see docs/spatial.md)")
@@ -142,6 +147,8 @@ def parallelize(model: nn.Module, comm: Comm, dim: int = 2) -> nn.Module:
         convert_pool(module, plan)
     for module in norms:
         convert_norm(module, plan)
+    for module in upsamples:
+        convert_upsample(module, plan)
     global _current
     _current = comm
     return model

@@ -203,3 +203,88 @@ def convert_conv_transpose(module: nn.Module, plan: Plan) -> None:
 def convert_pool(module: nn.Module, plan: Plan) -> None:
     module.__class__ = _converted_class(type(module), SpatialPool)
     module._zero_spatial = plan
+
+
+class SpatialUpsample:
+    """forward of an nn.Upsample (nearest, or linear/bilinear/trilinear with align_corners either
+    way) over a split input. Interpolation is separable: along the split dimension each output
+    plane is read from one (nearest) or two (linear) input planes, at the source positions torch
+    computes, fetched from the neighbours where they lie in another slab; the other dimensions are
+    then interpolated by torch itself."""
+
+    _zero_spatial: Plan
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        plan = self._zero_spatial
+        axis, nd = plan.dim - 2, x.dim() - 2
+        split = Split.of(x.shape[plan.dim], plan.comm)
+        sizes = _per_dim(self.size, nd) if self.size is not None else None
+        scales = _per_dim(self.scale_factor, nd) if self.scale_factor is not None else None
+        length = sizes[axis] if sizes is not None else int(split.length * scales[axis])
+        out = Split(length, split.parts)
+        if 0 in out.sizes() or 0 in split.sizes():
+            raise SpatialError(f"{type(self).__name__}: a volume of {split.length} planes is too small for "
+                               f"{split.parts} spatial ranks")
+        o0, o1 = out.bounds(plan.comm.rank)
+        first, second, weight = _sources(o0, o1, split.length, length, scales[axis] if scales else None,
+                                         self.mode, self.align_corners, self.recompute_scale_factor)
+        ranges = [(0, 0)] * split.parts
+        for r in range(split.parts):
+            a, b, _ = _sources(*out.bounds(r), split.length, length, scales[axis] if scales else None, self.mode,
+                               self.align_corners, self.recompute_scale_factor)
+            ranges[r] = (int(a.min()), int(b.max()) + 1)
+        lo = ranges[plan.comm.rank][0]
+        x = fetch(x, plan.dim, split, ranges, plan.comm)
+        y = x.index_select(plan.dim, (first - lo).to(x.device))
+        if weight is not None:
+            shape = (-1, *(1,) * (x.dim() - plan.dim - 1))
+            w = weight.to(x.dtype).to(x.device).view(shape)
+            y = y * (1 - w) + x.index_select(plan.dim, (second - lo).to(x.device)) * w
+        rest = [i for i in range(nd) if i != axis]
+        if not rest:
+            return y
+        modes = {"nearest": "nearest", "linear": "linear", "bilinear": "linear", "trilinear": "linear"}
+        mode = modes[self.mode] if len(rest) == 1 else {1: "linear", 2: "bilinear"}[len(rest)]
+        mode = "nearest" if self.mode == "nearest" else mode
+        moved = y.movedim(plan.dim, 1)  # (N, D', C, *rest): the split dimension joins the batch
+        n, planes = moved.shape[:2]
+        flat = moved.reshape(n * planes, *moved.shape[2:])
+        kw = {"align_corners": self.align_corners} if mode != "nearest" else {}
+        if sizes is not None:
+            flat = F.interpolate(flat, size=[sizes[i] for i in rest], mode=mode, **kw)
+        else:
+            flat = F.interpolate(flat, scale_factor=[scales[i] for i in rest], mode=mode,
+                                 recompute_scale_factor=self.recompute_scale_factor, **kw)
+        return flat.reshape(n, planes, *flat.shape[1:]).movedim(1, plan.dim)
+
+
+def _sources(o0: int, o1: int, length_in: int, length_out: int, scale_factor, mode: str, align_corners,
+             recompute: bool | None):
+    """The input planes (first, second) and the weight of the second that torch reads for
+    output planes [o0, o1) of an interpolation along one dimension (second and weight None for
+    nearest)."""
+    o = torch.arange(o0, o1, dtype=torch.float64)
+    if align_corners:
+        scale = (length_in - 1) / (length_out - 1) if length_out > 1 else 0.0
+    elif scale_factor is not None and not recompute:
+        scale = 1.0 / scale_factor
+    else:
+        scale = length_in / length_out
+    if mode == "nearest":
+        first = torch.clamp(torch.floor(o * scale), max=length_in - 1).long()
+        return first, first, None
+    src = o * scale if align_corners else torch.clamp(scale * (o + 0.5) - 0.5, min=0.0)
+    first = torch.floor(src).long().clamp(max=length_in - 1)
+    second = torch.clamp(first + 1, max=length_in - 1)
+    return first, second, src - first
+
+
+def check_upsample(module: nn.Module, path: str) -> None:
+    if module.mode not in ("nearest", "linear", "bilinear", "trilinear"):
+        raise SpatialError(f"{path} ({type(module).__name__}): mode={module.mode!r} is not supported over a split "
+                           f"volume yet (nearest and (bi/tri)linear are)")
+
+
+def convert_upsample(module: nn.Module, plan: Plan) -> None:
+    module.__class__ = _converted_class(type(module), SpatialUpsample)
+    module._zero_spatial = plan
