@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zero
+import zero.spatial
 
 CONFIG = {
     "train_micro_batch_size_per_gpu": 2,
@@ -78,9 +79,11 @@ def blobs(batch: int, size: int, generator: torch.Generator) -> tuple[torch.Tens
     return volumes, masks
 
 
-def dice(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def dice(logits: torch.Tensor, target: torch.Tensor, spatial: bool = False) -> torch.Tensor:
+    """The Dice score; over a volume split across spatial ranks, of the whole volume (on every rank)."""
     prob = torch.sigmoid(logits.float())
-    return (2 * (prob * target).sum() + 1) / (prob.sum() + target.sum() + 1)
+    total = zero.spatial.volume_sum if spatial else torch.sum
+    return (2 * total(prob * target) + 1) / (total(prob) + total(target) + 1)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -89,8 +92,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--size", type=int, default=32, help="volume edge in voxels (a multiple of 4)")
     parser.add_argument("--width", type=int, default=16, help="channels of the top level")
+    parser.add_argument("--spatial", type=int, default=1,
+                        help="ranks each volume is split over (spatial_parallel_size; docs/spatial.md)")
     args = parser.parse_args(argv)
     config = json.loads(args.config.read_text()) if args.config else dict(CONFIG)
+    if args.spatial > 1:
+        config["spatial_parallel_size"] = args.spatial
     config.pop("scheduler", None)  # the GPT configs' schedule is for another run length
 
     zero.init_distributed()
@@ -106,14 +113,19 @@ def main(argv: list[str] | None = None) -> dict:
               flush=True)
     monitor = zero.TrainingMonitor(engine, steps=args.steps, tokens_per_step=engine.config.train_batch_size * args.size**3,
                                    unit="vox")
-    generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own volumes
+    spatial = args.spatial > 1
+    # each data-parallel rank its own volumes; the ranks of a spatial group the same ones, each its slab
+    generator = torch.Generator().manual_seed(1000 + (rank // args.spatial))
     losses, scores = [], []
     while engine.global_steps < args.steps:
         x, y = blobs(micro, args.size, generator)
         x, y = x.to(engine.device, dtype), y.to(engine.device)
+        if spatial:
+            x, y = zero.spatial.shard_volume(x), zero.spatial.shard_volume(y)
         logits = engine(x)
-        score = dice(logits, y)
-        loss = 1 - score + F.binary_cross_entropy_with_logits(logits.float(), y)
+        score = dice(logits, y, spatial)
+        bce = F.binary_cross_entropy_with_logits(logits.float(), y, reduction="none")
+        loss = 1 - score + (zero.spatial.volume_mean(bce) if spatial else bce.mean())
         engine.backward(loss)
         engine.step()
         monitor.step(loss)
