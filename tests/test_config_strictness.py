@@ -2,6 +2,7 @@
 another, and numbers that would break training later (a zero bucket, an infinite learning rate, a
 loss scale of 2**2000) are refused when the config is loaded, naming the key."""
 import math
+import types
 import typing
 import warnings
 
@@ -47,6 +48,8 @@ def _scalar(annotation):
     """bool, int or float for a key typed X or Optional[X]; None for anything else."""
     if annotation in (bool, int, float):
         return annotation
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):  # list[int] is not an int
+        return None
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     return args[0] if len(args) == 1 and args[0] in (bool, int, float) else None
 
