@@ -101,3 +101,45 @@ def test_what_spatial_parallelism_does_not_combine_with_is_refused_by_key(dist_r
         assert "spatial_parallel_size: is 2 with pipeline, tensor or sequence parallelism" in out[0]
         assert "spatial_parallel_dims: is [2, 3]" in out[1]
         assert "1 (Flatten) cannot run on a volume split over ranks yet" in out[2]
+
+
+def _save_then_resume(directory: str) -> float:
+    """Train with the volume split over 2 ranks at stage 2 and save; resume with every rank a data
+    rank (no split) at stage 3: the same parameters, and training goes on."""
+    import zero
+    import zero.spatial as sp
+
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": EPS}}}
+    engine, *_ = zero.initialize(model=_example().UNet3D(width=4, depth=3), config={
+        **config, "spatial_parallel_size": 2, "zero_optimization": {"stage": 2}})
+    for step in range(2):
+        x, y = _volumes(step)
+        engine.backward(sp.volume_mean((engine(sp.shard_volume(x)) - sp.shard_volume(y)).square()))
+        engine.step()
+    engine.save_checkpoint(directory, tag="spatial")
+    saved = {}
+    for name, p in engine.module.named_parameters():
+        with zero.GatheredParameters([p]):
+            saved[name] = p.detach().clone()
+    engine.destroy()
+    torch.manual_seed(1)  # other initial values: the checkpoint must replace them
+    again, *_ = zero.initialize(model=_example().UNet3D(width=4, depth=3), config={
+        **config, "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})
+    again.load_checkpoint(directory, tag="spatial")
+    worst = 0.0
+    for name, p in again.module.named_parameters():
+        with zero.GatheredParameters([p]):
+            worst = max(worst, (p.detach() - saved[name]).abs().max().item())
+    x, y = _volumes(5)
+    rank = torch.distributed.get_rank()
+    again.backward((again(x[rank:rank + 1]) - y[rank:rank + 1]).square().mean())
+    again.step()
+    assert again.global_steps == 3
+    again.destroy()
+    return worst
+
+
+def test_a_checkpoint_saved_over_spatial_ranks_resumes_without_them_at_another_stage(dist_run, tmp_path):
+    for worst in dist_run(2, _save_then_resume, str(tmp_path / "ck")):
+        assert worst == 0.0, worst
