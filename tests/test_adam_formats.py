@@ -18,7 +18,6 @@ import torch.nn.functional as F
 import zero
 from zero.config import load_config
 from zero.config.errors import ConfigError
-from zero.ops.adam import AdamArgs, adam_step
 from zero.ops.adam_formats import (
     Q8_BLOCK,
     AdamFormat,
@@ -29,25 +28,10 @@ from zero.ops.adam_formats import (
     to_bf16_stochastic,
 )
 from zero.ops.cpu_adam import simd_levels
+from zero.testing.adam import keyword_step
 
-_ARGS = ("step", "lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction", "grad_scale", "fmt")
-
-
-def _split(kwargs: dict) -> tuple[AdamArgs, dict]:
-    """The old keyword form of a step: the step's numbers make the AdamArgs, the rest stays keywords."""
-    return AdamArgs(**{k: kwargs.pop(k) for k in _ARGS if k in kwargs}), kwargs
-
-
-def cpu_adam_step_fmt(param, grad, exp_avg, exp_avg_sq, **kwargs):
-    """zero.ops.adam.adam_step, called with the step's numbers as keywords."""
-    args, rest = _split(dict(kwargs))
-    adam_step(param, grad, exp_avg, exp_avg_sq, args, checked=True, **rest)
-
-
-def torch_adam_step_fmt(param, grad, exp_avg, exp_avg_sq, **kwargs):
-    """zero.ops.adam.adam_step (checked=False), called with the step's numbers as keywords."""
-    args, rest = _split(dict(kwargs))
-    adam_step(param, grad, exp_avg, exp_avg_sq, args, checked=None, **rest)
+cpu_adam_step_fmt = keyword_step(checked=True)
+torch_adam_step_fmt = keyword_step(checked=None)
 
 
 FORMATS = [AdamFormat(m, s, sr) for m in ("fp32", "bf16") for s in ("fp32", "bf16", "int8") for sr in (False, True)

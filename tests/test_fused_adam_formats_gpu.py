@@ -10,27 +10,12 @@ import inspect
 import pytest
 import torch
 
-from zero.ops.adam import AdamArgs, adam_step
+from zero.ops.adam import adam_step
 from zero.ops.adam_formats import AdamFormat, new_moment, new_scales
+from zero.testing.adam import keyword_step
 
-_ARGS = ("step", "lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction", "grad_scale", "fmt")
-
-
-def _split(kwargs: dict) -> tuple[AdamArgs, dict]:
-    """The old keyword form of a step: the step's numbers make the AdamArgs, the rest stays keywords."""
-    return AdamArgs(**{k: kwargs.pop(k) for k in _ARGS if k in kwargs}), kwargs
-
-
-def cpu_adam_step_fmt_unchecked(param, grad, exp_avg, exp_avg_sq, **kwargs):
-    """zero.ops.adam.adam_step (checked=False), called with the step's numbers as keywords."""
-    args, rest = _split(dict(kwargs))
-    adam_step(param, grad, exp_avg, exp_avg_sq, args, checked=False, **rest)
-
-
-def fused_adam_step_fmt_unchecked(param, grad, exp_avg, exp_avg_sq, **kwargs):
-    """zero.ops.adam.adam_step (checked=False), called with the step's numbers as keywords."""
-    args, rest = _split(dict(kwargs))
-    adam_step(param, grad, exp_avg, exp_avg_sq, args, checked=False, **rest)
+cpu_adam_step_fmt_unchecked = keyword_step(checked=False)
+fused_adam_step_fmt_unchecked = keyword_step(checked=False)
 
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -12,33 +12,13 @@ import torch
 import zero.ops.adam as adam_module
 import zero.ops.fused_adam as fused_adam_module
 from zero.ops import builder
-from zero.ops.adam import AdamArgs, adam_step
+from zero.ops.adam import AdamArgs
 from zero.ops.fused_adam import FusedAdam
+from zero.testing.adam import keyword_step
 
-_ARGS = ("step", "lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction", "grad_scale", "fmt")
-
-
-def _split(kwargs: dict) -> tuple[AdamArgs, dict]:
-    """The old keyword form of a step: the step's numbers make the AdamArgs, the rest stays keywords."""
-    return AdamArgs(**{k: kwargs.pop(k) for k in _ARGS if k in kwargs}), kwargs
-
-
-def cpu_adam_step(param, grad, exp_avg, exp_avg_sq, **kwargs):
-    """zero.ops.adam.adam_step, called with the step's numbers as keywords."""
-    args, rest = _split(dict(kwargs))
-    adam_step(param, grad, exp_avg, exp_avg_sq, args, checked=True, **rest)
-
-
-def fused_adam_step(param, grad, exp_avg, exp_avg_sq, **kwargs):
-    """zero.ops.adam.adam_step, called with the step's numbers as keywords."""
-    args, rest = _split(dict(kwargs))
-    adam_step(param, grad, exp_avg, exp_avg_sq, args, checked=True, **rest)
-
-
-def fused_adam_step_unchecked(param, grad, exp_avg, exp_avg_sq, **kwargs):
-    """zero.ops.adam.adam_step (checked=False), called with the step's numbers as keywords."""
-    args, rest = _split(dict(kwargs))
-    adam_step(param, grad, exp_avg, exp_avg_sq, args, checked=False, **rest)
+cpu_adam_step = keyword_step(checked=True)
+fused_adam_step = keyword_step(checked=True)
+fused_adam_step_unchecked = keyword_step(checked=False)
 
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
