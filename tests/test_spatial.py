@@ -107,10 +107,9 @@ def test_normalisation_over_a_split_volume_equals_the_unsplit_one(dist_run, rank
 
 
 def _run_cases(cases):
-    import torch.distributed as dist
-
     import zero.spatial as sp
     from zero.parallel.comm import Comm
+    from zero.testing.spatial import compare_with_unsplit
 
     comm = Comm()
     errors = []
@@ -119,24 +118,8 @@ def _run_cases(cases):
         conv = POOLS[nd](**kwargs) if nd in POOLS else CONVS[nd](4, 6, **kwargs).double()
         dims = nd if isinstance(nd, int) else int(nd[-1])
         x = torch.randn(2, 4, length, *(5,) * (dims - 1), dtype=torch.float64)
-        ref = copy.deepcopy(conv)
-        xr = x.clone().requires_grad_()
-        yr = ref(xr)
-        gy = torch.randn(yr.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(100 + i))
-        (yr * gy).sum().backward()
-        sp.parallelize(conv, comm)
-        xs = sp.shard_volume(x, comm).requires_grad_()
-        y = conv(xs)
-        (y * sp.shard_volume(gy, comm)).sum().backward()
-        grads = [p.grad.clone() for p in conv.parameters()]
-        for g in grads:
-            dist.all_reduce(g)  # the group's parameter gradients sum to the unsplit one
-        errors.append((
-            (y - sp.shard_volume(yr.detach(), comm)).abs().max().item(),
-            (xs.grad - sp.shard_volume(xr.grad, comm)).abs().max().item(),
-            max([(g - p.grad).abs().max().item() for g, p in zip(grads, ref.parameters())], default=0.0),
-            (sp.gather_volume(y, comm) - yr).abs().max().item(),
-        ))
+        run = compare_with_unsplit(conv, x, comm, seed=100 + i)
+        errors.append((*run.errors.values(), (sp.gather_volume(run.out, comm) - run.ref_out).abs().max().item()))
     return errors
 
 
@@ -186,35 +169,18 @@ def _unet(ranks_length):
     import importlib.util
     from pathlib import Path
 
-    import torch.distributed as dist
-
-    import zero.spatial as sp
     from zero.parallel.comm import Comm
+    from zero.testing.spatial import compare_with_unsplit
 
     path = Path(__file__).parents[1] / "examples" / "train_unet3d.py"
     spec = importlib.util.spec_from_file_location("train_unet3d", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    comm = Comm()
     torch.manual_seed(0)
     model = example.UNet3D(width=4, depth=3).double()
-    ref = copy.deepcopy(model)
     x = torch.randn(2, 1, ranks_length, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    xr = x.clone().requires_grad_()
-    yr = ref(xr)
-    gy = torch.randn(yr.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    (yr * gy).sum().backward()
-    sp.parallelize(model, comm)
-    xs = sp.shard_volume(x, comm).requires_grad_()
-    y = model(xs)
-    (y * sp.shard_volume(gy, comm)).sum().backward()
-    worst = max((y - sp.shard_volume(yr.detach(), comm)).abs().max().item(),
-                (xs.grad - sp.shard_volume(xr.grad, comm)).abs().max().item())
-    for p, q in zip(model.parameters(), ref.parameters()):
-        g = p.grad.clone()
-        dist.all_reduce(g)
-        worst = max(worst, (g - q.grad).abs().max().item())
-    return worst, model.state_dict().keys() == ref.state_dict().keys()
+    run = compare_with_unsplit(model, x, Comm())
+    return max(run.errors.values()), model.state_dict().keys() == run.ref.state_dict().keys()
 
 
 @pytest.mark.parametrize("ranks, length", [(2, 16), (4, 16), (3, 12), (2, 12)])  # 12: uneven slabs deeper down

@@ -1,7 +1,6 @@
 """MONAI's 3D U-Nets over a volume split across spatial ranks (zero.spatial.parallelize): UNet,
 BasicUNet and DynUNet give the unsplit model's output, input gradient and (summed over the group)
 parameter gradients, in fp64."""
-import copy
 
 import pytest
 import torch
@@ -26,30 +25,11 @@ def _build(name: str) -> torch.nn.Module:
 
 
 def _compare(name: str) -> float:
-    import torch.distributed as dist
-
-    import zero.spatial as sp
     from zero.parallel.comm import Comm
+    from zero.testing.spatial import compare_with_unsplit
 
-    comm = Comm()
-    model = _build(name).double()
-    ref = copy.deepcopy(model)
     x = torch.randn(2, 1, *NETS[name], dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    xr = x.clone().requires_grad_()
-    yr = ref(xr)
-    gy = torch.randn(yr.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    (yr * gy).sum().backward()
-    sp.parallelize(model, comm)
-    xs = sp.shard_volume(x, comm).requires_grad_()
-    y = model(xs)
-    (y * sp.shard_volume(gy, comm)).sum().backward()
-    worst = max((y - sp.shard_volume(yr.detach(), comm)).abs().max().item(),
-                (xs.grad - sp.shard_volume(xr.grad, comm)).abs().max().item())
-    for p, q in zip(model.parameters(), ref.parameters()):
-        g = p.grad.clone()
-        dist.all_reduce(g)
-        worst = max(worst, (g - q.grad).abs().max().item())
-    return worst
+    return max(compare_with_unsplit(_build(name).double(), x, Comm()).errors.values())
 
 
 @pytest.mark.parametrize("name, ranks", [("UNet", 2), ("UNet", 4), ("BasicUNet", 2), ("DynUNet", 2), ("DynUNet", 4)])

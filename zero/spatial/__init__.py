@@ -29,19 +29,20 @@ import torch
 from torch import nn
 
 from zero.parallel.comm import Comm
-from zero.spatial.halo import Split, fetch
+from zero.spatial.halo import Split, fetch, group_sum
 from zero.spatial.layers import (
     Plan,
+    SpatialConv,
+    SpatialConvTranspose,
     SpatialError,
+    SpatialPool,
+    SpatialUpsample,
     check_conv,
     check_pool,
     check_upsample,
-    convert_conv,
-    convert_conv_transpose,
-    convert_pool,
-    convert_upsample,
+    convert,
 )
-from zero.spatial.norms import NORMS, check_norm, convert_norm
+from zero.spatial.norms import SpatialBatchNorm, SpatialGroupNorm, check_norm
 
 __all__ = ["Split", "fetch", "shard_volume", "gather_volume", "parallelize", "volume_sum", "volume_mean",
            "SpatialError"]
@@ -57,9 +58,17 @@ def _comm(comm: Comm | None) -> Comm:
                            "zero.spatial.parallelize) sets it; or pass comm=")
     return _current
 
-_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-_TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
+# What parallelize converts: the module types (the first row that matches), the check that refuses
+# what cannot be split, and the forward over slabs.
+_SPLIT = (
+    ((nn.Conv1d, nn.Conv2d, nn.Conv3d), check_conv, SpatialConv),
+    ((nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d), check_conv, SpatialConvTranspose),
+    ((nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d), check_pool, SpatialPool),
+    ((nn.GroupNorm,), check_norm, SpatialGroupNorm),
+    ((nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d),
+     check_norm, SpatialBatchNorm),
+    ((nn.Upsample,), check_upsample, SpatialUpsample),
+)
 _POINTWISE = (nn.ReLU, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.PReLU, nn.ELU, nn.Sigmoid, nn.Tanh, nn.Identity,
               nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -97,9 +106,7 @@ def volume_sum(x: torch.Tensor, comm: Comm | None = None) -> torch.Tensor:
     rank, differentiable: each rank's gradient is its slab's share times the group's size, which
     the engine's average over the ranks (the spatial ones included) turns back into the unsplit
     gradient. Build losses from it (a Dice score's sums)."""
-    from zero.spatial.norms import _Sum
-
-    return _Sum.apply(x.sum(), _comm(comm))
+    return group_sum(x.sum(), _comm(comm))
 
 
 def volume_mean(x: torch.Tensor, comm: Comm | None = None, dim: int = 2) -> torch.Tensor:
@@ -118,37 +125,19 @@ def parallelize(model: nn.Module, comm: Comm, dim: int = 2) -> nn.Module:
         SpatialError: a module that cannot run on a split volume (named with its path); nothing
             was changed.
     """
-    convs, transposed, pools, norms, upsamples = [], [], [], [], []
+    chosen = []
     for path, module in model.named_modules():
-        if isinstance(module, _CONVS):
-            check_conv(module, path or "<model>")
-            convs.append(module)
-        elif isinstance(module, _TRANSPOSED):
-            check_conv(module, path or "<model>")
-            transposed.append(module)
-        elif isinstance(module, _POOLS):
-            check_pool(module, path or "<model>")
-            pools.append(module)
-        elif isinstance(module, NORMS):
-            check_norm(module, path or "<model>")
-            norms.append(module)
-        elif isinstance(module, nn.Upsample):
-            check_upsample(module, path or "<model>")
-            upsamples.append(module)
+        row = next((r for r in _SPLIT if isinstance(module, r[0])), None)
+        if row is not None:
+            row[1](module, path or "<model>")
+            chosen.append((module, row[2]))
         elif next(module.children(), None) is None and not isinstance(module, _POINTWISE):
             raise SpatialError(f"{path or '<model>'} ({type(module).__name__}) cannot run on a volume split over "
-                               f"ranks yet (supported so far: convolutions and pointwise layers; see docs/spatial.md)")
+                               f"ranks yet (supported so far: convolutions, transposed convolutions, pools, "
+                               f"normalisation, Upsample and pointwise layers; see docs/spatial.md)")
     plan = Plan(comm, dim)
-    for module in convs:
-        convert_conv(module, plan)
-    for module in transposed:
-        convert_conv_transpose(module, plan)
-    for module in pools:
-        convert_pool(module, plan)
-    for module in norms:
-        convert_norm(module, plan)
-    for module in upsamples:
-        convert_upsample(module, plan)
+    for module, mixin in chosen:
+        convert(module, mixin, plan)
     global _current
     _current = comm
     return model

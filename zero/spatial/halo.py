@@ -149,3 +149,24 @@ def fetch(x: torch.Tensor, dim: int, split: Split, ranges: list[tuple[int, int]]
         lo, hi = ranges[0]
         return torch.nn.functional.pad(x.movedim(dim, -1), (-lo, hi - split.length)).movedim(-1, dim)
     return _Fetch.apply(x, dim, split, ranges, comm)
+
+
+class _Sum(torch.autograd.Function):
+    """The sum over the group on every rank; its adjoint is the same sum of the gradients."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        y = x.clone()
+        comm.all_reduce(y, label="spatial_stats")
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        ctx.comm.all_reduce(g, label="spatial_stats")
+        return g, None
+
+def group_sum(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """`x` summed over the group, on every rank; differentiable (the adjoint sums the gradients)."""
+    return _Sum.apply(x, comm)

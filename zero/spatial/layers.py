@@ -1,10 +1,10 @@
 """Layers over a split volume: each computes its output slab from a fetched input range (see
-[Note: slabs and halos] in zero/spatial/halo.py). So far: convolutions, transposed
-convolutions, max and average pools (1d/2d/3d).
+[Note: slabs and halos] in zero/spatial/halo.py): convolutions, transposed convolutions, max and
+average pools, Upsample (1d/2d/3d); normalisation is in zero/spatial/norms.py.
 
 A converted module keeps its class (as a subclass: `isinstance(m, nn.Conv3d)` holds), its
-parameters and its state-dict keys; only `forward` changes. `convert` refuses, before changing
-anything, what it cannot split, naming the module.
+parameters and its state-dict keys; only `forward` changes (`convert`). Each `check_*` refuses,
+before anything is changed, what its layer's forward cannot split, naming the module.
 """
 from __future__ import annotations
 
@@ -177,10 +177,14 @@ def check_pool(module: nn.Module, path: str) -> None:
 _CONVERTED: dict[type, type] = {}
 
 
-def _converted_class(cls: type, mixin: type) -> type:
+def convert(module: nn.Module, mixin: type, plan: Plan) -> None:
+    """Give `module` the forward of `mixin` over slabs split as `plan` says, keeping its class (as a
+    subclass), parameters and state-dict keys."""
+    cls = type(module)
     if cls not in _CONVERTED:
         _CONVERTED[cls] = type(f"Spatial{cls.__name__}", (mixin, cls), {"__module__": __name__})
-    return _CONVERTED[cls]
+    module.__class__ = _CONVERTED[cls]
+    module._zero_spatial = plan
 
 
 def check_conv(module: nn.Module, path: str) -> None:
@@ -190,19 +194,7 @@ def check_conv(module: nn.Module, path: str) -> None:
                            f"over a split volume yet (zeros padding is)")
 
 
-def convert_conv(module: nn.Module, plan: Plan) -> None:
-    module.__class__ = _converted_class(type(module), SpatialConv)
-    module._zero_spatial = plan
 
-
-def convert_conv_transpose(module: nn.Module, plan: Plan) -> None:
-    module.__class__ = _converted_class(type(module), SpatialConvTranspose)
-    module._zero_spatial = plan
-
-
-def convert_pool(module: nn.Module, plan: Plan) -> None:
-    module.__class__ = _converted_class(type(module), SpatialPool)
-    module._zero_spatial = plan
 
 
 class SpatialUpsample:
@@ -283,8 +275,3 @@ def check_upsample(module: nn.Module, path: str) -> None:
     if module.mode not in ("nearest", "linear", "bilinear", "trilinear"):
         raise SpatialError(f"{path} ({type(module).__name__}): mode={module.mode!r} is not supported over a split "
                            f"volume yet (nearest and (bi/tri)linear are)")
-
-
-def convert_upsample(module: nn.Module, plan: Plan) -> None:
-    module.__class__ = _converted_class(type(module), SpatialUpsample)
-    module._zero_spatial = plan

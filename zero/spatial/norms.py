@@ -13,25 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from zero.parallel.comm import Comm
-from zero.spatial.halo import Split
-from zero.spatial.layers import Plan, SpatialError, _converted_class
-
-
-class _Sum(torch.autograd.Function):
-    """The sum over the group on every rank; its adjoint is the same sum of the gradients."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        y = x.clone()
-        comm.all_reduce(y, label="spatial_stats")
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.clone()
-        ctx.comm.all_reduce(g, label="spatial_stats")
-        return g, None
+from zero.spatial.halo import Split, group_sum
+from zero.spatial.layers import Plan, SpatialError
 
 
 def _moments(x: torch.Tensor, dims: tuple[int, ...], split_dim: int, comm: Comm):
@@ -41,8 +24,8 @@ def _moments(x: torch.Tensor, dims: tuple[int, ...], split_dim: int, comm: Comm)
     count = split.length
     for d in dims:
         count *= 1 if d == split_dim else x.shape[d]
-    mean = _Sum.apply(x.sum(dims, keepdim=True), comm) / count
-    var = _Sum.apply((x - mean).square().sum(dims, keepdim=True), comm) / count
+    mean = group_sum(x.sum(dims, keepdim=True), comm) / count
+    var = group_sum((x - mean).square().sum(dims, keepdim=True), comm) / count
     return mean, var, count
 
 
@@ -93,17 +76,7 @@ class SpatialBatchNorm:
         self.running_var.mul_(1 - factor).add_(unbiased.reshape(-1), alpha=factor)
 
 
-NORMS = (nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.InstanceNorm1d, nn.InstanceNorm2d,
-         nn.InstanceNorm3d)
-
-
 def check_norm(module: nn.Module, path: str) -> None:
     if isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats:
         raise SpatialError(f"{path} ({type(module).__name__}): track_running_stats=True is not supported over a split "
                            f"volume yet (the default False is)")
-
-
-def convert_norm(module: nn.Module, plan: Plan) -> None:
-    mixin = SpatialGroupNorm if isinstance(module, nn.GroupNorm) else SpatialBatchNorm
-    module.__class__ = _converted_class(type(module), mixin)
-    module._zero_spatial = plan
