@@ -18,11 +18,11 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import zero
 import zero.spatial
+from zero.models import UNet3D  # noqa: F401  (the network; tests load it from here too)
 
 CONFIG = {
     "train_micro_batch_size_per_gpu": 2,
@@ -33,36 +33,6 @@ CONFIG = {
                           "stage3_module_granularity_threshold": 20_000},  # about one conv block per unit
     "wall_clock_breakdown": True,
 }
-
-
-class ConvBlock(nn.Sequential):
-    def __init__(self, cin: int, cout: int):
-        super().__init__(nn.Conv3d(cin, cout, 3, padding=1), nn.GroupNorm(4, cout), nn.SiLU(),
-                         nn.Conv3d(cout, cout, 3, padding=1), nn.GroupNorm(4, cout), nn.SiLU())
-
-
-class UNet3D(nn.Module):
-    """A U-Net with `depth` resolutions, `width` channels at the top, doubling at each level down."""
-
-    def __init__(self, width: int = 16, depth: int = 3, cin: int = 1, cout: int = 1):
-        super().__init__()
-        chans = [width * 2**i for i in range(depth)]
-        self.down = nn.ModuleList(ConvBlock(a, b) for a, b in zip([cin, *chans[:-1]], chans))
-        self.up = nn.ModuleList(nn.ConvTranspose3d(chans[i + 1], chans[i], 2, stride=2) for i in range(depth - 1))
-        self.merge = nn.ModuleList(ConvBlock(2 * chans[i], chans[i]) for i in range(depth - 1))
-        self.head = nn.Conv3d(width, cout, 1)
-        self.pool = nn.MaxPool3d(2)  # a module, not F.max_pool3d, so that zero.spatial can split it
-
-    def forward(self, x):
-        skips = []
-        for i, block in enumerate(self.down):
-            x = block(x)
-            if i < len(self.down) - 1:
-                skips.append(x)
-                x = self.pool(x)
-        for i in reversed(range(len(self.up))):
-            x = self.merge[i](torch.cat([self.up[i](x), skips[i]], dim=1))
-        return self.head(x)
 
 
 def blobs(batch: int, size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 
 def unet(width: int = 8) -> nn.Module:
-    from train_unet3d import UNet3D
+    from zero.models import UNet3D
 
     return UNet3D(width=width)
 

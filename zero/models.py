@@ -1,4 +1,6 @@
-"""Reference models the library knows by name: a GPT-style decoder (`GPT`, its `Block`s).
+"""Reference models the library knows by name: a GPT-style decoder (`GPT`, its `Block`s) and a 3D
+U-Net (`UNet3D`, examples/train_unet3d.py; zero.spatial splits its volumes, the estimator and
+benchmarks/bench_spatial.py size it).
 
 zero.tp's "gpt" plan slices these blocks, and zero.sparse_attention.replace_self_attention swaps
 their attention. They are plain `nn.Module`s with nothing zero-specific, so a test or an example
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 
 @dataclass(frozen=True)
@@ -103,3 +106,43 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+class ConvBlock(nn.Sequential):
+    """Two 3x3x3 convolutions, each followed by GroupNorm and SiLU."""
+
+    def __init__(self, cin: int, cout: int):
+        super().__init__(nn.Conv3d(cin, cout, 3, padding=1), nn.GroupNorm(4, cout), nn.SiLU(),
+                         nn.Conv3d(cout, cout, 3, padding=1), nn.GroupNorm(4, cout), nn.SiLU())
+
+
+class UNet3D(nn.Module):
+    """A U-Net with `depth` resolutions, `width` channels at the top, doubling at each level down.
+    `checkpointing`: each conv block's activations are recomputed in backward instead of kept
+    (torch.utils.checkpoint), leaving the block outputs."""
+
+    def __init__(self, width: int = 16, depth: int = 3, cin: int = 1, cout: int = 1, checkpointing: bool = False):
+        super().__init__()
+        self.checkpointing = checkpointing
+        chans = [width * 2**i for i in range(depth)]
+        self.down = nn.ModuleList(ConvBlock(a, b) for a, b in zip([cin, *chans[:-1]], chans))
+        self.up = nn.ModuleList(nn.ConvTranspose3d(chans[i + 1], chans[i], 2, stride=2) for i in range(depth - 1))
+        self.merge = nn.ModuleList(ConvBlock(2 * chans[i], chans[i]) for i in range(depth - 1))
+        self.head = nn.Conv3d(width, cout, 1)
+        self.pool = nn.MaxPool3d(2)  # a module, not F.max_pool3d, so that zero.spatial can split it
+
+    def _block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointing and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return block(x)
+
+    def forward(self, x):
+        skips = []
+        for i, block in enumerate(self.down):
+            x = self._block(block, x)
+            if i < len(self.down) - 1:
+                skips.append(x)
+                x = self.pool(x)
+        for i in reversed(range(len(self.up))):
+            x = self._block(self.merge[i], torch.cat([self.up[i](x), skips[i]], dim=1))
+        return self.head(x)
