@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from zero.parallel.comm import Comm
+from zero.spatial.data import SlabCollate, SpatialRank, read_slab, slab_bounds
 from zero.spatial.halo import Split, fetch, group_sum
 from zero.spatial.layers import (
     Plan,
@@ -45,7 +46,7 @@ from zero.spatial.layers import (
 from zero.spatial.norms import SpatialBatchNorm, SpatialGroupNorm, check_norm
 
 __all__ = ["Split", "fetch", "shard_volume", "gather_volume", "parallelize", "volume_sum", "volume_mean",
-           "SpatialError"]
+           "SpatialError", "slab_bounds", "read_slab", "SlabCollate", "SpatialRank"]
 
 _current: Comm | None = None  # the spatial group `parallelize` (or `initialize`) last converted a model for
 
