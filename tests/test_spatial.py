@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 CONVS = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d, "t1": nn.ConvTranspose1d, "t3": nn.ConvTranspose3d}
@@ -22,6 +23,10 @@ CASES = [
     (3, dict(kernel_size=(3, 1, 3), padding=(1, 0, 1), groups=2), 10),
     (2, dict(kernel_size=3, padding=1, stride=(2, 1)), 11),
     (1, dict(kernel_size=5, padding=3, dilation=2), 19),
+    # padding modes other than zeros: the first and last slabs pad as torch does
+    (3, dict(kernel_size=3, padding=1, padding_mode="reflect"), 13),
+    (3, dict(kernel_size=5, padding=2, stride=2, padding_mode="replicate"), 14),
+    (3, dict(kernel_size=(1, 3, 3), padding=(0, 1, 1), padding_mode="circular"), 10),  # not along the split
     # transposed: a U-Net's upsampling, and overlapping / gapped windows
     ("t3", dict(kernel_size=2, stride=2), 7),
     ("t3", dict(kernel_size=3, stride=2, padding=1, output_padding=1), 9),
@@ -45,8 +50,14 @@ CASES = [
     ("up3", dict(scale_factor=(1.5, 2, 1), mode="nearest"), 6),
     ("up2", dict(scale_factor=2, mode="bilinear"), 5),
     ("up1", dict(scale_factor=3, mode="linear", align_corners=True), 5),
+    # adaptive pools: windows of uneven, overlapping lengths
+    ("aavg3", dict(output_size=(5, 3, None)), 13),
+    ("amax3", dict(output_size=(7, 2, 2)), 12),
+    ("aavg3", dict(output_size=(None, 2, 3)), 9),
+    ("amax1", dict(output_size=4), 11),
 ]
-POOLS = {"max1": nn.MaxPool1d, "max3": nn.MaxPool3d, "avg3": nn.AvgPool3d, "up1": nn.Upsample,
+POOLS = {"aavg3": nn.AdaptiveAvgPool3d, "amax3": nn.AdaptiveMaxPool3d, "amax1": nn.AdaptiveMaxPool1d,
+         "max1": nn.MaxPool1d, "max3": nn.MaxPool3d, "avg3": nn.AvgPool3d, "up1": nn.Upsample,
          "up2": nn.Upsample, "up3": nn.Upsample}  # the layers without parameters
 # normalisation: (module, the length of the split dimension)
 NORM_CASES = [
@@ -148,8 +159,13 @@ def _refusals():
         conv(torch.randn(1, 1, 1 if comm.rank == 0 else 0, 3, 3))  # a volume of one plane over two ranks
     except sp.SpatialError as err:
         out.append(str(err))
-    try:
-        sp.parallelize(nn.Conv3d(1, 1, 3, padding=1, padding_mode="reflect"), comm)
+    for module in (nn.Conv3d(1, 1, 3, padding=1, padding_mode="circular"), _Functional(F.max_pool3d, kernel_size=2)):
+        try:
+            sp.parallelize(module, comm)(torch.randn(1, 4 if isinstance(module, _Functional) else 1, 4, 3, 3))
+        except sp.SpatialError as err:
+            out.append(str(err))
+    try:  # a global pool: one plane cannot be split over two ranks
+        sp.parallelize(nn.AdaptiveAvgPool3d(1), comm)(torch.randn(1, 1, 4, 3, 3))
     except sp.SpatialError as err:
         out.append(str(err))
     return out
@@ -160,7 +176,108 @@ def test_what_cannot_be_split_is_refused_by_name_before_anything_changes(dist_ru
         assert "1 (Flatten) cannot run on a volume split over ranks yet" in out[0]
         assert out[1] is True
         assert "too small to give each of the 2 spatial ranks at least one plane" in out[2]
-        assert "padding_mode='reflect' is not supported" in out[3]
+        assert "padding_mode='circular' along the split dimension joins the volume's two ends" in out[3]
+        assert "max_pool3d, called in the forward of a model whose volume is split over ranks" in out[4]
+        assert "use nn.MaxPool3d as a module" in out[4]
+        assert "AdaptiveAvgPool3d: an output of 1 planes along the split dimension (of 8 in) cannot give" in out[5]
+
+
+class _Functional(nn.Module):
+    """A convolution, then a torch function called in the forward (not a module)."""
+
+    def __init__(self, fn, **kwargs):
+        super().__init__()
+        self.conv = nn.Conv3d(4, 4, 3, padding=1)
+        self.fn, self.kwargs = fn, kwargs
+
+    def forward(self, x):
+        return self.fn(self.conv(x), **self.kwargs)
+
+
+FUNCTIONAL = [dict(scale_factor=2, mode="trilinear"), dict(size=(9, 4, 6), mode="nearest"),
+              dict(scale_factor=(2, 1, 1), mode="trilinear", align_corners=True)]
+
+
+def _functional():
+    from zero.parallel.comm import Comm
+    from zero.testing.spatial import compare_with_unsplit
+
+    comm = Comm()
+    worst = []
+    for i, kwargs in enumerate(FUNCTIONAL):
+        torch.manual_seed(i)
+        model = _Functional(F.interpolate, **kwargs).double()
+        x = torch.randn(2, 4, 7, 3, 5, dtype=torch.float64)
+        worst.append(max(compare_with_unsplit(model, x, comm).errors.values()))
+    return worst
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_interpolate_called_in_a_forward_equals_the_unsplit_one(dist_run, ranks):
+    for worst in dist_run(ranks, _functional):
+        assert max(worst) < 1e-12, worst
+
+
+def _diverge():
+    """Rank 1 runs the model's second layer while rank 0 runs the first: both raise at once,
+    naming the two layers, before any planes are exchanged."""
+    import time
+
+    import zero.spatial as sp
+    from zero.parallel.comm import Comm
+
+    comm = Comm()
+    model = sp.parallelize(nn.Sequential(nn.Conv3d(1, 1, 3, padding=1), nn.ReLU(), nn.Conv3d(1, 1, 3, padding=1)),
+                           comm)
+    x = sp.shard_volume(torch.randn(1, 1, 8, 3, 3), comm)
+    start = time.monotonic()
+    try:
+        model[0 if comm.rank == 0 else 2](x)
+    except sp.SpatialDivergence as err:
+        return str(err), time.monotonic() - start
+    return "no error", 0.0
+
+
+def test_ranks_that_run_different_layers_raise_at_once_naming_them(dist_run):
+    for message, seconds in dist_run(2, _diverge):
+        assert "the ranks of the group run different layers (rank 0 in 0 (Conv3d); rank 1 in 2 (Conv3d))" in message
+        assert seconds < 5, seconds
+
+
+def _stall():
+    """Rank 1 never reaches the layer (alive, elsewhere): rank 0 raises within the collective
+    timeout (ZERO_COLLECTIVE_TIMEOUT=2)."""
+    import os
+    import time
+
+    os.environ["ZERO_COLLECTIVE_TIMEOUT"] = "2"
+    import zero.spatial as sp
+    from zero.parallel.comm import CollectiveTimeout, Comm
+
+    comm = Comm()
+    conv = sp.parallelize(nn.Conv3d(1, 1, 3, padding=1), comm)
+    x = sp.shard_volume(torch.randn(1, 1, 8, 3, 3), comm)
+    start = time.monotonic()
+    if comm.rank == 1:
+        time.sleep(6)
+        return "slept", 0.0
+    try:
+        conv(x)
+    except CollectiveTimeout as err:
+        return str(err), time.monotonic() - start
+    return "no error", 0.0
+
+
+def test_a_rank_that_never_reaches_an_exchange_makes_the_others_raise_within_the_timeout():
+    from zero.testing.dist import DistPool
+
+    pool = DistPool(2)  # its own ranks: the timed-out group is not reused
+    try:
+        (message, seconds), (slept, _) = pool.run(_stall, timeout=60)
+    finally:
+        pool.close(kill=True)
+    assert "spatial_sizes) did not complete within 2 s" in message and slept == "slept", message
+    assert seconds < 4, seconds  # the timeout, not the peer's 6 s
 
 
 def _unet(ranks_length):

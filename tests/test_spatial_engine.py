@@ -22,25 +22,37 @@ def _example():
     return module
 
 
-def _volumes(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _volumes(step: int, samples: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Volumes of 16 planes: split over 2 or 4 ranks, every level's slabs start at an even plane."""
     g = torch.Generator().manual_seed(step)
-    return torch.randn(2, 1, 12, 4, 8, generator=g), torch.randn(2, 1, 12, 4, 8, generator=g)
+    return torch.randn(samples, 1, 16, 4, 8, generator=g), torch.randn(samples, 1, 16, 4, 8, generator=g)
 
 
-def _reference() -> list[torch.Tensor]:
+def _reference(samples: int = 2) -> tuple[list[torch.Tensor], int]:
+    """The unsplit model trained in one process on every data-parallel rank's samples, and the
+    halo formula's bytes per rank per step for 2 spatial ranks (see docs/spatial.md)."""
     torch.manual_seed(0)
     model = _example().UNet3D(width=4, depth=3)
+    planes = []  # N x C x H x W of each 3x3x3 convolution's input: one plane each way per cut, in forward,
+    # and its gradient sent back in backward (unless the input needs none: the model's input)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Conv3d) and m.kernel_size == (3, 3, 3):
+            m.register_forward_hook(lambda m, args, out: planes.append(
+                (1 + args[0].requires_grad) * args[0].numel() // args[0].shape[2]))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=EPS, weight_decay=0.01)
     for step in range(STEPS):
-        x, y = _volumes(step)
+        planes.clear()
+        x, y = _volumes(step, samples)
         loss = (model(x) - y).square().mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return [p.detach().clone() for p in model.parameters()], sum(planes) * 4  # fp32
 
 
-def _spatial(stage: int, offload: bool) -> tuple:
+def _spatial(stage: int, offload: bool, spatial: int = 2) -> tuple:
+    import torch.distributed as dist
+
     import zero
     import zero.spatial as sp
 
@@ -49,13 +61,15 @@ def _spatial(stage: int, offload: bool) -> tuple:
     names = [n for n, _ in model.named_parameters()]
     zc = {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
     engine, *_ = zero.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 2, "spatial_parallel_size": 2, "zero_optimization": zc,
+        "train_micro_batch_size_per_gpu": 2, "spatial_parallel_size": spatial, "zero_optimization": zc,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": EPS, "weight_decay": 0.01}}})
+    data_ranks = dist.get_world_size() // spatial
+    mine = slice(2 * (dist.get_rank() // spatial), 2 * (dist.get_rank() // spatial) + 2)  # this data rank's samples
     losses = []
     for step in range(STEPS):
-        x, y = _volumes(step)
-        out = engine(sp.shard_volume(x))
-        loss = sp.volume_mean((out - sp.shard_volume(y)).square())
+        x, y = _volumes(step, 2 * data_ranks)
+        out = engine(sp.shard_volume(x[mine]))
+        loss = sp.volume_mean((out - sp.shard_volume(y[mine])).square())
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -63,18 +77,29 @@ def _spatial(stage: int, offload: bool) -> tuple:
     for name, p in engine.module.named_parameters():
         with zero.GatheredParameters([p]):
             full[name] = p.detach().clone()
-    halo = engine.comm_report() if hasattr(engine, "comm_report") else None
+    halo = engine.comm_report().get("spatial_halo", {}).get("bytes")
     engine.destroy()
-    return [full[n] for n in names], losses, halo is not None
+    return [full[n] for n in names], losses, halo
 
 
 @pytest.mark.parametrize("stage, offload", [(1, False), (2, False), (3, False), (3, True)])
 def test_the_unet_trained_over_spatial_ranks_equals_the_unsplit_one(dist_run, stage, offload):
-    expected = _reference()
-    for params, losses, _ in dist_run(2, _spatial, stage, offload, timeout=300):
+    expected, halo_bytes = _reference()
+    for params, losses, halo in dist_run(2, _spatial, stage, offload, timeout=300):
         for p, q in zip(params, expected):
             assert torch.allclose(p, q, rtol=1e-5, atol=2e-5), (stage, (p - q).abs().max().item())  # see EPS
         assert len(set(losses)) == STEPS  # every rank sees the whole volume's loss
+        assert halo == halo_bytes, (halo, halo_bytes)  # the comm report's halo bytes: the docs' formula
+
+
+@pytest.mark.parametrize("spatial, stage, offload", [(4, 3, True), (2, 2, False)])
+def test_four_ranks_as_spatial_and_data_ranks_equal_the_unsplit_model(dist_run, spatial, stage, offload):
+    """4 spatial ranks, or 2 spatial x 2 data-parallel ranks (the unsplit model trains on both
+    data ranks' samples at once)."""
+    expected, _ = _reference(2 * 4 // spatial)
+    for params, _, _ in dist_run(4, _spatial, stage, offload, spatial, timeout=600):
+        for p, q in zip(params, expected):
+            assert torch.allclose(p, q, rtol=1e-5, atol=2e-5), (spatial, (p - q).abs().max().item())
 
 
 def _refused():
@@ -103,43 +128,51 @@ def test_what_spatial_parallelism_does_not_combine_with_is_refused_by_key(dist_r
         assert "1 (Flatten) cannot run on a volume split over ranks yet" in out[2]
 
 
-def _save_then_resume(directory: str) -> float:
-    """Train with the volume split over 2 ranks at stage 2 and save; resume with every rank a data
-    rank (no split) at stage 3: the same parameters, and training goes on."""
+def _save_then_resume(directory: str) -> list[float]:
+    """Train with the volume split over all 4 ranks at stage 3 and save; resume with no split (4
+    data ranks) at stage 1, and with 2 spatial x 2 data ranks at stage 2: the same parameters,
+    and training goes on."""
     import zero
     import zero.spatial as sp
+
+    def gathered(engine) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, p in engine.module.named_parameters():
+            with zero.GatheredParameters([p]):
+                out[name] = p.detach().clone()
+        return out
 
     torch.manual_seed(0)
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": EPS}}}
     engine, *_ = zero.initialize(model=_example().UNet3D(width=4, depth=3), config={
-        **config, "spatial_parallel_size": 2, "zero_optimization": {"stage": 2}})
+        **config, "spatial_parallel_size": 4, "zero_optimization": {"stage": 3}})
     for step in range(2):
         x, y = _volumes(step)
         engine.backward(sp.volume_mean((engine(sp.shard_volume(x)) - sp.shard_volume(y)).square()))
         engine.step()
     engine.save_checkpoint(directory, tag="spatial")
-    saved = {}
-    for name, p in engine.module.named_parameters():
-        with zero.GatheredParameters([p]):
-            saved[name] = p.detach().clone()
+    saved = gathered(engine)
     engine.destroy()
-    torch.manual_seed(1)  # other initial values: the checkpoint must replace them
-    again, *_ = zero.initialize(model=_example().UNet3D(width=4, depth=3), config={
-        **config, "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})
-    again.load_checkpoint(directory, tag="spatial")
-    worst = 0.0
-    for name, p in again.module.named_parameters():
-        with zero.GatheredParameters([p]):
-            worst = max(worst, (p.detach() - saved[name]).abs().max().item())
-    x, y = _volumes(5)
-    rank = torch.distributed.get_rank()
-    again.backward((again(x[rank:rank + 1]) - y[rank:rank + 1]).square().mean())
-    again.step()
-    assert again.global_steps == 3
-    again.destroy()
+    worst = []
+    for spatial, stage in ((1, 1), (2, 2)):
+        torch.manual_seed(1)  # other initial values: the checkpoint must replace them
+        again, *_ = zero.initialize(model=_example().UNet3D(width=4, depth=3), config={
+            **config, "train_micro_batch_size_per_gpu": 1, "spatial_parallel_size": spatial,
+            "zero_optimization": {"stage": stage}})
+        again.load_checkpoint(directory, tag="spatial")
+        worst.append(max((p - saved[name]).abs().max().item() for name, p in gathered(again).items()))
+        x, y = _volumes(5, 4)
+        i = torch.distributed.get_rank() // spatial
+        x, y = x[i:i + 1], y[i:i + 1]
+        if spatial > 1:
+            x, y = sp.shard_volume(x), sp.shard_volume(y)
+        again.backward(sp.volume_mean((again(x) - y).square()) if spatial > 1 else (again(x) - y).square().mean())
+        again.step()
+        assert again.global_steps == 3
+        again.destroy()
     return worst
 
 
-def test_a_checkpoint_saved_over_spatial_ranks_resumes_without_them_at_another_stage(dist_run, tmp_path):
-    for worst in dist_run(2, _save_then_resume, str(tmp_path / "ck")):
-        assert worst == 0.0, worst
+def test_a_checkpoint_saved_over_4_spatial_ranks_resumes_without_them_and_over_2_at_other_stages(dist_run, tmp_path):
+    for worst in dist_run(4, _save_then_resume, str(tmp_path / "ck"), timeout=600):
+        assert worst == [0.0, 0.0], worst

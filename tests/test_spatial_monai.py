@@ -36,3 +36,18 @@ def _compare(name: str) -> float:
 def test_a_monai_unet_over_a_split_volume_equals_the_unsplit_one(dist_run, name, ranks):
     for worst in dist_run(ranks, _compare, name, timeout=300):
         assert worst < 1e-10, (name, worst)
+
+
+def test_swin_unetr_is_refused_with_the_reason_before_anything_changes():
+    from monai.networks.nets import SwinUNETR
+
+    import zero.spatial as sp
+    from zero.parallel.comm import Comm
+
+    model = SwinUNETR(in_channels=1, out_channels=2, feature_size=12, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1))
+    before = {name: type(m) for name, m in model.named_modules()}
+    with pytest.raises(sp.SpatialError) as err:
+        sp.parallelize(model, Comm())
+    assert "<model> (SwinUNETR) cannot run on a volume split over ranks" in str(err.value)
+    assert "windows and the shift would have to follow the slab boundaries" in str(err.value)
+    assert {name: type(m) for name, m in model.named_modules()} == before  # nothing converted

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -86,6 +87,11 @@ class _SliceAfter:
         mine = self.input.view(-1)[self.rank * n : (self.rank + 1) * n]
         if mine.data_ptr() != self.output.data_ptr():
             self.output.view(-1).copy_(mine)
+
+
+# Handles of collectives that timed out or failed, kept alive: a gloo work's destructor may wait
+# for a peer that never arrives.
+_ABANDONED: list = []
 
 
 class _Timed:
@@ -405,8 +411,16 @@ class Comm:
             work.wait(timeout=timedelta(seconds=self.timeout_s))
             self.wait_s += time.perf_counter() - start
         except RuntimeError as exc:
-            self.abort()
-            if "timed out" in str(exc).lower():
+            _ABANDONED.append(work)  # its destructor would wait for the peer that never came
+            timed_out = "timed out" in str(exc).lower()
+            if not timed_out:
+                # A peer that crashed closed its connections: aborting is quick and lets this
+                # process exit at once. After a timeout the peer is alive (stalled, or waiting in
+                # another collective): gloo's abort then holds the interpreter until the peer
+                # closes its end, which would delay this error by as long, so the group is left
+                # as it is and the error raised now.
+                self.abort()
+            if timed_out:
                 cause = (f"did not complete within {self.timeout_s:g} s. Usually this means the ranks ran different "
                          f"code (rank-divergent control flow, or a rank stalled): every rank must run the same "
                          f"modules in the same order and call backward, step and save the same number of times. "
@@ -482,14 +496,23 @@ class Comm:
             entry = _CONTROL.get((id(dist.group.WORLD), id(self.group), kind))
             if entry is not None:
                 groups.append(entry[1].group)
-        for group in groups:
-            try:
-                if abort is not None:
-                    abort(group)
-                else:
-                    group.abort()
-            except Exception:  # noqa: BLE001 - best effort: the error being raised matters more
-                pass
+
+        def close() -> None:
+            for group in groups:
+                try:
+                    if abort is not None:
+                        abort(group)
+                    else:
+                        group.abort()
+                except Exception:  # noqa: BLE001 - best effort: the error being raised matters more
+                    pass
+
+        # gloo's abort waits for the group's worker threads, which stay blocked in a receive until
+        # the peer closes its connection: a peer that is alive but waiting elsewhere (the hang
+        # being reported) would hold this rank too, so the abort runs beside it, briefly awaited
+        closing = threading.Thread(target=close, name="zero-abort", daemon=True)
+        closing.start()
+        closing.join(timeout=1.0)
 
     def any_rank(self, flag: bool, what: str = "a save") -> bool:
         """True on every rank if `flag` is True on any; a barrier bounded only by the process

@@ -30,14 +30,17 @@ from torch import nn
 
 from zero.parallel.comm import Comm
 from zero.spatial.data import SlabCollate, SpatialRank, read_slab, slab_bounds
-from zero.spatial.halo import Split, fetch, group_sum
+from zero.spatial.functional import Scope
+from zero.spatial.halo import SpatialDivergence, Split, fetch, group_sum
 from zero.spatial.layers import (
     Plan,
+    SpatialAdaptivePool,
     SpatialConv,
     SpatialConvTranspose,
     SpatialError,
     SpatialPool,
     SpatialUpsample,
+    check_adaptive_pool,
     check_conv,
     check_pool,
     check_upsample,
@@ -46,7 +49,7 @@ from zero.spatial.layers import (
 from zero.spatial.norms import SpatialBatchNorm, SpatialGroupNorm, check_norm
 
 __all__ = ["Split", "fetch", "shard_volume", "gather_volume", "parallelize", "volume_sum", "volume_mean",
-           "SpatialError", "slab_bounds", "read_slab", "SlabCollate", "SpatialRank"]
+           "SpatialError", "SpatialDivergence", "slab_bounds", "read_slab", "SlabCollate", "SpatialRank"]
 
 _current: Comm | None = None  # the spatial group `parallelize` (or `initialize`) last converted a model for
 
@@ -69,7 +72,17 @@ _SPLIT = (
     ((nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d),
      check_norm, SpatialBatchNorm),
     ((nn.Upsample,), check_upsample, SpatialUpsample),
+    ((nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
+      nn.AdaptiveMaxPool3d), check_adaptive_pool, SpatialAdaptivePool),
 )
+# Networks refused whole, with the reason (before their first unsupported leaf would be named)
+_REFUSED = {
+    "SwinUNETR": "its Swin transformer encoder attends within 7^3 windows shifted by half a window and merges "
+                 "2x2x2 patches with a Linear layer; over a split volume the windows and the shift would have to "
+                 "follow the slab boundaries, with the shifted windows' planes exchanged as halos, which is not "
+                 "built. Train it on whole volumes (ZeRO and offload still apply), or use a convolutional U-Net "
+                 "(MONAI's UNet, BasicUNet, DynUNet, SegResNet-like networks) with spatial parallelism",
+}
 _POINTWISE = (nn.ReLU, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.PReLU, nn.ELU, nn.Sigmoid, nn.Tanh, nn.Identity,
               nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -128,17 +141,23 @@ def parallelize(model: nn.Module, comm: Comm, dim: int = 2) -> nn.Module:
     """
     chosen = []
     for path, module in model.named_modules():
+        reason = next((why for cls in type(module).__mro__ for name, why in _REFUSED.items() if cls.__name__ == name),
+                      None)
+        if reason is not None:
+            raise SpatialError(f"{path or '<model>'} ({type(module).__name__}) cannot run on a volume split over ranks: "
+                               f"{reason}")
         row = next((r for r in _SPLIT if isinstance(module, r[0])), None)
         if row is not None:
-            row[1](module, path or "<model>")
-            chosen.append((module, row[2]))
+            row[1](module, path or "<model>", dim)
+            chosen.append((path or "<model>", module, row[2]))
         elif next(module.children(), None) is None and not isinstance(module, _POINTWISE):
             raise SpatialError(f"{path or '<model>'} ({type(module).__name__}) cannot run on a volume split over "
                                f"ranks yet (supported so far: convolutions, transposed convolutions, pools, "
                                f"normalisation, Upsample and pointwise layers; see docs/spatial.md)")
-    plan = Plan(comm, dim)
-    for module, mixin in chosen:
-        convert(module, mixin, plan)
+    plan = Plan(comm, dim, tuple(f"{path} ({type(module).__name__})" for path, module, _ in chosen))
+    for site, (_, module, mixin) in enumerate(chosen):
+        convert(module, mixin, plan, site)
+    Scope(model, plan)  # functional calls in the model's forward (zero/spatial/functional.py)
     global _current
     _current = comm
     return model

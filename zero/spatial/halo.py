@@ -14,7 +14,8 @@ range leaves the volume (a convolution's zero padding). Its backward is the exac
 gradient of every fetched plane goes back to the rank that owns it and is added there.
 
 Every rank knows every rank's slab (the local lengths are all-gathered with the exchange's
-plan, `Split.of`), and each layer computes every rank's range from its own hyperparameters, so
+plan, `Split.of`, together with the layer each rank is in, so that ranks running different
+layers raise there instead of exchanging mismatched planes), and each layer computes every rank's range from its own hyperparameters, so
 the plan is the same everywhere and the exchange needs no negotiation. The exchange goes through
 zero's `Comm` (counted as "spatial_halo", bounded by the collective timeout).
 """
@@ -44,15 +45,32 @@ class Split:
         return [b - a for a, b in map(self.bounds, range(self.parts))]
 
     @staticmethod
-    def of(local: int, comm: Comm) -> Split:
-        """The split a slab of `local` planes on this rank belongs to (all ranks call it)."""
-        sizes = torch.zeros(comm.world_size, dtype=torch.int64)
-        comm.all_gather(sizes, torch.tensor([local], dtype=torch.int64), label="spatial_sizes")
+    def of(local: int, comm: Comm, site: int = -1, sites: tuple[str, ...] = ()) -> Split:
+        """The split a slab of `local` planes on this rank belongs to (all ranks call it).
+
+        `site` numbers the layer calling (its place among the converted modules, `sites` their
+        names; -1: a zero.spatial function): it is gathered with the lengths, so ranks that run
+        different layers (rank-divergent control flow) raise here, naming them, before any
+        exchange whose sizes would not match."""
+        gathered = torch.zeros(2 * comm.world_size, dtype=torch.int64)
+        comm.all_gather(gathered, torch.tensor([local, site], dtype=torch.int64), label="spatial_sizes")
+        sizes, at = gathered[0::2], gathered[1::2].tolist()
+        if len(set(at)) > 1:
+            def name(i: int) -> str:
+                return sites[i] if 0 <= i < len(sites) else "a zero.spatial function (volume_mean, gather_volume, ...)"
+            where = "; ".join(f"rank {r} in {name(i)}" for r, i in enumerate(at))
+            raise SpatialDivergence(f"spatial parallelism: the ranks of the group run different layers ({where}): every "
+                                    f"rank of a spatial group must run the same layers in the same order on its slab "
+                                    f"(control flow that depends on a rank's own data diverges)")
         split = Split(int(sizes.sum()), comm.world_size)
         if sizes.tolist() != split.sizes():
             raise RuntimeError(f"spatial parallelism: the ranks' slabs {sizes.tolist()} are not the canonical split "
                                f"{split.sizes()} of {split.length} planes (shard inputs with zero.spatial.shard_volume)")
         return split
+
+
+class SpatialDivergence(RuntimeError):
+    """The ranks of a spatial group reached different layers; the message names them."""
 
 
 def _blocks(split: Split, ranges: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:

@@ -8,6 +8,7 @@ before anything is changed, what its layer's forward cannot split, naming the mo
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -20,10 +21,24 @@ from zero.spatial.halo import Split, fetch
 
 @dataclass(frozen=True)
 class Plan:
-    """Where a converted module's input is split: `dim` of the (N, C, *spatial) tensor, over `comm`."""
+    """Where a converted module's input is split: `dim` of the (N, C, *spatial) tensor, over `comm`;
+    `sites`: the converted modules' names, in model order (see `Split.of`)."""
 
     comm: Comm
     dim: int
+    sites: tuple[str, ...] = ()
+
+
+class SpatialLayer:
+    """What every converted module has: its plan and its place among the converted modules."""
+
+    _zero_spatial: Plan
+    _zero_spatial_site: int = -1
+
+    def _split(self, x: torch.Tensor, dim: int | None = None) -> Split:
+        """The split of `x`'s split dimension (`dim`, default the plan's) over the group."""
+        plan = self._zero_spatial
+        return Split.of(x.shape[plan.dim if dim is None else dim], plan.comm, self._zero_spatial_site, plan.sites)
 
 
 class SpatialError(ValueError):
@@ -55,26 +70,34 @@ def _output_ranges(split: Split, out: Split, kernel: int, stride: int, dilation:
     return ranges
 
 
-class SpatialConv:
-    """forward of a Conv1d/2d/3d whose input is split along `self._zero_spatial.dim`."""
+class SpatialConv(SpatialLayer):
+    """forward of a Conv1d/2d/3d whose input is split along `self._zero_spatial.dim`. Zero padding
+    is the zeros `fetch` returns outside the volume; the other padding modes (reflect, replicate)
+    fetch the planes inside it and pad the first and last slabs as torch would."""
 
-    _zero_spatial: Plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         plan = self._zero_spatial
         axis = plan.dim - 2  # the split dimension among the spatial ones
-        split = Split.of(x.shape[plan.dim], plan.comm)
+        split = self._split(x)
         pads = _pads(self)
         k, s, d = self.kernel_size[axis], self.stride[axis], self.dilation[axis]
         left, right = pads[axis]
         out = Split((split.length + left + right - d * (k - 1) - 1) // s + 1, split.parts)
         ranges = _output_ranges(split, out, k, s, d, left, f"{type(self).__name__}")
+        zeros = self.padding_mode == "zeros"
+        if not zeros:  # the planes inside the volume; the mode pads the rest below
+            ranges = [(max(lo, 0), min(hi, split.length)) for lo, hi in ranges]
+            lo, hi = _output_ranges(split, out, k, s, d, left, "")[plan.comm.rank]
         x = fetch(x, plan.dim, split, ranges, plan.comm)
         flat = []
         for i in reversed(range(len(pads))):  # F.pad lists the last dimension first
-            flat += [0, 0] if i == axis else list(pads[i])
+            if i != axis:
+                flat += list(pads[i])
+            else:
+                flat += [0, 0] if zeros else [max(0, -lo), max(0, hi - split.length)]
         if any(flat):
-            x = F.pad(x, flat)
+            x = F.pad(x, flat) if zeros else F.pad(x, flat, mode=self.padding_mode)
         conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[len(pads)]
         return conv(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
 
@@ -90,13 +113,11 @@ def _other_dims(values, axis: int, on_axis):
     return tuple(on_axis if i == axis else v for i, v in enumerate(values))
 
 
-class SpatialConvTranspose:
+class SpatialConvTranspose(SpatialLayer):
     """forward of a ConvTranspose1d/2d/3d whose input is split: each output plane o adds
     x[i] * w[j] for o = i * stride - padding + dilation * j, so an output slab reads the input
     planes whose windows reach it, fetched from the neighbours; the bias goes on after cropping,
     since planes that no input reaches still get it."""
-
-    _zero_spatial: Plan
 
     def forward(self, x: torch.Tensor, output_size=None) -> torch.Tensor:
         if output_size is not None:
@@ -104,7 +125,7 @@ class SpatialConvTranspose:
                                f"output_padding instead")
         plan = self._zero_spatial
         axis = plan.dim - 2
-        split = Split.of(x.shape[plan.dim], plan.comm)
+        split = self._split(x)
         k, s, d = self.kernel_size[axis], self.stride[axis], self.dilation[axis]
         p, op = self.padding[axis], self.output_padding[axis]
         out = Split((split.length - 1) * s - 2 * p + d * (k - 1) + op + 1, split.parts)
@@ -131,13 +152,11 @@ def _per_dim(value, nd: int) -> tuple:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,) * nd
 
 
-class SpatialPool:
+class SpatialPool(SpatialLayer):
     """forward of a MaxPool or AvgPool (1d/2d/3d) over a split input: a window pool is a
     convolution with a fixed kernel, so its output slab reads the same kind of input range. Outside
     the volume the fetched planes are -inf for a max pool and zeros for an average pool (which then
     counts them, as count_include_pad=True does)."""
-
-    _zero_spatial: Plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         plan = self._zero_spatial
@@ -145,7 +164,7 @@ class SpatialPool:
         kernel, padding = _per_dim(self.kernel_size, nd), _per_dim(self.padding, nd)
         stride = _per_dim(self.stride if self.stride is not None else self.kernel_size, nd)
         dilation = _per_dim(getattr(self, "dilation", 1), nd)
-        split = Split.of(x.shape[plan.dim], plan.comm)
+        split = self._split(x)
         k, s, d, p = kernel[axis], stride[axis], dilation[axis], padding[axis]
         out = Split((split.length + 2 * p - d * (k - 1) - 1) // s + 1, split.parts)
         ranges = _output_ranges(split, out, k, s, d, p, type(self).__name__)
@@ -162,7 +181,7 @@ class SpatialPool:
         return pool(x, kernel, stride, _other_dims(padding, axis, 0), False, self.count_include_pad, **extra)
 
 
-def check_pool(module: nn.Module, path: str) -> None:
+def check_pool(module: nn.Module, path: str, dim: int = 2) -> None:
     """Raise SpatialError unless `SpatialPool` computes `module` exactly."""
     name = f"{path} ({type(module).__name__})"
     if getattr(module, "ceil_mode", False):
@@ -177,77 +196,154 @@ def check_pool(module: nn.Module, path: str) -> None:
 _CONVERTED: dict[type, type] = {}
 
 
-def convert(module: nn.Module, mixin: type, plan: Plan) -> None:
+class _Inside(threading.local):
+    depth = 0  # converted modules' forwards running on this thread (see SplitFunctions)
+
+
+_INSIDE = _Inside()
+
+
+def _counted(forward):
+    def run(self, *args, **kwargs):
+        _INSIDE.depth += 1
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            _INSIDE.depth -= 1
+
+    run.__doc__, run.__name__ = forward.__doc__, forward.__name__
+    return run
+
+
+def convert(module: nn.Module, mixin: type, plan: Plan, site: int = -1) -> None:
     """Give `module` the forward of `mixin` over slabs split as `plan` says, keeping its class (as a
-    subclass), parameters and state-dict keys."""
+    subclass), parameters and state-dict keys; `site`: its place in `plan.sites`."""
     cls = type(module)
     if cls not in _CONVERTED:
-        _CONVERTED[cls] = type(f"Spatial{cls.__name__}", (mixin, cls), {"__module__": __name__})
+        _CONVERTED[cls] = type(f"Spatial{cls.__name__}", (mixin, cls),
+                               {"__module__": __name__, "forward": _counted(mixin.forward)})
     module.__class__ = _CONVERTED[cls]
     module._zero_spatial = plan
+    module._zero_spatial_site = site
 
 
-def check_conv(module: nn.Module, path: str) -> None:
+def check_conv(module: nn.Module, path: str, dim: int = 2) -> None:
     """Raise SpatialError unless `module` is a convolution `SpatialConv` computes exactly."""
-    if module.padding_mode != "zeros":
-        raise SpatialError(f"{path} ({type(module).__name__}): padding_mode={module.padding_mode!r} is not supported "
-                           f"over a split volume yet (zeros padding is)")
+    mode = module.padding_mode
+    if mode == "circular" and any(_pads(module)[dim - 2]):
+        raise SpatialError(f"{path} ({type(module).__name__}): padding_mode='circular' along the split dimension joins "
+                           f"the volume's two ends, which lie on the group's first and last ranks; not supported "
+                           f"over a split volume (zeros, reflect and replicate are)")
+    if mode != "zeros" and isinstance(module, nn.modules.conv._ConvTransposeNd):
+        raise SpatialError(f"{path} ({type(module).__name__}): padding_mode={mode!r} (torch itself supports only "
+                           f"zeros for transposed convolutions)")
 
 
-
-
-
-class SpatialUpsample:
-    """forward of an nn.Upsample (nearest, or linear/bilinear/trilinear with align_corners either
-    way) over a split input. Interpolation is separable: along the split dimension each output
-    plane is read from one (nearest) or two (linear) input planes, at the source positions torch
-    computes, fetched from the neighbours where they lie in another slab; the other dimensions are
-    then interpolated by torch itself."""
-
-    _zero_spatial: Plan
+class SpatialAdaptivePool(SpatialLayer):
+    """forward of an AdaptiveAvgPool or AdaptiveMaxPool (1d/2d/3d) over a split input: output
+    plane o pools input planes [floor(o L / O), ceil((o + 1) L / O)) of the split dimension's L
+    (O output planes), so an output slab reads the range its first and last windows span,
+    fetched from the neighbours; each plane is then pooled by torch along the other dimensions.
+    The output must give every rank a plane (O >= the group's size)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         plan = self._zero_spatial
         axis, nd = plan.dim - 2, x.dim() - 2
-        split = Split.of(x.shape[plan.dim], plan.comm)
-        sizes = _per_dim(self.size, nd) if self.size is not None else None
-        scales = _per_dim(self.scale_factor, nd) if self.scale_factor is not None else None
-        length = sizes[axis] if sizes is not None else int(split.length * scales[axis])
+        split = self._split(x)
+        sizes = [x.shape[2 + i] if v is None else v for i, v in enumerate(_per_dim(self.output_size, nd))]
+        sizes[axis] = split.length if _per_dim(self.output_size, nd)[axis] is None else sizes[axis]
+        length = sizes[axis]
         out = Split(length, split.parts)
         if 0 in out.sizes() or 0 in split.sizes():
-            raise SpatialError(f"{type(self).__name__}: a volume of {split.length} planes is too small for "
-                               f"{split.parts} spatial ranks")
-        o0, o1 = out.bounds(plan.comm.rank)
-        first, second, weight = _sources(o0, o1, split.length, length, scales[axis] if scales else None,
-                                         self.mode, self.align_corners, self.recompute_scale_factor)
-        ranges = [(0, 0)] * split.parts
-        for r in range(split.parts):
-            a, b, _ = _sources(*out.bounds(r), split.length, length, scales[axis] if scales else None, self.mode,
-                               self.align_corners, self.recompute_scale_factor)
-            ranges[r] = (int(a.min()), int(b.max()) + 1)
+            raise SpatialError(f"{type(self).__name__}: an output of {length} planes along the split dimension (of "
+                               f"{split.length} in) cannot give each of the {split.parts} spatial ranks a plane; "
+                               f"pool to at least {split.parts} planes there, or gather the volume first "
+                               f"(zero.spatial.gather_volume)")
+
+        def window(o: int) -> tuple[int, int]:
+            return o * split.length // length, -(-(o + 1) * split.length // length)
+
+        ranges = [(window(a)[0], window(b - 1)[1]) for a, b in map(out.bounds, range(split.parts))]
         lo = ranges[plan.comm.rank][0]
         x = fetch(x, plan.dim, split, ranges, plan.comm)
-        y = x.index_select(plan.dim, (first - lo).to(x.device))
-        if weight is not None:
-            shape = (-1, *(1,) * (x.dim() - plan.dim - 1))
-            w = weight.to(x.dtype).to(x.device).view(shape)
-            y = y * (1 - w) + x.index_select(plan.dim, (second - lo).to(x.device)) * w
-        rest = [i for i in range(nd) if i != axis]
-        if not rest:
-            return y
-        modes = {"nearest": "nearest", "linear": "linear", "bilinear": "linear", "trilinear": "linear"}
-        mode = modes[self.mode] if len(rest) == 1 else {1: "linear", 2: "bilinear"}[len(rest)]
-        mode = "nearest" if self.mode == "nearest" else mode
-        moved = y.movedim(plan.dim, 1)  # (N, D', C, *rest): the split dimension joins the batch
-        n, planes = moved.shape[:2]
-        flat = moved.reshape(n * planes, *moved.shape[2:])
-        kw = {"align_corners": self.align_corners} if mode != "nearest" else {}
+        maximum = isinstance(self, (nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d))
+        pool = ({1: F.adaptive_max_pool1d, 2: F.adaptive_max_pool2d, 3: F.adaptive_max_pool3d} if maximum else
+                {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d})[nd]
+        plane = tuple(1 if i == axis else v for i, v in enumerate(sizes))
+        pieces = []
+        for o in range(*out.bounds(plan.comm.rank)):
+            a, b = window(o)
+            pieces.append(pool(x.narrow(plan.dim, a - lo, b - a), plane))
+        return torch.cat(pieces, plan.dim)
+
+
+def check_adaptive_pool(module: nn.Module, path: str, dim: int = 2) -> None:
+    if getattr(module, "return_indices", False):
+        raise SpatialError(f"{path} ({type(module).__name__}): return_indices=True is not supported over a split volume")
+
+
+class SpatialUpsample(SpatialLayer):
+    """forward of an nn.Upsample over a split input (see `interpolate`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return interpolate(x, self._zero_spatial, self.size, self.scale_factor, self.mode, self.align_corners,
+                           self.recompute_scale_factor, site=self._zero_spatial_site)
+
+
+def interpolate(x: torch.Tensor, plan: Plan, size=None, scale_factor=None, mode: str = "nearest",
+                align_corners=None, recompute_scale_factor=None, site: int = -1) -> torch.Tensor:
+    """F.interpolate (nearest, or linear/bilinear/trilinear with align_corners either way) of a
+    tensor split as `plan` says. Interpolation is separable: along the split dimension each output
+    plane is read from one (nearest) or two (linear) input planes, at the source positions torch
+    computes, fetched from the neighbours where they lie in another slab; the other dimensions are
+    then interpolated by torch itself."""
+    if mode not in _MODES:
+        raise SpatialError(f"interpolation mode={mode!r} is not supported over a split volume yet (nearest and "
+                           f"(bi/tri)linear are)")
+    axis, nd = plan.dim - 2, x.dim() - 2
+    split = Split.of(x.shape[plan.dim], plan.comm, site, plan.sites)
+    sizes = _per_dim(size, nd) if size is not None else None
+    scales = _per_dim(scale_factor, nd) if scale_factor is not None else None
+    length = sizes[axis] if sizes is not None else int(split.length * scales[axis])
+    out = Split(length, split.parts)
+    if 0 in out.sizes() or 0 in split.sizes():
+        raise SpatialError(f"interpolation: a volume of {split.length} planes in, {length} out, is too small for "
+                           f"{split.parts} spatial ranks")
+    scale = scales[axis] if scales else None
+    first, second, weight = _sources(*out.bounds(plan.comm.rank), split.length, length, scale, mode, align_corners,
+                                     recompute_scale_factor)
+    ranges = [(0, 0)] * split.parts
+    for r in range(split.parts):
+        a, b, _ = _sources(*out.bounds(r), split.length, length, scale, mode, align_corners, recompute_scale_factor)
+        ranges[r] = (int(a.min()), int(b.max()) + 1)
+    lo = ranges[plan.comm.rank][0]
+    x = fetch(x, plan.dim, split, ranges, plan.comm)
+    y = x.index_select(plan.dim, (first - lo).to(x.device))
+    if weight is not None:
+        shape = (-1, *(1,) * (x.dim() - plan.dim - 1))
+        w = weight.to(x.dtype).to(x.device).view(shape)
+        y = y * (1 - w) + x.index_select(plan.dim, (second - lo).to(x.device)) * w
+    rest = [i for i in range(nd) if i != axis]
+    if not rest:
+        return y
+    flat_mode = "nearest" if mode == "nearest" else {1: "linear", 2: "bilinear"}[len(rest)]
+    moved = y.movedim(plan.dim, 1)  # (N, D', C, *rest): the split dimension joins the batch
+    n, planes = moved.shape[:2]
+    flat = moved.reshape(n * planes, *moved.shape[2:])
+    kw = {"align_corners": align_corners} if flat_mode != "nearest" else {}
+    _INSIDE.depth += 1  # torch's own interpolation of the other dimensions: not split
+    try:
         if sizes is not None:
-            flat = F.interpolate(flat, size=[sizes[i] for i in rest], mode=mode, **kw)
+            flat = F.interpolate(flat, size=[sizes[i] for i in rest], mode=flat_mode, **kw)
         else:
-            flat = F.interpolate(flat, scale_factor=[scales[i] for i in rest], mode=mode,
-                                 recompute_scale_factor=self.recompute_scale_factor, **kw)
-        return flat.reshape(n, planes, *flat.shape[1:]).movedim(1, plan.dim)
+            flat = F.interpolate(flat, scale_factor=[scales[i] for i in rest], mode=flat_mode,
+                                 recompute_scale_factor=recompute_scale_factor, **kw)
+    finally:
+        _INSIDE.depth -= 1
+    return flat.reshape(n, planes, *flat.shape[1:]).movedim(1, plan.dim)
+
+
+_MODES = ("nearest", "linear", "bilinear", "trilinear")
 
 
 def _sources(o0: int, o1: int, length_in: int, length_out: int, scale_factor, mode: str, align_corners,
@@ -271,7 +367,7 @@ def _sources(o0: int, o1: int, length_in: int, length_out: int, scale_factor, mo
     return first, second, src - first
 
 
-def check_upsample(module: nn.Module, path: str) -> None:
-    if module.mode not in ("nearest", "linear", "bilinear", "trilinear"):
+def check_upsample(module: nn.Module, path: str, dim: int = 2) -> None:
+    if module.mode not in _MODES:
         raise SpatialError(f"{path} ({type(module).__name__}): mode={module.mode!r} is not supported over a split "
                            f"volume yet (nearest and (bi/tri)linear are)")

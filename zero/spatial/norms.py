@@ -13,14 +13,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from zero.parallel.comm import Comm
-from zero.spatial.halo import Split, group_sum
-from zero.spatial.layers import Plan, SpatialError
+from zero.spatial.halo import group_sum
+from zero.spatial.layers import SpatialError, SpatialLayer
 
 
-def _moments(x: torch.Tensor, dims: tuple[int, ...], split_dim: int, comm: Comm):
+def _moments(layer: SpatialLayer, x: torch.Tensor, dims: tuple[int, ...], split_dim: int, comm: Comm):
     """Mean and biased variance of `x` over `dims` (which include the split `split_dim`) of the
     whole volume, and the number of elements each covers."""
-    split = Split.of(x.shape[split_dim], comm)
+    split = layer._split(x, split_dim)
     count = split.length
     for d in dims:
         count *= 1 if d == split_dim else x.shape[d]
@@ -38,23 +38,19 @@ def _affine(y: torch.Tensor, weight, bias) -> torch.Tensor:
     return y
 
 
-class SpatialGroupNorm:
-    _zero_spatial: Plan
-
+class SpatialGroupNorm(SpatialLayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, c = x.shape[:2]
         grouped = x.reshape(n, self.num_groups, c // self.num_groups, *x.shape[2:])
         dims = tuple(range(2, grouped.dim()))
-        mean, var, _ = _moments(grouped, dims, self._zero_spatial.dim + 1, self._zero_spatial.comm)
+        mean, var, _ = _moments(self, grouped, dims, self._zero_spatial.dim + 1, self._zero_spatial.comm)
         y = ((grouped - mean) / torch.sqrt(var + self.eps)).reshape(x.shape)
         return _affine(y, self.weight, self.bias)
 
 
-class SpatialBatchNorm:
+class SpatialBatchNorm(SpatialLayer):
     """BatchNorm and InstanceNorm: statistics per channel over the batch and the volume
     (BatchNorm) or per sample and channel over the volume (InstanceNorm)."""
-
-    _zero_spatial: Plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         instance = isinstance(self, nn.modules.instancenorm._InstanceNorm)
@@ -62,7 +58,7 @@ class SpatialBatchNorm:
         if not use_batch_stats:  # eval with running statistics: pointwise
             return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
         dims = tuple(range(2, x.dim())) if instance else (0, *range(2, x.dim()))
-        mean, var, count = _moments(x, dims, self._zero_spatial.dim, self._zero_spatial.comm)
+        mean, var, count = _moments(self, x, dims, self._zero_spatial.dim, self._zero_spatial.comm)
         if self.training and self.track_running_stats:
             self._update_running(mean, var, count)
         return _affine((x - mean) / torch.sqrt(var + self.eps), self.weight, self.bias)
@@ -76,7 +72,7 @@ class SpatialBatchNorm:
         self.running_var.mul_(1 - factor).add_(unbiased.reshape(-1), alpha=factor)
 
 
-def check_norm(module: nn.Module, path: str) -> None:
+def check_norm(module: nn.Module, path: str, dim: int = 2) -> None:
     if isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats:
         raise SpatialError(f"{path} ({type(module).__name__}): track_running_stats=True is not supported over a split "
                            f"volume yet (the default False is)")

@@ -1,0 +1,94 @@
+"""Functional calls inside a converted model's forward: `F.interpolate` is split like nn.Upsample,
+and the other window operations (`F.conv3d`, `F.max_pool3d`, ...) are refused by name, since
+computed on a slab they would silently miss the neighbours' planes.
+
+[Note: functional calls over a split volume]
+`parallelize` converts modules; a model may also call torch's functions directly in its own
+forward (`F.interpolate(x, scale_factor=2)` in a decoder, `F.max_pool3d(x, 2)`), which no module
+conversion sees. While a converted model's forward runs, a TorchFunctionMode (`SplitFunctions`)
+sees every torch function called: calls made by a converted module's own forward (and by zero's
+layers) pass through untouched (`_INSIDE`, counted per thread), and so does everything pointwise;
+interpolation is computed over the split (zero.spatial.layers.interpolate); a window operation
+raises SpatialError naming the function and the module to use instead. A block recomputed by
+activation checkpointing runs outside the model's forward, so a functional call inside one is not
+seen there: torch's checkpoint then finds the recomputed shapes differ and raises (use modules in
+checkpointed blocks).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from zero.spatial.layers import _INSIDE, Plan, SpatialError, interpolate
+
+# torch functions that read a window of planes, with the module zero.spatial splits instead
+_WINDOWED = {
+    **{f"conv{n}d": f"nn.Conv{n}d" for n in (1, 2, 3)},
+    **{f"conv_transpose{n}d": f"nn.ConvTranspose{n}d" for n in (1, 2, 3)},
+    **{f"{p}max_pool{n}d": f"nn.MaxPool{n}d" for n in (1, 2, 3) for p in ("", "_")},
+    **{f"max_pool{n}d_with_indices": f"nn.MaxPool{n}d" for n in (1, 2, 3)},
+    **{f"avg_pool{n}d": f"nn.AvgPool{n}d" for n in (1, 2, 3)},
+    **{f"adaptive_avg_pool{n}d": f"nn.AdaptiveAvgPool{n}d" for n in (1, 2, 3)},
+    **{f"{p}adaptive_max_pool{n}d": f"nn.AdaptiveMaxPool{n}d" for n in (1, 2, 3) for p in ("", "_")},
+    **{f"lp_pool{n}d": "no module (not supported)" for n in (1, 2, 3)},
+    "unfold": "no module (not supported)", "fold": "no module (not supported)",
+    "grid_sample": "no module (not supported)", "affine_grid": "no module (not supported)",
+    "scaled_dot_product_attention": "no module (attention over a split volume is not supported)",
+}
+
+
+class SplitFunctions(TorchFunctionMode):
+    """See [Note: functional calls over a split volume]."""
+
+    def __init__(self, plan: Plan):
+        super().__init__()
+        self.plan = plan
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _INSIDE.depth:
+            return func(*args, **kwargs)
+        if func is F.interpolate:
+            return _interpolate(self.plan, *args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if name in _WINDOWED and isinstance(args[0] if args else None, torch.Tensor) \
+                and args[0].dim() > self.plan.dim:
+            raise SpatialError(f"{name}, called in the forward of a model whose volume is split over ranks, would "
+                               f"miss the neighbouring slabs' planes; use {_WINDOWED[name]} as a module, which "
+                               f"zero.spatial converts (see docs/spatial.md)")
+        return func(*args, **kwargs)
+
+
+def _interpolate(plan: Plan, input, size=None, scale_factor=None, mode="nearest", align_corners=None,
+                 recompute_scale_factor=None, antialias=False):
+    if antialias:
+        raise SpatialError("F.interpolate(antialias=True) is not supported over a split volume")
+    if input.dim() <= plan.dim:  # not a volume with the split dimension
+        _INSIDE.depth += 1
+        try:
+            return F.interpolate(input, size, scale_factor, mode, align_corners, recompute_scale_factor)
+        finally:
+            _INSIDE.depth -= 1
+    return interpolate(input, plan, size, scale_factor, mode, align_corners, recompute_scale_factor)
+
+
+class Scope:
+    """Forward hooks that hold `SplitFunctions` active while the converted model's forward runs
+    (nested calls of the same model enter it once)."""
+
+    def __init__(self, model: torch.nn.Module, plan: Plan):
+        self.mode = SplitFunctions(plan)
+        self.depth = 0
+        model.register_forward_pre_hook(self._enter)
+        model.register_forward_hook(self._exit, always_call=True)
+
+    def _enter(self, module, args):
+        self.depth += 1
+        if self.depth == 1:
+            self.mode.__enter__()
+
+    def _exit(self, module, args, output):
+        self.depth -= 1
+        if self.depth == 0:
+            self.mode.__exit__(None, None, None)
