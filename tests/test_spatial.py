@@ -70,7 +70,7 @@ NORM_CASES = [
 ]
 
 
-def _run_norms(cases):
+def _run_norms(cases, dim=2):
     import torch.distributed as dist
 
     import zero.spatial as sp
@@ -85,7 +85,7 @@ def _run_norms(cases):
             for p in norm.parameters():
                 p.copy_(torch.randn_like(p))
         ref = copy.deepcopy(norm)
-        sp.parallelize(norm, comm)
+        sp.parallelize(norm, comm, dim)
         worst = 0.0
         for step in range(2):  # twice: BatchNorm's running statistics after two updates
             x = torch.randn(2, 4, length, 3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
@@ -93,11 +93,11 @@ def _run_norms(cases):
             yr = ref(xr)
             gy = torch.randn(yr.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(10 + step))
             (yr * gy).sum().backward()
-            xs = sp.shard_volume(x, comm).requires_grad_()
+            xs = sp.shard_volume(x, comm, dim).requires_grad_()
             y = norm(xs)
-            (y * sp.shard_volume(gy, comm)).sum().backward()
-            worst = max(worst, (y - sp.shard_volume(yr.detach(), comm)).abs().max().item(),
-                        (xs.grad - sp.shard_volume(xr.grad, comm)).abs().max().item())
+            (y * sp.shard_volume(gy, comm, dim)).sum().backward()
+            worst = max(worst, (y - sp.shard_volume(yr.detach(), comm, dim)).abs().max().item(),
+                        (xs.grad - sp.shard_volume(xr.grad, comm, dim)).abs().max().item())
         for p, q in zip(norm.parameters(), ref.parameters()):
             g = p.grad.clone()
             dist.all_reduce(g)
@@ -106,7 +106,7 @@ def _run_norms(cases):
             worst = max(worst, (b.double() - c.double()).abs().max().item())
         norm.eval(), ref.eval()
         x = torch.randn(2, 4, length, 3, 5, dtype=torch.float64)
-        worst = max(worst, (norm(sp.shard_volume(x, comm)) - sp.shard_volume(ref(x), comm)).abs().max().item())
+        worst = max(worst, (norm(sp.shard_volume(x, comm, dim)) - sp.shard_volume(ref(x), comm, dim)).abs().max().item())
         errors.append(worst)
     return errors
 
@@ -117,7 +117,7 @@ def test_normalisation_over_a_split_volume_equals_the_unsplit_one(dist_run, rank
         assert max(errors) < 1e-12, errors
 
 
-def _run_cases(cases):
+def _run_cases(cases, dim=2):
     import zero.spatial as sp
     from zero.parallel.comm import Comm
     from zero.testing.spatial import compare_with_unsplit
@@ -129,8 +129,8 @@ def _run_cases(cases):
         conv = POOLS[nd](**kwargs) if nd in POOLS else CONVS[nd](4, 6, **kwargs).double()
         dims = nd if isinstance(nd, int) else int(nd[-1])
         x = torch.randn(2, 4, length, *(5,) * (dims - 1), dtype=torch.float64)
-        run = compare_with_unsplit(conv, x, comm, seed=100 + i)
-        errors.append((*run.errors.values(), (sp.gather_volume(run.out, comm) - run.ref_out).abs().max().item()))
+        run = compare_with_unsplit(conv, x, comm, seed=100 + i, dim=dim)
+        errors.append((*run.errors.values(), (sp.gather_volume(run.out, comm, dim) - run.ref_out).abs().max().item()))
     return errors
 
 
@@ -280,7 +280,7 @@ def test_a_rank_that_never_reaches_an_exchange_makes_the_others_raise_within_the
     assert seconds < 4, seconds  # the timeout, not the peer's 6 s
 
 
-def _unet(ranks_length):
+def _unet(ranks_length, dim=2, shape=(4, 8)):
     """The example 3D U-Net (examples/train_unet3d.py) on a volume split over the group: output,
     input gradient and the group's summed parameter gradients against the unsplit model."""
     import importlib.util
@@ -295,8 +295,8 @@ def _unet(ranks_length):
     spec.loader.exec_module(example)
     torch.manual_seed(0)
     model = example.UNet3D(width=4, depth=3).double()
-    x = torch.randn(2, 1, ranks_length, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    run = compare_with_unsplit(model, x, Comm())
+    x = torch.randn(2, 1, ranks_length, *shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    run = compare_with_unsplit(model, x, Comm(), dim=dim)
     return max(run.errors.values()), model.state_dict().keys() == run.ref.state_dict().keys()
 
 
@@ -304,3 +304,31 @@ def _unet(ranks_length):
 def test_the_example_unet_over_a_split_volume_equals_the_unsplit_one(dist_run, ranks, length):
     for worst, same_keys in dist_run(ranks, _unet, length, timeout=300):
         assert worst < 1e-11 and same_keys, worst
+
+
+# a 2 x 2 grid over depth and height: every case with two or three spatial dimensions (circular
+# padding along a split dimension is refused)
+GRID_CASES = [c for c in CASES if (c[0] if isinstance(c[0], int) else int(c[0][-1])) >= 2
+              and c[1].get("padding_mode") != "circular"]
+
+
+def _grid():
+    import zero.spatial as sp
+    from zero.parallel.comm import Comm
+
+    assert sp.grid_shape(4, 2) == (2, 2) and sp.grid_shape(8, 2) == (4, 2) and sp.grid_shape(6, 3) == (3, 2, 1)
+    layers = _run_cases(GRID_CASES, (2, 3))
+    norms = _run_norms(NORM_CASES, (2, 3))
+    unet, same_keys = _unet(16, (2, 3), (8, 8))
+    assert sp._current.dims == (2, 3) and [a.world_size for a in sp._current.axes] == [2, 2]  # a grid, not slabs
+    x = torch.randn(1, 2, 9, 7, 5, dtype=torch.float64)
+    whole = sp.gather_volume(sp.shard_volume(x, Comm(), (2, 3)), Comm(), (2, 3))  # blocks of 5/4 x 4/3 planes
+    return layers, norms, unet, same_keys, torch.equal(whole, x)
+
+
+def test_layers_and_the_unet_over_a_2x2_grid_equal_the_unsplit_ones(dist_run):
+    for layers, norms, unet, same_keys, gathered in dist_run(4, _grid, timeout=600):
+        for case, errs in zip(GRID_CASES, layers):
+            assert max(errs) < 1e-12, (case, errs)
+        assert max(norms) < 1e-12, norms
+        assert unet < 1e-11 and same_keys and gathered, unet

@@ -104,7 +104,9 @@ def test_slab_collate_takes_its_ranks_place_into_a_worker_process(monkeypatch):
     import zero.spatial
 
     place = SpatialRank(1, 2)  # stands for the group initialize made (gloo ranks cannot start loader workers)
-    monkeypatch.setattr(zero.spatial, "_current", place)
+    from zero.spatial.layers import Plan
+
+    monkeypatch.setattr(zero.spatial, "_current", Plan(place, (2,), (place,)))  # what parallelize keeps
     collate = sp.SlabCollate()
     assert pickle.loads(pickle.dumps(collate)).place == place
     assert _whole_and_slabs(collate, place, num_workers=1) == [True, True]

@@ -50,7 +50,7 @@ def _reference(samples: int = 2) -> tuple[list[torch.Tensor], int]:
     return [p.detach().clone() for p in model.parameters()], sum(planes) * 4  # fp32
 
 
-def _spatial(stage: int, offload: bool, spatial: int = 2) -> tuple:
+def _spatial(stage: int, offload: bool, spatial: int = 2, dims: tuple[int, ...] = (2,)) -> tuple:
     import torch.distributed as dist
 
     import zero
@@ -61,7 +61,8 @@ def _spatial(stage: int, offload: bool, spatial: int = 2) -> tuple:
     names = [n for n, _ in model.named_parameters()]
     zc = {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
     engine, *_ = zero.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 2, "spatial_parallel_size": spatial, "zero_optimization": zc,
+        "train_micro_batch_size_per_gpu": 2, "spatial_parallel_size": spatial, "spatial_parallel_dims": list(dims),
+        "zero_optimization": zc,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": EPS, "weight_decay": 0.01}}})
     data_ranks = dist.get_world_size() // spatial
     mine = slice(2 * (dist.get_rank() // spatial), 2 * (dist.get_rank() // spatial) + 2)  # this data rank's samples
@@ -92,12 +93,12 @@ def test_the_unet_trained_over_spatial_ranks_equals_the_unsplit_one(dist_run, st
         assert halo == halo_bytes, (halo, halo_bytes)  # the comm report's halo bytes: the docs' formula
 
 
-@pytest.mark.parametrize("spatial, stage, offload", [(4, 3, True), (2, 2, False)])
-def test_four_ranks_as_spatial_and_data_ranks_equal_the_unsplit_model(dist_run, spatial, stage, offload):
-    """4 spatial ranks, or 2 spatial x 2 data-parallel ranks (the unsplit model trains on both
-    data ranks' samples at once)."""
+@pytest.mark.parametrize("spatial, stage, offload, dims", [(4, 3, True, (2,)), (2, 2, False, (2,)), (4, 1, False, (2, 4))])
+def test_four_ranks_as_spatial_and_data_ranks_equal_the_unsplit_model(dist_run, spatial, stage, offload, dims):
+    """4 spatial ranks as slabs or as a 2 x 2 grid (depth x width), or 2 spatial x 2 data-parallel
+    ranks (the unsplit model trains on both data ranks' samples at once)."""
     expected, _ = _reference(2 * 4 // spatial)
-    for params, _, _ in dist_run(4, _spatial, stage, offload, spatial, timeout=600):
+    for params, _, _ in dist_run(4, _spatial, stage, offload, spatial, dims, timeout=600):
         for p, q in zip(params, expected):
             assert torch.allclose(p, q, rtol=1e-5, atol=2e-5), (spatial, (p - q).abs().max().item())
 
@@ -107,7 +108,7 @@ def _refused():
 
     out = []
     for config in ({"spatial_parallel_size": 2, "sequence_parallel_size": 2},
-                   {"spatial_parallel_size": 2, "spatial_parallel_dims": [2, 3]}):
+                   {"spatial_parallel_size": 2, "spatial_parallel_dims": [2, 2]}):
         try:
             zero.load_config({"train_micro_batch_size_per_gpu": 1, **config}, 4)
         except zero.ConfigError as err:
@@ -124,7 +125,7 @@ def _refused():
 def test_what_spatial_parallelism_does_not_combine_with_is_refused_by_key(dist_run):
     for out in dist_run(2, _refused):
         assert "spatial_parallel_size: is 2 with pipeline, tensor or sequence parallelism" in out[0]
-        assert "spatial_parallel_dims: is [2, 3]" in out[1]
+        assert "spatial_parallel_dims: is [2, 2]: give one to three distinct dimensions" in out[1]
         assert "1 (Flatten) cannot run on a volume split over ranks yet" in out[2]
 
 

@@ -292,9 +292,9 @@ def load_config(config: Union[Mapping[str, Any], str, pathlib.Path], world_size:
         _raise([(("sequence_parallel_size",), f"is {sp}, which does not divide the world of {world_size} ranks "
                  f"into sequence-parallel groups")], source)
     vp, vdims = cfg.spatial_parallel_size, cfg.spatial_parallel_dims
-    if len(vdims) != 1 or vdims[0] < 2:
-        _raise([(("spatial_parallel_dims",), f"is {vdims}: give one dimension >= 2 of an (N, C, *spatial) "
-                 f"activation (splitting over a grid of two or three dimensions is not implemented yet)")], source)
+    if not 1 <= len(vdims) <= 3 or len(set(vdims)) != len(vdims) or min(vdims) < 2:
+        _raise([(("spatial_parallel_dims",), f"is {vdims}: give one to three distinct dimensions >= 2 of an (N, C, "
+                 f"*spatial) activation (one: slabs; two or three: blocks of a grid)")], source)
     if vp > 1 and (stages > 1 or cfg.tensor_parallel.size > 1 or sp > 1):
         _raise([(("spatial_parallel_size",), f"is {vp} with pipeline, tensor or sequence parallelism, which zero's "
                  f"spatial parallelism does not combine with yet; use one of them")], source)

@@ -104,8 +104,10 @@ class ZeroConfig(_Section):
                                        "ranks each hold a slab of every activation volume of the same samples "
                                        "(zero.spatial, docs/spatial.md); ZeRO partitions over all ranks, and the "
                                        "batch sizes count world / spatial_parallel_size data-parallel ranks.")
-    spatial_parallel_dims: list[int] = Field([2], description="The dimension of an (N, C, *spatial) activation "
-                                             "the volumes are split along (one dimension for now).")
+    spatial_parallel_dims: list[int] = Field([2], description="The dimensions of an (N, C, *spatial) activation "
+                                             "the volumes are split along: one (slabs), or two or three (blocks of "
+                                             "a grid, as even as spatial_parallel_size's factors allow: "
+                                             "zero.spatial.grid_shape).")
 
     @model_validator(mode="before")
     @classmethod

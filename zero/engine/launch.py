@@ -155,7 +155,7 @@ def launch(
     if dims.spatial > 1:  # each rank computes its slab of every volume (zero/spatial, docs/spatial.md)
         from zero.spatial import parallelize as split_volumes
 
-        split_volumes(model, groups.comm("spatial"), dim=cfg.spatial_parallel_dims[0])
+        split_volumes(model, groups.comm("spatial"), dim=cfg.spatial_parallel_dims)
     engine = engine_class(model, cfg, mesh, parallel=groups, model_parameters=model_parameters,
                           optimizer=optimizer, lr_scheduler=lr_scheduler)
     if compiled_with is not None:

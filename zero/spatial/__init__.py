@@ -51,7 +51,7 @@ from zero.spatial.norms import SpatialBatchNorm, SpatialGroupNorm, check_norm
 __all__ = ["Split", "fetch", "shard_volume", "gather_volume", "parallelize", "volume_sum", "volume_mean",
            "SpatialError", "SpatialDivergence", "slab_bounds", "read_slab", "SlabCollate", "SpatialRank"]
 
-_current: Comm | None = None  # the spatial group `parallelize` (or `initialize`) last converted a model for
+_current: Plan | None = None  # the layout `parallelize` (or `initialize`) last converted a model for
 
 
 def _comm(comm: Comm | None) -> Comm:
@@ -60,7 +60,71 @@ def _comm(comm: Comm | None) -> Comm:
     if _current is None:
         raise SpatialError("no spatial group yet: zero.initialize with spatial_parallel_size > 1 (or "
                            "zero.spatial.parallelize) sets it; or pass comm=")
-    return _current
+    return _current.comm
+
+
+def _layout(comm: Comm | None, dim) -> Plan:
+    """The dimensions and axes a function splits along: the layout `parallelize` made, or, with
+    `comm` given, `dim` (one dimension, or several: a grid, see `grid_shape`) over `comm`."""
+    if comm is None and _current is not None:
+        return _current
+    comm = _comm(comm)
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    if _current is not None and _current.comm is comm and _current.dims == dims:
+        return _current
+    return _plan(comm, dims)
+
+
+def grid_shape(ranks: int, dims: int) -> tuple[int, ...]:
+    """How `ranks` spatial ranks split `dims` dimensions: as even a grid as the factors allow, the
+    larger parts on the earlier dimensions (4 over 2: 2 x 2; 8 over 2: 4 x 2; 6 over 3: 3 x 2 x 1)."""
+    shape = [1] * dims
+    for f in _factors(ranks):
+        shape[shape.index(min(shape))] *= f
+    return tuple(sorted(shape, reverse=True))
+
+
+def _factors(n: int) -> list[int]:
+    out, f = [], 2
+    while f * f <= n:
+        while n % f == 0:
+            out.append(f)
+            n //= f
+        f += 1
+    return sorted(out + ([n] if n > 1 else []), reverse=True)
+
+
+def _plan(comm: Comm, dims: tuple[int, ...], sites: tuple[str, ...] = ()) -> Plan:
+    """The layout of `dims` over `comm`: one dimension over the whole group, or a grid (row-major
+    over the group's ranks; `grid_shape`), each dimension over the ranks of its grid line. A
+    dimension the grid gives one part is not split."""
+    if len(dims) == 1 or comm.world_size == 1:
+        return Plan(comm, dims[:1], (comm,), sites)
+    import torch.distributed as dist
+
+    from zero.parallel.groups import group_of
+
+    shape = grid_shape(comm.world_size, len(dims))
+    members = dist.get_process_group_ranks(comm.group if comm.group is not None else dist.group.WORLD)
+    coords, rest = [], comm.rank
+    for n in reversed(shape):
+        coords.insert(0, rest % n)
+        rest //= n
+    split_dims, axes = [], []
+    for i, (dim, n) in enumerate(zip(dims, shape)):
+        if n == 1:
+            continue
+        line = []
+        for j in range(n):
+            at = coords[:i] + [j] + coords[i + 1:]
+            index = 0
+            for c, m in zip(at, shape):
+                index = index * m + c
+            line.append(members[index])
+        split_dims.append(dim)
+        axes.append(Comm(group_of(line)))
+    return Plan(comm, tuple(split_dims), tuple(axes), sites)
+
 
 # What parallelize converts: the module types (the first row that matches), the check that refuses
 # what cannot be split, and the forward over slabs.
@@ -87,23 +151,30 @@ _POINTWISE = (nn.ReLU, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.PReLU, nn.ELU, nn.Sigm
               nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
-def shard_volume(x: torch.Tensor, comm: Comm | None = None, dim: int = 2) -> torch.Tensor:
-    """This rank's slab of the full tensor `x` along `dim` (the canonical split: see [Note: slabs
-    and halos]); every rank of the spatial group (`comm`, default: the one `initialize` made)
-    passes the same `x`."""
-    comm = _comm(comm)
-    a, b = Split(x.shape[dim], comm.world_size).bounds(comm.rank)
-    if a == b:
-        raise SpatialError(f"shard_volume: dimension {dim} of {x.shape[dim]} planes cannot give each of the "
-                           f"{comm.world_size} spatial ranks a plane")
-    return x.narrow(dim, a, b - a).contiguous()
+def shard_volume(x: torch.Tensor, comm: Comm | None = None, dim=2) -> torch.Tensor:
+    """This rank's slab (or block, over a grid) of the full tensor `x` (the canonical split along
+    each split dimension: see [Note: slabs and halos]); every rank of the spatial group (`comm`,
+    default: the one `initialize` made, with its dimensions) passes the same `x`."""
+    for d, axis in (layout := _layout(comm, dim)).on(layout.dims):
+        a, b = Split(x.shape[d], axis.world_size).bounds(axis.rank)
+        if a == b:
+            raise SpatialError(f"shard_volume: dimension {d} of {x.shape[d]} planes cannot give each of the "
+                               f"{axis.world_size} spatial ranks along it a plane")
+        x = x.narrow(d, a, b - a)
+    return x.contiguous()
 
 
 @torch.no_grad()
-def gather_volume(y: torch.Tensor, comm: Comm | None = None, dim: int = 2) -> torch.Tensor:
-    """The whole tensor whose slabs (along `dim`) the ranks of `comm` hold, on every rank (for
-    evaluation and saving predictions; not differentiable)."""
-    comm = _comm(comm)
+def gather_volume(y: torch.Tensor, comm: Comm | None = None, dim=2) -> torch.Tensor:
+    """The whole tensor whose slabs (or blocks) the ranks of the spatial group hold, on every rank
+    (for evaluation and saving predictions; not differentiable)."""
+    layout = _layout(comm, dim)
+    for d, axis in layout.on(layout.dims):
+        y = _gather_along(y, axis, d)
+    return y
+
+
+def _gather_along(y: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
     split = Split.of(y.shape[dim], comm)
     widest = max(split.sizes())
     planes = y.movedim(dim, 0)
@@ -123,22 +194,28 @@ def volume_sum(x: torch.Tensor, comm: Comm | None = None) -> torch.Tensor:
     return group_sum(x.sum(), _comm(comm))
 
 
-def volume_mean(x: torch.Tensor, comm: Comm | None = None, dim: int = 2) -> torch.Tensor:
-    """The mean of every element of the split tensor `x` (slabs along `dim`) over the whole volume:
-    a mean loss (MSE, cross-entropy per voxel) equal to the unsplit one, on every rank."""
-    comm = _comm(comm)
-    split = Split.of(x.shape[dim], comm)
-    count = x.numel() // max(x.shape[dim], 1) * split.length
-    return volume_sum(x, comm) / count
+def volume_mean(x: torch.Tensor, comm: Comm | None = None, dim=2) -> torch.Tensor:
+    """The mean of every element of the split tensor `x` over the whole volume: a mean loss (MSE,
+    cross-entropy per voxel) equal to the unsplit one, on every rank."""
+    layout = _layout(comm, dim)
+    count = x.numel()
+    for d, axis in layout.on(layout.dims):
+        count = count // max(x.shape[d], 1) * Split.of(x.shape[d], axis).length
+    return volume_sum(x, layout.comm) / count
 
 
-def parallelize(model: nn.Module, comm: Comm, dim: int = 2) -> nn.Module:
-    """Convert `model`'s modules to run on slabs split along `dim` over `comm`, in place.
+def parallelize(model: nn.Module, comm: Comm, dim=2) -> nn.Module:
+    """Convert `model`'s modules to run on slabs split along `dim` over `comm`, in place; `dim` a
+    list of two or three dimensions: blocks of a grid over them (`grid_shape`).
 
     Raises:
         SpatialError: a module that cannot run on a split volume (named with its path); nothing
             was changed.
     """
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    if len(set(dims)) != len(dims) or not all(isinstance(d, int) and d >= 2 for d in dims):
+        raise SpatialError(f"parallelize: dim={dim!r}: give distinct spatial dimensions (>= 2) of an (N, C, *spatial) "
+                           f"tensor")
     chosen = []
     for path, module in model.named_modules():
         reason = next((why for cls in type(module).__mro__ for name, why in _REFUSED.items() if cls.__name__ == name),
@@ -148,16 +225,16 @@ def parallelize(model: nn.Module, comm: Comm, dim: int = 2) -> nn.Module:
                                f"{reason}")
         row = next((r for r in _SPLIT if isinstance(module, r[0])), None)
         if row is not None:
-            row[1](module, path or "<model>", dim)
+            row[1](module, path or "<model>", dims)
             chosen.append((path or "<model>", module, row[2]))
         elif next(module.children(), None) is None and not isinstance(module, _POINTWISE):
             raise SpatialError(f"{path or '<model>'} ({type(module).__name__}) cannot run on a volume split over "
                                f"ranks yet (supported so far: convolutions, transposed convolutions, pools, "
                                f"normalisation, Upsample and pointwise layers; see docs/spatial.md)")
-    plan = Plan(comm, dim, tuple(f"{path} ({type(module).__name__})" for path, module, _ in chosen))
+    plan = _plan(comm, dims, tuple(f"{path} ({type(module).__name__})" for path, module, _ in chosen))
     for site, (_, module, mixin) in enumerate(chosen):
         convert(module, mixin, plan, site)
     Scope(model, plan)  # functional calls in the model's forward (zero/spatial/functional.py)
     global _current
-    _current = comm
+    _current = plan
     return model

@@ -57,10 +57,15 @@ class SpatialRank:
     def of(comm: Comm | SpatialRank | None = None) -> SpatialRank:
         """The place of this rank in `comm` (default: the spatial group `initialize` made)."""
         if comm is None:
-            from zero.spatial import _comm  # the package imports this module: look its group up at call time
+            import zero.spatial  # the package imports this module: look its group up at call time
 
+            layout = zero.spatial._current
+            if layout is not None and len(layout.dims) > 1:
+                raise SpatialError(f"the volume is split over a grid of dimensions {list(layout.dims)}; SlabCollate, "
+                                   f"read_slab and slab_bounds cut one dimension: cut batches with "
+                                   f"zero.spatial.shard_volume")
             try:
-                comm = _comm(None)
+                comm = zero.spatial._comm(None)
             except SpatialError as e:
                 raise SpatialError(f"{e}. In a DataLoader worker started with 'spawn' there is no group: build "
                                    f"the dataset or collate function with comm=zero.spatial.SpatialRank.of() "

@@ -53,7 +53,7 @@ class SplitFunctions(TorchFunctionMode):
             return _interpolate(self.plan, *args, **kwargs)
         name = getattr(func, "__name__", "")
         if name in _WINDOWED and isinstance(args[0] if args else None, torch.Tensor) \
-                and args[0].dim() > self.plan.dim:
+                and args[0].dim() > max(self.plan.dims):
             raise SpatialError(f"{name}, called in the forward of a model whose volume is split over ranks, would "
                                f"miss the neighbouring slabs' planes; use {_WINDOWED[name]} as a module, which "
                                f"zero.spatial converts (see docs/spatial.md)")
@@ -64,7 +64,7 @@ def _interpolate(plan: Plan, input, size=None, scale_factor=None, mode="nearest"
                  recompute_scale_factor=None, antialias=False):
     if antialias:
         raise SpatialError("F.interpolate(antialias=True) is not supported over a split volume")
-    if input.dim() <= plan.dim:  # not a volume with the split dimension
+    if input.dim() <= max(plan.dims):  # not a volume with the split dimensions
         _INSIDE.depth += 1
         try:
             return F.interpolate(input, size, scale_factor, mode, align_corners, recompute_scale_factor)

@@ -21,12 +21,25 @@ from zero.spatial.halo import Split, fetch
 
 @dataclass(frozen=True)
 class Plan:
-    """Where a converted module's input is split: `dim` of the (N, C, *spatial) tensor, over `comm`;
+    """Where a converted module's input is split: dimensions `dims` of the (N, C, *spatial)
+    tensor, each over its `axes` Comm (the ranks of the group `comm` that share every other
+    coordinate of the grid; a slab layout has one dimension, whose axis is `comm` itself);
     `sites`: the converted modules' names, in model order (see `Split.of`)."""
 
     comm: Comm
-    dim: int
+    dims: tuple[int, ...]
+    axes: tuple[Comm, ...]
     sites: tuple[str, ...] = ()
+
+    @property
+    def dim(self) -> int:
+        """The split dimension of a slab layout (one dimension)."""
+        if len(self.dims) != 1:
+            raise SpatialError(f"the volume is split over a grid of dimensions {list(self.dims)}, not one")
+        return self.dims[0]
+
+    def on(self, dims) -> list[tuple[int, Comm]]:
+        return list(zip(dims, self.axes))
 
 
 class SpatialLayer:
@@ -35,10 +48,12 @@ class SpatialLayer:
     _zero_spatial: Plan
     _zero_spatial_site: int = -1
 
-    def _split(self, x: torch.Tensor, dim: int | None = None) -> Split:
-        """The split of `x`'s split dimension (`dim`, default the plan's) over the group."""
+    def _splits(self, x: torch.Tensor, shift: int = 0) -> list[tuple[int, Comm, Split]]:
+        """(dimension, axis Comm, split) of each split dimension of `x` (shifted by `shift`, for a
+        tensor with a dimension inserted before them)."""
         plan = self._zero_spatial
-        return Split.of(x.shape[plan.dim if dim is None else dim], plan.comm, self._zero_spatial_site, plan.sites)
+        return [(d + shift, c, Split.of(x.shape[d + shift], c, self._zero_spatial_site, plan.sites))
+                for d, c in zip(plan.dims, plan.axes)]
 
 
 class SpatialError(ValueError):
@@ -78,24 +93,23 @@ class SpatialConv(SpatialLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         plan = self._zero_spatial
-        axis = plan.dim - 2  # the split dimension among the spatial ones
-        split = self._split(x)
         pads = _pads(self)
-        k, s, d = self.kernel_size[axis], self.stride[axis], self.dilation[axis]
-        left, right = pads[axis]
-        out = Split((split.length + left + right - d * (k - 1) - 1) // s + 1, split.parts)
-        ranges = _output_ranges(split, out, k, s, d, left, f"{type(self).__name__}")
         zeros = self.padding_mode == "zeros"
-        if not zeros:  # the planes inside the volume; the mode pads the rest below
-            ranges = [(max(lo, 0), min(hi, split.length)) for lo, hi in ranges]
-            lo, hi = _output_ranges(split, out, k, s, d, left, "")[plan.comm.rank]
-        x = fetch(x, plan.dim, split, ranges, plan.comm)
+        edges = {}  # split dimension -> the planes the padding mode adds before and after this rank's range
+        for dim, comm, split in self._splits(x):
+            a = dim - 2
+            k, s, d = self.kernel_size[a], self.stride[a], self.dilation[a]
+            left, right = pads[a]
+            out = Split((split.length + left + right - d * (k - 1) - 1) // s + 1, split.parts)
+            ranges = _output_ranges(split, out, k, s, d, left, f"{type(self).__name__}")
+            if not zeros:  # the planes inside the volume; the mode pads the rest below
+                lo, hi = ranges[comm.rank]
+                edges[dim] = [max(0, -lo), max(0, hi - split.length)]
+                ranges = [(max(lo, 0), min(hi, split.length)) for lo, hi in ranges]
+            x = fetch(x, dim, split, ranges, comm)
         flat = []
         for i in reversed(range(len(pads))):  # F.pad lists the last dimension first
-            if i != axis:
-                flat += list(pads[i])
-            else:
-                flat += [0, 0] if zeros else [max(0, -lo), max(0, hi - split.length)]
+            flat += list(pads[i]) if i + 2 not in plan.dims else [0, 0] if zeros else edges[i + 2]
         if any(flat):
             x = F.pad(x, flat) if zeros else F.pad(x, flat, mode=self.padding_mode)
         conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[len(pads)]
@@ -108,9 +122,10 @@ def _window(y: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
     return F.pad(moved, (-start, start + length - moved.shape[-1])).movedim(-1, dim)
 
 
-def _other_dims(values, axis: int, on_axis):
-    """`values` (one per spatial dimension) with the split one replaced by `on_axis`."""
-    return tuple(on_axis if i == axis else v for i, v in enumerate(values))
+def _other_dims(values, dims, on_split):
+    """`values` (one per spatial dimension) with those of the split dimensions `dims` (of the
+    (N, C, *spatial) tensor) replaced by `on_split`."""
+    return tuple(on_split if i + 2 in dims else v for i, v in enumerate(values))
 
 
 class SpatialConvTranspose(SpatialLayer):
@@ -124,25 +139,27 @@ class SpatialConvTranspose(SpatialLayer):
             raise SpatialError(f"{type(self).__name__}: output_size= is not supported over a split volume; give "
                                f"output_padding instead")
         plan = self._zero_spatial
-        axis = plan.dim - 2
-        split = self._split(x)
-        k, s, d = self.kernel_size[axis], self.stride[axis], self.dilation[axis]
-        p, op = self.padding[axis], self.output_padding[axis]
-        out = Split((split.length - 1) * s - 2 * p + d * (k - 1) + op + 1, split.parts)
-        if 0 in out.sizes() or 0 in split.sizes():
-            raise SpatialError(f"{type(self).__name__}: a volume of {split.length} planes in, {out.length} out, is too "
-                               f"small to give each of the {split.parts} spatial ranks at least one plane")
-        ranges = []
-        for r in range(out.parts):
-            o0, o1 = out.bounds(r)
-            ranges.append((-((d * (k - 1) - o0 - p) // s), (o1 - 1 + p) // s + 1))  # ceil, floor + 1
-        lo, _ = ranges[plan.comm.rank]
-        x = fetch(x, plan.dim, split, ranges, plan.comm)
+        crops = []
+        for dim, comm, split in self._splits(x):
+            a = dim - 2
+            k, s, d = self.kernel_size[a], self.stride[a], self.dilation[a]
+            p, op = self.padding[a], self.output_padding[a]
+            out = Split((split.length - 1) * s - 2 * p + d * (k - 1) + op + 1, split.parts)
+            if 0 in out.sizes() or 0 in split.sizes():
+                raise SpatialError(f"{type(self).__name__}: a volume of {split.length} planes in, {out.length} out, is "
+                                   f"too small to give each of the {split.parts} spatial ranks at least one plane")
+            ranges = []
+            for r in range(out.parts):
+                o0, o1 = out.bounds(r)
+                ranges.append((-((d * (k - 1) - o0 - p) // s), (o1 - 1 + p) // s + 1))  # ceil, floor + 1
+            o0, o1 = out.bounds(comm.rank)
+            crops.append((dim, o0 + p - ranges[comm.rank][0] * s, o1 - o0))
+            x = fetch(x, dim, split, ranges, comm)
         conv = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}[len(self.kernel_size)]
-        y = conv(x, self.weight, None, self.stride, _other_dims(self.padding, axis, 0),
-                 _other_dims(self.output_padding, axis, 0), self.groups, self.dilation)
-        o0, o1 = out.bounds(plan.comm.rank)
-        y = _window(y, plan.dim, o0 + p - lo * s, o1 - o0)
+        y = conv(x, self.weight, None, self.stride, _other_dims(self.padding, plan.dims, 0),
+                 _other_dims(self.output_padding, plan.dims, 0), self.groups, self.dilation)
+        for dim, start, length in crops:
+            y = _window(y, dim, start, length)
         if self.bias is not None:
             y = y + self.bias.view(-1, *(1,) * len(self.kernel_size))
         return y
@@ -160,28 +177,30 @@ class SpatialPool(SpatialLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         plan = self._zero_spatial
-        axis, nd = plan.dim - 2, x.dim() - 2
+        nd = x.dim() - 2
         kernel, padding = _per_dim(self.kernel_size, nd), _per_dim(self.padding, nd)
         stride = _per_dim(self.stride if self.stride is not None else self.kernel_size, nd)
         dilation = _per_dim(getattr(self, "dilation", 1), nd)
-        split = self._split(x)
-        k, s, d, p = kernel[axis], stride[axis], dilation[axis], padding[axis]
-        out = Split((split.length + 2 * p - d * (k - 1) - 1) // s + 1, split.parts)
-        ranges = _output_ranges(split, out, k, s, d, p, type(self).__name__)
-        x = fetch(x, plan.dim, split, ranges, plan.comm)
-        lo, hi = ranges[plan.comm.rank]
-        if isinstance(self, nn.modules.pooling._MaxPoolNd) and (lo < 0 or hi > split.length):
-            planes = torch.arange(lo, hi, device=x.device).view(-1, *(1,) * (x.dim() - plan.dim - 1))
-            x = x.masked_fill((planes < 0) | (planes >= split.length), float("-inf"))
-        if isinstance(self, nn.modules.pooling._MaxPoolNd):
+        maximum = isinstance(self, nn.modules.pooling._MaxPoolNd)
+        for dim, comm, split in self._splits(x):
+            a = dim - 2
+            k, s, d, p = kernel[a], stride[a], dilation[a], padding[a]
+            out = Split((split.length + 2 * p - d * (k - 1) - 1) // s + 1, split.parts)
+            ranges = _output_ranges(split, out, k, s, d, p, type(self).__name__)
+            x = fetch(x, dim, split, ranges, comm)
+            lo, hi = ranges[comm.rank]
+            if maximum and (lo < 0 or hi > split.length):
+                planes = torch.arange(lo, hi, device=x.device).view(-1, *(1,) * (x.dim() - dim - 1))
+                x = x.masked_fill((planes < 0) | (planes >= split.length), float("-inf"))
+        if maximum:
             pool = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[nd]
-            return pool(x, kernel, stride, _other_dims(padding, axis, 0), dilation)
+            return pool(x, kernel, stride, _other_dims(padding, plan.dims, 0), dilation)
         pool = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}[nd]
         extra = {} if nd == 1 else {"divisor_override": self.divisor_override}
-        return pool(x, kernel, stride, _other_dims(padding, axis, 0), False, self.count_include_pad, **extra)
+        return pool(x, kernel, stride, _other_dims(padding, plan.dims, 0), False, self.count_include_pad, **extra)
 
 
-def check_pool(module: nn.Module, path: str, dim: int = 2) -> None:
+def check_pool(module: nn.Module, path: str, dims=(2,)) -> None:
     """Raise SpatialError unless `SpatialPool` computes `module` exactly."""
     name = f"{path} ({type(module).__name__})"
     if getattr(module, "ceil_mode", False):
@@ -227,10 +246,10 @@ def convert(module: nn.Module, mixin: type, plan: Plan, site: int = -1) -> None:
     module._zero_spatial_site = site
 
 
-def check_conv(module: nn.Module, path: str, dim: int = 2) -> None:
+def check_conv(module: nn.Module, path: str, dims=(2,)) -> None:
     """Raise SpatialError unless `module` is a convolution `SpatialConv` computes exactly."""
     mode = module.padding_mode
-    if mode == "circular" and any(_pads(module)[dim - 2]):
+    if mode == "circular" and any(any(_pads(module)[d - 2]) for d in dims):
         raise SpatialError(f"{path} ({type(module).__name__}): padding_mode='circular' along the split dimension joins "
                            f"the volume's two ends, which lie on the group's first and last ranks; not supported "
                            f"over a split volume (zeros, reflect and replicate are)")
@@ -248,36 +267,37 @@ class SpatialAdaptivePool(SpatialLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         plan = self._zero_spatial
-        axis, nd = plan.dim - 2, x.dim() - 2
-        split = self._split(x)
-        sizes = [x.shape[2 + i] if v is None else v for i, v in enumerate(_per_dim(self.output_size, nd))]
-        sizes[axis] = split.length if _per_dim(self.output_size, nd)[axis] is None else sizes[axis]
-        length = sizes[axis]
-        out = Split(length, split.parts)
-        if 0 in out.sizes() or 0 in split.sizes():
-            raise SpatialError(f"{type(self).__name__}: an output of {length} planes along the split dimension (of "
-                               f"{split.length} in) cannot give each of the {split.parts} spatial ranks a plane; "
-                               f"pool to at least {split.parts} planes there, or gather the volume first "
-                               f"(zero.spatial.gather_volume)")
-
-        def window(o: int) -> tuple[int, int]:
-            return o * split.length // length, -(-(o + 1) * split.length // length)
-
-        ranges = [(window(a)[0], window(b - 1)[1]) for a, b in map(out.bounds, range(split.parts))]
-        lo = ranges[plan.comm.rank][0]
-        x = fetch(x, plan.dim, split, ranges, plan.comm)
+        nd = x.dim() - 2
         maximum = isinstance(self, (nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d))
         pool = ({1: F.adaptive_max_pool1d, 2: F.adaptive_max_pool2d, 3: F.adaptive_max_pool3d} if maximum else
                 {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d})[nd]
-        plane = tuple(1 if i == axis else v for i, v in enumerate(sizes))
-        pieces = []
-        for o in range(*out.bounds(plan.comm.rank)):
-            a, b = window(o)
-            pieces.append(pool(x.narrow(plan.dim, a - lo, b - a), plane))
-        return torch.cat(pieces, plan.dim)
+        wanted = _per_dim(self.output_size, nd)
+        for dim, comm, split in self._splits(x):  # one split dimension at a time: a box pools separably
+            length = split.length if wanted[dim - 2] is None else wanted[dim - 2]
+            out = Split(length, split.parts)
+            if 0 in out.sizes() or 0 in split.sizes():
+                raise SpatialError(f"{type(self).__name__}: an output of {length} planes along the split dimension "
+                                   f"(of {split.length} in) cannot give each of the {split.parts} spatial ranks a "
+                                   f"plane; pool to at least {split.parts} planes there, or gather the volume first "
+                                   f"(zero.spatial.gather_volume)")
+
+            def window(o: int, n=split.length, m=length) -> tuple[int, int]:
+                return o * n // m, -(-(o + 1) * n // m)
+
+            ranges = [(window(a)[0], window(b - 1)[1]) for a, b in map(out.bounds, range(split.parts))]
+            lo = ranges[comm.rank][0]
+            x = fetch(x, dim, split, ranges, comm)
+            plane = tuple(1 if i + 2 == dim else x.shape[i + 2] for i in range(nd))
+            pieces = []
+            for o in range(*out.bounds(comm.rank)):
+                a, b = window(o)
+                pieces.append(pool(x.narrow(dim, a - lo, b - a), plane))
+            x = torch.cat(pieces, dim)
+        rest = tuple(x.shape[i + 2] if i + 2 in plan.dims or wanted[i] is None else wanted[i] for i in range(nd))
+        return x if rest == tuple(x.shape[2:]) else pool(x, rest)
 
 
-def check_adaptive_pool(module: nn.Module, path: str, dim: int = 2) -> None:
+def check_adaptive_pool(module: nn.Module, path: str, dims=(2,)) -> None:
     if getattr(module, "return_indices", False):
         raise SpatialError(f"{path} ({type(module).__name__}): return_indices=True is not supported over a split volume")
 
@@ -300,36 +320,41 @@ def interpolate(x: torch.Tensor, plan: Plan, size=None, scale_factor=None, mode:
     if mode not in _MODES:
         raise SpatialError(f"interpolation mode={mode!r} is not supported over a split volume yet (nearest and "
                            f"(bi/tri)linear are)")
-    axis, nd = plan.dim - 2, x.dim() - 2
-    split = Split.of(x.shape[plan.dim], plan.comm, site, plan.sites)
+    nd = x.dim() - 2
     sizes = _per_dim(size, nd) if size is not None else None
     scales = _per_dim(scale_factor, nd) if scale_factor is not None else None
-    length = sizes[axis] if sizes is not None else int(split.length * scales[axis])
-    out = Split(length, split.parts)
-    if 0 in out.sizes() or 0 in split.sizes():
-        raise SpatialError(f"interpolation: a volume of {split.length} planes in, {length} out, is too small for "
-                           f"{split.parts} spatial ranks")
-    scale = scales[axis] if scales else None
-    first, second, weight = _sources(*out.bounds(plan.comm.rank), split.length, length, scale, mode, align_corners,
-                                     recompute_scale_factor)
-    ranges = [(0, 0)] * split.parts
-    for r in range(split.parts):
-        a, b, _ = _sources(*out.bounds(r), split.length, length, scale, mode, align_corners, recompute_scale_factor)
-        ranges[r] = (int(a.min()), int(b.max()) + 1)
-    lo = ranges[plan.comm.rank][0]
-    x = fetch(x, plan.dim, split, ranges, plan.comm)
-    y = x.index_select(plan.dim, (first - lo).to(x.device))
-    if weight is not None:
-        shape = (-1, *(1,) * (x.dim() - plan.dim - 1))
-        w = weight.to(x.dtype).to(x.device).view(shape)
-        y = y * (1 - w) + x.index_select(plan.dim, (second - lo).to(x.device)) * w
-    rest = [i for i in range(nd) if i != axis]
+    for dim, comm in plan.on(plan.dims):  # one split dimension at a time: interpolation is separable
+        a = dim - 2
+        split = Split.of(x.shape[dim], comm, site, plan.sites)
+        length = sizes[a] if sizes is not None else int(split.length * scales[a])
+        out = Split(length, split.parts)
+        if 0 in out.sizes() or 0 in split.sizes():
+            raise SpatialError(f"interpolation: a volume of {split.length} planes in, {length} out, is too small for "
+                               f"{split.parts} spatial ranks")
+        scale = scales[a] if scales else None
+        first, second, weight = _sources(*out.bounds(comm.rank), split.length, length, scale, mode, align_corners,
+                                         recompute_scale_factor)
+        ranges = [(0, 0)] * split.parts
+        for r in range(split.parts):
+            lo, hi, _ = _sources(*out.bounds(r), split.length, length, scale, mode, align_corners,
+                                 recompute_scale_factor)
+            ranges[r] = (int(lo.min()), int(hi.max()) + 1)
+        lo = ranges[comm.rank][0]
+        x = fetch(x, dim, split, ranges, comm)
+        y = x.index_select(dim, (first - lo).to(x.device))
+        if weight is not None:
+            w = weight.to(x.dtype).to(x.device).view(-1, *(1,) * (x.dim() - dim - 1))
+            y = y * (1 - w) + x.index_select(dim, (second - lo).to(x.device)) * w
+        x = y
+    rest = [i for i in range(nd) if i + 2 not in plan.dims]
     if not rest:
-        return y
+        return x
     flat_mode = "nearest" if mode == "nearest" else {1: "linear", 2: "bilinear"}[len(rest)]
-    moved = y.movedim(plan.dim, 1)  # (N, D', C, *rest): the split dimension joins the batch
-    n, planes = moved.shape[:2]
-    flat = moved.reshape(n * planes, *moved.shape[2:])
+    split_dims = sorted(plan.dims)
+    order = [0, *split_dims, 1, *(i + 2 for i in rest)]  # the split dimensions join the batch
+    moved = x.permute(order)
+    lead = moved.shape[:1 + len(split_dims)]
+    flat = moved.reshape(-1, *moved.shape[1 + len(split_dims):])
     kw = {"align_corners": align_corners} if flat_mode != "nearest" else {}
     _INSIDE.depth += 1  # torch's own interpolation of the other dimensions: not split
     try:
@@ -340,7 +365,8 @@ def interpolate(x: torch.Tensor, plan: Plan, size=None, scale_factor=None, mode:
                                  recompute_scale_factor=recompute_scale_factor, **kw)
     finally:
         _INSIDE.depth -= 1
-    return flat.reshape(n, planes, *flat.shape[1:]).movedim(1, plan.dim)
+    back = [order.index(i) for i in range(len(order))]
+    return flat.reshape(*lead, *flat.shape[1:]).permute(back)
 
 
 _MODES = ("nearest", "linear", "bilinear", "trilinear")
@@ -367,7 +393,7 @@ def _sources(o0: int, o1: int, length_in: int, length_out: int, scale_factor, mo
     return first, second, src - first
 
 
-def check_upsample(module: nn.Module, path: str, dim: int = 2) -> None:
+def check_upsample(module: nn.Module, path: str, dims=(2,)) -> None:
     if module.mode not in _MODES:
         raise SpatialError(f"{path} ({type(module).__name__}): mode={module.mode!r} is not supported over a split "
                            f"volume yet (nearest and (bi/tri)linear are)")

@@ -12,18 +12,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zero.parallel.comm import Comm
 from zero.spatial.halo import group_sum
 from zero.spatial.layers import SpatialError, SpatialLayer
 
 
-def _moments(layer: SpatialLayer, x: torch.Tensor, dims: tuple[int, ...], split_dim: int, comm: Comm):
-    """Mean and biased variance of `x` over `dims` (which include the split `split_dim`) of the
-    whole volume, and the number of elements each covers."""
-    split = layer._split(x, split_dim)
-    count = split.length
+def _moments(layer: SpatialLayer, x: torch.Tensor, dims: tuple[int, ...], shift: int = 0):
+    """Mean and biased variance of `x` over `dims` (which include the split dimensions, shifted by
+    `shift`) of the whole volume, and the number of elements each covers."""
+    splits = {d: split.length for d, _, split in layer._splits(x, shift)}
+    count = 1
     for d in dims:
-        count *= 1 if d == split_dim else x.shape[d]
+        count *= splits.get(d, x.shape[d])
+    comm = layer._zero_spatial.comm
     mean = group_sum(x.sum(dims, keepdim=True), comm) / count
     var = group_sum((x - mean).square().sum(dims, keepdim=True), comm) / count
     return mean, var, count
@@ -43,7 +43,7 @@ class SpatialGroupNorm(SpatialLayer):
         n, c = x.shape[:2]
         grouped = x.reshape(n, self.num_groups, c // self.num_groups, *x.shape[2:])
         dims = tuple(range(2, grouped.dim()))
-        mean, var, _ = _moments(self, grouped, dims, self._zero_spatial.dim + 1, self._zero_spatial.comm)
+        mean, var, _ = _moments(self, grouped, dims, 1)
         y = ((grouped - mean) / torch.sqrt(var + self.eps)).reshape(x.shape)
         return _affine(y, self.weight, self.bias)
 
@@ -58,7 +58,7 @@ class SpatialBatchNorm(SpatialLayer):
         if not use_batch_stats:  # eval with running statistics: pointwise
             return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
         dims = tuple(range(2, x.dim())) if instance else (0, *range(2, x.dim()))
-        mean, var, count = _moments(self, x, dims, self._zero_spatial.dim, self._zero_spatial.comm)
+        mean, var, count = _moments(self, x, dims)
         if self.training and self.track_running_stats:
             self._update_running(mean, var, count)
         return _affine((x - mean) / torch.sqrt(var + self.eps), self.weight, self.bias)
