@@ -107,13 +107,19 @@ class SpatialConv(SpatialLayer):
                 edges[dim] = [max(0, -lo), max(0, hi - split.length)]
                 ranges = [(max(lo, 0), min(hi, split.length)) for lo, hi in ranges]
             x = fetch(x, dim, split, ranges, comm)
+        # zero padding of the other dimensions by the convolution itself where it is the same on
+        # both sides (F.pad would keep a padded copy of the input for backward)
+        inner = tuple(p[0] if zeros and i + 2 not in plan.dims and p[0] == p[1] else 0 for i, p in enumerate(pads))
         flat = []
         for i in reversed(range(len(pads))):  # F.pad lists the last dimension first
-            flat += list(pads[i]) if i + 2 not in plan.dims else [0, 0] if zeros else edges[i + 2]
+            if i + 2 in plan.dims:
+                flat += [0, 0] if zeros else edges[i + 2]
+            else:
+                flat += [pads[i][0] - inner[i], pads[i][1] - inner[i]]
         if any(flat):
             x = F.pad(x, flat) if zeros else F.pad(x, flat, mode=self.padding_mode)
         conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[len(pads)]
-        return conv(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+        return conv(x, self.weight, self.bias, self.stride, inner, self.dilation, self.groups)
 
 
 def _window(y: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
