@@ -51,3 +51,67 @@ def test_swin_unetr_is_refused_with_the_reason_before_anything_changes():
     assert "<model> (SwinUNETR) cannot run on a volume split over ranks" in str(err.value)
     assert "windows and the shift would have to follow the slab boundaries" in str(err.value)
     assert {name: type(m) for name, m in model.named_modules()} == before  # nothing converted
+
+
+def _losses(dim) -> list[float]:
+    """MONAI's Dice losses and torch's own, wrapped in whole_volume over slabs (or a grid's blocks):
+    the unsplit value on every rank, and the unsplit gradient (times the group's size)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from monai.losses import DiceCELoss, DiceLoss
+
+    import zero.spatial as sp
+    from zero.parallel.comm import Comm
+
+    comm = Comm()
+    g = torch.Generator().manual_seed(3)
+    out = torch.randn(2, 3, 9, 6, 5, dtype=torch.float64, generator=g)
+    labels = torch.randint(0, 3, (2, 1, 9, 6, 5), generator=g)
+    labels[0, 0, :2] = -1  # ignored voxels, for cross-entropy's ignore_index
+    soft = torch.rand(2, 3, 9, 6, 5, dtype=torch.float64, generator=g)
+    cases = [
+        (DiceLoss(sigmoid=True), (soft > 0.5).double()),
+        (DiceCELoss(softmax=True, to_onehot_y=True), labels.clamp(min=0).double()),
+        (DiceLoss(softmax=True, include_background=False, batch=True, squared_pred=True), soft),
+        (lambda a, b: F.mse_loss(a, b), soft),
+        (lambda a, b: F.cross_entropy(a, b[:, 0], ignore_index=-1), labels),
+        (lambda a, b: F.cross_entropy(a, b[:, 0], weight=torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64)),
+         labels.clamp(min=0)),
+        (lambda a, b: F.binary_cross_entropy_with_logits(a, b, reduction="sum") / 7, soft),
+        (lambda a, b: (a.sigmoid() * b).mean(dim=(2, 3, 4)).sum() + a.mean(), soft),
+    ]
+    worst = []
+    for loss, target in cases:
+        whole = out.clone().requires_grad_()
+        expected = loss(whole, target)
+        expected.backward()
+        mine = sp.shard_volume(out, comm, dim).requires_grad_()
+        value = sp.whole_volume(loss, comm, dim)(mine, sp.shard_volume(target, comm, dim))
+        value.backward()
+        values = torch.zeros(dist.get_world_size(), dtype=torch.float64)
+        dist.all_gather_into_tensor(values, value.detach().reshape(1))
+        worst.append(max((values - expected.detach()).abs().max().item(),
+                         (mine.grad / comm.world_size - sp.shard_volume(whole.grad, comm, dim)).abs().max().item()))
+    return worst
+
+
+@pytest.mark.parametrize("ranks, dim", [(2, 2), (3, 2), (4, (2, 3))])
+def test_losses_over_a_split_volume_equal_the_unsplit_ones(dist_run, ranks, dim):
+    for worst in dist_run(ranks, _losses, dim):
+        assert max(worst) < 1e-12, worst
+
+
+def test_a_converted_model_saves_an_ordinary_state_dict_for_sliding_window_inference():
+    from monai.inferers import sliding_window_inference
+
+    import zero.spatial as sp
+    from zero.parallel.comm import Comm
+
+    model, fresh = _build("UNet").double(), _build("UNet").double()
+    sp.parallelize(model, Comm())  # one process: a group of one, converted all the same
+    fresh.load_state_dict(model.state_dict())  # same keys, no wrapper state
+    x = torch.randn(1, 1, 24, 20, 16, dtype=torch.float64)
+    with torch.no_grad():
+        assert sliding_window_inference(x, (16, 16, 16), 2, fresh.eval(), overlap=0.5).shape == (1, 2, 24, 20, 16)
+        assert torch.allclose(sliding_window_inference(x, (24, 20, 16), 1, fresh), fresh(x))  # one window: the whole
+        assert torch.allclose(model.eval()(x), fresh(x), rtol=0, atol=1e-12)

@@ -46,10 +46,12 @@ from zero.spatial.layers import (
     check_upsample,
     convert,
 )
+from zero.spatial.losses import whole_volume
 from zero.spatial.norms import SpatialBatchNorm, SpatialGroupNorm, check_norm
 
 __all__ = ["Split", "fetch", "shard_volume", "gather_volume", "parallelize", "volume_sum", "volume_mean",
-           "SpatialError", "SpatialDivergence", "slab_bounds", "read_slab", "SlabCollate", "SpatialRank"]
+           "whole_volume", "grid_shape", "SpatialError", "SpatialDivergence", "slab_bounds", "read_slab",
+           "SlabCollate", "SpatialRank"]
 
 _current: Plan | None = None  # the layout `parallelize` (or `initialize`) last converted a model for
 
