@@ -3,6 +3,7 @@
     torchrun --nproc_per_node 2 examples/train_unet3d.py                     # 32^3 volumes, stage 3 + offload
     torchrun --nproc_per_node 2 examples/train_unet3d.py --size 64 --width 32 --steps 300
     torchrun --nproc_per_node 2 examples/train_unet3d.py --config examples/configs/zero2.json
+    torchrun --nproc_per_node 4 examples/train_unet3d.py --spatial 4 --spatial-dims 2 3   # each volume on a 2x2 grid
 
 For the 3D-imaging case whose networks do not fit one device: under stage 3 each rank holds 1/N of
 the parameters, gradients and (here, in host memory) the optimizer state, and gathers one block of
@@ -64,10 +65,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--width", type=int, default=16, help="channels of the top level")
     parser.add_argument("--spatial", type=int, default=1,
                         help="ranks each volume is split over (spatial_parallel_size; docs/spatial.md)")
+    parser.add_argument("--spatial-dims", type=int, nargs="+", default=[2],
+                        help="the dimensions split: 2 (depth slabs, the default), or 2 3 / 2 3 4 (blocks of a grid)")
     args = parser.parse_args(argv)
     config = json.loads(args.config.read_text()) if args.config else dict(CONFIG)
     if args.spatial > 1:
         config["spatial_parallel_size"] = args.spatial
+        config["spatial_parallel_dims"] = args.spatial_dims
     config.pop("scheduler", None)  # the GPT configs' schedule is for another run length
 
     zero.init_distributed()

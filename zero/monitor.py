@@ -162,12 +162,36 @@ class TrainingMonitor(Component):
             return None, "not for pipelines"
         from zero.estimate import estimate_activations
 
+        example, spatial = self.example, {}
+        layout = getattr(self.engine, "spatial", None)
+        if layout is not None:  # a split volume: its slab's trace, from the whole volume's shapes
+            if len(layout.dims) > 1:
+                return None, "not traced (grid)"
+            example, spatial = self._whole, dict(spatial_parallel_size=layout.comm.world_size,
+                                                 spatial_dim=layout.dims[0])
         try:
             # the CPU kernels' scratch is measured here: it is only this run's on the CPU
-            return estimate_activations(self.engine.module, self.example,
-                                        kernel_scratch=self.engine.device.type == "cpu"), None
+            return estimate_activations(self.engine.module, example, kernel_scratch=self.engine.device.type == "cpu",
+                                        **spatial), None
         except Exception as err:  # noqa: BLE001 - a model the trace cannot run must not end the run's report
             return None, f"not traced ({type(err).__name__})"
+
+    def _whole_volume(self, layout):
+        """The first micro-batch's example with each slabbed tensor's split dimension at its whole
+        length (the lengths all-gathered over the spatial group: every rank calls it)."""
+        from zero.spatial.halo import Split
+
+        dim = layout.dims[0]
+        args, kwargs = self.example
+
+        def whole(t):
+            if not isinstance(t, torch.Tensor) or t.dim() <= dim:
+                return t
+            shape = list(t.shape)
+            shape[dim] = Split.of(shape[dim], layout.comm).length
+            return torch.empty(shape, dtype=t.dtype, device="meta")
+
+        return tuple(whole(a) for a in args), {k: whole(v) for k, v in kwargs.items()}
 
     # -- at the end -----------------------------------------------------------------------------
 
@@ -189,6 +213,9 @@ class TrainingMonitor(Component):
                 sum(c["bytes"] for c in comm.values()), -1.0 if self.step_peak is None else self.step_peak]
         k = len(mine)
         everyone = self._gather([float(v) for v in mine])
+        layout = getattr(engine, "spatial", None)
+        if layout is not None and len(layout.dims) == 1 and self.example is not None:
+            self._whole = self._whole_volume(layout)  # collective: before rank 0 goes on alone
         if self.rank != 0:
             return ""
         per_rank = [everyone[r * k : (r + 1) * k] for r in range(self.world)]

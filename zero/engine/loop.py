@@ -174,9 +174,9 @@ class TrainingLoop(nn.Module):
                 f"take a replicate group yet (hybrid sharding is its own issue)")
         # every rank whose gradient enters the sum: the zero group, and its replicas
         self.dp = parallel.comm("dp") if self.replicate is not None else self.comm
-        # the group a volume's slabs are split over (zero/spatial: the Comm the model was converted
-        # with), whose halo exchanges and statistics join the comm report
-        self.spatial = next((m._zero_spatial.comm for m in module.modules() if hasattr(m, "_zero_spatial")), None)
+        # the layout a volume is split in (zero/spatial: the plan the model was converted with): its
+        # group's and its grid lines' halo exchanges and statistics join the comm report
+        self.spatial = next((m._zero_spatial for m in module.modules() if hasattr(m, "_zero_spatial")), None)
         self.comm.engine = next_engine_number()
         self.device = compute_device(self.comm)
         # without an optimizer (none passed, no optimizer section) the engine evaluates and generates:
@@ -396,7 +396,8 @@ class TrainingLoop(nn.Module):
             self._report_skip()
         self._last_comm = self.comm.report()
         self.comm.reset_counts()
-        for other in {id(c): c for c in (self.replicate, self.dp, self.spatial)
+        spatial = () if self.spatial is None else (self.spatial.comm, *self.spatial.axes)
+        for other in {id(c): c for c in (self.replicate, self.dp, *spatial)
                       if c is not None and c is not self.comm}.values():
             for label, count in other.report().items():  # the replicas' all-reduces, the buffers' sync, halos
                 total = self._last_comm.setdefault(label, dict.fromkeys(count, 0))

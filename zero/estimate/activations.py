@@ -37,13 +37,16 @@ and the like are the `buffers` of the model-state estimate); the hooks do not ru
 A sequence-parallel model traces with its own group size (each rank's slice of the sequence, the
 whole sequence for its heads after the exchange, which allocates what it would and sends nothing);
 `sequence_parallel_size` gives a zero GPT or an HF model that exchange for the trace only.
+`spatial_parallel_size` traces one rank's slab of a volume split over that many ranks, its halo
+exchanges allocating what they would and sending nothing, and counts the bytes they would send
+(see [Note: tracing a split volume] in zero/estimate/spatial.py).
 """
 from __future__ import annotations
 
 import contextlib
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -60,11 +63,26 @@ class ActivationEstimate:
         peak: the most bytes alive at once, from the start of forward to the end of backward.
         saved: bytes alive when backward starts (what forward keeps for it, and the loss).
         inputs: the example's shapes, for the record ("input_ids [1, 4096] int64, ...").
+        halo_bytes: with a volume split over spatial ranks, the bytes the traced rank sends in
+            one forward and backward's halo exchanges (the real run's "spatial_halo" count); 0
+            otherwise.
+        slab: the traced rank's slab of the example's first split tensor ((N, C, D, H, W) with D
+            narrowed, for the default depth split); () without a split.
+        volume: that tensor's whole shape; () without a split.
+        spatial_rank: the rank of the spatial group whose slab was traced (see [Note: tracing a
+            split volume] in zero/estimate/spatial.py).
+        collectives: the spatial group's collectives on that rank in one forward and backward,
+            as its Comm.report() counts them (label -> calls, elements, bytes); {} without a split.
     """
 
     peak: int
     saved: int
     inputs: str
+    halo_bytes: int = 0
+    slab: tuple[int, ...] = ()
+    volume: tuple[int, ...] = ()
+    spatial_rank: int = 0
+    collectives: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -198,7 +216,8 @@ def _convolution_workspace(func, args: tuple) -> int:
             xs = torch.randn(small, dtype=x.dtype)
             ws = torch.randn(weight.shape, dtype=weight.dtype)
             if backward:
-                bias = torch.zeros(rest[0], dtype=x.dtype) if rest[0] is not None else None
+                # the bias's sizes ([0] when there is none: a transposed convolution called without one)
+                bias = torch.zeros(rest[0], dtype=x.dtype) if rest[0] is not None and all(rest[0]) else None
                 ys = torch.ops.aten.convolution.default(xs, ws, bias, *rest[1:-1])
                 scratch = _scratch(func, torch.randn_like(ys), xs, ws, *rest)
             else:
@@ -210,7 +229,8 @@ def _convolution_workspace(func, args: tuple) -> int:
 
 def estimate_activations(model: nn.Module, example: Any = None, *, loss: Callable[[Any], torch.Tensor] | None = None,
                          micro_batch_size: int = 1, seq_len: int | None = None, dtype: torch.dtype | None = None,
-                         sequence_parallel_size: int = 1, kernel_scratch: bool = True) -> ActivationEstimate:
+                         sequence_parallel_size: int = 1, kernel_scratch: bool = True,
+                         spatial_parallel_size: int = 1, spatial_dim: int = 2) -> ActivationEstimate:
     """Activation memory of one training step of `model` on one rank (see [Note: tracing activations]).
 
     Args:
@@ -231,6 +251,13 @@ def estimate_activations(model: nn.Module, example: Any = None, *, loss: Callabl
             many ranks (a model that has it already traces with its own group).
         kernel_scratch: add the scratch memory this machine's CPU kernels allocate inside
             convolutions and attention (see the note); False for a run on another kind of device.
+        spatial_parallel_size: trace the slab of the most loaded rank of a volume split over
+            this many ranks (zero.spatial): `example` holds the whole volume's tensors, and each
+            tensor with a `spatial_dim` is split canonically. The model's layers are converted
+            for the trace and put back after it (see [Note: tracing a split volume] in
+            zero/estimate/spatial.py). A model split already (zero.initialize with
+            spatial_parallel_size) needs it too, with the whole volume's example.
+        spatial_dim: the split dimension of an (N, C, *spatial) tensor (default 2, depth).
 
     Returns:
         An ActivationEstimate (bytes per rank).
@@ -241,11 +268,30 @@ def estimate_activations(model: nn.Module, example: Any = None, *, loss: Callabl
         raise TypeError(f"estimate_activations takes an nn.Module, got {type(model).__name__}")
     if not isinstance(sequence_parallel_size, int) or sequence_parallel_size < 1:
         raise ValueError(f"sequence_parallel_size must be a positive integer, got {sequence_parallel_size!r}")
+    if isinstance(spatial_parallel_size, bool) or not isinstance(spatial_parallel_size, int) or spatial_parallel_size < 1:
+        raise ValueError(f"spatial_parallel_size must be a positive integer, got {spatial_parallel_size!r}")
+    if isinstance(spatial_dim, bool) or not isinstance(spatial_dim, int) or spatial_dim < 2:
+        raise ValueError(f"spatial_dim must be a dimension >= 2 of an (N, C, *spatial) tensor, got {spatial_dim!r}")
+    if spatial_parallel_size > 1 and sequence_parallel_size > 1:
+        raise ValueError("spatial_parallel_size and sequence_parallel_size do not combine (zero's spatial parallelism "
+                         "does not combine with sequence parallelism yet)")
+    from zero.estimate.spatial import is_converted
+
+    if spatial_parallel_size == 1 and any(is_converted(m) for m in model.modules()):
+        raise ValueError("estimate_activations: the model's layers are split over a spatial group "
+                         "(zero.spatial.parallelize); pass spatial_parallel_size= (the group's size) and the whole "
+                         "volume's example")
     if example is None:
         example = _token_example(model, micro_batch_size, seq_len, sequence_parallel_size)
     args, kwargs = _split_example(example)
     inputs = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tree_flatten((args, kwargs))[0]
                        if isinstance(t, torch.Tensor))
+    spatial = None
+    if spatial_parallel_size > 1:  # this rank's slab (see [Note: tracing a split volume])
+        from zero.estimate.spatial import plan_trace
+
+        spatial = plan_trace(model, args, kwargs, spatial_parallel_size, spatial_dim, dtype)
+        args, kwargs = spatial.args, spatial.kwargs
     fake = FakeTensorMode(allow_non_fake_inputs=False)
     with fake, contextlib.ExitStack() as stack:
         stack.enter_context(_without_module_hooks(model))
@@ -254,6 +300,8 @@ def estimate_activations(model: nn.Module, example: Any = None, *, loss: Callabl
             stack.enter_context(_ulysses_for_trace(model, sequence_parallel_size))
         params = _fake_parameters(model, dtype)
         args, kwargs = tree_map(lambda t: _fake_input(t, dtype), (args, kwargs))
+        if spatial is not None:  # after the fake parameters and inputs are made (see the spatial note)
+            stack.enter_context(spatial.groups(model))
         known = [*params.values(), *(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))]
         for p in {id(p): p for p in params.values()}.values():
             if p.requires_grad:  # the engine hands each gradient on at once (see the note)
@@ -264,7 +312,11 @@ def estimate_activations(model: nn.Module, example: Any = None, *, loss: Callabl
             # backward inside the call too: a checkpointed block's recomputation reads the fake parameters
             saved = torch.func.functional_call(step, {f"model.{k}": v for k, v in params.items()}, (args, kwargs),
                                                tie_weights=True, strict=False)
-    return ActivationEstimate(peak=int(live.peak), saved=int(saved), inputs=inputs)
+    if spatial is None:
+        return ActivationEstimate(peak=int(live.peak), saved=int(saved), inputs=inputs)
+    return ActivationEstimate(peak=int(live.peak), saved=int(saved), inputs=inputs, halo_bytes=spatial.halo_bytes,
+                              slab=spatial.slab, volume=spatial.volume, spatial_rank=spatial.rank,
+                              collectives=spatial.report())
 
 
 class _Step(nn.Module):
