@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-STEPS = 3
+STEPS = 5
 # A convolution's bias before a GroupNorm has a gradient of exactly zero, which the split and the
 # unsplit model compute as different ~1e-9 round-off; with Adam's eps at 1e-8 that noise would
 # make steps of +-lr. An eps of 1e-4 keeps such steps below 1e-6 and the others as they are.
@@ -28,11 +28,23 @@ def _volumes(step: int, samples: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(samples, 1, 16, 4, 8, generator=g), torch.randn(samples, 1, 16, 4, 8, generator=g)
 
 
-def _reference(samples: int = 2) -> tuple[list[torch.Tensor], int]:
+def _build(net: str) -> torch.nn.Module:
+    """The example U-Net, or MONAI's UNet or DynUNet, small."""
+    torch.manual_seed(0)
+    if net == "unet3d":
+        return _example().UNet3D(width=4, depth=3)
+    from monai.networks.nets import DynUNet, UNet
+
+    if net == "monai-unet":
+        return UNet(spatial_dims=3, in_channels=1, out_channels=1, channels=(4, 8, 16), strides=(2, 2), num_res_units=1)
+    return DynUNet(spatial_dims=3, in_channels=1, out_channels=1, kernel_size=[3, 3, 3], strides=[1, 2, 2],
+                   upsample_kernel_size=[2, 2])
+
+
+def _reference(samples: int = 2, net: str = "unet3d") -> tuple[list[torch.Tensor], int]:
     """The unsplit model trained in one process on every data-parallel rank's samples, and the
     halo formula's bytes per rank per step for 2 spatial ranks (see docs/spatial.md)."""
-    torch.manual_seed(0)
-    model = _example().UNet3D(width=4, depth=3)
+    model = _build(net)
     planes = []  # N x C x H x W of each 3x3x3 convolution's input: one plane each way per cut, in forward,
     # and its gradient sent back in backward (unless the input needs none: the model's input)
     for m in model.modules():
@@ -50,14 +62,13 @@ def _reference(samples: int = 2) -> tuple[list[torch.Tensor], int]:
     return [p.detach().clone() for p in model.parameters()], sum(planes) * 4  # fp32
 
 
-def _spatial(stage: int, offload: bool, spatial: int = 2, dims: tuple[int, ...] = (2,)) -> tuple:
+def _spatial(stage: int, offload: bool, spatial: int = 2, dims: tuple[int, ...] = (2,), net: str = "unet3d") -> tuple:
     import torch.distributed as dist
 
     import zero
     import zero.spatial as sp
 
-    torch.manual_seed(0)
-    model = _example().UNet3D(width=4, depth=3)
+    model = _build(net)
     names = [n for n, _ in model.named_parameters()]
     zc = {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
     engine, *_ = zero.initialize(model=model, config={
@@ -93,12 +104,19 @@ def test_the_unet_trained_over_spatial_ranks_equals_the_unsplit_one(dist_run, st
         assert halo == halo_bytes, (halo, halo_bytes)  # the comm report's halo bytes: the docs' formula
 
 
-@pytest.mark.parametrize("spatial, stage, offload, dims", [(4, 3, True, (2,)), (2, 2, False, (2,)), (4, 1, False, (2, 4))])
-def test_four_ranks_as_spatial_and_data_ranks_equal_the_unsplit_model(dist_run, spatial, stage, offload, dims):
+FOUR_RANKS = [(4, 3, True, (2,), "unet3d"), (2, 2, False, (2,), "unet3d"), (4, 1, False, (2, 4), "unet3d"),
+              (2, 3, True, (2,), "monai-unet"), (4, 2, False, (2,), "dynunet")]
+
+
+@pytest.mark.parametrize("spatial, stage, offload, dims, net", FOUR_RANKS)
+def test_four_ranks_as_spatial_and_data_ranks_equal_the_unsplit_model(dist_run, spatial, stage, offload, dims, net):
     """4 spatial ranks as slabs or as a 2 x 2 grid (depth x width), or 2 spatial x 2 data-parallel
-    ranks (the unsplit model trains on both data ranks' samples at once)."""
-    expected, _ = _reference(2 * 4 // spatial)
-    for params, _, _ in dist_run(4, _spatial, stage, offload, spatial, dims, timeout=600):
+    ranks (the unsplit model trains on both data ranks' samples at once); MONAI's UNet and DynUNet
+    too."""
+    if net != "unet3d":
+        pytest.importorskip("monai", reason="needs MONAI (pip install monai; part of the test extra)")
+    expected, _ = _reference(2 * 4 // spatial, net)
+    for params, _, _ in dist_run(4, _spatial, stage, offload, spatial, dims, net, timeout=600):
         for p, q in zip(params, expected):
             assert torch.allclose(p, q, rtol=1e-5, atol=2e-5), (spatial, (p - q).abs().max().item())
 

@@ -79,6 +79,9 @@ def _losses(dim) -> list[float]:
          labels.clamp(min=0)),
         (lambda a, b: F.binary_cross_entropy_with_logits(a, b, reduction="sum") / 7, soft),
         (lambda a, b: (a.sigmoid() * b).mean(dim=(2, 3, 4)).sum() + a.mean(), soft),
+        (lambda a, b: (a * b).sum(dim=(2, 3, 4), keepdim=True).sum() / 100, soft),  # reduced once, not twice
+        (lambda a, b: F.cross_entropy(a, b[:, 0], weight=torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64),
+                                      ignore_index=255), labels.masked_fill(labels < 0, 255)),
     ]
     worst = []
     for loss, target in cases:
@@ -95,17 +98,19 @@ def _losses(dim) -> list[float]:
     return worst
 
 
-@pytest.mark.parametrize("ranks, dim", [(2, 2), (3, 2), (4, (2, 3))])
+@pytest.mark.parametrize("ranks, dim", [(2, 2), (4, (2, 3))])
 def test_losses_over_a_split_volume_equal_the_unsplit_ones(dist_run, ranks, dim):
     for worst in dist_run(ranks, _losses, dim):
         assert max(worst) < 1e-12, worst
 
 
-def test_a_converted_model_saves_an_ordinary_state_dict_for_sliding_window_inference():
+def test_a_converted_model_saves_an_ordinary_state_dict_for_sliding_window_inference(monkeypatch):
     from monai.inferers import sliding_window_inference
 
     import zero.spatial as sp
     from zero.parallel.comm import Comm
+
+    monkeypatch.setattr(sp, "_current", None)  # the layout parallelize sets here goes with the test
 
     model, fresh = _build("UNet").double(), _build("UNet").double()
     sp.parallelize(model, Comm())  # one process: a group of one, converted all the same

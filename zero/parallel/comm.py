@@ -162,6 +162,7 @@ class Comm:
         self.engine = 0
         self.wait_s = 0.0  # seconds the host waited for this group's gloo collectives (NCCL: not measured)
         self.defer_tags = self.uses_nccl and not strict_tags  # check a pass's tags at its end (`tagged`)
+        self.broken: str | None = None  # the first timeout on this group; later collectives refuse (`_usable`)
         self._deferred: list = []
 
     def control(self) -> Comm:
@@ -219,6 +220,7 @@ class Comm:
     # -- counting
 
     def _count(self, name: str, t: torch.Tensor) -> None:
+        self._usable()  # every collective counts itself first, before it is issued
         c = self.counts[name]
         c.calls += 1
         c.elements += t.numel()
@@ -245,6 +247,12 @@ class Comm:
         device = torch.device("cuda", torch.cuda.current_device())
         return ([torch.empty_like(t, device=device) for t in outputs],
                 [t.to(device, non_blocking=True) for t in inputs])
+
+    def _usable(self) -> None:
+        """Raise if an earlier collective on this group timed out: its work is still pending in
+        gloo, so a new one would pair with it."""
+        if self.broken:
+            raise CollectiveTimeout(f"this group is unusable after an earlier collective timed out: {self.broken}")
 
     def _bounded(self, work, async_op: bool, what: str):
         """A gloo collective issued asynchronously: its handle, or (sync) wait for it, bounded."""
@@ -391,10 +399,13 @@ class Comm:
 
     def wait_for(self, work, describe: Callable[[], str]) -> None:
         """[Note: bounded waits]
-        Wait for `work` at most `timeout_s` seconds (ZERO_COLLECTIVE_TIMEOUT); if it does not
-        complete (a rank stopped, or waits in another collective) or fails (a rank died), abort
-        this process's groups, so that it can exit at once instead of waiting in gloo's threads
-        for the process group's own timeout, and raise CollectiveTimeout naming `describe()`.
+        Wait for `work` at most `timeout_s` seconds (ZERO_COLLECTIVE_TIMEOUT) and raise
+        CollectiveTimeout naming `describe()` if it does not complete (a rank stopped, or waits in
+        another collective) or fails (a rank died). After a failure this process's groups are
+        aborted, so that it can exit at once instead of waiting in gloo's threads for the process
+        group's own timeout; after a timeout the group is marked broken instead (gloo's abort
+        would hold this process until the live peer closes its end) and every later collective on
+        it raises at once.
 
         Under NCCL a timed wait would block the CPU until the GPU finishes: there the wait only
         orders the current stream, and a hang is bounded by the process group's own timeout
@@ -417,8 +428,9 @@ class Comm:
                 # A peer that crashed closed its connections: aborting is quick and lets this
                 # process exit at once. After a timeout the peer is alive (stalled, or waiting in
                 # another collective): gloo's abort then holds the interpreter until the peer
-                # closes its end, which would delay this error by as long, so the group is left
-                # as it is and the error raised now.
+                # closes its end, which would delay this error by as long, so the group is not
+                # aborted but marked broken (`_usable`): a later collective on it would pair with
+                # the abandoned one.
                 self.abort()
             if timed_out:
                 cause = (f"did not complete within {self.timeout_s:g} s. Usually this means the ranks ran different "
@@ -427,7 +439,9 @@ class Comm:
                          f"Set ZERO_COLLECTIVE_TIMEOUT to wait longer")
             else:
                 cause = "failed because another rank stopped or crashed (see its log for the first error)"
-            raise CollectiveTimeout(f"{describe()} {cause} ({exc}).") from exc
+            message = f"{describe()} {cause} ({exc})."
+            self.broken = self.broken or message
+            raise CollectiveTimeout(message) from exc
 
     def start_tag(self, tag: Tag, a: int = 0, b: int = 0):
         """All-gather (tag, a, b) and this group's engine number on the control group; returns
@@ -483,8 +497,8 @@ class Comm:
             self.check_tags(work, tags, what, unit_label, advice)
 
     def abort(self) -> None:
-        """Abort this group and its control group after a fatal divergence or timeout, so the
-        process can exit at once (their pending collectives will never complete). Later
+        """Abort this group and its control group after a fatal divergence or a failed collective,
+        so the process can exit at once (their pending collectives will never complete). Later
         collectives on them fail."""
         if not self.distributed:
             return

@@ -25,6 +25,8 @@ the rest.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -53,6 +55,7 @@ __all__ = ["Split", "fetch", "shard_volume", "gather_volume", "parallelize", "vo
            "whole_volume", "grid_shape", "SpatialError", "SpatialDivergence", "slab_bounds", "read_slab",
            "SlabCollate", "SpatialRank"]
 
+log = logging.getLogger(__name__)
 _current: Plan | None = None  # the layout `parallelize` (or `initialize`) last converted a model for
 
 
@@ -68,10 +71,10 @@ def _comm(comm: Comm | None) -> Comm:
 def _layout(comm: Comm | None, dim) -> Plan:
     """The dimensions and axes a function splits along: the layout `parallelize` made, or, with
     `comm` given, `dim` (one dimension, or several: a grid, see `grid_shape`) over `comm`."""
-    if comm is None and _current is not None:
+    if _current is not None and (comm is None or comm is _current.comm) and dim is None:
         return _current
     comm = _comm(comm)
-    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    dims = (2,) if dim is None else (dim,) if isinstance(dim, int) else tuple(dim)
     if _current is not None and _current.comm is comm and _current.dims == dims:
         return _current
     return _plan(comm, dims)
@@ -107,6 +110,10 @@ def _plan(comm: Comm, dims: tuple[int, ...], sites: tuple[str, ...] = ()) -> Pla
     from zero.parallel.groups import group_of
 
     shape = grid_shape(comm.world_size, len(dims))
+    if 1 in shape:
+        log.warning("zero.spatial: %d ranks over dimensions %s make a %s grid: dimension(s) %s are not split",
+                    comm.world_size, list(dims), " x ".join(map(str, shape)),
+                    [d for d, n in zip(dims, shape) if n == 1])
     members = dist.get_process_group_ranks(comm.group if comm.group is not None else dist.group.WORLD)
     coords, rest = [], comm.rank
     for n in reversed(shape):
@@ -149,11 +156,15 @@ _REFUSED = {
                  "built. Train it on whole volumes (ZeRO and offload still apply), or use a convolutional U-Net "
                  "(MONAI's UNet, BasicUNet, DynUNet, SegResNet-like networks) with spatial parallelism",
 }
-_POINTWISE = (nn.ReLU, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.PReLU, nn.ELU, nn.Sigmoid, nn.Tanh, nn.Identity,
-              nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Sequential, nn.ModuleList, nn.ModuleDict)
+_POINTWISE = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.Mish, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.RReLU,
+              nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus, nn.Softsign,
+              nn.LogSigmoid, nn.Tanhshrink, nn.Threshold, nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d,
+              nn.Dropout3d, nn.AlphaDropout, nn.Sequential, nn.ModuleList, nn.ModuleDict)
+_POINTWISE_NAMES = {"Swish", "MemoryEfficientSwish", "Mish"}  # MONAI's activations, by class name
+_OVER_CHANNELS = (nn.Softmax, nn.LogSoftmax, nn.Softmin)  # pointwise in space when over the channels (dim=1)
 
 
-def shard_volume(x: torch.Tensor, comm: Comm | None = None, dim=2) -> torch.Tensor:
+def shard_volume(x: torch.Tensor, comm: Comm | None = None, dim=None) -> torch.Tensor:
     """This rank's slab (or block, over a grid) of the full tensor `x` (the canonical split along
     each split dimension: see [Note: slabs and halos]); every rank of the spatial group (`comm`,
     default: the one `initialize` made, with its dimensions) passes the same `x`."""
@@ -167,7 +178,7 @@ def shard_volume(x: torch.Tensor, comm: Comm | None = None, dim=2) -> torch.Tens
 
 
 @torch.no_grad()
-def gather_volume(y: torch.Tensor, comm: Comm | None = None, dim=2) -> torch.Tensor:
+def gather_volume(y: torch.Tensor, comm: Comm | None = None, dim=None) -> torch.Tensor:
     """The whole tensor whose slabs (or blocks) the ranks of the spatial group hold, on every rank
     (for evaluation and saving predictions; not differentiable)."""
     layout = _layout(comm, dim)
@@ -196,7 +207,7 @@ def volume_sum(x: torch.Tensor, comm: Comm | None = None) -> torch.Tensor:
     return group_sum(x.sum(), _comm(comm))
 
 
-def volume_mean(x: torch.Tensor, comm: Comm | None = None, dim=2) -> torch.Tensor:
+def volume_mean(x: torch.Tensor, comm: Comm | None = None, dim=None) -> torch.Tensor:
     """The mean of every element of the split tensor `x` over the whole volume: a mean loss (MSE,
     cross-entropy per voxel) equal to the unsplit one, on every rank."""
     layout = _layout(comm, dim)
@@ -227,9 +238,18 @@ def parallelize(model: nn.Module, comm: Comm, dim=2) -> nn.Module:
                                f"{reason}")
         row = next((r for r in _SPLIT if isinstance(module, r[0])), None)
         if row is not None:
+            base = next(c for c in type(module).__mro__ if c in row[0])
+            if type(module).forward is not base.forward:
+                raise SpatialError(f"{path or '<model>'} ({type(module).__name__}) overrides {base.__name__}.forward; "
+                                   f"zero.spatial splits torch's own layers only (move the extra computation into "
+                                   f"modules of its own)")
             row[1](module, path or "<model>", dims)
             chosen.append((path or "<model>", module, row[2]))
-        elif next(module.children(), None) is None and not isinstance(module, _POINTWISE):
+        elif isinstance(module, _OVER_CHANNELS) and module.dim not in (1, -len(dims) - 2):
+            raise SpatialError(f"{path or '<model>'} ({type(module).__name__}(dim={module.dim})) over a dimension other "
+                               f"than the channels cannot run on a volume split over ranks")
+        elif next(module.children(), None) is None and not isinstance(module, (*_POINTWISE, *_OVER_CHANNELS)) \
+                and type(module).__name__ not in _POINTWISE_NAMES:
             raise SpatialError(f"{path or '<model>'} ({type(module).__name__}) cannot run on a volume split over "
                                f"ranks yet (supported so far: convolutions, transposed convolutions, pools, "
                                f"normalisation, Upsample and pointwise layers; see docs/spatial.md)")

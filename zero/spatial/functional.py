@@ -51,13 +51,27 @@ class SplitFunctions(TorchFunctionMode):
             return func(*args, **kwargs)
         if func is F.interpolate:
             return _interpolate(self.plan, *args, **kwargs)
+        x = args[0] if args else kwargs.get("input")
+        if not isinstance(x, torch.Tensor) or x.dim() <= max(self.plan.dims):
+            return func(*args, **kwargs)
+        if func is F.pad:
+            self._check_pad(x, args[1] if len(args) > 1 else kwargs.get("pad"))
+            return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
-        if name in _WINDOWED and isinstance(args[0] if args else None, torch.Tensor) \
-                and args[0].dim() > max(self.plan.dims):
+        if name in _WINDOWED and func is not torch.Tensor.unfold:  # Tensor.unfold: a view, not F.unfold
             raise SpatialError(f"{name}, called in the forward of a model whose volume is split over ranks, would "
                                f"miss the neighbouring slabs' planes; use {_WINDOWED[name]} as a module, which "
                                f"zero.spatial converts (see docs/spatial.md)")
         return func(*args, **kwargs)
+
+    def _check_pad(self, x: torch.Tensor, pad) -> None:
+        """F.pad of a split dimension would pad every slab (MONAI's UpCat pads a skip whose length
+        is odd): refused; padding the other dimensions is local."""
+        for i, dim in enumerate(range(x.dim() - 1, -1, -1)):  # pad lists the last dimension first
+            if dim in self.plan.dims and 2 * i + 1 < len(pad) and (pad[2 * i] or pad[2 * i + 1]):
+                raise SpatialError(f"F.pad of dimension {dim}, which is split over ranks, in the forward of a split "
+                                   f"model would pad every rank's slab; give that dimension a length the model's "
+                                   f"pools divide (MONAI's UpCat pads a skip connection whose length is odd)")
 
 
 def _interpolate(plan: Plan, input, size=None, scale_factor=None, mode="nearest", align_corners=None,

@@ -163,9 +163,12 @@ def fetch(x: torch.Tensor, dim: int, split: Split, ranges: list[tuple[int, int]]
         ranges: every rank's [lo, hi), the same list on every rank.
         comm: the spatial group.
     """
-    if comm.world_size == 1:
-        lo, hi = ranges[0]
-        return torch.nn.functional.pad(x.movedim(dim, -1), (-lo, hi - split.length)).movedim(-1, dim)
+    if comm.world_size == 1 or not any(a < b for row in _blocks(split, ranges) for a, b in row):
+        # nothing crosses a cut (a 1^3 convolution, a pool whose windows end at the slab
+        # boundaries): every rank computes the same blocks, so all skip the exchange together
+        lo, hi = ranges[comm.rank]
+        start, stop = split.bounds(comm.rank)
+        return torch.nn.functional.pad(x.movedim(dim, -1), (start - lo, hi - stop)).movedim(-1, dim)
     return _Fetch.apply(x, dim, split, ranges, comm)
 
 
@@ -184,6 +187,7 @@ class _Sum(torch.autograd.Function):
         g = g.clone()
         ctx.comm.all_reduce(g, label="spatial_stats")
         return g, None
+
 
 def group_sum(x: torch.Tensor, comm: Comm) -> torch.Tensor:
     """`x` summed over the group, on every rank; differentiable (the adjoint sums the gradients)."""

@@ -9,13 +9,15 @@ means and vector norms and the losses' built-in 'mean'/'sum' reductions; one tha
 dimensions (a tensor with more dimensions than the largest split one, reduced over all of them)
 is computed on the slab and summed over the spatial group (`group_sum`: differentiable), a mean
 divided by the whole volume's count (the count of non-ignored targets for cross-entropy's
-`ignore_index`, their weights for its `weight`). Reductions that keep a split dimension, or run
+`ignore_index`, their weights for its `weight`), in fp32 at least. Reductions that keep a split dimension, or run
 on tensors already reduced (a Dice score's per-channel sums), stay local. So the value is the
 unsplit loss on every rank, and its gradient the unsplit one (times the group's size on each
 slab, which the engine's average over all ranks divides out, as for `volume_sum`).
 
-Max/min over the volume and reductions that keep only part of a grid's split dimensions are not
-summable this way and raise SpatialError.
+A tensor whose split dimensions all have length 1 is taken for one reduced already (a sum with
+keepdim=True, MONAI's reduction="none"), not for a slab: summing it again stays local. Max/min over
+the volume and reductions that keep only part of a grid's split dimensions are not summable this
+way and raise SpatialError.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ _EXTREMES = {torch.amax, torch.amin, torch.Tensor.amax, torch.Tensor.amin, torch
              torch.Tensor.max, torch.Tensor.min}
 
 
-def whole_volume(fn, comm=None, dim=2):
+def whole_volume(fn, comm=None, dim=None):
     """`fn` (a loss or metric over (N, C, *spatial) tensors) computed over the whole volume from
     this rank's slabs, the same value on every rank of the spatial group (`comm` and `dim`: as
     `shard_volume`'s; default the layout `initialize` made). See [Note: reductions over the whole
@@ -63,7 +65,8 @@ class _Reductions(TorchFunctionMode):
 
     def _covers(self, x, dim) -> bool:
         """`dim` of `x` (None: all) covers the split dimensions (False: none; raises: some)."""
-        if not isinstance(x, torch.Tensor) or x.dim() <= max(self.layout.dims):
+        if not isinstance(x, torch.Tensor) or x.dim() <= max(self.layout.dims) or \
+                all(x.shape[d] == 1 for d in self.layout.dims):  # reduced already (keepdim): not a slab
             return False
         dims = set(range(x.dim())) if dim is None or dim == [] or dim == () else \
             {d % x.dim() for d in ((dim,) if isinstance(dim, int) else dim)}
@@ -81,10 +84,11 @@ class _Reductions(TorchFunctionMode):
             if not self._covers(x, dim):
                 return func(*args, **kwargs)
             local = func(*args, **kwargs)  # the mode is off inside its own handler: torch's reduction
+            wide = _accumulating(local)  # summed over the group in fp32 at least, as torch accumulates
             if func in _SUMS:
-                return group_sum(local, self.layout.comm)
+                return group_sum(wide, self.layout.comm).to(local.dtype)
             count = x.numel() // max(1, local.numel())  # elements each mean covers on this slab
-            return group_sum(local * count, self.layout.comm) / self._global(count, local)
+            return (group_sum(wide * count, self.layout.comm) / self._global(count, wide)).to(local.dtype)
         if func is torch.linalg.vector_norm:  # (sum |x|^p)^(1/p): its sum over the volume
             x = args[0]
             order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
@@ -101,10 +105,11 @@ class _Reductions(TorchFunctionMode):
                                f"whole_volume (not a sum)")
         return func(*args, **kwargs)
 
-    def _global(self, count: int, like: torch.Tensor) -> torch.Tensor:
+    def _global(self, count: int, like: torch.Tensor) -> float:
+        """`count` summed over the group (counted in fp64: a volume's voxels overflow fp16)."""
         t = torch.tensor([float(count)], dtype=torch.float64, device=like.device)
         self.layout.comm.all_reduce(t, label="spatial_stats")
-        return t.to(like.dtype)
+        return float(t.item())
 
     def _loss(self, func, args, kwargs):
         import inspect
@@ -120,14 +125,18 @@ class _Reductions(TorchFunctionMode):
         for old in ("size_average", "reduce"):
             values.pop(old, None)
         each = func(**values)
-        total = group_sum(each.sum(), self.layout.comm)
+        total = group_sum(_accumulating(each).sum(), self.layout.comm)
         if reduction == "sum":
-            return total
+            return total.to(each.dtype)
         target = values.get("target")
         if func in (F.cross_entropy, F.nll_loss) and target is not None and not target.is_floating_point():
             keep = target != values.get("ignore_index", -100)
             weight = values.get("weight")
-            count = (weight[target.clamp(min=0)] * keep).sum() if weight is not None else keep.sum()
+            count = (weight[target.masked_fill(~keep, 0)] * keep).sum() if weight is not None else keep.sum()
             count = group_sum(count.to(total.dtype).detach(), self.layout.comm)
-            return total / count
-        return total / self._global(each.numel(), each)
+            return (total / count).to(each.dtype)
+        return (total / self._global(each.numel(), each)).to(each.dtype)
+
+
+def _accumulating(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t

@@ -46,19 +46,21 @@ class _Normalize(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, dims, count, comm, eps):
+        acc = _accumulation(x)  # statistics in fp32 at least, as torch's norms keep them
         with torch.no_grad():
-            mean = x.sum(dims, keepdim=True)
+            mean = x.sum(dims, keepdim=True, dtype=acc)
             comm.all_reduce(mean, label="spatial_stats")
             mean /= count
-            var = (x - mean).square_().sum(dims, keepdim=True)
+            var = (x.to(acc) - mean).square_().sum(dims, keepdim=True)
             comm.all_reduce(var, label="spatial_stats")
             var /= count
             rstd = (var + eps).rsqrt()
-            y = (x - mean).mul_(rstd)
+            y = (x.to(acc) - mean).mul_(rstd)
             if weight is not None:
                 y.mul_(weight)
             if bias is not None:
                 y.add_(bias)
+            y = y.to(x.dtype)
         ctx.save_for_backward(x, mean, rstd, weight, bias)
         ctx.dims, ctx.count, ctx.comm = dims, count, comm
         ctx.mark_non_differentiable(mean, var)
@@ -67,15 +69,20 @@ class _Normalize(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g, _mean, _var):
         x, mean, rstd, weight, bias = ctx.saved_tensors
-        xhat = (x - mean).mul_(rstd)
+        g = g.to(mean.dtype)
+        xhat = (x.to(mean.dtype) - mean).mul_(rstd)
         gw = g * weight if weight is not None else g
         sums = torch.cat([gw.sum(ctx.dims, keepdim=True), (gw * xhat).sum(ctx.dims, keepdim=True)])
         ctx.comm.all_reduce(sums, label="spatial_stats")
         mean_g, mean_gx = (sums / ctx.count).chunk(2)
-        dx = (gw - mean_g).sub_(xhat * mean_gx).mul_(rstd) if ctx.needs_input_grad[0] else None
-        dweight = _sum_to(g * xhat, weight) if weight is not None and ctx.needs_input_grad[1] else None
-        dbias = _sum_to(g, bias) if bias is not None and ctx.needs_input_grad[2] else None
+        dx = (gw - mean_g).sub_(xhat * mean_gx).mul_(rstd).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dweight = _sum_to(g * xhat, weight).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+        dbias = _sum_to(g, bias).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
         return dx, dweight, dbias, None, None, None, None
+
+
+def _accumulation(x: torch.Tensor) -> torch.dtype:
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
 
 
 def _view(p: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | None:
