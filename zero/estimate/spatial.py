@@ -75,9 +75,10 @@ class TraceComm:
     def __init__(self, world_size: int, rank: int, global_length: Callable[[int], int] | None = None):
         self.world_size, self.rank, self.global_length = world_size, rank, global_length
         self.counts: dict[str, CollectiveCount] = defaultdict(CollectiveCount)
-        self.group, self.distributed, self.backend = None, False, "trace"
+        self.group, self.distributed, self.backend, self.broken = None, False, "trace", None
 
     _count = Comm._count  # the real group's counting, so that the two agree byte for byte
+    _usable = Comm._usable
     reset_counts = Comm.reset_counts
     report = Comm.report
 
