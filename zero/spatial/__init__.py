@@ -5,23 +5,27 @@ do not fit one device.
 A 3D U-Net's memory is its activations: one 32-channel bf16 feature map of a 512^3 volume is
 8.6 GB. Spatial parallelism splits every activation of a sample over a group of P ranks, each
 holding a slab of the volume along one spatial dimension (`spatial_parallel_dims`, default [2]:
-depth of an (N, C, D, H, W) tensor), so each rank keeps about 1/P of them. Layers that read a
-window of planes (convolutions, pools, interpolation) fetch the planes their output slab needs
-from the neighbouring slabs, the halo, and send the halo's gradient back in backward (see
-[Note: slabs and halos] in zero/spatial/halo.py); pointwise layers and the concatenation of skip
-connections are local, because every tensor is split canonically whatever its length. The model's
-parameters are whole on every rank of the group and their gradients are summed over it, as for
-sequence parallelism (ZeRO partitions model states over data x spatial ranks).
+depth of an (N, C, D, H, W) tensor), or the block of a grid over two or three (`grid_shape`), so
+each rank keeps about 1/P of them. Layers that read a window of planes (convolutions, pools,
+interpolation) fetch the planes their output slab needs from the neighbouring slabs, the halo, and
+send the halo's gradient back in backward (see [Note: slabs and halos] in zero/spatial/halo.py),
+one split dimension at a time over that dimension's grid line; pointwise layers and the
+concatenation of skip connections are local, because every tensor is split canonically whatever
+its length. The model's parameters are whole on every rank of the group and their gradients are
+summed over it, as for sequence parallelism (ZeRO partitions model states over data x spatial
+ranks).
 
 The pieces, in this room:
+- `parallelize(model, comm, dim)`: converts the supported modules in place (their forwards in
+  zero/spatial/layers.py and norms.py), refusing first, naming it, any module it cannot split;
+  functional calls in the model's forward are seen by zero/spatial/functional.py;
 - `shard_volume(x)` / `gather_volume(y)`: this rank's slab of a full (N, C, *spatial) tensor, and
   a slabbed tensor put back together on every rank;
-- `parallelize(model, comm)`: converts the supported modules in place, refusing first, naming it,
-  any module it cannot split (zero/spatial/layers.py);
+- `whole_volume(loss)`, `volume_sum`, `volume_mean`: losses and metrics over the whole volume
+  (zero/spatial/losses.py);
+- zero/spatial/data.py: loaders that read only a rank's slab;
 - zero/spatial/halo.py: the split and the exchange.
-What is built so far, along one dimension: convolutions and transposed convolutions, max and
-average pools, GroupNorm/InstanceNorm/BatchNorm (zero/spatial/norms.py). docs/spatial.md tracks
-the rest.
+docs/spatial.md is the user's guide.
 """
 from __future__ import annotations
 
