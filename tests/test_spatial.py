@@ -205,6 +205,21 @@ FUNCTIONAL = [dict(scale_factor=2, mode="trilinear"), dict(size=(9, 4, 6), mode=
               dict(scale_factor=(2, 1, 1), mode="trilinear", align_corners=True)]
 
 
+class _SqueezeExcite(nn.Module):
+    """A convolution whose channels are scaled by a gate from their means over the volume, and
+    the largest value along the channels (torch's functions in the forward, not modules)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        gate = torch.sigmoid(y.mean(dim=(2, 3, 4), keepdim=True) + torch.linalg.vector_norm(y, dim=(2, 3, 4),
+                                                                                            keepdim=True))
+        return y * gate + y.amax(dim=1, keepdim=True)
+
+
 def _functional():
     from zero.parallel.comm import Comm
     from zero.testing.spatial import compare_with_unsplit
@@ -216,11 +231,13 @@ def _functional():
         model = _Functional(F.interpolate, **kwargs).double()
         x = torch.randn(2, 4, 7, 3, 5, dtype=torch.float64)
         worst.append(max(compare_with_unsplit(model, x, comm).errors.values()))
+    x = torch.randn(2, 4, 7, 3, 5, dtype=torch.float64)
+    worst.append(max(compare_with_unsplit(_SqueezeExcite().double(), x, comm).errors.values()))
     return worst
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_interpolate_called_in_a_forward_equals_the_unsplit_one(dist_run, ranks):
+def test_interpolate_and_volume_means_called_in_a_forward_equal_the_unsplit_ones(dist_run, ranks):
     for worst in dist_run(ranks, _functional):
         assert max(worst) < 1e-12, worst
 

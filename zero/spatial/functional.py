@@ -8,8 +8,10 @@ forward (`F.interpolate(x, scale_factor=2)` in a decoder, `F.max_pool3d(x, 2)`),
 conversion sees. While a converted model's forward runs, a TorchFunctionMode (`SplitFunctions`)
 sees every torch function called: calls made by a converted module's own forward (and by zero's
 layers) pass through untouched (`_INSIDE`, counted per thread), and so does everything pointwise;
-interpolation is computed over the split (zero.spatial.layers.interpolate); a window operation
-raises SpatialError naming the function and the module to use instead. A block recomputed by
+interpolation is computed over the split (zero.spatial.layers.interpolate); sums, means and
+vector norms over the split dimensions (a squeeze-excitation's global mean) over the whole volume,
+as in a loss (zero/spatial/losses.py), max/min over them refused; F.pad of a split dimension and
+a window operation raise SpatialError naming the function and the module to use instead. A block recomputed by
 activation checkpointing runs outside the model's forward, so a functional call inside one is not
 seen there: torch's checkpoint then finds the recomputed shapes differ and raises (use modules in
 checkpointed blocks).
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from zero.spatial.layers import _INSIDE, Plan, SpatialError, interpolate
+from zero.spatial.losses import _EXTREMES, _MEANS, _SUMS, _Reductions
 
 # torch functions that read a window of planes, with the module zero.spatial splits instead
 _WINDOWED = {
@@ -38,12 +41,16 @@ _WINDOWED = {
 }
 
 
+_REDUCING = {*_SUMS, *_MEANS, *_EXTREMES, torch.linalg.vector_norm}
+
+
 class SplitFunctions(TorchFunctionMode):
     """See [Note: functional calls over a split volume]."""
 
     def __init__(self, plan: Plan):
         super().__init__()
         self.plan = plan
+        self.reductions = _Reductions(plan, ones_reduced=False)  # its handler, called from this one
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -57,6 +64,8 @@ class SplitFunctions(TorchFunctionMode):
         if func is F.pad:
             self._check_pad(x, args[1] if len(args) > 1 else kwargs.get("pad"))
             return func(*args, **kwargs)
+        if func in _REDUCING:  # a squeeze-excitation's mean over the volume: over the whole volume
+            return self.reductions.__torch_function__(func, types, args, kwargs)
         name = getattr(func, "__name__", "")
         if name in _WINDOWED and func is not torch.Tensor.unfold:  # Tensor.unfold: a view, not F.unfold
             raise SpatialError(f"{name}, called in the forward of a model whose volume is split over ranks, would "

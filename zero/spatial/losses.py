@@ -59,14 +59,18 @@ def whole_volume(fn, comm=None, dim=None):
 
 
 class _Reductions(TorchFunctionMode):
-    def __init__(self, layout: Plan):
+    """See [Note: reductions over the whole volume]. `ones_reduced`: a tensor whose split
+    dimensions all have length 1 was reduced already (in a loss; a model's forward, whose
+    activations are all slabs, passes False: a slab may be one plane deep)."""
+
+    def __init__(self, layout: Plan, ones_reduced: bool = True):
         super().__init__()
-        self.layout = layout
+        self.layout, self.ones_reduced = layout, ones_reduced
 
     def _covers(self, x, dim) -> bool:
         """`dim` of `x` (None: all) covers the split dimensions (False: none; raises: some)."""
-        if not isinstance(x, torch.Tensor) or x.dim() <= max(self.layout.dims) or \
-                all(x.shape[d] == 1 for d in self.layout.dims):  # reduced already (keepdim): not a slab
+        if not isinstance(x, torch.Tensor) or isinstance(x, torch.nn.Parameter) or x.dim() <= max(self.layout.dims) \
+                or self.ones_reduced and all(x.shape[d] == 1 for d in self.layout.dims):
             return False
         dims = set(range(x.dim())) if dim is None or dim == [] or dim == () else \
             {d % x.dim() for d in ((dim,) if isinstance(dim, int) else dim)}
@@ -100,9 +104,10 @@ class _Reductions(TorchFunctionMode):
                 return group_sum(local.pow(order), self.layout.comm).pow(1.0 / order)
         if func in _LOSSES:
             return self._loss(func, args, kwargs)
-        if func in _EXTREMES and args and self._covers(args[0], args[1] if len(args) > 1 else kwargs.get("dim")):
-            raise SpatialError(f"{getattr(func, '__name__', func)} over a split volume is not supported inside "
-                               f"whole_volume (not a sum)")
+        second = args[1] if len(args) > 1 else kwargs.get("dim")
+        if func in _EXTREMES and args and not isinstance(second, torch.Tensor) and self._covers(args[0], second):
+            raise SpatialError(f"{getattr(func, '__name__', func)} over a split volume is not supported (not a "
+                               f"sum over the slabs)")
         return func(*args, **kwargs)
 
     def _global(self, count: int, like: torch.Tensor) -> float:
