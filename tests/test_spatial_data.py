@@ -63,11 +63,10 @@ def test_slab_collate_cuts_only_volumes_or_only_the_keys_asked_for():
         sp.SlabCollate(keys=["image"], comm=place)([(torch.zeros(1, 4, 4), 0)])
 
 
-def test_slab_collate_without_a_group_is_refused_until_there_is_one():
+def test_slab_collate_without_a_group_is_refused_until_there_is_one(monkeypatch):
     import zero.spatial
 
-    if zero.spatial._current is not None:
-        pytest.skip("a spatial group of an earlier test lives in this process")
+    monkeypatch.setattr(zero.spatial, "_current", None)  # no group in this process (an earlier test's goes back after)
     collate = sp.SlabCollate()  # before initialize: built, the group looked up at first use
     with pytest.raises(sp.SpatialError, match="no spatial group yet.*SpatialRank.of"):
         collate([torch.zeros(1, 4, 4)])

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -423,21 +422,17 @@ class Comm:
             self.wait_s += time.perf_counter() - start
         except RuntimeError as exc:
             _ABANDONED.append(work)  # its destructor would wait for the peer that never came
-            timed_out = "timed out" in str(exc).lower()
-            if not timed_out:
-                # A peer that crashed closed its connections: aborting is quick and lets this
-                # process exit at once. After a timeout the peer is alive (stalled, or waiting in
-                # another collective): gloo's abort then holds the interpreter until the peer
-                # closes its end, which would delay this error by as long, so the group is not
-                # aborted but marked broken (`_usable`): a later collective on it would pair with
-                # the abandoned one.
-                self.abort()
-            if timed_out:
+            if "timed out" in str(exc).lower():
+                # The peer is alive (stalled, or waiting in another collective): gloo's abort would
+                # hold this process until the peer closes its end, delaying this error by as long.
+                # The group is marked broken instead (`_usable`): a later collective on it would
+                # pair with the abandoned one.
                 cause = (f"did not complete within {self.timeout_s:g} s. Usually this means the ranks ran different "
                          f"code (rank-divergent control flow, or a rank stalled): every rank must run the same "
                          f"modules in the same order and call backward, step and save the same number of times. "
                          f"Set ZERO_COLLECTIVE_TIMEOUT to wait longer")
-            else:
+            else:  # a peer that crashed closed its connections: aborting is quick, and this process can exit
+                self.abort()
                 cause = "failed because another rank stopped or crashed (see its log for the first error)"
             message = f"{describe()} {cause} ({exc})."
             self.broken = self.broken or message
@@ -511,22 +506,14 @@ class Comm:
             if entry is not None:
                 groups.append(entry[1].group)
 
-        def close() -> None:
-            for group in groups:
-                try:
-                    if abort is not None:
-                        abort(group)
-                    else:
-                        group.abort()
-                except Exception:  # noqa: BLE001 - best effort: the error being raised matters more
-                    pass
-
-        # gloo's abort waits for the group's worker threads, which stay blocked in a receive until
-        # the peer closes its connection: a peer that is alive but waiting elsewhere (the hang
-        # being reported) would hold this rank too, so the abort runs beside it, briefly awaited
-        closing = threading.Thread(target=close, name="zero-abort", daemon=True)
-        closing.start()
-        closing.join(timeout=1.0)
+        for group in groups:
+            try:
+                if abort is not None:
+                    abort(group)
+                else:
+                    group.abort()
+            except Exception:  # noqa: BLE001 - best effort: the error being raised matters more
+                pass
 
     def any_rank(self, flag: bool, what: str = "a save") -> bool:
         """True on every rank if `flag` is True on any; a barrier bounded only by the process

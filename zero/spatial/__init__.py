@@ -75,13 +75,10 @@ def _comm(comm: Comm | None) -> Comm:
 def _layout(comm: Comm | None, dim) -> Plan:
     """The dimensions and axes a function splits along: the layout `parallelize` made, or, with
     `comm` given, `dim` (one dimension, or several: a grid, see `grid_shape`) over `comm`."""
-    if _current is not None and (comm is None or comm is _current.comm) and dim is None:
+    dims = None if dim is None else (dim,) if isinstance(dim, int) else tuple(dim)
+    if _current is not None and comm in (None, _current.comm) and dims in (None, _current.dims):
         return _current
-    comm = _comm(comm)
-    dims = (2,) if dim is None else (dim,) if isinstance(dim, int) else tuple(dim)
-    if _current is not None and _current.comm is comm and _current.dims == dims:
-        return _current
-    return _plan(comm, dims)
+    return _plan(_comm(comm), dims or (2,))
 
 
 def grid_shape(ranks: int, dims: int) -> tuple[int, ...]:
@@ -119,23 +116,14 @@ def _plan(comm: Comm, dims: tuple[int, ...], sites: tuple[str, ...] = ()) -> Pla
                     comm.world_size, list(dims), " x ".join(map(str, shape)),
                     [d for d, n in zip(dims, shape) if n == 1])
     members = dist.get_process_group_ranks(comm.group if comm.group is not None else dist.group.WORLD)
-    coords, rest = [], comm.rank
-    for n in reversed(shape):
-        coords.insert(0, rest % n)
-        rest //= n
+    grid = torch.tensor(members).view(shape)  # row-major: the group's rank r at its coordinates
+    coords = [int(c) for c in (grid == members[comm.rank]).nonzero()[0]]
     split_dims, axes = [], []
     for i, (dim, n) in enumerate(zip(dims, shape)):
-        if n == 1:
-            continue
-        line = []
-        for j in range(n):
-            at = coords[:i] + [j] + coords[i + 1:]
-            index = 0
-            for c, m in zip(at, shape):
-                index = index * m + c
-            line.append(members[index])
-        split_dims.append(dim)
-        axes.append(Comm(group_of(line)))
+        if n > 1:  # this rank's line along dimension i: every coordinate but the i-th its own
+            line = grid[(*coords[:i], slice(None), *coords[i + 1:])]
+            split_dims.append(dim)
+            axes.append(Comm(group_of(line.tolist())))
     return Plan(comm, tuple(split_dims), tuple(axes), sites)
 
 

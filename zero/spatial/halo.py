@@ -86,11 +86,11 @@ def _blocks(split: Split, ranges: list[tuple[int, int]]) -> list[list[tuple[int,
     return out
 
 
-def _exchange(x: torch.Tensor, dim: int, split: Split, ranges: list[tuple[int, int]], comm: Comm) -> torch.Tensor:
+def _exchange(x: torch.Tensor, dim: int, split: Split, ranges: list[tuple[int, int]], comm: Comm,
+              blocks: list[list[tuple[int, int]]]) -> torch.Tensor:
     """This rank's range [lo, hi) of `x` (its slab along `dim`), zeros outside the volume."""
     rank, (lo, hi) = comm.rank, ranges[comm.rank]
     start, stop = split.bounds(rank)
-    blocks = _blocks(split, ranges)
     planes = x.movedim(dim, 0)
     plane = planes.shape[1:].numel()
     send = [planes[a - start:b - start] for a, b in blocks[rank]]
@@ -113,12 +113,12 @@ def _exchange(x: torch.Tensor, dim: int, split: Split, ranges: list[tuple[int, i
     return out.movedim(0, dim)
 
 
-def _return(g: torch.Tensor, dim: int, split: Split, ranges: list[tuple[int, int]], comm: Comm) -> torch.Tensor:
+def _return(g: torch.Tensor, dim: int, split: Split, ranges: list[tuple[int, int]], comm: Comm,
+            blocks: list[list[tuple[int, int]]]) -> torch.Tensor:
     """The adjoint of `_exchange`: the gradient of this rank's slab, each fetched plane's gradient
     sent back to its owner and added there."""
     rank, (lo, hi) = comm.rank, ranges[comm.rank]
     start, stop = split.bounds(rank)
-    blocks = _blocks(split, ranges)
     grads = g.movedim(dim, 0)
     plane = grads.shape[1:].numel()
     back = [grads[a - lo:b - lo] for a, b in (blocks[q][rank] for q in range(split.parts))]
@@ -143,13 +143,13 @@ def _return(g: torch.Tensor, dim: int, split: Split, ranges: list[tuple[int, int
 
 class _Fetch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, split, ranges, comm):
-        ctx.args = dim, split, ranges, comm
-        return _exchange(x, dim, split, ranges, comm)
+    def forward(ctx, x, dim, split, ranges, comm, blocks):
+        ctx.args = dim, split, ranges, comm, blocks
+        return _exchange(x, dim, split, ranges, comm, blocks)
 
     @staticmethod
     def backward(ctx, g):
-        return _return(g.contiguous(), *ctx.args), None, None, None, None
+        return _return(g.contiguous(), *ctx.args), None, None, None, None, None
 
 
 def fetch(x: torch.Tensor, dim: int, split: Split, ranges: list[tuple[int, int]], comm: Comm) -> torch.Tensor:
@@ -163,13 +163,14 @@ def fetch(x: torch.Tensor, dim: int, split: Split, ranges: list[tuple[int, int]]
         ranges: every rank's [lo, hi), the same list on every rank.
         comm: the spatial group.
     """
-    if comm.world_size == 1 or not any(a < b for row in _blocks(split, ranges) for a, b in row):
+    blocks = _blocks(split, ranges)
+    if not any(a < b for row in blocks for a, b in row):
         # nothing crosses a cut (a 1^3 convolution, a pool whose windows end at the slab
         # boundaries): every rank computes the same blocks, so all skip the exchange together
         lo, hi = ranges[comm.rank]
         start, stop = split.bounds(comm.rank)
         return torch.nn.functional.pad(x.movedim(dim, -1), (start - lo, hi - stop)).movedim(-1, dim)
-    return _Fetch.apply(x, dim, split, ranges, comm)
+    return _Fetch.apply(x, dim, split, ranges, comm, blocks)
 
 
 class _Sum(torch.autograd.Function):
