@@ -781,10 +781,12 @@ def test_every_broken_rule_is_reported_at_once():
      "zero_optimization.offload_optimizer.ratio", r"ratio=0.5 \(partial offload\) is not yet supported"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
      "zero_optimization.offload_optimizer.ratio", r"partial offload"),
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}},
-     "zero_optimization.offload_optimizer.device", r"'nvme'.*not in zero yet.*docs/offload.md#nvme.*Use 'cpu'"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/no/such/nvme"}}},
+     "zero_optimization.offload_optimizer.nvme_path", r"'/no/such/nvme' is not an existing directory"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
+     "zero_optimization.offload_optimizer.nvme_path", r"is missing: offload_optimizer.device 'nvme' needs"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
-     "zero_optimization.offload_param.device", r"'nvme'.*not in zero yet.*docs/offload.md#nvme.*Use 'cpu'"),
+     "zero_optimization.offload_param.device", r"'nvme' for parameter shards.*not in zero yet.*docs/offload.md#nvme"),
 ])
 def test_nvme_and_partial_offload_are_refused_at_load_with_the_key_path(extra, path, message):
     with pytest.raises(ConfigError, match=message) as info:

@@ -143,7 +143,7 @@ def test_offload_accessors(engines):
     opt = s2.zero_offload_optimizer()
     assert isinstance(opt, DeepSpeedZeroOffloadOptimizerConfig)
     assert (opt.device, opt.pin_memory, opt.pipeline, opt.pipeline_read, opt.ratio, opt.buffer_count) == (
-        "cpu", True, False, False, 1.0, 4)
+        "cpu", True, True, True, 1.0, 4)  # zero reads ahead and writes behind by default (used with nvme)
     assert opt.device == OffloadDeviceEnum.cpu
     assert s2.zero_cpu_offload() is True and s2.zero_use_cpu_optimizer() is True and s2.zero_offload_param() is None
     s3 = accessors(engines["stage3_fp16_static_offload"])
@@ -264,14 +264,14 @@ def test_deepspeed_config_checks_an_mpu_against_the_config():
 def test_deepspeed_zero_config_built_directly_validates_as_zero_does():
     z = DeepSpeedZeroConfig(stage=3, stage3_prefetch_bucket_size=10, offload_optimizer={"device": "cpu"})
     assert z.prefetch_bucket_size == 10 and z.overlap_comm is True and z.stage == ZeroStageEnum.weights
-    assert isinstance(z.offload_optimizer, DeepSpeedZeroOffloadOptimizerConfig) and z.offload_optimizer.pipeline is False
+    assert isinstance(z.offload_optimizer, DeepSpeedZeroOffloadOptimizerConfig) and z.offload_optimizer.pipeline is True
     with pytest.warns(ConfigWarning, match="cpu_offload is deprecated"):
         old = DeepSpeedZeroConfig(stage=2, cpu_offload=True)
     assert isinstance(old.offload_optimizer, DeepSpeedZeroOffloadOptimizerConfig) and old.offload_optimizer.device == "cpu"
     with pytest.raises(ConfigError, match=r"zero_optimization\.reduce_bucket_sise: unknown key.*'reduce_bucket_size'"):
         DeepSpeedZeroConfig(reduce_bucket_sise=1)
-    with pytest.raises(ConfigError, match=r"zero_optimization\.offload_optimizer\.device.*not in zero yet"):
-        DeepSpeedZeroOffloadOptimizerConfig(device="nvme")
+    with pytest.raises(ConfigError, match=r"zero_optimization\.offload_param\.device.*not in zero yet"):
+        DeepSpeedZeroOffloadParamConfig(device="nvme")
     with pytest.warns(ConfigWarning, match="nvme_path"):
         DeepSpeedZeroOffloadParamConfig(device="cpu", nvme_path="/tmp")
     assert get_zero_config({"zero_optimization": {"stage": 2}}).stage == 2 and get_zero_config({}).stage == 0

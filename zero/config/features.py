@@ -139,7 +139,8 @@ def _other_than(value: Any) -> Predicate:
     return lambda v: v != value
 
 
-_NVME_ONLY = "only NVMe offload uses it, and zero offloads to the CPU only"
+_NVME_ONLY = ("only NVMe parameter offload uses it, and zero keeps parameter shards on the CPU (optimizer state "
+              "can go to NVMe)")
 _NO_CHECKPOINTS = "zero's training checkpoints do not use it (see docs/checkpoint.md)"
 _NOT_MONITORED = ("zero writes DeepSpeed's events to csv_monitor and tensorboard, not to this service; "
                   "log from your training loop")
@@ -238,7 +239,12 @@ UNIMPLEMENTED_FEATURES: tuple[UnimplementedFeature, ...] = (
             "zero does not synchronize around checkpoints"),
     _warned("activation_checkpointing.profile", _flag(False, "Checkpoint timing (ignored with a warning)."),
             "use torch.profiler"),
-    _warned("aio", _raw("Async I/O for NVMe offload (ignored with a warning)."), _NVME_ONLY, _present),
+    _warned("aio.single_submit", _flag(False, "DeepSpeed's libaio submission mode (true warns)."),
+            "zero's I/O threads take requests one by one either way"),
+    _warned("aio.overlap_events", _flag(True, "DeepSpeed's libaio event overlap (false warns)."),
+            "zero's I/O threads always overlap their requests"),
+    _warned("aio.use_gds", _flag(False, "GPUDirect Storage (true warns)."),
+            "zero has no GPUDirect Storage path: swap files are read into host buffers, as a GPU without GDS does"),
     _warned("graph_harvesting", _flag(False, "CUDA graph harvesting (ignored with a warning)."),
             "zero does not capture CUDA graphs"),
     _warned("vocabulary_size",
@@ -305,16 +311,9 @@ UNIMPLEMENTED_FEATURES: tuple[UnimplementedFeature, ...] = (
     _warned("zero_optimization.cpu_offload_use_pin_memory",
             _key(Optional[bool], None, "Deprecated; no effect, as in DeepSpeed (set: warns)."),
             "deprecated, without effect in DeepSpeed too; set pin_memory in offload_optimizer / offload_param"),
-    _warned("zero_optimization.offload_optimizer.nvme_path",
-            _key(Optional[pathlib.Path], None, "NVMe only: directory to swap to (set: warns)."), _NVME_ONLY),
-    _warned("zero_optimization.offload_optimizer.buffer_count",
-            _key(int, 4, "NVMe only: swap buffers (changed: warns).", ge=0), _NVME_ONLY),
-    _warned("zero_optimization.offload_optimizer.pipeline_read",
-            _flag(False, "NVMe only: overlap reading the next tile (true warns)."), _NVME_ONLY),
-    _warned("zero_optimization.offload_optimizer.pipeline_write",
-            _flag(False, "NVMe only: overlap writing the previous tile (true warns)."), _NVME_ONLY),
     _warned("zero_optimization.offload_optimizer.fast_init",
-            _flag(False, "NVMe only: fast optimizer initialization (true warns)."), _NVME_ONLY),
+            _flag(False, "NVMe: DeepSpeed's fast swap-file setup (true warns)."),
+            "zero's swap files are reserved with one fallocate per state, already the fast way"),
     _warned("zero_optimization.offload_param.nvme_path",
             _key(Optional[pathlib.Path], None, "NVMe only: directory to swap to (set: warns)."), _NVME_ONLY),
     _warned("zero_optimization.offload_param.buffer_count",

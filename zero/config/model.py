@@ -15,6 +15,7 @@ from zero.config.rules import Caller, combination_issues
 from zero.config.scheduler import SchedulerConfig
 from zero.config.sections import (
     ActivationCheckpointingConfig,
+    AioConfig,
     BF16Config,
     CheckpointConfig,
     DataTypesConfig,
@@ -73,6 +74,8 @@ class ZeroConfig(_Section):
     optimizer: Optional[OptimizerConfig] = Field(None, description="Optimizer to build; None = the "
                                                  "caller passes one.")
     scheduler: Optional[SchedulerConfig] = Field(None, description="LR scheduler to build.")
+    aio: AioConfig = Field(default_factory=AioConfig, description="How NVMe offload reads and writes its swap "
+                           "files.")
     zero_optimization: ZeroOptimizationConfig = Field(default_factory=ZeroOptimizationConfig,
                                                       description="ZeRO stage and its knobs.")
     # logging / io

@@ -7,6 +7,8 @@ given" (see [Note: "auto" values] in zero/config/loading.py). The root model is 
 from __future__ import annotations
 
 import math
+import os
+import pathlib
 import sys
 import typing
 from typing import Any, Literal, Optional, Union
@@ -177,25 +179,48 @@ def _lr(v: Optional[float]) -> Optional[float]:
 # ZeRO
 # ---------------------------------------------------------------------------------------------
 
-def _no_nvme(v: str) -> str:
+def _no_param_nvme(v: str) -> str:
     if v == "nvme":
-        raise ValueError("'nvme' (NVMe offload, ZeRO-Infinity) is not in zero yet: it is the next offload "
-                         "feature on the roadmap (docs/offload.md#nvme). Use 'cpu' meanwhile; with a model larger "
-                         "than host memory, that is not possible yet")
+        raise ValueError("'nvme' for parameter shards (offload_param) is not in zero yet: optimizer state can go to "
+                         "NVMe (offload_optimizer.device 'nvme', docs/offload.md#nvme); keep parameter shards on "
+                         "'cpu' meanwhile")
     return v
+
+
+def _check_nvme_path(section: str, device: str, path: Optional[pathlib.Path]) -> None:
+    """`device: nvme` needs an existing, writable directory, checked before anything is built."""
+    if device != "nvme":
+        return
+    if path is None:
+        problem = (f"is missing: {section}.device 'nvme' needs the directory (on the NVMe drive) where each rank "
+                   f"keeps its swap files")
+    elif not path.is_dir():
+        problem = f"= {str(path)!r} is not an existing directory (create it on the NVMe drive first)"
+    elif not os.access(path, os.W_OK | os.X_OK):
+        problem = f"= {str(path)!r} is not writable by this process"
+    else:
+        return
+    raise _NestedIssues([(("nvme_path",), problem)])
 
 
 @with_placeholders("zero_optimization.offload_optimizer")
 class OffloadOptimizerConfig(_Section):
-    """`zero_optimization.offload_optimizer`: fp32 master weights, optimizer state and step on the CPU."""
+    """`zero_optimization.offload_optimizer`: fp32 master weights, optimizer state and step on the CPU,
+    the state in host memory (`cpu`) or in files on an NVMe drive (`nvme`)."""
 
-    device: Literal["none", "cpu", "nvme"] = Field("none", description="Where optimizer state lives: none or "
-                                                   "cpu ('nvme' is refused).")
+    device: Literal["none", "cpu", "nvme"] = Field("none", description="Where optimizer state lives: none, cpu "
+                                                   "(host memory) or nvme (files in nvme_path).")
+    nvme_path: Optional[pathlib.Path] = Field(None, description="NVMe: the directory of the swap files (must "
+                                              "exist and be writable).")
+    buffer_count: int = Field(4, ge=1, description="NVMe: host buffers of one sub-group's state each; reads ahead "
+                              "and writes behind are bounded by them.")
     pin_memory: bool = Field(False, description="Page-locked CPU buffers for faster copies.")
+    pipeline_read: bool = Field(True, description="NVMe: read the next sub-groups while one is stepped (zero's "
+                                "default true; DeepSpeed's false).")
+    pipeline_write: bool = Field(True, description="NVMe: write a stepped sub-group back while the next is "
+                                 "stepped (zero's default true; DeepSpeed's false).")
     ratio: float = Field(1.0, ge=0, le=1, description="Fraction of optimizer state offloaded; only 1 (all) "
                          "is implemented, < 1 is refused.")
-
-    _check_device = field_validator("device")(_no_nvme)
 
     @field_validator("ratio")
     @classmethod
@@ -204,6 +229,11 @@ class OffloadOptimizerConfig(_Section):
             raise ValueError(f"ratio={v} (partial offload) is not yet supported in zero; use 1.0 "
                              f"(all optimizer state offloaded)")
         return v
+
+    @model_validator(mode="after")
+    def _nvme(self) -> OffloadOptimizerConfig:
+        _check_nvme_path("offload_optimizer", self.device, self.nvme_path)
+        return self
 
 
 @with_placeholders("zero_optimization.offload_param")
@@ -214,7 +244,17 @@ class OffloadParamConfig(_Section):
                                                    "cpu ('nvme' is refused).")
     pin_memory: bool = Field(False, description="Page-locked CPU buffers for faster copies.")
 
-    _check_device = field_validator("device")(_no_nvme)
+    _check_device = field_validator("device")(_no_param_nvme)
+
+
+@with_placeholders("aio")
+class AioConfig(_Section):
+    """`aio`: how NVMe offload reads and writes its swap files (zero/ops/aio.py)."""
+
+    block_size: int = Field(1_048_576, ge=4096, description="Bytes per read or write request.")
+    queue_depth: int = Field(8, ge=1, description="Requests queued at most.")
+    intra_op_parallelism: int = Field(1, ge=1, alias="thread_count",
+                                      description="I/O threads (DeepSpeed's older name: thread_count).")
 
 
 # CPU Adam runs on tiles of `sub_group_size` elements, and each tile has a fixed cost (a Python
@@ -336,6 +376,10 @@ class ZeroOptimizationConfig(_Section):
         if self.offload_param is not None and self.offload_param.device != "none" and self.stage != 3:
             _warn(f"zero_optimization.offload_param has no effect at stage {self.stage}; "
                   "parameter offload needs stage 3 (as in DeepSpeed)")
+        opt = self.offload_optimizer
+        if opt is not None and opt.device != "nvme" and opt.nvme_path is not None:
+            _warn(f"zero_optimization.offload_optimizer.nvme_path has no effect with device {opt.device!r} (only "
+                  f"device 'nvme' keeps the optimizer state in files there)")
         for name, section in (("offload_optimizer", self.offload_optimizer), ("offload_param", self.offload_param)):
             if section is not None and section.device == "none" and section.pin_memory:
                 _warn(f"zero_optimization.{name}.pin_memory has no effect with device 'none'")

@@ -101,15 +101,8 @@ class HostMemory:
     def empty(self, shape, dtype: torch.dtype, pin: bool = True) -> torch.Tensor:
         """An uninitialised host tensor, page-locked when `pin` and CUDA is there to pin for."""
         t = torch.empty(shape, dtype=dtype, device="cpu")
-        if not pin or not torch.cuda.is_available() or t.numel() == 0:
+        if not pin or not torch.cuda.is_available() or t.numel() == 0 or self.register(t):
             return t
-        cudart = torch.cuda.cudart()
-        if int(cudart.cudaHostRegister(t.data_ptr(), t.untyped_storage().nbytes(), 0)) == 0:
-            self._registered.append(t)
-            return t
-        # registration refused (host memory short, or a sandbox that does not allow it): clear the
-        # runtime's last error, or the next kernel launch check (torch's or ours) would report it
-        _clear_cuda_error()
         try:  # torch's pinned allocator (it rounds sizes up, so it is the second choice)
             return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
         except RuntimeError as exc:
@@ -118,6 +111,19 @@ class HostMemory:
                           f"({exc}); offload copies of this tensor run from pageable memory, slower and not "
                           f"overlapped", stacklevel=2)
             return t
+
+    def register(self, t: torch.Tensor) -> bool:
+        """Page-lock host tensor `t` in place (until the owner is collected); False if refused."""
+        if not torch.cuda.is_available():
+            return False
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)) == 0:
+            self._registered.append(t)
+            return True
+        # registration refused (host memory short, or a sandbox that does not allow it): clear the
+        # runtime's last error, or the next kernel launch check (torch's or ours) would report it
+        _clear_cuda_error()
+        return False
 
     def empty_pageable(self, shape, dtype: torch.dtype) -> torch.Tensor:
         return self.empty(shape, dtype, pin=False)
@@ -202,30 +208,34 @@ class HostAdam:
         Tiles are whole 8-bit blocks (`tile_elements` is a multiple of Q8_BLOCK)."""
         ring: list[_Copy | None] = [None, None]
         k = 0
-        for slot in slots:
-            grad, out16 = self.fetch(slot), slot.out16  # not copied yet: now
-            for lo, hi in self.store.tiles(slot.master.numel()):
-                staged = out16 is not None and out16.dtype != torch.float32 and not out16_on_host
-                if staged:  # the 16-bit result goes through a staging tile, then to the device
-                    start = time.perf_counter()
-                    if ring[k % 2] is not None:
-                        ring[k % 2].wait()  # its previous copy must have landed before it is reused
-                    self.times["param_copy_wait"] += time.perf_counter() - start
-                    target = self._staging_tile(out16.dtype, k % 2, hi - lo)
-                elif out16 is not None and out16.dtype != torch.float32:
-                    target = out16[lo:hi]  # a host shard (offload_param): written in place
-                else:
-                    target = None
+        work = [(slot, lo, hi) for slot in slots for lo, hi in self.store.tiles(slot.master.numel())]
+        grads: dict[int, torch.Tensor] = {}
+        for slot, lo, hi, make in self.store.walk(work):
+            if id(slot) not in grads:  # not copied yet: now
+                grads = {id(slot): self.fetch(slot)}
+            grad, out16 = grads[id(slot)], slot.out16
+            staged = out16 is not None and out16.dtype != torch.float32 and not out16_on_host
+            if staged:  # the 16-bit result goes through a staging tile, then to the device
                 start = time.perf_counter()
-                with record_function("zero::cpu_adam_tile"):
-                    tile = self.store.fetch(slot, lo, hi, grad[lo:hi], target)
-                    update(tile, target)
-                    self.store.write_back(tile)
-                self.times["cpu_adam"] += time.perf_counter() - start
-                if out16 is not None and (staged or out16.dtype == torch.float32):
-                    with record_function("zero::offload_param_copy"):  # fp32 training copies the master itself
-                        ring[k % 2] = _Copy(out16[lo:hi], target if staged else slot.master[lo:hi], self.stream)
-                    k += 1
+                if ring[k % 2] is not None:
+                    ring[k % 2].wait()  # its previous copy must have landed before it is reused
+                self.times["param_copy_wait"] += time.perf_counter() - start
+                target = self._staging_tile(out16.dtype, k % 2, hi - lo)
+            elif out16 is not None and out16.dtype != torch.float32:
+                target = out16[lo:hi]  # a host shard (offload_param): written in place
+            else:
+                target = None
+            start = time.perf_counter()
+            with record_function("zero::cpu_adam_tile"):
+                tile = make(grad[lo:hi], target)
+                update(tile, target)
+            self.times["cpu_adam"] += time.perf_counter() - start
+            if out16 is not None and (staged or out16.dtype == torch.float32):
+                with record_function("zero::offload_param_copy"):  # fp32 training copies the master itself
+                    ring[k % 2] = _Copy(out16[lo:hi], target if staged else tile.master, self.stream)
+                if not staged and self.store.policy.on_disk:
+                    ring[k % 2].wait()  # the tile's master is a buffer the store reuses once this returns
+                k += 1
         for c in ring:  # the parameters are used next on the compute stream
             if c is not None:
                 c.join()

@@ -8,13 +8,19 @@ step, and gives checkpoints and accessors their views of it:
 - `OnDevice`: with the model, updated where the model computes (no offload).
 - `CPUOffload`: in host memory (page-locked where asked), updated by the host step in tiles
   (zero/offload/host.py): DeepSpeed's `offload_optimizer.device: cpu`.
-A new place for state (NVMe, with tiles fetched from and written back to files) is a new policy
-here and a store that fetches and writes back; the storages, the step and the readers go through
-the store and do not change.
+- `NVMeOffload`: in files on a local drive, read into host buffers tile by tile for the same host
+  step and written back (zero/offload/nvme.py): DeepSpeed's `offload_optimizer.device: nvme`.
+The storages, the step and the readers go through the store and do not change with the place.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from zero.ops.adam_formats import Q8_BLOCK
+
+if TYPE_CHECKING:
+    from zero.config import ZeroConfig
 
 
 class OffloadPolicy:
@@ -24,6 +30,7 @@ class OffloadPolicy:
     pin_memory = False
     tile_elements = 1 << 22
     num_threads: int | None = None
+    on_disk = False  # state in files, read into host buffers for the step
 
     def describe(self) -> str:
         return "with the model"
@@ -52,3 +59,50 @@ class CPUOffload(OffloadPolicy):
 
     def describe(self) -> str:
         return "in host memory"
+
+
+@dataclass(frozen=True)
+class NVMeOffload(CPUOffload):
+    """Optimizer offload to files (ZeRO-Infinity; DeepSpeed's `offload_optimizer.device: nvme`):
+    the host step of CPUOffload on tiles read from the files ahead of it and written back behind
+    it (see [Note: NVMe data path] in zero/offload/nvme.py).
+
+    Args:
+        path: the directory of the swap files (`nvme_path`).
+        buffer_count: host buffers of one tile's state each (`buffer_count`).
+        pipeline_read, pipeline_write: read ahead / write behind the tile being stepped.
+        block_size, queue_depth, threads: the `aio` section (bytes per request, requests queued,
+            I/O threads).
+    """
+
+    path: str = ""
+    buffer_count: int = 4
+    pipeline_read: bool = True
+    pipeline_write: bool = True
+    block_size: int = 1 << 20
+    queue_depth: int = 8
+    threads: int = 1
+    on_disk = True
+
+    def describe(self) -> str:
+        return f"in files under {self.path}"
+
+
+def offload_policy(cfg: ZeroConfig, num_threads: int) -> OffloadPolicy:
+    """The policy `zero_optimization.offload_optimizer` (and `aio`) ask for.
+
+    Args:
+        cfg: the config.
+        num_threads: host-step threads.
+    """
+    zc, opt = cfg.zero_optimization, cfg.zero_optimization.offload_optimizer
+    tile = max(Q8_BLOCK, min(zc.sub_group_size or 1 << 22, 1 << 22)) // Q8_BLOCK * Q8_BLOCK  # whole 8-bit blocks
+    if opt is None or opt.device == "none":
+        return OnDevice()
+    if opt.device == "cpu":
+        return CPUOffload(pin_memory=opt.pin_memory, tile_elements=tile, num_threads=num_threads)
+    aio = cfg.aio
+    return NVMeOffload(pin_memory=opt.pin_memory, tile_elements=tile, num_threads=num_threads, path=str(opt.nvme_path),
+                       buffer_count=opt.buffer_count, pipeline_read=opt.pipeline_read,
+                       pipeline_write=opt.pipeline_write, block_size=aio.block_size, queue_depth=aio.queue_depth,
+                       threads=aio.intra_op_parallelism)

@@ -3,6 +3,7 @@ tiles, and the views checkpoints and accessors read and write (see [Note: offloa
 zero/offload/policy.py)."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -38,8 +39,16 @@ class StateStore:
         return self.policy.on_host
 
     def host_kinds(self) -> set[str]:
-        """The memory-report kinds this store keeps in host memory."""
+        """The memory-report kinds this store keeps off the device (in host memory or in files)."""
         return set(STATE_KINDS) if self.on_host else set()
+
+    def disk_kinds(self) -> set[str]:
+        """Of those, the kinds kept in files (NVMe offload)."""
+        return set()
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Host buffers of its own (NVMe offload's tile buffers)."""
+        return []
 
     # -- allocation
 
@@ -71,14 +80,13 @@ class StateStore:
         for lo in range(0, numel, step):
             yield lo, min(numel, lo + step)
 
-    def fetch(self, slot, lo: int, hi: int, grad: torch.Tensor, out16: torch.Tensor | None):
-        """Tile [lo, hi) of `slot`, ready to update, with this gradient tile and output (in host
-        memory the state is there already: views)."""
-        return slot.tile(lo, hi, grad, out16)
-
-    def write_back(self, tile) -> None:
-        """A tile was updated (in host memory: nothing to do)."""
-        return None
+    def walk(self, work: list[tuple]) -> Iterator[tuple]:
+        """The host step's tiles: for each (slot, lo, hi) of `work`, in order, yield (slot, lo, hi,
+        `make`), where `make(grad, out16)` is the tile as a Slot, its state ready to update. The
+        tile is updated before the next one is asked for (in host memory the state is there
+        already: views, and nothing to write back; NVMe offload reads ahead and writes behind)."""
+        for slot, lo, hi in work:
+            yield slot, lo, hi, functools.partial(slot.tile, lo, hi)
 
     # -- the views checkpoints and accessors read and write
 
@@ -115,3 +123,13 @@ class StateStore:
             codes.copy_(new_codes)
             scales.copy_(new_scales)
         self._decoded = {}
+
+
+def make_store(policy: OffloadPolicy | None, device: torch.device, owner: object,
+               step_number: Callable[[], int]) -> StateStore:
+    """The store for `policy` (see [Note: offload policies] in zero/offload/policy.py)."""
+    if policy is not None and policy.on_disk:
+        from zero.offload.nvme import FileStore
+
+        return FileStore(policy, device, owner, step_number)
+    return StateStore(policy, device, owner, step_number)

@@ -134,6 +134,11 @@ OPS: dict[str, OpSpec] = {
             cuda_sources=("adam/fused_adam.cu",),
         ),
         OpSpec(
+            "aio",
+            "asynchronous file reads and writes for NVMe offload (pread/pwrite threads, O_DIRECT)",
+            c_sources=("aio/aio.c", *_CPU_COMMON),
+        ),
+        OpSpec(
             "sparse_attention",
             "block-sparse attention forward/backward (AVX-512 / AVX2 / portable C, OpenMP)",
             c_sources=("sparse_attention/sparse_attention.c", *_CPU_COMMON),
@@ -477,6 +482,7 @@ def _link(name: str, objects: list[Path], library: Path) -> None:
     cmd = [c_compiler(), "-shared", *map(str, objects), "-o", str(library.with_suffix(".so.tmp"))]
     if "-fopenmp" in _c_flags():
         cmd.append("-fopenmp")
+    cmd.append("-pthread")  # the aio op's workers (glibc before 2.34 keeps pthreads apart)
     cmd.append("-lm")  # pow, fmaf, sqrtf: linked here, not borrowed from the process that loads the library
     if sys.platform.startswith("linux"):
         cmd.append("-Wl,-z,defs")  # an undefined symbol fails the link, with the linker's message

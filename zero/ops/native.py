@@ -81,6 +81,14 @@ _ENTRY_POINTS = {
         ("zero_onebit_pack", _I, (_L, _P, _P, _L, _P, _P, _I, _I)),
         ("zero_onebit_unpack_mean", _I, (_L, _L, _P, _P, _L, _P, _I, _I)),
     ),
+    "aio": (
+        ("zero_aio_create", _P, (_I, _I)),
+        ("zero_aio_destroy", None, (_P,)),
+        ("zero_aio_submit", _P, (_P, _I, _I, _I, _P, _L, _L, _L, _L)),
+        ("zero_aio_done", _I, (_P, _P)),
+        ("zero_aio_wait", _I, (_P, _P, POINTER(c_int64))),
+        ("zero_aio_stats", None, (_P, POINTER(c_int64))),
+    ),
     "sparse_attention": (
         ("zero_sparse_attention_forward_workspace", _L, (POINTER(SparseProblem), _I)),
         ("zero_sparse_attention_forward", _I, (POINTER(SparseProblem), _P, _P, _P, _P, _P, _P, _I, _I)),
@@ -236,4 +244,10 @@ class SparseAttention(Library):
         return dq, dk, dv
 
 
-BINDINGS: dict[str, type[Library]] = {cls.op: cls for cls in (CpuAdam, CpuOptim, Onebit, SparseAttention)}
+class Aio(Library):
+    """csrc/aio/aio.c: a pool of I/O threads; zero/ops/aio.py holds the pool and the requests."""
+
+    op = "aio"
+
+
+BINDINGS: dict[str, type[Library]] = {cls.op: cls for cls in (CpuAdam, CpuOptim, Onebit, SparseAttention, Aio)}

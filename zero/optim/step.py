@@ -191,8 +191,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         at most."""
         parts, host_kinds = self.storage.memory_parts()
         parts["host_staging"] = self._host.host_tensors() if self._host is not None else []
-        host_kinds = host_kinds | self.storage.store.host_kinds()
-        report = measure_kinds(parts, host_kinds | {"host_staging"})
+        parts["nvme_buffers"] = self.storage.store.buffers()
+        store = self.storage.store
+        report = measure_kinds(parts, host_kinds | store.host_kinds() | {"host_staging", "nvme_buffers"},
+                               store.disk_kinds())
         g = self.gauges
         report["reduce_buffers"] = g.reduce_buffers.now
         report["reduce_buffers_peak"] = g.reduce_buffers.peak

@@ -13,12 +13,14 @@ import torch
 MODEL_STATE_KINDS = ("params", "grads", "fp32_master", "optimizer_states")
 
 
-def measure_kinds(parts: dict[str, list[torch.Tensor]], host_kinds: set[str]) -> dict[str, int]:
-    """Bytes per kind, plus `model_states_total`, `device_bytes` and `host_bytes`.
+def measure_kinds(parts: dict[str, list[torch.Tensor]], host_kinds: set[str],
+                  disk_kinds: frozenset[str] | set[str] = frozenset()) -> dict[str, int]:
+    """Bytes per kind, plus `model_states_total`, `device_bytes`, `host_bytes` and `disk_bytes`.
 
     Args:
         parts: kind -> the tensors holding it (views are fine: their storages are measured).
-        host_kinds: kinds placed in host memory (offloaded); the others live on the device.
+        host_kinds: kinds placed off the device (offloaded); the others live on the device.
+        disk_kinds: of those, the kinds kept in files (NVMe offload), not in host memory.
     """
     seen: set[int] = set()
     report: dict[str, int] = {}
@@ -33,7 +35,8 @@ def measure_kinds(parts: dict[str, list[torch.Tensor]], host_kinds: set[str]) ->
     for kind in MODEL_STATE_KINDS:
         report.setdefault(kind, 0)
     report["model_states_total"] = sum(report[k] for k in MODEL_STATE_KINDS)
-    report["host_bytes"] = sum(v for k, v in report.items() if k in host_kinds)
+    report["host_bytes"] = sum(v for k, v in report.items() if k in host_kinds and k not in disk_kinds)
+    report["disk_bytes"] = sum(v for k, v in report.items() if k in disk_kinds)
     report["device_bytes"] = sum(v for k, v in report.items() if k in parts and k not in host_kinds)
     return report
 

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zero.offload.policy import CPUOffload, OffloadPolicy, OnDevice
-from zero.ops.adam_formats import PLAIN, Q8_BLOCK, AdamFormat
+from zero.offload.policy import OffloadPolicy, OnDevice, offload_policy
+from zero.ops.adam_formats import PLAIN, AdamFormat
 
 if TYPE_CHECKING:
     from zero.config import ZeroConfig
@@ -155,11 +155,7 @@ def options_from_config(cfg: ZeroConfig, world_size: int, num_threads: int, stat
         state_dtype: the moments' format a client optimizer object asks for (None: the config's).
     """
     zc = cfg.zero_optimization
-    offload: OffloadPolicy = OnDevice()
-    if zc.offload_optimizer is not None and zc.offload_optimizer.device == "cpu":
-        offload = CPUOffload(pin_memory=zc.offload_optimizer.pin_memory,
-                                 tile_elements=max(Q8_BLOCK, min(zc.sub_group_size or 1 << 22, 1 << 22)) // Q8_BLOCK * Q8_BLOCK,
-                                 num_threads=num_threads)  # whole 8-bit blocks per tile
+    offload = offload_policy(cfg, num_threads)
     predivide = float(world_size) if cfg.prescale_gradients else cfg.gradient_predivide_factor
     step = StepOptions(clipping=cfg.gradient_clipping, predivide=predivide,
                        accumulation=1 if cfg.fp16.enabled else cfg.gradient_accumulation_steps, offload=offload)

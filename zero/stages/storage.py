@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from zero.offload.policy import OffloadPolicy
-from zero.offload.store import StateStore
+from zero.offload.store import make_store
 from zero.ops.adam_formats import Q8_BLOCK
 from zero.parallel.comm import Comm
 from zero.stages.memory import Gauges
@@ -99,7 +99,7 @@ class ParamStorage(abc.ABC):
         self.precision = precision
         self.gauges = gauges
         # the optimizer state: where the offload policy puts it (see [Note: offload policies])
-        self.store = StateStore(offload, device, self, step_number)
+        self.store = make_store(offload, device, self, step_number)
         self.host_memory = self.store.memory
         self._watched: list[nn.Parameter] = []
         self.grad_final = grad_final
