@@ -292,9 +292,11 @@ class Engine(TrainingLoop):
 
     def destroy(self) -> None:
         """Finish any checkpoint being written and release the gathered stage-3 parameters, before
-        the engine is dropped (its memory goes with the engine object)."""
+        the engine is dropped (its memory goes with the engine object), and remove NVMe offload's
+        swap files (the engine cannot step after this)."""
         self.wait_for_checkpoint()
         self.optimizer.storage.release_gathered()
+        self.optimizer.storage.store.close()
         gc.collect()
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import errno
 import mmap
 import os
 import shutil
@@ -83,6 +84,36 @@ def _remove_stale(root: str, host: str) -> None:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged process may still write on the filesystem of `path`."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def check_room(policy: NVMeOffload, elements: dict[int, int], specs, master_dtype: torch.dtype) -> None:
+    """Refuse a run whose optimizer state does not fit the drive, before anything is built.
+
+    Args:
+        policy: the NVMe policy (its `path`).
+        elements: param group -> elements of it this rank keeps state for.
+        specs: param group -> the state its rule declares (see [Note: declared state] in
+            zero/optim/rules.py).
+        master_dtype: the master weights' dtype.
+    """
+    def nbytes(n: int, dtype: torch.dtype) -> int:
+        return _aligned(n * torch.empty((), dtype=dtype).element_size())
+
+    need = sum(nbytes(n, master_dtype) + sum(nbytes(spec.numel(n), spec.dtype) for spec in specs(g)
+                                             if spec.per != "scalar") for g, n in elements.items() if n)
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # the ranks of this host share the drive
+    free = free_bytes(policy.path)
+    if need * ranks > free:
+        raise OSError(errno.ENOSPC, f"zero: NVMe offload needs {need / 2**30:.2f} GiB for this rank's optimizer state "
+                                    f"in {policy.path} (x {ranks} ranks on this host), and {free / 2**30:.2f} GiB are "
+                                    f"free there (zero_optimization.offload_optimizer.nvme_path): free space, or "
+                                    f"choose another drive")
+
+
 def _close(f: DataFile, io: AsyncIO, directory: str) -> None:
     io.close()
     f.close()
@@ -108,7 +139,12 @@ class FileStore(StateStore):
         self._buffers: list[torch.Tensor] = []
         self.times = {"read_wait": 0.0, "write_wait": 0.0}
         self.bytes = {"read": 0, "written": 0}
-        weakref.finalize(self, _close, self.file, self.io, self.directory)
+        self._finalizer = weakref.finalize(self, _close, self.file, self.io, self.directory)
+
+    def close(self) -> None:
+        """Stop the I/O threads and remove the swap files (`engine.destroy()`; else when the store is
+        collected, or at exit). The mapped state stays readable until it is dropped."""
+        self._finalizer()
 
     def host_kinds(self) -> set[str]:
         return set(STATE_KINDS)

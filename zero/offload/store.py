@@ -50,6 +50,10 @@ class StateStore:
         """Host buffers of its own (NVMe offload's tile buffers)."""
         return []
 
+    def close(self) -> None:
+        """Release what outlives the process otherwise (NVMe offload's swap files); nothing here."""
+        return None
+
     # -- allocation
 
     def new(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -37,12 +36,12 @@ def aligned_empty(nbytes: int, alignment: int = ALIGNMENT) -> torch.Tensor:
     return raw[skip:skip + nbytes]
 
 
-def _error(code: int, what: str, path: str, offset: int, nbytes: int) -> OSError:
+def _error(code: int, what: str, path: str, offset: int, nbytes: int, at: int) -> OSError:
+    where = f"{what} {nbytes} bytes at offset {offset} of {path}"
     if code == EOF_CODE:
-        return OSError(errno.EIO, f"zero aio: {what} {nbytes} bytes at offset {offset} of {path}: the file ends "
-                                  f"before them (it was truncated or replaced while the run used it)")
-    return OSError(code, f"zero aio: {what} {nbytes} bytes at offset {offset} of {path} failed: "
-                         f"{os.strerror(code)}")
+        return OSError(errno.EIO, f"zero aio: {where}: the file ends at {at}, before them (it was truncated or "
+                                  f"replaced while the run used it)")
+    return OSError(code, f"zero aio: {where} failed at offset {at}: {os.strerror(code)}")
 
 
 class DataFile:
@@ -126,7 +125,7 @@ class Request:
             at = at.value
         self.keep = None
         if code:
-            raise _error(code, self.what, self.path, at, self.nbytes)
+            raise _error(code, self.what, self.path, self.offset, self.nbytes, at)
 
 
 class AsyncIO:
@@ -151,7 +150,7 @@ class AsyncIO:
                 raise OSError(errno.EAGAIN, f"zero aio: could not start {threads} I/O threads")
         else:
             self._python = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zero-aio")
-        self._lock = threading.Lock()
+        self._closed = False
 
     @property
     def native(self) -> bool:
@@ -175,6 +174,8 @@ class AsyncIO:
         what = "writing" if write else "reading"
         if nbytes == 0:
             return Request(self, None, what, f.path, offset, 0, None)
+        if self.pool is None and self._python is None or self._closed:
+            raise RuntimeError(f"zero aio: {what} {f.path} after the I/O threads were stopped (engine.destroy())")
         if self._python is not None:
             fut = self._python.submit(_python_transfer, f.fd, buf, offset, write)
             return Request(self, fut, what, f.path, offset, nbytes, buf)
@@ -198,6 +199,7 @@ class AsyncIO:
             self.pool = None
         if self._python is not None:
             self._python.shutdown(wait=True)
+        self._closed = True
 
     def __del__(self):
         if getattr(self, "pool", None) or getattr(self, "_python", None) is not None:
