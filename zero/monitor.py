@@ -223,7 +223,7 @@ class TrainingMonitor(Component):
                         "host": [v[2] for v in per_rank], "peak": [v[3] for v in per_rank],
                         "comm_bytes": [v[4] for v in per_rank], "step_peak": [v[5] for v in per_rank]}
         zc = engine.config.zero_optimization
-        opt = zc.offload_optimizer is not None and zc.offload_optimizer.device == "cpu"
+        opt = zc.offload_optimizer is not None and zc.offload_optimizer.device in ("cpu", "nvme")
         param = zc.stage == 3 and zc.offload_param is not None and zc.offload_param.device == "cpu"
         offload = {(False, False): "none", (True, False): "optimizer", (False, True): "param",
                    (True, True): "optimizer+param"}[(opt, param)]
@@ -285,6 +285,7 @@ class TrainingMonitor(Component):
             lines += _columns(["state format", "model states", "device", "host"],
                               [[("* " if i == 0 else "  ") + r.state_format, _bytes(r.model_states_total),
                                 _bytes(r.device_bytes), _bytes(r.host_bytes)] for i, r in enumerate(formats_table)])
+        lines += _swap_lines(engine, self.world)
         sent = max(v[4] for v in per_rank)
         detail = ", ".join(f"{name} {_bytes(c['bytes'])} in {c['calls']}" for name, c in comm.items() if c["calls"])
         lines += ["", f"communication per step (last step, the most any rank sent): {_bytes(sent)}"
@@ -303,6 +304,21 @@ class TrainingMonitor(Component):
             lines.append(f"throughput (last {len(self.durations)} steps): {self.tokens_per_step / per_step:,.0f} "
                          f"{self.unit}/s, {per_step * 1e3:.0f} ms/step")
         return "\n".join(lines) + "\n"
+
+
+def _swap_lines(engine, world: int) -> list[str]:
+    """NVMe offload: what rank 0 keeps on disk, its last step's reads and writes, and the drive
+    writes that make per 1,000 steps on a host of `LOCAL_WORLD_SIZE` such ranks."""
+    store = engine.optimizer.storage.store
+    if not store.policy.on_disk:
+        return []
+    import os
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    read, written = store.step_bytes["read"], store.step_bytes["written"]
+    return ["", f"NVMe offload (rank 0, {store.policy.path}): {_bytes(store.size)} on disk; last step read "
+                f"{_bytes(read)} and wrote {_bytes(written)}, so {local} such rank(s) on a host write "
+                f"{written * local * 1000 / 1e12:.3g} TB to its drive per 1,000 steps (compare the drive's TBW rating)"]
 
 
 def _columns(head: list[str], rows: list[list[str]]) -> list[str]:

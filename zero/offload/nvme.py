@@ -138,7 +138,8 @@ class FileStore(StateStore):
         self._regions: list[tuple[int, int, int]] = []  # (address, bytes, file offset), in that order
         self._buffers: list[torch.Tensor] = []
         self.times = {"read_wait": 0.0, "write_wait": 0.0}
-        self.bytes = {"read": 0, "written": 0}
+        self.bytes = {"read": 0, "written": 0}  # since the start
+        self.step_bytes = {"read": 0, "written": 0}  # in the last walk (one optimizer step)
         self._finalizer = weakref.finalize(self, _close, self.file, self.io, self.directory)
 
     def close(self) -> None:
@@ -206,6 +207,7 @@ class FileStore(StateStore):
         """See StateStore.walk and [Note: NVMe data path]."""
         if not work:
             return
+        before = dict(self.bytes)
         need = max(self._tile_bytes(slot, lo, hi) for slot, lo, hi in work)
         count_ = max(1, self.policy.buffer_count)
         if len(self._buffers) != count_ or self._buffers[0].numel() < need:
@@ -245,6 +247,7 @@ class FileStore(StateStore):
                     self._finish(writes.popleft(), free)
             while writes:
                 self._finish(writes.popleft(), free)
+            self.step_bytes = {k: self.bytes[k] - before[k] for k in self.bytes}
         finally:  # an error (or an update that raised): no transfer may outlive its buffer
             for _, _, _, requests in reads:
                 _settle(requests)
