@@ -240,3 +240,19 @@ def test_an_io_error_in_the_step_stops_the_run_naming_the_file_and_the_checkpoin
     fresh = _engine(1, {"device": "cpu"})
     fresh.load_checkpoint(str(tmp_path / "ckpt"), tag="good")  # the last checkpoint loads, whole
     assert fresh.global_steps == 2
+
+
+def test_a_rank_killed_in_the_nvme_write_back_auto_resumes_to_the_unbroken_run(tmp_path):
+    """Rank 1 dies (SIGKILL) with step 5's tiles half written back to its swap file; torchrun
+    restarts the job, which resumes from the step-4 checkpoint (never from a swap file), removes
+    the dead process's swap directory and ends with the unbroken run's parameters, bit for bit."""
+    from test_auto_resume import _torchrun
+
+    (tmp_path / "swap").mkdir()
+    args = ["--steps", "7", "--stage", "2", "--nvme", str(tmp_path / "swap")]
+    _, unbroken = _torchrun(tmp_path, "unbroken", *args)
+    log, killed = _torchrun(tmp_path, "killed", *args, "--kill-in-writeback", "5", "--kill-rank", "1", restarts=2)
+    assert "killed in the write-back of step 5" in log and "exitcode: -9" in log
+    assert "attempt 1 starts at step 4" in log, log[-2000:]
+    assert unbroken.keys() == killed.keys() and all(torch.equal(unbroken[k], killed[k]) for k in unbroken)
+    assert not list((tmp_path / "swap").iterdir())  # the dead rank's swap directory is gone too

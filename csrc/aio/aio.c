@@ -97,6 +97,18 @@ static void *worker(void *arg) {
     return NULL;
 }
 
+/* Double the queue, keeping its order (called with the mutex held): 0, or -1 without memory. */
+static int grow(zero_aio *aio) {
+    block *queue = malloc(2 * (size_t)aio->capacity * sizeof *queue);
+    if (queue == NULL) return -1;
+    for (int i = 0; i < aio->count; i++) queue[i] = aio->queue[(aio->head + i) % aio->capacity];
+    free(aio->queue);
+    aio->queue = queue;
+    aio->head = 0;
+    aio->capacity *= 2;
+    return 0;
+}
+
 zero_aio *zero_aio_create(int threads, int queue_depth) {
     if (threads < 1 || queue_depth < 1) return NULL;
     zero_aio *aio = calloc(1, sizeof *aio);
@@ -148,7 +160,9 @@ zero_aio_request *zero_aio_submit(zero_aio *aio, int fd_direct, int fd_buffered,
     pthread_mutex_lock(&aio->mu);
     req->pending = blocks; /* counted whole first: a fast worker cannot see the request finished early */
     for (int64_t i = 0; i < blocks; i++) {
-        while (aio->count == aio->capacity) pthread_cond_wait(&aio->room, &aio->mu);
+        if (aio->count == aio->capacity && grow(aio) != 0) { /* no memory for a longer queue: wait for room */
+            while (aio->count == aio->capacity) pthread_cond_wait(&aio->room, &aio->mu);
+        }
         int64_t lo = i * block_size;
         block b = {fd_direct, fd_buffered, write != 0, (char *)buf + lo,
                    nbytes - lo < block_size ? nbytes - lo : block_size, offset + lo, alignment, req};

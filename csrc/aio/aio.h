@@ -2,8 +2,9 @@
  * split into blocks, O_DIRECT where the request allows it and buffered I/O where it does not.
  *
  * A request reads or writes `nbytes` at `offset` of one file, into or from one host buffer. It is
- * cut into blocks of `block_size` bytes, queued (at most `queue_depth` blocks wait at once: a
- * submit blocks while the queue is full) and carried out by `threads` workers in parallel. Each
+ * cut into blocks of `block_size` bytes, queued (the queue starts with room for `queue_depth`
+ * blocks and grows, so a submit never waits for the drive) and carried out by `threads` workers in
+ * parallel: each has one transfer in flight, so `threads` is the queue depth the drive sees. Each
  * block goes through the file's O_DIRECT descriptor when its buffer address, offset and length
  * are multiples of `alignment` and the file has one, else through its buffered descriptor (a
  * tmpfs file, an unaligned tail); a direct transfer the filesystem refuses (EINVAL) is redone

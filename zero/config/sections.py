@@ -252,7 +252,8 @@ class AioConfig(_Section):
     """`aio`: how NVMe offload reads and writes its swap files (zero/ops/aio.py)."""
 
     block_size: int = Field(1_048_576, ge=4096, description="Bytes per read or write request.")
-    queue_depth: int = Field(8, ge=1, description="Requests queued at most.")
+    queue_depth: int = Field(8, ge=1, description="Blocks the I/O queue holds before it grows (zero's threads "
+                             "each keep one transfer in flight).")
     intra_op_parallelism: int = Field(1, ge=1, alias="thread_count",
                                       description="I/O threads (DeepSpeed's older name: thread_count).")
 

@@ -238,9 +238,11 @@ class FileStore(StateStore):
                 tile = dataclasses.replace(view, master=segments.get(None, view.master),
                                            state={**view.state, **{k: v for k, v in segments.items() if k}})
                 yield slot, lo, hi, lambda grad, out16, tile=tile: dataclasses.replace(tile, grad=grad, out16=out16)
+                start = time.perf_counter()
                 writes.append((buf, [self.io.write(self.file, segments[name], self._offset(t))
                                      for name, t in self._segments(view)]))
                 self.bytes["written"] += sum(t.numel() * t.element_size() for _, t in self._segments(view))
+                self.times["write_wait"] += time.perf_counter() - start  # submitting: never waits for the drive
                 if not self.policy.pipeline_write:
                     self._finish(writes.popleft(), free)
                 while writes and all(r.done() for r in writes[0][1]):

@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--interval", type=int, default=2, help="checkpoint.save_interval")
     parser.add_argument("--stage", type=int, default=1)
     parser.add_argument("--offload", action="store_true", help="offload_optimizer to the CPU")
+    parser.add_argument("--nvme", default=None, help="offload_optimizer to NVMe swap files in this directory")
+    parser.add_argument("--kill-in-writeback", type=int, default=0, help="first attempt: --kill-rank dies while the "
+                        "optimizer step that makes this step writes its NVMe tiles back (after the first write)")
     parser.add_argument("--optimizer", default="AdamW", choices=["AdamW", "SGD", "Lion", "Adagrad", "RMSprop"],
                         help="the config's optimizer type, or RMSprop: a client torch.optim.RMSprop")
     parser.add_argument("--async-save", action="store_true")
@@ -50,6 +53,8 @@ def main(argv: list[str] | None = None) -> None:
 
     directory = args.dir.replace("{node}", os.environ.get("GROUP_RANK", "0"))
     zo = {"stage": args.stage, **({"offload_optimizer": {"device": "cpu"}} if args.offload else {})}
+    if args.nvme:  # small tiles in two buffers: a step writes many tiles back
+        zo.update(sub_group_size=1024, offload_optimizer={"device": "nvme", "nvme_path": args.nvme, "buffer_count": 2})
     batch = ({"elasticity": {"enabled": True, "max_train_batch_size": 12, "micro_batch_sizes": [1, 2], "version": 0.1}}
              if args.elastic else {"train_micro_batch_size_per_gpu": 2})
     optimizer = {"AdamW": {"lr": 1e-3}, "SGD": {"lr": 0.05, "momentum": 0.9, "dampening": 0.1},
@@ -67,6 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     rank, first_attempt = engine.comm.rank, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if first_attempt and args.kill_in_save and rank == args.kill_rank:
         _die_in_save(engine, args.kill_in_save)
+    if first_attempt and args.kill_in_writeback and rank == args.kill_rank:
+        _die_in_writeback(engine, args.kill_in_writeback)
     from zero.checkpoint.nodes import Nodes
     from zero.checkpoint.placement import Placement
     from zero.deepspeed.accelerator import get_accelerator
@@ -106,11 +113,32 @@ def main(argv: list[str] | None = None) -> None:
 
         save_file({k: v.detach().clone() for k, v in state.items()}, args.out)  # tied ones apart
     torch.distributed.barrier()
+    engine.destroy()  # NVMe offload's swap files: os._exit below skips the finalizers that would remove them
     # out of the interpreter without its teardown, where gloo's threads can still abort a process
     # now and then ([Note: gloo at exit] in zero/parallel/process_group.py): torchrun would count that as a failure
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _die_in_writeback(engine, step: int) -> None:
+    """Make this rank die (SIGKILL) in the middle of the NVMe write-back of the optimizer step that
+    makes global step `step`: its swap file then holds that step's tiles in part."""
+    io = engine.optimizer.storage.store.io
+    write, writes = io.write, []
+
+    def dying_write(f, buf, offset):
+        request = write(f, buf, offset)
+        if engine.global_steps == step - 1:
+            writes.append(request)
+            if len(writes) == 2:
+                request.wait()
+                print(f"resume_job: rank {engine.comm.rank} killed in the write-back of step {step} at "
+                      f"{time.time():.3f}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+        return request
+
+    io.write = dying_write
 
 
 def _die_in_save(engine, step: int) -> None:
