@@ -157,7 +157,9 @@ def test_nvme_offload_is_bitwise_cpu_offload_at_every_stage_precision_and_state_
 
 # -- checkpoints: NVMe <-> CPU offload at another world size --------------------------------------
 
-GLOBAL_BATCH, STEPS = 12, 3
+from test_checkpoint_reshape import GLOBAL_BATCH, _train  # noqa: E402  (one global batch split over the ranks)
+
+STEPS = 3
 
 
 def _engine(stage: int, offload: dict):
@@ -169,16 +171,6 @@ def _engine(stage: int, offload: dict):
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "zero_optimization": zc,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}})
     return engine
-
-
-def _train(engine, first: int, last: int) -> None:
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    m = GLOBAL_BATCH // world
-    for step in range(first, last):
-        x, y = make_batch("mlp", GLOBAL_BATCH, torch.Generator().manual_seed(step))
-        engine.backward(engine(x[rank * m:(rank + 1) * m], y[rank * m:(rank + 1) * m]))
-        engine.step()
 
 
 def first_half(stage: int, offload: dict, path: str) -> None:

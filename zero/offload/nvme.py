@@ -227,21 +227,14 @@ class FileStore(StateStore):
                     reads.append(self._read(*work[ahead], free.pop()))
                     ahead += 1
                 view, segments, buf, requests = reads.popleft()
-                start = time.perf_counter()
-                try:
-                    for r in requests:
-                        r.wait()
-                except OSError:
-                    _settle(requests)
-                    raise
-                self.times["read_wait"] += time.perf_counter() - start
+                self.times["read_wait"] += _wait_all(requests)
                 tile = dataclasses.replace(view, master=segments.get(None, view.master),
                                            state={**view.state, **{k: v for k, v in segments.items() if k}})
                 yield slot, lo, hi, lambda grad, out16, tile=tile: dataclasses.replace(tile, grad=grad, out16=out16)
                 start = time.perf_counter()
-                writes.append((buf, [self.io.write(self.file, segments[name], self._offset(t))
-                                     for name, t in self._segments(view)]))
-                self.bytes["written"] += sum(t.numel() * t.element_size() for _, t in self._segments(view))
+                mapped = self._segments(view)
+                writes.append((buf, [self.io.write(self.file, segments[name], self._offset(t)) for name, t in mapped]))
+                self.bytes["written"] += sum(t.numel() * t.element_size() for _, t in mapped)
                 self.times["write_wait"] += time.perf_counter() - start  # submitting: never waits for the drive
                 if not self.policy.pipeline_write:
                     self._finish(writes.popleft(), free)
@@ -272,15 +265,20 @@ class FileStore(StateStore):
 
     def _finish(self, write: tuple, free: list) -> None:
         buf, requests = write
-        start = time.perf_counter()
-        try:
-            for r in requests:
-                r.wait()
-        except OSError:
-            _settle(requests)
-            raise
-        self.times["write_wait"] += time.perf_counter() - start
+        self.times["write_wait"] += _wait_all(requests)
         free.append(buf)
+
+
+def _wait_all(requests) -> float:
+    """Wait for every request (all of them, also after one failed) and return the seconds waited."""
+    start = time.perf_counter()
+    try:
+        for r in requests:
+            r.wait()
+    except OSError:
+        _settle(requests)
+        raise
+    return time.perf_counter() - start
 
 
 def _settle(requests) -> None:
