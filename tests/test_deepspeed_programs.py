@@ -11,8 +11,10 @@ import pathlib
 # each micro-batch on rank 0 (fp32: zero gives the same to ~1e-6 relative)
 DEEPSPEED_LOSSES = [3.4630699157714844, 3.49055552482605, 3.462505578994751, 3.491899251937866,
                     3.4428768157958984, 3.449957847595215, 3.470271348953247, 3.471893072128296]
-DEEPSPEED_CONFIG = {"bf16": True, "fp16": False, "clip": 0.5, "stage": 2, "offload": "cpu", "pipeline": False,
-                    "read": False, "weights": False, "zero": True, "name": "adamw", "batch": [16, 4, 2],
+# but for `pipeline` and `read`: zero overlaps NVMe reads and writes with the step unless told not to
+# (pipeline_read/pipeline_write default true; DeepSpeed's default false), so zero prints True for both
+DEEPSPEED_CONFIG = {"bf16": True, "fp16": False, "clip": 0.5, "stage": 2, "offload": "cpu", "pipeline": True,
+                    "read": True, "weights": False, "zero": True, "name": "adamw", "batch": [16, 4, 2],
                     "built": True}
 DEEPSPEED_LRS = [0.0, 0.025, 0.05, 0.075, 0.1, 0.1]
 # the rlhf part (stage 3, bf16, offload_states/reload_states before each step), rank 0: bf16 rounds

@@ -63,8 +63,8 @@ def test_a_features_config_keys_are_refused_or_warned_about_by_the_config():
     with pytest.raises(ConfigError, match="compression_training"):
         load_config({"train_micro_batch_size_per_gpu": 1, "compression_training": {"weight_quantization": {
             "shared_parameters": {"enabled": True}}}})
-    with pytest.warns(ConfigWarning, match="aio"):
-        load_config({"train_micro_batch_size_per_gpu": 1, "aio": {"block_size": 1048576}})
+    with pytest.warns(ConfigWarning, match="aio.use_gds"):
+        load_config({"train_micro_batch_size_per_gpu": 1, "aio": {"block_size": 1048576, "use_gds": True}})
 
 
 def test_the_migration_guide_shows_the_table():
