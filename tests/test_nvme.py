@@ -86,16 +86,20 @@ def test_aio_on_tmpfs_and_a_file_size_limit_reached_mid_write(tmp_path):
 
 # -- training: bit for bit against CPU offload --------------------------------------------------
 
-CASES = [  # (stage, precision, optimizer, state format)
+CASES = [  # (stage, precision, optimizer, state format and where the parameter shards are)
     (1, "fp32", "AdamW", {}), (1, "bf16", "Lion", {}),
     (2, "fp32", "AdamW", {}), (2, "bf16", "AdamW", {"state_dtype": "int8"}),
     (3, "fp32", "AdamW", {}), (3, "bf16", "AdamW", {"state_dtype": "int8", "master": "bf16"}),
+    # stage-3 parameter shards on NVMe too (against shards in host memory), with the optimizer
+    # state on NVMe, and with it in host memory (the twin's own CPU offload)
+    (3, "fp32", "AdamW", {"params": "nvme"}), (3, "bf16", "AdamW", {"state_dtype": "int8", "params": "nvme",
+                                                                   "optimizer": "cpu"}),
 ]
 
 
-def _config(stage: int, precision: str, optimizer: str, fmt: dict, offload: dict) -> dict:
+def _config(stage: int, precision: str, optimizer: str, fmt: dict, offload: dict, params: dict | None = None) -> dict:
     zc = {"stage": stage, "sub_group_size": 1024, **(STAGE3["gpt"] if stage == 3 else {"reduce_bucket_size": 2000}),
-          "offload_optimizer": offload}
+          "offload_optimizer": offload, **({"offload_param": params} if params else {})}
     params = {"lr": 1e-3, "weight_decay": 0.01, **({"state_dtype": fmt["state_dtype"]} if "state_dtype" in fmt else {})}
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "zero_optimization": zc,
            "optimizer": {"type": optimizer, "params": params}}
@@ -116,8 +120,12 @@ def nvme_twins(path: str) -> list[tuple]:
     for stage, precision, optimizer, fmt in CASES:
         torch.manual_seed(0)
         base = build_model("gpt")
-        engines = [zero.initialize(model=copy.deepcopy(base), config=_config(stage, precision, optimizer, fmt, off))[0]
-                   for off in ({"device": "cpu"}, _nvme(path))]
+        twins = [({"device": "cpu"}, None), (_nvme(path), None)]
+        if fmt.get("params"):  # max_in_cpu 0: every unit but the persistent parameters on disk
+            twins = [({"device": "cpu"}, {"device": "cpu"}),
+                     ({"device": "cpu"} if fmt.get("optimizer") == "cpu" else _nvme(path), _nvme(path, max_in_cpu=0))]
+        engines = [zero.initialize(model=copy.deepcopy(base), config=_config(stage, precision, optimizer, fmt, *twin))[0]
+                   for twin in twins]
         g = torch.Generator().manual_seed(1)
         for _ in range(5 * 2):
             batches = [make_batch("gpt", 2, g) for _ in range(world)]
@@ -131,12 +139,21 @@ def nvme_twins(path: str) -> list[tuple]:
         with zero.GatheredParameters(list(cpu.module.parameters())), \
                 zero.GatheredParameters(list(nvme.module.parameters())):
             same_params = all(torch.equal(p, q) for p, q in zip(cpu.module.parameters(), nvme.module.parameters()))
-        store = nvme.optimizer.storage.store
+        store, swap = nvme.optimizer.storage.store, getattr(nvme.optimizer.storage, "swap", None)
         report = nvme.memory_report()
-        moved = store.bytes["read"] > 0 and store.bytes["read"] == store.bytes["written"]
-        on_disk = report["disk_bytes"] == report["fp32_master"] + report["optimizer_states"] > 0 and \
+        states = report["fp32_master"] + report["optimizer_states"] if store.policy.on_disk else 0
+        moved = store.bytes["read"] > 0 and store.bytes["read"] == store.bytes["written"] if store.policy.on_disk \
+            else True
+        if swap is not None:  # every shard but the persistent one on disk, read ahead but for the first pass
+            units = nvme.optimizer.storage.units
+            shards = sum(u.shard.untyped_storage().nbytes() for u in units if u.swap is not None)
+            states += shards
+            moved = moved and [u.persistent for u in units if u.swap is None] == [True] and \
+                swap.reads["ahead"] > 3 * swap.reads["on_demand"] > 0 and swap.reads["extra_buffers"] == 0
+        on_disk = report["disk_bytes"] == states > 0 and \
             report["host_bytes"] < cpu.memory_report()["host_bytes"] + report["nvme_buffers"]
-        out.append((stage, precision, optimizer, same_params, same_state, moved, on_disk, store.io.stats()))
+        out.append((stage, precision, optimizer, same_params, same_state, moved, on_disk,
+                    (swap or store).swap.io.stats()))
         for engine in engines:
             engine.destroy()
     return out
@@ -144,7 +161,8 @@ def nvme_twins(path: str) -> list[tuple]:
 
 def test_nvme_offload_is_bitwise_cpu_offload_at_every_stage_precision_and_state_format(dist_run, tmp_path):
     """2 ranks, accumulation 2, 5 steps, tiles of 1024 elements in 2 buffers (reads ahead, writes
-    behind, buffers reused): the same parameters and optimizer state, bit for bit, as CPU offload."""
+    behind, buffers reused): the same parameters and optimizer state, bit for bit, as CPU offload;
+    stage-3 parameter shards on NVMe the same as in host memory."""
     for results in dist_run(2, nvme_twins, str(tmp_path)):
         for stage, precision, optimizer, same_params, same_state, moved, on_disk, _stats in results:
             case = f"stage {stage} {precision} {optimizer}"

@@ -139,8 +139,6 @@ def _other_than(value: Any) -> Predicate:
     return lambda v: v != value
 
 
-_NVME_ONLY = ("only NVMe parameter offload uses it, and zero keeps parameter shards on the CPU (optimizer state "
-              "can go to NVMe)")
 _NO_CHECKPOINTS = "zero's training checkpoints do not use it (see docs/checkpoint.md)"
 _NOT_MONITORED = ("zero writes DeepSpeed's events to csv_monitor and tensorboard, not to this service; "
                   "log from your training loop")
@@ -314,14 +312,6 @@ UNIMPLEMENTED_FEATURES: tuple[UnimplementedFeature, ...] = (
     _warned("zero_optimization.offload_optimizer.fast_init",
             _flag(False, "NVMe: DeepSpeed's fast swap-file setup (true warns)."),
             "zero's swap files are reserved with one fallocate per state, already the fast way"),
-    _warned("zero_optimization.offload_param.nvme_path",
-            _key(Optional[pathlib.Path], None, "NVMe only: directory to swap to (set: warns)."), _NVME_ONLY),
-    _warned("zero_optimization.offload_param.buffer_count",
-            _key(int, 5, "NVMe only: swap buffers (changed: warns).", ge=0), _NVME_ONLY),
-    _warned("zero_optimization.offload_param.buffer_size",
-            _key(int, 100_000_000, "NVMe only: swap buffer size in elements (changed: warns).", ge=0), _NVME_ONLY),
-    _warned("zero_optimization.offload_param.max_in_cpu",
-            _key(int, 1_000_000_000, "NVMe only: elements kept in CPU memory (changed: warns).", ge=0), _NVME_ONLY),
     # --- training checkpoints: ConfigWarning --------------------------------------------------------
     _warned("zero_optimization.load_from_fp32_weights",
             _flag(True, "Restore fp32 master weights from training checkpoints; zero's checkpoints always do "

@@ -179,14 +179,6 @@ def _lr(v: Optional[float]) -> Optional[float]:
 # ZeRO
 # ---------------------------------------------------------------------------------------------
 
-def _no_param_nvme(v: str) -> str:
-    if v == "nvme":
-        raise ValueError("'nvme' for parameter shards (offload_param) is not in zero yet: optimizer state can go to "
-                         "NVMe (offload_optimizer.device 'nvme', docs/offload.md#nvme); keep parameter shards on "
-                         "'cpu' meanwhile")
-    return v
-
-
 def _check_nvme_path(section: str, device: str, path: Optional[pathlib.Path]) -> None:
     """`device: nvme` needs an existing, writable directory, checked before anything is built."""
     if device != "nvme":
@@ -238,13 +230,25 @@ class OffloadOptimizerConfig(_Section):
 
 @with_placeholders("zero_optimization.offload_param")
 class OffloadParamConfig(_Section):
-    """`zero_optimization.offload_param`: stage-3 parameter shards on the CPU."""
+    """`zero_optimization.offload_param`: stage-3 parameter shards in host memory (`cpu`) or in files
+    on an NVMe drive (`nvme`), fetched ahead of the modules that use them."""
 
-    device: Literal["none", "cpu", "nvme"] = Field("none", description="Where parameter shards live: none or "
-                                                   "cpu ('nvme' is refused).")
+    device: Literal["none", "cpu", "nvme"] = Field("none", description="Where parameter shards live: none, cpu "
+                                                   "(host memory) or nvme (files in nvme_path).")
+    nvme_path: Optional[pathlib.Path] = Field(None, description="NVMe: the directory of the swap files (must "
+                                              "exist and be writable).")
     pin_memory: bool = Field(False, description="Page-locked CPU buffers for faster copies.")
+    buffer_count: int = Field(5, ge=1, description="NVMe: host buffers of one unit's shard each, read ahead of "
+                              "the modules that use them.")
+    buffer_size: int = Field(100_000_000, ge=1, description="NVMe: elements a buffer holds; at least the largest "
+                             "unit's shard (checked at initialize).")
+    max_in_cpu: int = Field(1_000_000_000, ge=0, description="NVMe: elements of parameter shards kept in host memory "
+                            "(the first units, and the small persistent parameters always); the rest live on disk.")
 
-    _check_device = field_validator("device")(_no_param_nvme)
+    @model_validator(mode="after")
+    def _nvme(self) -> OffloadParamConfig:
+        _check_nvme_path("offload_param", self.device, self.nvme_path)
+        return self
 
 
 @with_placeholders("aio")

@@ -91,14 +91,27 @@ def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], confi
                           compress_param_gather=o.compress_param_gather, **common)
     adam, muon_rule = AdamRule(precision.adam), MuonRule()
     rules = [muon_rule if m else client or adam for m in muon_groups]
-    if step.offload.on_disk:  # the swap files must fit the drive: refused now, before any state is made
-        from zero.offload.nvme import check_room
+    needs = []  # the swap files must fit their drives: refused now, before any state is made
+    if step.offload.on_disk:
+        from zero.offload.nvme import state_bytes
 
         shards = comm.world_size if stage > 0 else 1
         elements: dict[int, int] = {}
         for p, g in zip(params, groups):
             elements[g] = elements.get(g, 0) + -(-getattr(p, "ds_numel", p.numel()) // shards)
-        check_room(step.offload, elements, lambda g: rules[g].state(param_groups[g]), precision.adam.master_dtype)
+        nbytes = state_bytes(elements, lambda g: rules[g].state(param_groups[g]), precision.adam.master_dtype)
+        needs.append((step.offload.path, nbytes, "optimizer state",
+                      "zero_optimization.offload_optimizer.nvme_path"))
+    if stage == 3 and stage3.param_nvme is not None:
+        from zero.offload.param_swap import plan_disk
+
+        nbytes = plan_disk(module, stage3, comm.world_size, precision.param).disk_bytes
+        needs.append((stage3.param_nvme.path, nbytes, "parameter shards",
+                      "zero_optimization.offload_param.nvme_path"))
+    if needs:
+        from zero.offload.nvme import check_room
+
+        check_room(needs)
     if stage == 3:
         whole = Owned(comm, comm.world_size, {params[i]: matrix_shape(params[i]) for i in muon_at}) if muon_at else None
         storage = functools.partial(UnitParams, module, params, groups, comm=comm, precision=precision,

@@ -296,7 +296,7 @@ class Engine(TrainingLoop):
         swap files (the engine cannot step after this)."""
         self.wait_for_checkpoint()
         self.optimizer.storage.release_gathered()
-        self.optimizer.storage.store.close()
+        self.optimizer.storage.close()
         gc.collect()
 
 

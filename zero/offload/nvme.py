@@ -90,28 +90,41 @@ def free_bytes(path: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def check_room(policy: NVMeOffload, elements: dict[int, int], specs, master_dtype: torch.dtype) -> None:
-    """Refuse a run whose optimizer state does not fit the drive, before anything is built.
+def state_bytes(elements: dict[int, int], specs, master_dtype: torch.dtype) -> int:
+    """Bytes the optimizer state of this rank takes in its swap file.
 
     Args:
-        policy: the NVMe policy (its `path`).
         elements: param group -> elements of it this rank keeps state for.
         specs: param group -> the state its rule declares (see [Note: declared state] in
             zero/optim/rules.py).
         master_dtype: the master weights' dtype.
     """
-    def nbytes(n: int, dtype: torch.dtype) -> int:
-        return _aligned(n * torch.empty((), dtype=dtype).element_size())
+    return sum(_nbytes(n, master_dtype) + sum(_nbytes(spec.numel(n), spec.dtype) for spec in specs(g)
+                                              if spec.per != "scalar") for g, n in elements.items() if n)
 
-    need = sum(nbytes(n, master_dtype) + sum(nbytes(spec.numel(n), spec.dtype) for spec in specs(g)
-                                             if spec.per != "scalar") for g, n in elements.items() if n)
-    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # the ranks of this host share the drive
-    free = free_bytes(policy.path)
-    if need * ranks > free:
-        raise OSError(errno.ENOSPC, f"zero: NVMe offload needs {need / 2**30:.2f} GiB for this rank's optimizer state "
-                                    f"in {policy.path} (x {ranks} ranks on this host), and {free / 2**30:.2f} GiB are "
-                                    f"free there (zero_optimization.offload_optimizer.nvme_path): free space, or "
-                                    f"choose another drive")
+
+def _nbytes(n: int, dtype: torch.dtype) -> int:
+    return _aligned(n * torch.empty((), dtype=dtype).element_size())
+
+
+def check_room(needs: list[tuple[str, int, str, str]]) -> None:
+    """Refuse a run whose swap files do not fit their drives, before anything is built.
+
+    Args:
+        needs: (directory, bytes this rank keeps there, what they are, the config key naming the
+            directory), for the optimizer state and the parameters; directories on one filesystem
+            share its free space, and the ranks of this host share the drive.
+    """
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    by_fs: dict[int, list[tuple[str, int, str, str]]] = {}
+    for need in needs:
+        by_fs.setdefault(os.stat(need[0]).st_dev, []).append(need)
+    for group in by_fs.values():
+        total, free = sum(need[1] for need in group), free_bytes(group[0][0])
+        if total * ranks > free:
+            what = " and ".join(f"{n / 2**30:.2f} GiB for this rank's {w} in {path} ({key})" for path, n, w, key in group)
+            raise OSError(errno.ENOSPC, f"zero: NVMe offload needs {what} (x {ranks} ranks on this host), and "
+                                        f"{free / 2**30:.2f} GiB are free there: free space, or choose another drive")
 
 
 def _close(f: DataFile, io: AsyncIO, directory: str) -> None:
@@ -120,46 +133,36 @@ def _close(f: DataFile, io: AsyncIO, directory: str) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
-class FileStore(StateStore):
-    """The optimizer state of one storage in a swap file (see [Note: NVMe data path])."""
+class SwapFile:
+    """One swap file of this rank in `root` (its own directory,
+    `zero-swap-<host>-r<rank>-<pid>-<n>/<name>`), the tensors mapped from its regions, and the I/O
+    threads that read and write them (see [Note: NVMe data path]).
 
-    policy: NVMeOffload
+    Args:
+        root: the directory (`nvme_path`).
+        name: the file's name in its directory.
+        threads, queue_depth, block_size: the `aio` section (zero/ops/aio.py).
+    """
 
-    def __init__(self, policy: NVMeOffload, device: torch.device, owner: object, step_number):
-        super().__init__(policy, device, owner, step_number)
+    def __init__(self, root: str, name: str, threads: int, queue_depth: int, block_size: int):
         host = socket.gethostname().replace("-", "_")
-        _remove_stale(policy.path, host)
-        self.directory = os.path.join(policy.path, f"zero-swap-{host}-r{_rank()}-{os.getpid()}-{next(_stores)}")
+        _remove_stale(root, host)
+        self.directory = os.path.join(root, f"zero-swap-{host}-r{_rank()}-{os.getpid()}-{next(_stores)}")
         os.makedirs(self.directory)
-        self.file = DataFile(os.path.join(self.directory, "state.bin"))
-        self.io = AsyncIO(policy.threads, policy.queue_depth, policy.block_size)
+        self.file = DataFile(os.path.join(self.directory, name))
+        self.io = AsyncIO(threads, queue_depth, block_size)
         self.size = 0  # bytes reserved in the file
         self._starts: list[int] = []  # address of each mapped region, sorted
         self._regions: list[tuple[int, int, int]] = []  # (address, bytes, file offset), in that order
-        self._buffers: list[torch.Tensor] = []
-        self.times = {"read_wait": 0.0, "write_wait": 0.0}
-        self.bytes = {"read": 0, "written": 0}  # since the start
-        self.step_bytes = {"read": 0, "written": 0}  # in the last walk (one optimizer step)
         self._finalizer = weakref.finalize(self, _close, self.file, self.io, self.directory)
 
     def close(self) -> None:
-        """Stop the I/O threads and remove the swap files (`engine.destroy()`; else when the store is
-        collected, or at exit). The mapped state stays readable until it is dropped."""
+        """Stop the I/O threads and remove the file; mapped tensors stay readable until dropped."""
         self._finalizer()
 
-    def host_kinds(self) -> set[str]:
-        return set(STATE_KINDS)
-
-    def disk_kinds(self) -> set[str]:
-        return set(STATE_KINDS)
-
-    def buffers(self) -> list[torch.Tensor]:
-        return list(self._buffers)
-
-    # -- allocation: a region of the file, mapped
-
     def new(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """A zero tensor of state in a new region of the swap file (see [Note: NVMe data path])."""
+        """A zero tensor in a new region of the file: reserved on disk now (a full disk fails here,
+        naming the file) and mapped into memory."""
         numel = 1
         for n in shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,):
             numel *= int(n)
@@ -176,13 +179,67 @@ class FileStore(StateStore):
         self._regions.insert(at, (t.data_ptr(), nbytes, offset))
         return t
 
-    def _offset(self, t: torch.Tensor) -> int:
+    def holds(self, t: torch.Tensor) -> bool:
+        """Is `t` (a view of) one of this file's mapped regions?"""
+        i = bisect.bisect(self._starts, t.data_ptr()) - 1
+        return i >= 0 and t.data_ptr() < self._regions[i][0] + self._regions[i][1]
+
+    def offset(self, t: torch.Tensor) -> int:
         """The file offset of tensor `t` (a view of a mapped region)."""
         addr = t.data_ptr()
         i = bisect.bisect(self._starts, addr) - 1
         if i < 0 or addr + t.numel() * t.element_size() > self._regions[i][0] + self._regions[i][1]:
-            raise RuntimeError(f"zero: a state tensor at {addr:#x} is not in the swap file {self.file.path}")
+            raise RuntimeError(f"zero: a tensor at {addr:#x} is not in the swap file {self.file.path}")
         return self._regions[i][2] + addr - self._regions[i][0]
+
+    def read(self, buf: torch.Tensor, t: torch.Tensor):
+        """Start reading the values of mapped tensor `t` into `buf` (a Request)."""
+        return self.io.read(self.file, buf, self.offset(t))
+
+    def write(self, buf: torch.Tensor, t: torch.Tensor):
+        """Start writing `buf` to where mapped tensor `t` lies in the file (a Request)."""
+        return self.io.write(self.file, buf, self.offset(t))
+
+
+class FileStore(StateStore):
+    """The optimizer state of one storage in a swap file (see [Note: NVMe data path])."""
+
+    policy: NVMeOffload
+
+    def __init__(self, policy: NVMeOffload, device: torch.device, owner: object, step_number):
+        super().__init__(policy, device, owner, step_number)
+        self.swap = SwapFile(policy.path, "state.bin", policy.threads, policy.queue_depth, policy.block_size)
+        self._buffers: list[torch.Tensor] = []
+        self.times = {"read_wait": 0.0, "write_wait": 0.0}
+        self.bytes = {"read": 0, "written": 0}  # since the start
+        self.step_bytes = {"read": 0, "written": 0}  # in the last walk (one optimizer step)
+
+    @property
+    def io(self) -> AsyncIO:
+        return self.swap.io
+
+    @property
+    def size(self) -> int:
+        """Bytes reserved in the swap file."""
+        return self.swap.size
+
+    def close(self) -> None:
+        """Stop the I/O threads and remove the swap files (`engine.destroy()`; else when the store is
+        collected, or at exit). The mapped state stays readable until it is dropped."""
+        self.swap.close()
+
+    def host_kinds(self) -> set[str]:
+        return set(STATE_KINDS)
+
+    def disk_kinds(self) -> set[str]:
+        return set(STATE_KINDS)
+
+    def buffers(self) -> list[torch.Tensor]:
+        return list(self._buffers)
+
+    def new(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A zero tensor of state in a new region of the swap file (see [Note: NVMe data path])."""
+        return self.swap.new(shape, dtype)
 
     # -- the host step's walk
 
@@ -233,7 +290,7 @@ class FileStore(StateStore):
                 yield slot, lo, hi, lambda grad, out16, tile=tile: dataclasses.replace(tile, grad=grad, out16=out16)
                 start = time.perf_counter()
                 mapped = self._segments(view)
-                writes.append((buf, [self.io.write(self.file, segments[name], self._offset(t)) for name, t in mapped]))
+                writes.append((buf, [self.swap.write(segments[name], t) for name, t in mapped]))
                 self.bytes["written"] += sum(t.numel() * t.element_size() for _, t in mapped)
                 self.times["write_wait"] += time.perf_counter() - start  # submitting: never waits for the drive
                 if not self.policy.pipeline_write:
@@ -258,7 +315,7 @@ class FileStore(StateStore):
             nbytes = t.numel() * t.element_size()
             seg = buf[at:at + nbytes].view(t.dtype).view(t.shape)
             segments[name] = seg
-            requests.append(self.io.read(self.file, seg, self._offset(t)))
+            requests.append(self.swap.read(seg, t))
             self.bytes["read"] += nbytes
             at += _aligned(nbytes)
         return view, segments, buf, requests

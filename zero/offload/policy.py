@@ -88,6 +88,42 @@ class NVMeOffload(CPUOffload):
         return f"in files under {self.path}"
 
 
+@dataclass(frozen=True)
+class ParamNVMe:
+    """Stage-3 parameter shards in files (ZeRO-Infinity; DeepSpeed's `offload_param.device: nvme`),
+    read ahead of the modules that use them (see [Note: parameters on NVMe] in
+    zero/offload/param_swap.py).
+
+    Args:
+        path: the directory of the swap files (`nvme_path`).
+        buffer_count: host buffers of one unit's shard each (`buffer_count`).
+        buffer_size: elements a buffer may hold (`buffer_size`; the largest unit's shard must fit).
+        max_in_cpu: elements of shards kept in host memory (`max_in_cpu`).
+        pin_memory: page-lock the buffers and the shards in host memory.
+        block_size, queue_depth, threads: the `aio` section.
+    """
+
+    path: str
+    buffer_count: int = 5
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+    pin_memory: bool = False
+    block_size: int = 1 << 20
+    queue_depth: int = 8
+    threads: int = 1
+
+
+def param_nvme_policy(cfg: ZeroConfig) -> ParamNVMe | None:
+    """The policy `zero_optimization.offload_param.device: nvme` (and `aio`) ask for, else None."""
+    op = cfg.zero_optimization.offload_param
+    if cfg.zero_optimization.stage != 3 or op is None or op.device != "nvme":
+        return None
+    aio = cfg.aio
+    return ParamNVMe(path=str(op.nvme_path), buffer_count=op.buffer_count, buffer_size=op.buffer_size,
+                     max_in_cpu=op.max_in_cpu, pin_memory=op.pin_memory, block_size=aio.block_size,
+                     queue_depth=aio.queue_depth, threads=aio.intra_op_parallelism)
+
+
 def offload_policy(cfg: ZeroConfig, num_threads: int) -> OffloadPolicy:
     """The policy `zero_optimization.offload_optimizer` (and `aio`) ask for.
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zero.offload.policy import OffloadPolicy, OnDevice, offload_policy
+from zero.offload.policy import OffloadPolicy, OnDevice, ParamNVMe, offload_policy, param_nvme_policy
 from zero.ops.adam_formats import PLAIN, AdamFormat
 
 if TYPE_CHECKING:
@@ -118,8 +118,9 @@ class Stage3Options:
         prefetch_elements: elements gathered ahead of use beyond the next unit (0: no prefetch).
         max_live_elements: gathered elements kept at once before idle units are released.
         max_reuse_distance: a unit used again within this many gathered elements is kept.
-        offload_param: keep parameter shards in host memory.
+        offload_param: keep parameter shards off the device (in host memory, or on NVMe).
         pin_memory: page-lock those host shards.
+        param_nvme: put the shards beyond `max_in_cpu` in files (zero/offload/param_swap.py), or None.
         log_trace_changes: warn when a recorded order of units changes
             (`log_trace_cache_warnings`).
         gather_on_apply: `module.apply(fn)` sees gathered parameters (`override_module_apply`).
@@ -133,6 +134,7 @@ class Stage3Options:
     max_reuse_distance: int = 1_000_000_000
     offload_param: bool = False
     pin_memory: bool = False
+    param_nvme: ParamNVMe | None = None
     log_trace_changes: bool = False
     gather_on_apply: bool = True
 
@@ -162,14 +164,14 @@ def options_from_config(cfg: ZeroConfig, world_size: int, num_threads: int, stat
     reduce = ReduceOptions(overlap_comm=bool(zc.overlap_comm), reduce_scatter=zc.reduce_scatter,
                            bucket_elements=max(1, min(zc.reduce_bucket_size, zc.allgather_bucket_size)),
                            ignore_unused_parameters=zc.ignore_unused_parameters)
-    offload_param = zc.offload_param is not None and zc.offload_param.device == "cpu"
+    offload_param = zc.offload_param is not None and zc.offload_param.device in ("cpu", "nvme")
     stage3 = Stage3Options(
         unit_elements=zc.module_granularity_threshold or DEFAULT_UNIT_ELEMENTS,
         persistence_threshold=zc.param_persistence_threshold,
         persistence_budget=zc.model_persistence_threshold if zc.model_persistence_threshold < sys.maxsize else None,
         prefetch_elements=zc.prefetch_bucket_size, max_live_elements=zc.max_live_parameters,
         max_reuse_distance=zc.max_reuse_distance, offload_param=offload_param,
-        pin_memory=offload_param and zc.offload_param.pin_memory,
+        pin_memory=offload_param and zc.offload_param.pin_memory, param_nvme=param_nvme_policy(cfg),
         log_trace_changes=zc.log_trace_cache_warnings, gather_on_apply=zc.override_module_apply)
     return Precision.from_config(cfg, state_dtype), step, reduce, stage3
 

@@ -30,7 +30,9 @@ trace: after gathering trace[i] it starts the all-gather of trace[i+1] (always, 
 total stays within `stage3_max_live_parameters`), then trace[i+2], ... while their elements stay
 within `stage3_prefetch_bucket_size`; 0 turns prefetching off. As soon as a pass deviates from its
 trace (eval, another branch), prefetching stops for that pass, and the pass's own order becomes
-the trace for the next one: the runtime re-records rather than giving up on prefetching. A unit
+the trace for the next one: the runtime re-records rather than giving up on prefetching. Shards
+on NVMe are read into host buffers further ahead than that, as far as free buffers allow (see
+[Note: parameters on NVMe] in zero/offload/param_swap.py). A unit
 whose next use in the recorded traces is within `stage3_max_reuse_distance` gathered elements is
 kept after its forward instead of being released, while `stage3_max_live_parameters` allows.
 Prefetch decisions depend only on the traces, so every rank issues the same collectives in the
@@ -219,18 +221,27 @@ class Stage3Runtime:
         if not self._following or self.options.prefetch_elements <= 0:
             return
         budget = 0
-        for idx in self.traces[self._pass][self._pos :]:
+        ahead = self.traces[self._pass][self._pos :]
+        for k, idx in enumerate(ahead):
             unit = self.units[idx]
             if unit.state is not ShardedState.SHARDED:
                 continue
             # the next unit is always fetched ahead (one larger than the budget would otherwise
-            # never be prefetched); further ones while they fit in the budget
+            # never be prefetched); further ones while they fit in the budget, and a shard on
+            # NVMe while a buffer can take it
             if (budget and budget + unit.full_numel > self.options.prefetch_elements) or \
-                    self.reserved + unit.full_numel > self.options.max_live_elements:
+                    self.reserved + unit.full_numel > self.options.max_live_elements or \
+                    (unit.swap is not None and not unit.swap.fetch(unit)):
                 break
             budget += unit.full_numel
             self._start_gather(unit, self._pass)
             self.prefetched += 1
+        else:
+            k = len(ahead)
+        for idx in ahead[k:]:  # beyond the gathers: read the next shards on NVMe into free buffers
+            unit = self.units[idx]
+            if unit.state is ShardedState.SHARDED and unit.swap is not None and not unit.swap.fetch(unit):
+                break
 
     # -- divergence tags ------------------------------------------------------------------------------
 
@@ -427,6 +438,15 @@ class Stage3Runtime:
         self.release_all()
         self.comm.check_deferred()
         self._end_pass()
+        self.read_ahead()
+
+    def read_ahead(self) -> None:
+        """Start reading the shards on NVMe the next forward gathers first, into free buffers (see
+        [Note: parameters on NVMe]); after a step, once the step wrote them."""
+        for idx in self.traces[FORWARD]:
+            unit = self.units[idx]
+            if unit.state is ShardedState.SHARDED and unit.swap is not None and not unit.swap.fetch(unit):
+                break
 
     def recover(self) -> None:
         """Drop what a backward that raised left behind (see [Note: gradient readiness])."""

@@ -148,6 +148,10 @@ class ParamStorage(abc.ABC):
         """Free copies of parameters made for computing (stage 3's gathered units); none here."""
         return None
 
+    def close(self) -> None:
+        """Remove what outlives the process otherwise (NVMe offload's swap files)."""
+        self.store.close()
+
     @abc.abstractmethod
     def zero_grads(self) -> None:
         """Forget this step's gradients."""

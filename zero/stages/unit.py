@@ -37,6 +37,7 @@ import dataclasses
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -49,6 +50,9 @@ from zero.stages.owned import OwnedParams
 from zero.stages.placement import Owned, Sharded
 from zero.stages.policies import Precision
 from zero.state import StateSpecs, saved_specs
+
+if TYPE_CHECKING:
+    from zero.offload.param_swap import ParamSwap
 
 
 class ShardedState(enum.Enum):
@@ -115,6 +119,8 @@ class ParamUnit:
             host memory under optimizer offload; ParamStorage.new_state).
         host16: allocates an owner's host copy of a matrix in the training dtype (offload; pinned
             when asked).
+        swap: the shard lives on disk in this swap (see [Note: parameters on NVMe] in
+            zero/offload/param_swap.py), or None.
     """
 
     def __init__(self, index: int, name: str, params: list[nn.Parameter], groups: list[int], placement: Sharded,
@@ -125,11 +131,11 @@ class ParamUnit:
                  offload_param: bool, host_empty: Callable[..., torch.Tensor], gauges: Gauges,
                  owned: Owned | None = None,
                  new_state: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 host16: Callable[[int], torch.Tensor] | None = None):
+                 host16: Callable[[int], torch.Tensor] | None = None, swap: ParamSwap | None = None):
         comm = placement.comm
         self.index, self.name, self.placement, self.comm, self.device = index, name, placement, comm, device
         self.dtype, self.reduce_dtype = precision.param, precision.reduce
-        self.persistent, self.offload_param = persistent, offload_param
+        self.persistent, self.offload_param, self.swap = persistent, offload_param, swap
         self.gauges = gauges
         self.specs = lambda g: saved_specs(state_specs(g))  # what checkpoints hold of a group's state
         whole = {p for p in params if owned is not None and owned.matrix(p) is not None}
@@ -154,7 +160,8 @@ class ParamUnit:
         self.full_numel = world * self.numel  # gathered elements (what stage3_max_live_parameters counts)
 
         with torch.no_grad():
-            self.shard = host_empty(self.numel, dtype=self.dtype) if offload_param else \
+            self.shard = swap.new(self.numel, self.dtype) if swap is not None else \
+                host_empty(self.numel, dtype=self.dtype) if offload_param else \
                 torch.empty(self.numel, dtype=self.dtype, device=device)
             self.ranges: list[GroupRange] = []
             for g in sorted({g for i, g in enumerate(self.groups) if g >= 0 and i not in self.matrices}):
@@ -241,7 +248,9 @@ class ParamUnit:
         assert self.state is ShardedState.SHARDED, self
         self.state = ShardedState.GATHERING
         shard = self.shard
-        if self.shard.device != self.device:  # offload_param on a GPU: bring the shard to the device
+        if self.swap is not None and self.gathered:  # on disk: the copy read into a host buffer
+            shard = self.swap.take(self)
+        if shard.device != self.device:  # offload_param on a GPU: bring the shard to the device
             with record_function(f"zero::fetch_offloaded_shard[{self.name}]"):
                 shard = torch.empty(self.numel, dtype=self.dtype, device=self.device)
                 shard.copy_(self.shard, non_blocking=True)
@@ -269,6 +278,8 @@ class ParamUnit:
         if inflight.work is not None:
             wait(inflight.work)
         inflight.source = None  # the staged shard (offload_param) is not needed any more
+        if self.swap is not None and self.gathered:
+            self.swap.give_back(self, copied=self.device.type == "cuda")
         if inflight.buffer is not None:
             with record_function(f"zero::unshard_unit[{self.name}]"):
                 self._allocate()
@@ -351,6 +362,8 @@ class ParamUnit:
         off, n = self.offsets[i], self.split_sizes[i]
         local = take_shard(value.detach().to(self.shard.device), self.comm.rank, self.comm.world_size)
         self.shard[off : off + n].copy_(local)
+        if self.swap is not None:  # a read ahead of the old values is stale
+            self.swap.forget(self)
         if i in self.matrices:
             self.matrices.load(i, value)
         r = next((r for r in self.ranges if r.lo <= off < r.hi), None)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from zero.offload.param_swap import ParamSwap, plan_disk
 from zero.offload.policy import OffloadPolicy
 from zero.parallel.comm import Comm
 from zero.parallel.sliced import local_tensor
@@ -51,6 +52,12 @@ class UnitParams(ParamStorage):
         super().__init__(params, {p: n for n, p in module.named_parameters()}, comm, precision, offload, gauges,
                          grad_final=grad_final, step_number=step_number, state_specs=state_specs, device=device)
         self.offload_param = options.offload_param
+        self.swap: ParamSwap | None = None  # shards on NVMe (see [Note: parameters on NVMe])
+        on_disk: dict[str, bool] = {}
+        if options.param_nvme is not None:
+            plan = plan_disk(module, options, comm.world_size, precision.param)  # refuses a small buffer_size
+            on_disk = plan.on_disk
+            self.swap = ParamSwap(options.param_nvme, self.host_memory)
         group_of = dict(zip(params, groups))
         for p in module.parameters():
             describe_shard(p, comm.world_size)
@@ -71,9 +78,12 @@ class UnitParams(ParamStorage):
                              persistent=path == "<persistent>", offload_param=options.offload_param,
                              host_empty=host_empty, gauges=gauges, owned=owned,
                              new_state=lambda like: self.store.new(like.shape),
-                             host16=lambda n: self.host_memory.empty((n,), precision.param, pin))
+                             host16=lambda n: self.host_memory.empty((n,), precision.param, pin),
+                             swap=self.swap if on_disk.get(path) and path != "<persistent>" else None)
             self.units.append(unit)
             unit_modules.append(None if unit.persistent else modules.get(path))
+        if self.swap is not None:
+            self.swap.size_buffers(max((u.shard.untyped_storage().nbytes() for u in self.units if u.swap), default=0))
         self.hook_state_dict_loads(module)
         self.runtime = Stage3Runtime(module, self.units, unit_modules, comm, options, reduce, predivide, self.names,
                                      step_number, grad_final)
@@ -131,6 +141,7 @@ class UnitParams(ParamStorage):
         """After an accessor wrote into the views: besides encoding 8-bit moments, an owned master
         written alone (safe_set_local_fp32_param) leaves the ranks' shards behind it."""
         super().state_written()
+        self._drop_reads()
         for unit in self.units:
             unit.mark_updated(masters_written=True)
 
@@ -141,6 +152,7 @@ class UnitParams(ParamStorage):
     def values_set(self, param: nn.Parameter) -> None:
         """A persistent unit stays gathered: gather it again from the shards (and Muon's owners)."""
         unit = param._zero.unit
+        self._drop_reads()
         if unit.persistent:
             unit.refresh(lambda work: work.wait())
 
@@ -152,13 +164,25 @@ class UnitParams(ParamStorage):
     def publish(self) -> None:
         """Gathered copies are stale after an update: release them; refresh persistent units."""
         self.runtime.release_all()
+        self._drop_reads()
         for unit in self.units:
             unit.mark_updated()
             if unit.persistent:
                 unit.refresh(lambda work: work.wait())
+        self.runtime.read_ahead()
 
     def release_gathered(self) -> None:
         self.runtime.release_all()
+
+    def _drop_reads(self) -> None:
+        """The shards changed: reads of them ahead are stale (see [Note: parameters on NVMe])."""
+        if self.swap is not None:
+            self.swap.drop()
+
+    def close(self) -> None:
+        super().close()
+        if self.swap is not None:
+            self.swap.close()
 
     def zero_grads(self) -> None:
         self.runtime.recover()
@@ -185,6 +209,12 @@ class UnitParams(ParamStorage):
         report["gathered_peak"] = self.gauges.gathered.peak
         report["gather_buffers_peak"] = self.gauges.gather_buffers.peak
         report["persistent_params"] = sum(u.full_numel for u in self.units if u.persistent)
+        if self.swap is not None:  # shards on NVMe: on disk, not in host memory; their buffers are
+            disk = sum(u.shard.untyped_storage().nbytes() for u in self.units if u.swap is not None)
+            buffers = sum(b.untyped_storage().nbytes() for b in self.swap.buffers())
+            report["host_bytes"] += buffers - disk
+            report["disk_bytes"] += disk
+            report["nvme_buffers"] += buffers
 
 
 def _owned(units: list[ParamUnit], kind: str) -> list:
