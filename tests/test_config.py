@@ -607,8 +607,6 @@ _SETTINGS = {  # a value that sets each row whose key is not a typed bool
     "checkpoint.tag_validation": "Fail", "zero_optimization.cpu_offload_use_pin_memory": True,
     "zero_optimization.offload_optimizer.nvme_path": "/local_nvme",
     "zero_optimization.offload_optimizer.buffer_count": 8,
-    "zero_optimization.offload_param.nvme_path": "/local_nvme", "zero_optimization.offload_param.buffer_count": 8,
-    "zero_optimization.offload_param.buffer_size": 10**6, "zero_optimization.offload_param.max_in_cpu": 10**6,
     "optimizer.params.comm_backend_name": "mpi",
     "activation_checkpointing.number_checkpoints": 4, "elasticity.min_time": 20,
 }
@@ -785,8 +783,8 @@ def test_every_broken_rule_is_reported_at_once():
      "zero_optimization.offload_optimizer.nvme_path", r"'/no/such/nvme' is not an existing directory"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
      "zero_optimization.offload_optimizer.nvme_path", r"is missing: offload_optimizer.device 'nvme' needs"),
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
-     "zero_optimization.offload_param.device", r"'nvme' for parameter shards.*not in zero yet.*docs/offload.md#nvme"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+     "zero_optimization.offload_param.nvme_path", r"is missing: offload_param.device 'nvme' needs"),
 ])
 def test_nvme_and_partial_offload_are_refused_at_load_with_the_key_path(extra, path, message):
     with pytest.raises(ConfigError, match=message) as info:

@@ -182,7 +182,9 @@ STEPS = 3
 
 def _engine(stage: int, offload: dict):
     world = dist.get_world_size() if dist.is_initialized() else 1
-    zc = {"stage": stage, "sub_group_size": 1024, "offload_optimizer": offload,
+    params = {"offload_param": _nvme(offload["nvme_path"], max_in_cpu=0)} if stage == 3 and "nvme_path" in offload \
+        else {}  # at stage 3 the parameter shards go to NVMe with the optimizer state
+    zc = {"stage": stage, "sub_group_size": 1024, "offload_optimizer": offload, **params,
           **({"stage3_param_persistence_threshold": 20, "stage3_module_granularity_threshold": 300} if stage == 3 else {})}
     torch.manual_seed(0)
     engine, *_ = zero.initialize(model=build_model("mlp"), config={
@@ -206,8 +208,10 @@ def second_half(stage: int, offload: dict, path: str) -> list[torch.Tensor]:
 
 
 def test_checkpoints_move_between_nvme_and_cpu_offload_at_another_world_size(dist_run, tmp_path):
+    """Saved with the optimizer state and the parameter shards on NVMe (stage 3, 2 ranks), resumed
+    on 1 rank with both in host memory and at stage 1; saved from host memory, resumed onto NVMe."""
     nvme, cpu = _nvme(tmp_path), {"device": "cpu"}
-    dist_run(2, first_half, 2, nvme, str(tmp_path / "from-nvme"))
+    dist_run(2, first_half, 3, nvme, str(tmp_path / "from-nvme"))
     dist_run(2, first_half, 2, cpu, str(tmp_path / "from-cpu"))
     finals = [dist_run(1, second_half, 3, cpu, str(tmp_path / "from-nvme"))[0],
               dist_run(1, second_half, 1, nvme, str(tmp_path / "from-nvme"))[0],
@@ -222,15 +226,31 @@ def test_checkpoints_move_between_nvme_and_cpu_offload_at_another_world_size(dis
 
 
 def test_a_state_that_does_not_fit_the_drive_is_refused_before_anything_is_built(tmp_path, monkeypatch):
+    from zero.config import ConfigError
     from zero.offload import nvme
 
-    monkeypatch.setattr(nvme, "free_bytes", lambda path: 1000)
     model = build_model("mlp")
     before = [p.detach().clone() for p in model.parameters()]
+    untouched = lambda: not list(tmp_path.iterdir()) and all(  # noqa: E731
+        torch.equal(a, b) and not hasattr(b, "_zero") for a, b in zip(before, model.parameters()))
+    stage3 = {"stage": 3, **STAGE3["mlp"], "offload_param": _nvme(tmp_path, max_in_cpu=0)}
+    # a shard larger than a buffer: the unit, its size and the key
+    with pytest.raises(ConfigError, match=r"offload_param.buffer_size = 100 elements is smaller than the shard of unit "
+                                          r"'layers.0' on each rank \(434 elements\)"):
+        zero.initialize(model=model, config={"train_batch_size": 4, "optimizer": {"type": "AdamW"}, "zero_optimization": {
+            **stage3, "offload_param": _nvme(tmp_path, max_in_cpu=0, buffer_size=100)}})
+    assert untouched()
+    monkeypatch.setattr(nvme, "free_bytes", lambda path: 1000)
     with pytest.raises(OSError, match=rf"needs .* for this rank's optimizer state in {tmp_path}.*0.00 GiB are free"):
         zero.initialize(model=model, config={"train_batch_size": 4, "optimizer": {"type": "AdamW"},
                                              "zero_optimization": {"stage": 2, "offload_optimizer": _nvme(tmp_path)}})
-    assert not list(tmp_path.iterdir()) and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert untouched()
+    # the optimizer state and the parameter shards on one drive: both counted, both named
+    with pytest.raises(OSError, match=rf"needs .* optimizer state in {tmp_path} .* and 0.00 GiB for this rank's "
+                                      rf"parameter shards in {tmp_path} \(zero_optimization.offload_param.nvme_path\)"):
+        zero.initialize(model=model, config={"train_batch_size": 4, "optimizer": {"type": "AdamW"},
+                                             "zero_optimization": {**stage3, "offload_optimizer": _nvme(tmp_path)}})
+    assert untouched()
 
 
 def test_an_io_error_in_the_step_stops_the_run_naming_the_file_and_the_checkpoint_stays_whole(tmp_path):

@@ -129,13 +129,6 @@ def test_cpu_adam_threads_split_the_cores_among_local_ranks(monkeypatch):
     assert cpu_adam_threads() == 3
 
 
-def test_nvme_offload_is_a_clear_error():
-    with pytest.raises(zero.ConfigError, match=r"nvme.*not in zero yet.*docs/offload.md#nvme"):
-        zero.initialize(model=build_model("mlp"), config={
-            "train_batch_size": 4, "optimizer": {"type": "AdamW"},
-            "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}})
-
-
 def test_refused_page_locking_falls_back_and_clears_the_cuda_error(monkeypatch):
     """HostMemory.empty on a CUDA machine whose cudaHostRegister is refused (host memory short,
     a sandbox): the runtime's last error is cleared (torch's cudart binding has no

@@ -52,9 +52,8 @@ class Feature:
 
 _GATHER_HANDLE = ("zero's stage-3 gathers have finished when they return (param.all_gather_coalesced() returns a handle "
                   "whose wait() does nothing); DeepSpeed's handle classes are not provided")
-_NVME = ("zero offloads optimizer state to NVMe from the config (offload_optimizer.device: nvme, docs/offload.md); "
-         "DeepSpeed's aio handles and tensor-swapper classes are not provided, and stage-3 parameters on NVMe "
-         "(offload_param.device: nvme) are not implemented")
+_NVME = ("zero offloads to NVMe from the config (offload_optimizer.device and offload_param.device: nvme; "
+         "docs/offload.md); DeepSpeed's aio handles and tensor-swapper classes are not provided")
 _SPARSE = "sparse gradients are not supported (use dense embeddings)"
 _DEEPCOMPILE = "DeepCompile is not implemented; engine.compile() compiles the model's blocks (docs/compile.md)"
 
@@ -104,9 +103,8 @@ FEATURES: tuple[Feature, ...] = (
             names=("deepspeed.runtime.fp16.onebit.adam.OnebitAdam", "deepspeed.runtime.fp16.onebit.zoadam.ZeroOneAdam")),
     Feature("autotuning", "autotuning is not implemented; zero.estimate_memory gives each stage's memory per rank "
             "(docs/estimate.md)", packages=("deepspeed.autotuning",), config_keys=("autotuning.enabled",)),
-    Feature("DeepSpeed's NVMe API, parameters on NVMe", _NVME, packages=("deepspeed.nvme", "deepspeed.io", "deepspeed.ops.aio", "deepspeed.ops.gds",
-                                             "deepspeed.runtime.swap_tensor"),
-            config_keys=("zero_optimization.offload_param.nvme_path",)),
+    Feature("DeepSpeed's NVMe API", _NVME, packages=("deepspeed.nvme", "deepspeed.io", "deepspeed.ops.aio",
+                                                     "deepspeed.ops.gds", "deepspeed.runtime.swap_tensor")),
     Feature("DeepSpeedCPUAdagrad", "DeepSpeedCPUAdagrad is not provided; set \"optimizer\": {\"type\": \"Adagrad\"} in "
             "the config (zero runs Adagrad on each rank's shards, natively under optimizer offload)",
             packages=("deepspeed.ops.adagrad",)),

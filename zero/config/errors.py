@@ -93,7 +93,7 @@ def _all_paths(cls: type, prefix: str = "") -> dict[str, str]:
     return out
 
 
-def _suggest(bad: str, valid: set[str], root: Optional[type] = None) -> str:
+def _suggest(bad: str, valid: set[str], root: Optional[type] = None, nested: bool = False) -> str:
     close = difflib.get_close_matches(bad, sorted(valid), n=1, cutoff=0.6)
     if close:
         return f"; did you mean '{close[0]}'?"
@@ -101,6 +101,8 @@ def _suggest(bad: str, valid: set[str], root: Optional[type] = None) -> str:
         path = _all_paths(root).get(bad)
         if path and "." in path:
             return f"; did you mean '{path}'?"
+        if path and nested:  # a top-level section put inside another one
+            return f"; '{path}' is a section at the top level of the config"
     return ""
 
 
@@ -122,7 +124,7 @@ def _issues_from(err: ValidationError, root: type, prefix: tuple = ()) -> list[t
         if kind == "extra_forbidden":
             bad = str(e["loc"][-1])
             valid = _keys_of(_model_at(root, tuple(e["loc"][:-1])) or object)
-            issues.append((loc, f"unknown key '{bad}'{_suggest(bad, valid, root)}"))
+            issues.append((loc, f"unknown key '{bad}'{_suggest(bad, valid, root, nested=len(loc) > 1)}"))
             continue
         if kind == "missing":
             issues.append((loc, "required key is missing (or was \"auto\" with no value supplied)"))

@@ -381,10 +381,14 @@ class ZeroOptimizationConfig(_Section):
         if self.offload_param is not None and self.offload_param.device != "none" and self.stage != 3:
             _warn(f"zero_optimization.offload_param has no effect at stage {self.stage}; "
                   "parameter offload needs stage 3 (as in DeepSpeed)")
-        opt = self.offload_optimizer
-        if opt is not None and opt.device != "nvme" and opt.nvme_path is not None:
-            _warn(f"zero_optimization.offload_optimizer.nvme_path has no effect with device {opt.device!r} (only "
-                  f"device 'nvme' keeps the optimizer state in files there)")
+        for name, section, keys in (
+                ("offload_optimizer", self.offload_optimizer, ("nvme_path", "buffer_count", "pipeline_read",
+                                                               "pipeline_write")),
+                ("offload_param", self.offload_param, ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu"))):
+            if section is not None and section.device != "nvme":
+                for key in sorted(section.model_fields_set & set(keys)):
+                    _warn(f"zero_optimization.{name}.{key} = {getattr(section, key)} has no effect in zero with "
+                          f"device {section.device!r}: only device 'nvme' uses it")
         for name, section in (("offload_optimizer", self.offload_optimizer), ("offload_param", self.offload_param)):
             if section is not None and section.device == "none" and section.pin_memory:
                 _warn(f"zero_optimization.{name}.pin_memory has no effect with device 'none'")
