@@ -3,7 +3,6 @@ reason, and each given its pydantic field here, from its row."""
 from __future__ import annotations
 
 import json
-import pathlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Optional, TypeVar

@@ -222,6 +222,7 @@ class Stage3Runtime:
             return
         budget = 0
         ahead = self.traces[self._pass][self._pos :]
+        stopped = len(ahead)
         for k, idx in enumerate(ahead):
             unit = self.units[idx]
             if unit.state is not ShardedState.SHARDED:
@@ -232,13 +233,12 @@ class Stage3Runtime:
             if (budget and budget + unit.full_numel > self.options.prefetch_elements) or \
                     self.reserved + unit.full_numel > self.options.max_live_elements or \
                     (unit.swap is not None and not unit.swap.fetch(unit)):
+                stopped = k
                 break
             budget += unit.full_numel
             self._start_gather(unit, self._pass)
             self.prefetched += 1
-        else:
-            k = len(ahead)
-        for idx in ahead[k:]:  # beyond the gathers: read the next shards on NVMe into free buffers
+        for idx in ahead[stopped:]:  # beyond the gathers: read the next shards on NVMe into free buffers
             unit = self.units[idx]
             if unit.state is ShardedState.SHARDED and unit.swap is not None and not unit.swap.fetch(unit):
                 break
