@@ -285,3 +285,40 @@ def test_state_formats_are_counted_as_the_engine_stores_them(dist_run):
         assert format_bytes(this.model_states_total) in table
         assert "in each state format" in table and "* bf16 master + 8-bit moments" in table
         assert "  fp32 master + fp32 moments" in table
+
+
+@pytest.mark.parametrize("stage, offload", [(2, "optimizer"), (3, "optimizer+param"), (3, "param")])
+def test_nvme_estimates_equal_memory_report_of_real_runs(tmp_path, stage, offload):
+    """With nvme=True the states on disk, the buffers and the host bytes are what a run with
+    offload to NVMe measures (up to the engine's padding and the 4 KiB page of each region)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, n_layer=2, n_embd=128))
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 3}
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}, "bf16": {"enabled": True},
+              "zero_optimization": {
+                  "stage": stage, "reduce_bucket_size": 20_000, "sub_group_size": 4096,
+                  "stage3_module_granularity_threshold": 60_000, "stage3_param_persistence_threshold": 200,
+                  "offload_optimizer": nvme if "optimizer" in offload else {"device": "none"},
+                  "offload_param": {**nvme, "max_in_cpu": 0} if "param" in offload else {"device": "none"}}}
+    estimate = estimate_memory(model, 1, stage=stage, offload=offload, config=config, nvme=True)[0]
+    assert estimate.label == f"stage {stage} + offload {offload} to NVMe"
+    engine, *_ = zero.initialize(model=model, config=config)
+    x = torch.randint(0, 50, (2, 16))
+    for _ in range(2):
+        engine.backward(F.cross_entropy(engine(x).float().flatten(0, 1), x.flatten()))
+        engine.step()
+    measured = engine.memory_report()
+    engine.destroy()
+    assert measured["disk_bytes"] > 0 and estimate.disk_bytes == pytest.approx(measured["disk_bytes"], rel=0.02)
+    assert estimate.nvme_buffers == pytest.approx(measured["nvme_buffers"], abs=2 * 3 * 4096)
+    assert estimate.host_bytes == pytest.approx(measured["host_bytes"], rel=0.04)
+    # and without nvme the same option keeps the states in host memory
+    cpu = estimate_memory(model, 1, stage=stage, offload=offload, config=config)[0]
+    assert cpu.disk_bytes == 0 and cpu.host_bytes > estimate.host_bytes
+
+
+def test_the_command_line_with_nvme_has_a_disk_column(capsys):
+    assert cli(["--params", "7e9", "--gpus", "8", "--stage", "3", "--offload", "optimizer", "--nvme"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[-1] == "disk/rank" and "stage 3 + offload optimizer to NVMe" in lines[3]
+    assert lines[3].split()[-2:] == ["9.78", "GiB"]  # 12 bytes per parameter / 8 ranks

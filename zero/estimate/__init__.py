@@ -51,6 +51,13 @@ too. These are the kinds `Engine.memory_report()` measures, and on a real run th
 padding (each bucket or unit is padded to split evenly over N SIMD-aligned slices), in every state
 format (tests/test_estimate.py).
 
+With `nvme=True` (ZeRO-Infinity) the offload options keep their states in files: `disk_bytes` is
+the master and states (optimizer offload) and the parameter shards beyond `max_in_cpu` elements
+(stage 3's `offload_param`), and host memory holds instead `buffer_count` buffers of them
+(`nvme_buffers`): one step tile (`sub_group_size`, capped) of the master and states each, with each
+tensor from a page boundary, and the largest unit's shard each. The host copy of the gradient
+shard stays in host memory.
+
 With a OneBitAdam or ZeroOneAdam config, `compression_errors` (included in `buffers`) is the error
 buffers: an fp32 copy of the trainable parameters per rank, plus 1/N of it at stage 0. ZeroOneAdam
 adds two more fp32 copies to `buffers` (its momentum accumulator and anchor).
@@ -113,6 +120,9 @@ class MemoryEstimate:
     muon_params: int = 0  # the elements Muon updates (one fp32 momentum each; see the note)
     element_bytes: tuple[int, int] = (2, 2)  # bytes per parameter and per gradient-shard element
     optimizer_state: str = ""  # a non-Adam optimizer's declared state ("SGD: momentum_buffer (fp32)"); "": Adam's
+    nvme: bool = False  # the offloaded states go to NVMe (offload_optimizer / offload_param device "nvme")
+    disk_bytes: int = 0  # NVMe offload: the states in this rank's swap files
+    nvme_buffers: int = 0  # NVMe offload: the host buffers they are read into (in host_bytes)
 
     @property
     def peak_bytes(self) -> int:
@@ -128,7 +138,7 @@ class MemoryEstimate:
     @property
     def label(self) -> str:
         name = "stage 0 (= DDP)" if self.stage == 0 else f"stage {self.stage}"
-        return name if self.offload == "none" else f"{name} + offload {self.offload}"
+        return name if self.offload == "none" else f"{name} + offload {self.offload}" + (" to NVMe" if self.nvme else "")
 
     @property
     def state_format(self) -> str:
@@ -179,8 +189,10 @@ class MemoryTable(list):
                 + ("every state format" if several else formats[0] if formats else "") + f", {n} rank(s)"
                 + (f", {self.persistent:,} kept whole under stage 3" if self.persistent else ""))
         peaks = any(r.activations for r in self)
+        disk = any(r.disk_bytes for r in self)
         cols = ["option", *(["state format"] if several else []), "model states/rank", "B/param (all ranks)",
-                "device/rank", *(["peak/rank"] if peaks else []), "host/rank", f"host/node ({self.gpus_per_node} ranks)"]
+                "device/rank", *(["peak/rank"] if peaks else []), "host/rank", f"host/node ({self.gpus_per_node} ranks)",
+                *(["disk/rank"] if disk else [])]
         lines, last = [], None
         for r in self:
             label = r.label if r.label != last else ""  # with several formats: the option once per group
@@ -188,7 +200,8 @@ class MemoryTable(list):
             lines.append([label, *([r.state_format] if several else []), format_bytes(r.model_states_total),
                           f"{r.bytes_per_param(self.psi):.1f}", format_bytes(r.device_bytes),
                           *([format_bytes(r.peak_bytes)] if peaks else []),
-                          format_bytes(r.host_bytes), format_bytes(r.host_bytes * self.gpus_per_node)])
+                          format_bytes(r.host_bytes), format_bytes(r.host_bytes * self.gpus_per_node),
+                          *([format_bytes(r.disk_bytes)] if disk else [])])
         text = 2 if several else 1  # left-aligned columns
         widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(cols)]
         out = [head, "  ".join(c.ljust(w) for c, w in zip(cols, widths)), "  ".join("-" * w for w in widths)]
@@ -204,6 +217,9 @@ class MemoryTable(list):
         if peaks:
             out.append(f"peak/rank adds one forward and backward's activations ({format_bytes(self[0].activations)}, "
                        f"zero.estimate_activations) to the model states and the buffers alive beside them")
+        if disk:
+            out.append("NVMe offload: disk/rank is the offloaded states in this rank's swap files; host/rank keeps "
+                       "the buffers they are read into (buffer_count of them) instead of the states")
         if several:
             out.append("state format: how the optimizer stores the master weights and Adam's moments (8-bit: one "
                        "byte each, one fp32 scale per 256 elements); docs/config.md, 'State formats'")
@@ -215,7 +231,7 @@ def estimate_memory(model_or_param_count: nn.Module | int | float, world_size: i
                     config: dict | str | None = None, gpus_per_node: int | None = None,
                     persistent_params: int | None = None, largest_layer: int | None = None,
                     master_dtype: str | None = None, state_dtype: str | None = None,
-                    state_formats: bool = False, activations=None, muon_params=None) -> MemoryTable:
+                    state_formats: bool = False, activations=None, muon_params=None, nvme: bool = False) -> MemoryTable:
     """Per-rank memory of every stage and offload option (or the ones asked for).
 
     Args:
@@ -253,6 +269,11 @@ def estimate_memory(model_or_param_count: nn.Module | int | float, world_size: i
             moments): the parameters themselves, or their element count; None: with a config of
             optimizer type Muon, the model's matrices as the engine splits them (zero.optim.muon.split),
             or every element of a parameter count; else none.
+        nvme: the offload options put their states on NVMe (ZeRO-Infinity): the optimizer state, and
+            the parameter shards beyond the config's `offload_param.max_in_cpu`, count in
+            `disk_bytes`; host memory keeps `buffer_count` buffers of them (`nvme_buffers`: a step
+            tile of the optimizer state each, the largest unit's shard each), with the config's
+            `buffer_count`, `sub_group_size` and `max_in_cpu`.
 
     Returns:
         A MemoryTable (a list of MemoryEstimate) that prints as a table.
@@ -303,7 +324,7 @@ def estimate_memory(model_or_param_count: nn.Module | int | float, world_size: i
                 if (m, st) in {(r.master_dtype, r.state_dtype) for r in rows if (r.stage, r.offload) == (s, o)}:
                     continue
                 row, persistent, unit = _estimate(psi, model, world_size, s, o, dtype_name, config, persistent_params,
-                                                  largest_layer, m, st, activation_bytes, muon_params)
+                                                  largest_layer, m, st, activation_bytes, muon_params, nvme)
                 rows.append(row)
                 persistent_seen = max(persistent_seen, persistent)
                 largest_seen = max(largest_seen, unit if s == 3 else 0)
@@ -346,8 +367,11 @@ def _policies(config, stage: int, offload: str, dtype: str, world_size: int, mas
     data = copy.deepcopy(data)
     zo = dict(data.get("zero_optimization", {}))
     zo["stage"] = stage
-    zo["offload_optimizer"] = {"device": "cpu" if offload in ("optimizer", "optimizer+param") else "none"}
-    zo["offload_param"] = {"device": "cpu" if offload in ("param", "optimizer+param") else "none"}
+    for section, on, keys in (("offload_optimizer", offload in ("optimizer", "optimizer+param"), ("buffer_count",)),
+                              ("offload_param", offload in ("param", "optimizer+param"),
+                               ("buffer_count", "buffer_size", "max_in_cpu"))):
+        given = zo.get(section) if isinstance(zo.get(section), dict) else {}  # NVMe's sizes stay (for nvme=True)
+        zo[section] = {"device": "cpu" if on else "none", **{k: v for k, v in given.items() if k in keys}}
     data["zero_optimization"] = zo
     # the training dtype is the row's; the bf16 section's state-format keys stay (with another dtype
     # the config's own check says why they cannot apply)
@@ -396,13 +420,13 @@ def _policies(config, stage: int, offload: str, dtype: str, world_size: int, mas
     client = client_step(cfg, None)  # SGD, Lion, Adagrad, ...: the state their rule declares
     declared = (client.name, client.state(dict(client.defaults))) if client is not None else None
     return (*options_from_config(cfg, world_size, num_threads=1, state_dtype=given_state), kind, gather, muon,
-            declared)
+            declared, cfg.zero_optimization)
 
 
 def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, config, persistent_given,
               largest_layer: int | None, master_dtype: str | None = None, state_dtype: str | None = None,
-              activations: int = 0, muon_params: int | None = None):
-    precision, step, reduce, s3, onebit, compressed_gather, muon_config, declared = _policies(
+              activations: int = 0, muon_params: int | None = None, nvme: bool = False):
+    precision, step, reduce, s3, onebit, compressed_gather, muon_config, declared, zc = _policies(
         config, stage, offload, dtype, n, master_dtype, state_dtype)
     members = None  # ids of the parameters Muon updates, where known
     if muon_params is None and muon_config and model is not None:
@@ -505,16 +529,37 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
     host_copies = p * muon_shard if stage == 3 and (offload_param or offload_opt and n > 1) else 0
     host = on_host + host_staging + host_copies
     device = params + grads + fp32_master + states + buffers - on_host
+    disk = nvme_buffers = 0
+    if nvme and offload_opt:  # the master and states in files; buffer_count step tiles of them in host memory
+        disk += fp32_master + states
+        per_element = (fp32_master + states) / max(1, adam_shard + muon_shard)
+        tile = min(step.offload.tile_elements, math.ceil(max(slots, default=0)))
+        # a buffer holds the tile's master and each of its states, each from a page boundary
+        tensors = 1 + (sum(spec.per != "scalar" for spec in declared[1]) if declared is not None else
+                       2 + (2 if fmt.quantized else 0))
+        nvme_buffers += zc.offload_optimizer.buffer_count * (_aligned(tile * per_element) + 4096 * (tensors - 1))
+    if nvme and offload_param and stage == 3:  # the shards beyond max_in_cpu in files, read into buffers
+        in_cpu = min(psi / n, zc.offload_param.max_in_cpu)
+        disk += p * (psi / n - in_cpu)
+        if in_cpu < psi / n:
+            nvme_buffers += zc.offload_param.buffer_count * _aligned(p * math.ceil(largest_unit / n))
+    host += nvme_buffers - disk
     values = dict(params=params, grads=grads, fp32_master=fp32_master, optimizer_states=states,
                   host_staging=host_staging, buffers=buffers, device_bytes=device, host_bytes=host,
-                  compression_errors=errors, buffers_in_backward=in_backward, activations=activations)
+                  compression_errors=errors, buffers_in_backward=in_backward, activations=activations,
+                  disk_bytes=disk, nvme_buffers=nvme_buffers)
     optimizer_state = "" if declared is None else f"{declared[0]}: " + (", ".join(
         f"{spec.name} ({'fp32' if spec.dtype == torch.float32 else str(spec.dtype).replace('torch.', '')}"
         f"{'' if spec.per == 'element' else ', one per slot'})" for spec in declared[1]) or "no state")
     row = MemoryEstimate(stage=stage, offload=offload, world_size=n, **{k: int(round(v)) for k, v in values.items()},
                          master_dtype=fmt.master, state_dtype=fmt.state, muon_params=muon_params, element_bytes=(p, g),
-                         optimizer_state=optimizer_state)
+                         optimizer_state=optimizer_state, nvme=nvme and offload != "none")
     return row, persistent, largest_unit
+
+
+def _aligned(nbytes: float) -> int:
+    """`nbytes` rounded up to whole 4 KiB pages (NVMe offload's aligned buffers)."""
+    return -(-math.ceil(nbytes) // 4096) * 4096
 
 
 def _copy_back_tiles(slots: list[float], tile: int) -> float:

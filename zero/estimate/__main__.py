@@ -5,6 +5,7 @@
     python -m zero.estimate --params 1.3e9 --gpus 4 --config ds_config.json
     python -m zero.estimate --params 7e9 --gpus 8 --master-dtype bf16 --state-dtype int8
     python -m zero.estimate --params 7e9 --gpus 8 --stage 3 --state-formats
+    python -m zero.estimate --params 70e9 --gpus 8 --stage 3 --nvme --config ds_config.json
     python -m zero.estimate --model path/to/config.json --gpus 8 --seq-len 32768 --checkpointing
     python -m zero.estimate --model path/to/config.json --gpus 8 --seq-len 262144 --sequence-parallel 8
     python -m zero.estimate --unet 32 5 --volume 512 512 512 --spatial 4 --gpus 8 --checkpointing
@@ -19,6 +20,11 @@ option, a line for each common format after that one: for bf16 training fp32 mas
 moments, bf16 master + bf16 moments, fp32 master + 8-bit moments and bf16 master + 8-bit moments
 (fp16/fp32 training: fp32 master with fp32, bf16 or 8-bit moments). See docs/config.md, "State
 formats".
+
+--nvme sends the offload options' states to NVMe (ZeRO-Infinity): a disk column gives what each
+rank keeps in its swap files, and host memory holds the buffers they are read into instead (sized
+by the config's `buffer_count`, `sub_group_size` and `offload_param.max_in_cpu`, DeepSpeed's
+defaults otherwise; docs/offload.md#nvme).
 
 With --model and --seq-len the table gets a peak column: the model states plus one forward and
 backward's activations at --micro-batch sequences of --seq-len tokens (zero.estimate_activations
@@ -297,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
                         "else fp32)")
     parser.add_argument("--state-formats", action="store_true",
                         help="also every common state format: one line per format under each option")
+    parser.add_argument("--nvme", action="store_true",
+                        help="the offload options keep their states on NVMe (a disk column; buffers in host memory)")
     parser.add_argument("--persistent", type=int, default=None, help="with --params: elements stage 3 keeps whole")
     parser.add_argument("--largest-layer", type=int, default=None,
                         help="with --params: elements of the largest layer (sizes stage 3's buffers)")
@@ -367,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                                 dtype=args.dtype, config=config, gpus_per_node=args.gpus,
                                 persistent_params=args.persistent, largest_layer=args.largest_layer,
                                 master_dtype=args.master_dtype, state_dtype=args.state_dtype,
-                                state_formats=args.state_formats, activations=activations)
+                                state_formats=args.state_formats, activations=activations, nvme=args.nvme)
         if args.budget is not None:
             lines.append(_largest_cube(subject, args, budget, world, spatial, step, config))
     except (TypeError, ValueError) as err:
