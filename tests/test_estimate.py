@@ -303,12 +303,19 @@ def test_nvme_estimates_equal_memory_report_of_real_runs(tmp_path, stage, offloa
     estimate = estimate_memory(model, 1, stage=stage, offload=offload, config=config, nvme=True)[0]
     assert estimate.label == f"stage {stage} + offload {offload} to NVMe"
     engine, *_ = zero.initialize(model=model, config=config)
+    monitor = zero.TrainingMonitor(engine, steps=2)
     x = torch.randint(0, 50, (2, 16))
     for _ in range(2):
         engine.backward(F.cross_entropy(engine(x).float().flatten(0, 1), x.flatten()))
         engine.step()
+        monitor.step()
     measured = engine.memory_report()
+    table = monitor.report()
     engine.destroy()
+    # the end table: this option marked, what is on disk and what one step moves
+    assert f"* {estimate.label}" in table
+    assert ("NVMe offload (rank 0" in table) == ("optimizer" in offload)
+    assert ("parameters on NVMe (rank 0" in table) == ("param" in offload)
     assert measured["disk_bytes"] > 0 and estimate.disk_bytes == pytest.approx(measured["disk_bytes"], rel=0.02)
     assert estimate.nvme_buffers == pytest.approx(measured["nvme_buffers"], abs=2 * 3 * 4096)
     assert estimate.host_bytes == pytest.approx(measured["host_bytes"], rel=0.04)

@@ -224,7 +224,9 @@ class TrainingMonitor(Component):
                         "comm_bytes": [v[4] for v in per_rank], "step_peak": [v[5] for v in per_rank]}
         zc = engine.config.zero_optimization
         opt = zc.offload_optimizer is not None and zc.offload_optimizer.device in ("cpu", "nvme")
-        param = zc.stage == 3 and zc.offload_param is not None and zc.offload_param.device == "cpu"
+        param = zc.stage == 3 and zc.offload_param is not None and zc.offload_param.device in ("cpu", "nvme")
+        nvme = any(section is not None and section.device == "nvme" for section in (zc.offload_optimizer,
+                                                                                     zc.offload_param))
         offload = {(False, False): "none", (True, False): "optimizer", (False, True): "param",
                    (True, True): "optimizer+param"}[(opt, param)]
         # zero's Adam steps (also for an Adam object given with another optimizer.type): count the state
@@ -242,11 +244,11 @@ class TrainingMonitor(Component):
             config = {k: v for k, v in config.model_dump(by_alias=True, exclude_unset=True).items() if k != "optimizer"}
         activations, why_not = self._activations()
         table = estimate_memory(engine.module, self.world, dtype=engine.config.precision, config=config,
-                                gpus_per_node=self.world, activations=activations, **formats)
+                                gpus_per_node=self.world, activations=activations, nvme=nvme, **formats)
         this = table.row(zc.stage, offload)
         formats_table = estimate_memory(engine.module, self.world, stage=zc.stage, offload=offload,
                                         dtype=engine.config.precision, config=config, gpus_per_node=self.world,
-                                        state_formats=True, **formats) if adam else []  # this one first
+                                        state_formats=True, nvme=nvme, **formats) if adam else []  # this one first
         on_cpu = engine.device.type != "cuda"  # one memory: the host's bytes are in the peak too
         predicted = this.peak_bytes + (this.host_bytes if on_cpu else 0)
         self.summary.update(estimate=this, table=table, state_formats=formats_table, activations=activations,
@@ -309,16 +311,24 @@ class TrainingMonitor(Component):
 def _swap_lines(engine, world: int) -> list[str]:
     """NVMe offload: what rank 0 keeps on disk, its last step's reads and writes, and the drive
     writes that make per 1,000 steps on a host of `LOCAL_WORLD_SIZE` such ranks."""
-    store = engine.optimizer.storage.store
-    if not store.policy.on_disk:
-        return []
     import os
 
+    store, swap = engine.optimizer.storage.store, getattr(engine.optimizer.storage, "swap", None)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    read, written = store.step_bytes["read"], store.step_bytes["written"]
-    return ["", f"NVMe offload (rank 0, {store.policy.path}): {_bytes(store.size)} on disk; last step read "
-                f"{_bytes(read)} and wrote {_bytes(written)}, so {local} such rank(s) on a host write "
-                f"{written * local * 1000 / 1e12:.3g} TB to its drive per 1,000 steps (compare the drive's TBW rating)"]
+    lines = []
+    if store.policy.on_disk:
+        read, written = store.step_bytes["read"], store.step_bytes["written"]
+        lines.append(f"NVMe offload (rank 0, {store.policy.path}): {_bytes(store.size)} of optimizer state on disk; last "
+                     f"step read {_bytes(read)} and wrote {_bytes(written)}, so {local} such rank(s) on a host write "
+                     f"{written * local * 1000 / 1e12:.3g} TB to its drive per 1,000 steps (compare the drive's TBW "
+                     f"rating)")
+    if swap is not None:
+        steps = max(1, engine.global_steps)
+        lines.append(f"parameters on NVMe (rank 0, {swap.policy.path}): {_bytes(swap.size)} of shards on disk, "
+                     f"{_bytes(swap.bytes['read'] / steps)} read per step ({swap.reads['ahead']} reads ahead of "
+                     f"their gathers, {swap.reads['on_demand']} on demand); each step writes the updated shards "
+                     f"({_bytes(swap.size)}) back")
+    return [""] + lines if lines else []
 
 
 def _columns(head: list[str], rows: list[list[str]]) -> list[str]:
