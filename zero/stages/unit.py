@@ -252,8 +252,8 @@ class ParamUnit:
             shard = self.swap.take(self)
         if shard.device != self.device:  # offload_param on a GPU: bring the shard to the device
             with record_function(f"zero::fetch_offloaded_shard[{self.name}]"):
-                shard = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-                shard.copy_(self.shard, non_blocking=True)
+                host, shard = shard, torch.empty(self.numel, dtype=self.dtype, device=self.device)
+                shard.copy_(host, non_blocking=True)
         world, n = self.comm.world_size, self.gather_numel
         with record_function(f"zero::gather_unit[{self.name}]"):
             if not self.gathered:
