@@ -286,3 +286,34 @@ def test_a_rank_killed_in_the_nvme_write_back_auto_resumes_to_the_unbroken_run(t
     assert "attempt 1 starts at step 4" in log, log[-2000:]
     assert unbroken.keys() == killed.keys() and all(torch.equal(unbroken[k], killed[k]) for k in unbroken)
     assert not list((tmp_path / "swap").iterdir())  # the dead rank's swap directory is gone too
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_on_a_gpu_nvme_offload_is_bitwise_cpu_offload(tmp_path, stage):
+    """The CUDA path: page-locked buffers, the updated 16-bit values copied to the GPU, and at stage
+    3 the parameter shards read from disk and staged onto the GPU for their all-gathers."""
+    import copy
+
+    torch.manual_seed(0)
+    base = build_model("gpt").cuda()
+    nvme = _nvme(tmp_path, pin_memory=True)
+    twins = [({"device": "cpu", "pin_memory": True}, {"device": "cpu", "pin_memory": True}), (nvme, {**nvme, "max_in_cpu": 0})]
+    engines = []
+    for opt, param in twins:
+        cfg = _config(stage, "bf16", "AdamW", {}, opt, param if stage == 3 else None)
+        engines.append(zero.initialize(model=copy.deepcopy(base), config=cfg)[0])
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4 * 2):
+        batch = [t.cuda() for t in make_batch("gpt", 2, g)]
+        for engine in engines:
+            engine.backward(engine(*batch))
+            engine.step()
+    with zero.GatheredParameters(list(engines[0].module.parameters())), \
+            zero.GatheredParameters(list(engines[1].module.parameters())):
+        assert all(torch.equal(p, q) for p, q in zip(engines[0].module.parameters(), engines[1].module.parameters()))
+    if stage == 3:
+        swap = engines[1].optimizer.storage.swap
+        assert swap.reads["ahead"] > swap.reads["on_demand"] > 0
+    for engine in engines:
+        engine.destroy()
