@@ -149,14 +149,21 @@ def nvme_twins(path: str) -> list[tuple]:
             shards = sum(u.shard.untyped_storage().nbytes() for u in units if u.swap is not None)
             states += shards
             moved = moved and [u.persistent for u in units if u.swap is None] == [True] and \
-                swap.reads["ahead"] > 3 * swap.reads["on_demand"] > 0 and swap.reads["extra_buffers"] == 0
-        on_disk = report["disk_bytes"] == states > 0 and \
-            report["host_bytes"] < cpu.memory_report()["host_bytes"] + report["nvme_buffers"]
+                swap.reads["ahead"] > 3 * swap.reads["on_demand"] > 0 and swap.reads["extra_buffers"] == 0 and \
+                swap.bytes["written"] == 10 // 2 * shards_raw(units)  # each step wrote every shard with the aio op
+        host = report["host_bytes"] - report["host_staging"]  # the states left; their buffers came
+        twin = cpu.memory_report()
+        on_disk = report["disk_bytes"] == states > 0 and host < twin["host_bytes"] - twin["host_staging"] + \
+            report["nvme_buffers"]
         out.append((stage, precision, optimizer, same_params, same_state, moved, on_disk,
                     (swap or store).swap.io.stats()))
         for engine in engines:
             engine.destroy()
     return out
+
+
+def shards_raw(units) -> int:
+    return sum(u.shard.numel() * u.shard.element_size() for u in units if u.swap is not None)
 
 
 def test_nvme_offload_is_bitwise_cpu_offload_at_every_stage_precision_and_state_format(dist_run, tmp_path):

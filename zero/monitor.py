@@ -326,8 +326,8 @@ def _swap_lines(engine, world: int) -> list[str]:
         steps = max(1, engine.global_steps)
         lines.append(f"parameters on NVMe (rank 0, {swap.policy.path}): {_bytes(swap.size)} of shards on disk, "
                      f"{_bytes(swap.bytes['read'] / steps)} read per step ({swap.reads['ahead']} reads ahead of "
-                     f"their gathers, {swap.reads['on_demand']} on demand); each step writes the updated shards "
-                     f"({_bytes(swap.size)}) back")
+                     f"their gathers, {swap.reads['on_demand']} on demand), {_bytes(swap.bytes['written'] / steps)} "
+                     f"written per step")
     return [""] + lines if lines else []
 
 

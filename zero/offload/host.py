@@ -154,6 +154,18 @@ class _Copy:
             torch.cuda.current_stream().wait_event(self.event)
 
 
+class _Write:
+    """A write of a staging tile to a swap file (an aio request) that may still be running."""
+
+    def __init__(self, request):
+        self.request = request
+
+    def wait(self) -> None:
+        self.request.wait()
+
+    join = wait  # the next reads of the file must see it: the host waits
+
+
 class HostAdam:
     """The host side of an offloaded optimizer: gradient staging, tiled updates, copies back.
 
@@ -161,10 +173,13 @@ class HostAdam:
         slots: the optimizer's slots (zero.stages.storage.Slot): masters and state are in the
             store; gradients and 16-bit outputs live where the model is.
         store: the state store (zero/offload/store.py): its policy, its host memory, its tiles.
+        swap: where stage 3 keeps parameter shards on NVMe (zero/offload/param_swap.py), or None:
+            an output in it is written through a staging tile with the aio op.
     """
 
-    def __init__(self, slots, store: StateStore):
+    def __init__(self, slots, store: StateStore, swap=None):
         self.store = store
+        self.swap = swap
         options = self.options = store.policy
         memory = self.memory = store.memory
         on_cuda = any(s.grad.is_cuda for s in slots)
@@ -176,7 +191,7 @@ class HostAdam:
         self.index = {id(s.grad): i for i, s in enumerate(slots)}  # a slot's gradient shard is one object throughout
         self.pending: dict[int, _Copy] = {}
         # two alternating staging tiles per 16-bit dtype: one being filled, one being copied
-        self.staging: dict[torch.dtype, list[torch.Tensor]] = {}
+        self.staging: dict[tuple[torch.dtype, bool], list[torch.Tensor]] = {}
         self.times = {"grad_copy_wait": 0.0, "cpu_adam": 0.0, "param_copy_wait": 0.0}
 
     def grad_ready(self, grad: torch.Tensor) -> None:
@@ -215,22 +230,28 @@ class HostAdam:
                 grads = {id(slot): self.fetch(slot)}
             grad, out16 = grads[id(slot)], slot.out16
             staged = out16 is not None and out16.dtype != torch.float32 and not out16_on_host
-            if staged:  # the 16-bit result goes through a staging tile, then to the device
+            on_disk = out16 is not None and self.swap is not None and self.swap.holds(out16)
+            if staged or on_disk:  # through a staging tile, then to the device (or to the swap file)
                 start = time.perf_counter()
                 if ring[k % 2] is not None:
                     ring[k % 2].wait()  # its previous copy must have landed before it is reused
                 self.times["param_copy_wait"] += time.perf_counter() - start
-                target = self._staging_tile(out16.dtype, k % 2, hi - lo)
+                target = self._staging_tile(out16.dtype, k % 2, hi - lo, aligned=on_disk)
             elif out16 is not None and out16.dtype != torch.float32:
                 target = out16[lo:hi]  # a host shard (offload_param): written in place
             else:
                 target = None
             start = time.perf_counter()
             with record_function("zero::cpu_adam_tile"):
-                tile = make(grad[lo:hi], target)
-                update(tile, target)
+                tile = make(grad[lo:hi], None if on_disk and out16.dtype == torch.float32 else target)
+                update(tile, None if on_disk and out16.dtype == torch.float32 else target)
             self.times["cpu_adam"] += time.perf_counter() - start
-            if out16 is not None and (staged or out16.dtype == torch.float32):
+            if on_disk:  # parameters on NVMe: the shard's new values to its region of the swap file
+                if out16.dtype == torch.float32:  # fp32 training: the shard is a copy of the master
+                    target.copy_(tile.master)
+                ring[k % 2] = _Write(self.swap.write(target, out16[lo:hi]))
+                k += 1
+            elif out16 is not None and (staged or out16.dtype == torch.float32):
                 with record_function("zero::offload_param_copy"):  # fp32 training copies the master itself
                     ring[k % 2] = _Copy(out16[lo:hi], target if staged else tile.master, self.stream)
                 if not staged and self.store.policy.on_disk:
@@ -240,10 +261,20 @@ class HostAdam:
             if c is not None:
                 c.join()
 
-    def _staging_tile(self, dtype: torch.dtype, which: int, numel: int) -> torch.Tensor:
-        bufs = self.staging.setdefault(dtype, [torch.empty(0, dtype=dtype), torch.empty(0, dtype=dtype)])
+    def _staging_tile(self, dtype: torch.dtype, which: int, numel: int, aligned: bool = False) -> torch.Tensor:
+        """One of two alternating staging tiles of `dtype` (`aligned`: page-aligned, for direct
+        writes to a swap file)."""
+        key = (dtype, aligned)
+        bufs = self.staging.setdefault(key, [torch.empty(0, dtype=dtype), torch.empty(0, dtype=dtype)])
         if bufs[which].numel() < numel:
-            bufs[which] = self.memory.empty(numel, dtype, self.options.pin_memory)
+            if aligned:
+                from zero.ops.aio import aligned_empty
+
+                bufs[which] = aligned_empty(numel * dtype.itemsize).view(dtype)
+                if self.options.pin_memory:
+                    self.memory.register(bufs[which])
+            else:
+                bufs[which] = self.memory.empty(numel, dtype, self.options.pin_memory)
         return bufs[which][:numel]
 
     def host_tensors(self) -> list[torch.Tensor]:

@@ -6,9 +6,10 @@ zero/stages/unit.py) lives in host memory or in a swap file of its own (a SwapFi
 zero/offload/nvme.py: one 4 KiB-aligned region per unit, mapped into memory):
 - In host memory: the persistent parameters (gathered once per step) and the first units in model
   order while their shards stay within `max_in_cpu` elements. The rest are on disk.
-- The mapping is what the optimizer step writes a unit's updated shard into (through the page
-  cache, which the kernel writes back), and what checkpoints, accessors and load_state_dict read
-  and write, as they would a host shard. The gathers do not go through it:
+- The mapping is what checkpoints, accessors and load_state_dict read and write, as they would a
+  host shard. The host step of optimizer offload writes the updated shards with the aio op from
+  staging tiles (zero/offload/host.py); an optimizer stepping where the model computes writes them
+  through the mapping. The gathers do not go through it:
 1. Read ahead. The stage-3 runtime follows the recorded order of units (see [Note: prefetch and
    reuse] in zero/stages/stage3.py): beyond the all-gathers it prefetches, it starts reading the
    shards of the next units on disk into free host buffers with the aio op (zero/ops/aio.py,
@@ -127,13 +128,23 @@ class ParamSwap:
         self._free: list[_Buffer] = []
         self._ahead: collections.OrderedDict[int, _Read] = collections.OrderedDict()  # unit -> started, not taken
         self._taken: dict[int, _Read] = {}  # unit -> the source of its all-gather in flight
-        self.bytes = {"read": 0}
+        self.bytes = {"read": 0, "written": 0}
         self.reads = {"ahead": 0, "on_demand": 0, "extra_buffers": 0}
         self.times = {"read_wait": 0.0}
 
     def new(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A unit's shard: a mapped region of the swap file."""
         return self.swap.new((numel,), dtype)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Is `t` (a view of) a shard on disk?"""
+        return self.swap.holds(t)
+
+    def write(self, buf: torch.Tensor, shard: torch.Tensor):
+        """Start writing new values of (a piece of) a shard on disk from `buf` (a Request): the
+        host step's updated parameters, with the aio op instead of through the mapping."""
+        self.bytes["written"] += buf.numel() * buf.element_size()
+        return self.swap.write(buf, shard)
 
     def size_buffers(self, nbytes: int) -> None:
         """Make the `buffer_count` buffers, each `nbytes` (the largest shard on disk)."""

@@ -118,7 +118,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _host_adam(self) -> HostAdam:
         if self._host is None:
-            self._host = HostAdam(self.slots(), self.storage.store)
+            self._host = HostAdam(self.slots(), self.storage.store, getattr(self.storage, "swap", None))
         return self._host
 
     # -- the storage's view -----------------------------------------------------------------------
