@@ -605,8 +605,6 @@ _SETTINGS = {  # a value that sets each row whose key is not a typed bool
     "zero_optimization.zeropp_loco_param": {"err_beta": 0.8}, "zero_optimization.mics_shard_size": 2,
     "zero_optimization.zenflow": {"topk_ratio": 0.1}, "vocabulary_size": 50257,
     "checkpoint.tag_validation": "Fail", "zero_optimization.cpu_offload_use_pin_memory": True,
-    "zero_optimization.offload_optimizer.nvme_path": "/local_nvme",
-    "zero_optimization.offload_optimizer.buffer_count": 8,
     "optimizer.params.comm_backend_name": "mpi",
     "activation_checkpointing.number_checkpoints": 4, "elasticity.min_time": 20,
 }

@@ -324,3 +324,57 @@ def test_on_a_gpu_nvme_offload_is_bitwise_cpu_offload(tmp_path, stage):
         assert swap.reads["ahead"] > swap.reads["on_demand"] > 0
     for engine in engines:
         engine.destroy()
+
+
+def test_parameters_on_nvme_see_every_write_while_shards_are_read_ahead(tmp_path):
+    """Reads ahead are pending whenever a step ends; writes that land then (load_state_dict, an
+    accessor, GatheredParameters with a modifier, load_checkpoint into the running engine) must be
+    what the next gathers see: the run stays bitwise equal to its twin with the shards in host memory."""
+    import copy
+
+    from zero.accessors import safe_set_full_fp32_param
+
+    torch.manual_seed(0)
+    base = build_model("gpt")
+    nvme = _nvme(tmp_path / "swap", max_in_cpu=0)
+    (tmp_path / "swap").mkdir()
+    engines = [zero.initialize(model=copy.deepcopy(base), config=_config(3, "bf16", "AdamW", {}, {"device": "cpu"},
+                                                                         param))[0]
+               for param in ({"device": "cpu"}, nvme)]
+    swap = engines[1].optimizer.storage.swap
+    g = torch.Generator().manual_seed(1)
+
+    def train(steps: int) -> None:
+        for _ in range(steps * 2):
+            batch = make_batch("gpt", 2, g)
+            for engine in engines:
+                engine.backward(engine(*batch))
+                engine.step()
+        assert swap._ahead, "no read ahead pending: the writes below would test nothing"
+
+    train(2)
+    for engine in engines:  # load_state_dict of changed values
+        with zero.GatheredParameters(list(engine.module.parameters())):
+            sd = {k: v * 0.5 if v.is_floating_point() else v.clone() for k, v in engine.module.state_dict().items()}
+        engine.module.load_state_dict(sd)
+    train(1)
+    for engine in engines:  # an accessor, and a modifier rank's change
+        name, p = next((n, p) for n, p in engine.module.named_parameters() if p._zero.unit.swap is not None
+                       or engine is engines[0] and n.endswith("weight") and p.ds_numel > 100)
+        safe_set_full_fp32_param(p, torch.full(p.ds_shape, 0.25))
+        with zero.GatheredParameters([p], modifier_rank=0):
+            with torch.no_grad():
+                p.add_(1.0)
+    train(1)
+    for i, engine in enumerate(engines):  # a checkpoint loaded into the running engine
+        engine.save_checkpoint(str(tmp_path / f"ckpt{i}"), tag="t")
+    train(1)
+    for i, engine in enumerate(engines):
+        engine.load_checkpoint(str(tmp_path / f"ckpt{i}"), tag="t")
+    train(2)
+    with zero.GatheredParameters(list(engines[0].module.parameters())), \
+            zero.GatheredParameters(list(engines[1].module.parameters())):
+        assert all(torch.equal(p, q) for p, q in zip(engines[0].module.parameters(), engines[1].module.parameters()))
+    assert swap.reads["ahead"] > swap.reads["on_demand"] and swap.reads["extra_buffers"] == 0
+    for engine in engines:
+        engine.destroy()

@@ -225,8 +225,9 @@ class TrainingMonitor(Component):
         zc = engine.config.zero_optimization
         opt = zc.offload_optimizer is not None and zc.offload_optimizer.device in ("cpu", "nvme")
         param = zc.stage == 3 and zc.offload_param is not None and zc.offload_param.device in ("cpu", "nvme")
-        nvme = any(section is not None and section.device == "nvme" for section in (zc.offload_optimizer,
-                                                                                     zc.offload_param))
+        on_nvme = [name for name, section in (("optimizer", zc.offload_optimizer), ("param", zc.offload_param))
+                   if section is not None and section.device == "nvme"]
+        nvme = True if len(on_nvme) == 2 else on_nvme[0] if on_nvme else False
         offload = {(False, False): "none", (True, False): "optimizer", (False, True): "param",
                    (True, True): "optimizer+param"}[(opt, param)]
         # zero's Adam steps (also for an Adam object given with another optimizer.type): count the state

@@ -229,9 +229,19 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None,
                       f"the gradients of its micro-batches are not saved, and a resumed run starts the window "
                       f"again. Save right after the step that ends a window.", stacklevel=3)
     state_json = json.dumps(state)  # now: the caller may change client_state while an async save writes
+    storage = engine.optimizer.storage
     with torch.no_grad():  # the snapshot: host copies, so training may go on while they are written
-        chunks = [Chunk(c.name, c.offset, c.tensor.detach().to("cpu", copy=True), c.numel)
+        chunks = [Chunk(c.name, c.offset, c.tensor.detach() if storage.in_files(c.tensor) else
+                        c.tensor.detach().to("cpu", copy=True), c.numel)
                   for c in _chunks(engine, place, saving=True, exclude_frozen=exclude_frozen_parameters)]
+    if async_save and any(storage.in_files(c.tensor) for c in chunks):
+        # state on NVMe is written from its files' mapping, not copied into host memory it may not
+        # fit: the next step must wait for it, so this save finishes before it returns
+        if not getattr(engine, "_warned_sync_nvme_save", False):
+            engine._warned_sync_nvme_save = True
+            warnings.warn("zero: checkpoint.async_save with NVMe offload: the state on NVMe is written from its swap "
+                          "files before save_checkpoint returns (a copy in host memory may not fit)", stacklevel=3)
+        async_save = False
     rng = _rng_state()
     own = {k: v.detach().to("cpu", copy=True) for k, v in engine.optimizer.rank_state().items()}
     io = place.io

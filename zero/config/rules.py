@@ -82,6 +82,11 @@ def _onebit_and_stage(cfg: ZeroConfig) -> Issues:
                            "offload_optimizer is not supported: its local steps run on the device; remove "
                            "zero_optimization.offload_optimizer"))
     if kind == "OneBitAdam":
+        opt = cfg.zero_optimization.offload_optimizer
+        if opt is not None and opt.device == "nvme":
+            issues.append((("zero_optimization", "offload_optimizer", "device"), "'nvme' with optimizer type "
+                           "OneBitAdam is not supported (1-bit Adam's optimizer does not stream its state from "
+                           "swap files); use device 'cpu'"))
         if stage == 3:
             issues.append((("zero_optimization", "stage"), "optimizer type OneBitAdam needs ZeRO stage 0, 1 or 2, "
                            "not 3: under stage 3 the gradient reduction is per unit of gathered parameters, and its "

@@ -91,7 +91,7 @@ class _Section(BaseModel):
         kinds: dict[str, type] = {}
         for name, field in cls.model_fields.items():
             if field.alias and field.alias != name and name in out and field.alias in out:
-                raise ValueError(f"both '{field.alias}' and its alias '{name}' are given; keep one")
+                raise ValueError(f"both '{field.alias}' and '{name}' are given, two names of one key; keep one")
             kind = _scalar_type(field.annotation)
             if kind is not None:
                 kinds.update({name: kind, **({field.alias: kind} if field.alias else {})})
@@ -187,9 +187,9 @@ def _check_nvme_path(section: str, device: str, path: Optional[pathlib.Path]) ->
         problem = (f"is missing: {section}.device 'nvme' needs the directory (on the NVMe drive) where each rank "
                    f"keeps its swap files")
     elif not path.is_dir():
-        problem = f"= {str(path)!r} is not an existing directory (create it on the NVMe drive first)"
+        problem = f"{str(path)!r} is not an existing directory (create it on the NVMe drive first)"
     elif not os.access(path, os.W_OK | os.X_OK):
-        problem = f"= {str(path)!r} is not writable by this process"
+        problem = f"{str(path)!r} is not writable by this process"
     else:
         return
     raise _NestedIssues([(("nvme_path",), problem)])

@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import errno
 import functools
 from typing import Any
 
@@ -108,10 +109,17 @@ def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], confi
         nbytes = plan_disk(module, stage3, comm.world_size, precision.param).disk_bytes
         needs.append((stage3.param_nvme.path, nbytes, "parameter shards",
                       "zero_optimization.offload_param.nvme_path"))
-    if needs:
+    if needs:  # every rank checks before any reserves, and all refuse if one must (none waits in a collective)
         from zero.offload.nvme import check_room
 
-        check_room(needs)
+        error = None
+        try:
+            check_room(needs)
+        except OSError as exc:
+            error = exc
+        if comm.any_rank(error is not None, "the NVMe room check"):
+            raise error or OSError(errno.ENOSPC, "zero: NVMe offload's swap files do not fit the drive of another rank "
+                                                 "(see its error)")
     if stage == 3:
         whole = Owned(comm, comm.world_size, {params[i]: matrix_shape(params[i]) for i in muon_at}) if muon_at else None
         storage = functools.partial(UnitParams, module, params, groups, comm=comm, precision=precision,

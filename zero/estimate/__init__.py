@@ -231,7 +231,8 @@ def estimate_memory(model_or_param_count: nn.Module | int | float, world_size: i
                     config: dict | str | None = None, gpus_per_node: int | None = None,
                     persistent_params: int | None = None, largest_layer: int | None = None,
                     master_dtype: str | None = None, state_dtype: str | None = None,
-                    state_formats: bool = False, activations=None, muon_params=None, nvme: bool = False) -> MemoryTable:
+                    state_formats: bool = False, activations=None, muon_params=None,
+                    nvme: bool | str = False) -> MemoryTable:
     """Per-rank memory of every stage and offload option (or the ones asked for).
 
     Args:
@@ -269,8 +270,9 @@ def estimate_memory(model_or_param_count: nn.Module | int | float, world_size: i
             moments): the parameters themselves, or their element count; None: with a config of
             optimizer type Muon, the model's matrices as the engine splits them (zero.optim.muon.split),
             or every element of a parameter count; else none.
-        nvme: the offload options put their states on NVMe (ZeRO-Infinity): the optimizer state, and
-            the parameter shards beyond the config's `offload_param.max_in_cpu`, count in
+        nvme: the offload options put their states on NVMe (ZeRO-Infinity; "optimizer" or "param":
+            only that one's): the optimizer state, and the parameter shards beyond the config's
+            `offload_param.max_in_cpu` (the persistent parameters stay in host memory), count in
             `disk_bytes`; host memory keeps `buffer_count` buffers of them (`nvme_buffers`: a step
             tile of the optimizer state each, the largest unit's shard each), with the config's
             `buffer_count`, `sub_group_size` and `max_in_cpu`.
@@ -285,6 +287,8 @@ def estimate_memory(model_or_param_count: nn.Module | int | float, world_size: i
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     if offload is not None and offload not in OFFLOADS:
         raise ValueError(f"offload must be one of {OFFLOADS}, got {offload!r}")
+    if nvme not in (True, False, "optimizer", "param"):
+        raise ValueError(f"nvme must be True, False, 'optimizer' or 'param', got {nvme!r}")
     if offload in ("param", "optimizer+param") and stage not in (None, 3):
         raise ValueError(f"offload {offload!r} (offload_param) needs stage 3, not stage {stage}")
     dtype_name = _dtype_name(dtype)
@@ -425,7 +429,7 @@ def _policies(config, stage: int, offload: str, dtype: str, world_size: int, mas
 
 def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, config, persistent_given,
               largest_layer: int | None, master_dtype: str | None = None, state_dtype: str | None = None,
-              activations: int = 0, muon_params: int | None = None, nvme: bool = False):
+              activations: int = 0, muon_params: int | None = None, nvme: bool | str = False):
     precision, step, reduce, s3, onebit, compressed_gather, muon_config, declared, zc = _policies(
         config, stage, offload, dtype, n, master_dtype, state_dtype)
     members = None  # ids of the parameters Muon updates, where known
@@ -530,7 +534,8 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
     host = on_host + host_staging + host_copies
     device = params + grads + fp32_master + states + buffers - on_host
     disk = nvme_buffers = 0
-    if nvme and offload_opt:  # the master and states in files; buffer_count step tiles of them in host memory
+    nvme_opt, nvme_param = nvme in (True, "optimizer"), nvme in (True, "param")
+    if nvme_opt and offload_opt:  # the master and states in files; buffer_count step tiles of them in host memory
         disk += fp32_master + states
         per_element = (fp32_master + states) / max(1, adam_shard + muon_shard)
         tile = min(step.offload.tile_elements, math.ceil(max(slots, default=0)))
@@ -538,10 +543,11 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
         tensors = 1 + (sum(spec.per != "scalar" for spec in declared[1]) if declared is not None else
                        2 + (2 if fmt.quantized else 0))
         nvme_buffers += zc.offload_optimizer.buffer_count * (_aligned(tile * per_element) + 4096 * (tensors - 1))
-    if nvme and offload_param and stage == 3:  # the shards beyond max_in_cpu in files, read into buffers
-        in_cpu = min(psi / n, zc.offload_param.max_in_cpu)
-        disk += p * (psi / n - in_cpu)
-        if in_cpu < psi / n:
+    if nvme_param and offload_param and stage == 3:  # the shards beyond max_in_cpu in files, read into buffers
+        sharded = (psi - persistent) / n  # the persistent parameters stay in host memory
+        in_cpu = min(sharded, zc.offload_param.max_in_cpu)
+        disk += p * (sharded - in_cpu)
+        if in_cpu < sharded:
             nvme_buffers += zc.offload_param.buffer_count * _aligned(p * math.ceil(largest_unit / n))
     host += nvme_buffers - disk
     values = dict(params=params, grads=grads, fp32_master=fp32_master, optimizer_states=states,
@@ -553,7 +559,8 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
         f"{'' if spec.per == 'element' else ', one per slot'})" for spec in declared[1]) or "no state")
     row = MemoryEstimate(stage=stage, offload=offload, world_size=n, **{k: int(round(v)) for k, v in values.items()},
                          master_dtype=fmt.master, state_dtype=fmt.state, muon_params=muon_params, element_bytes=(p, g),
-                         optimizer_state=optimizer_state, nvme=nvme and offload != "none")
+                         optimizer_state=optimizer_state,
+                         nvme=(nvme_opt and offload_opt) or (nvme_param and offload_param and stage == 3))
     return row, persistent, largest_unit
 
 

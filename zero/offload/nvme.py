@@ -56,8 +56,12 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
-def _aligned(n: int) -> int:
-    return -(-n // ALIGNMENT) * ALIGNMENT
+REGION = max(ALIGNMENT, mmap.ALLOCATIONGRANULARITY)  # a region's offset: a direct-I/O block, and mappable (64 KiB
+# pages on some aarch64 kernels)
+
+
+def _aligned(n: int, alignment: int = ALIGNMENT) -> int:
+    return -(-n // alignment) * alignment
 
 
 def _alive(pid: int) -> bool:
@@ -169,7 +173,7 @@ class SwapFile:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         if nbytes == 0:
             return torch.zeros(shape, dtype=dtype)
-        offset, size = self.size, _aligned(nbytes)
+        offset, size = self.size, _aligned(nbytes, REGION)
         self.file.reserve(offset, size)  # zeros, on disk now
         self.size += size
         region = mmap.mmap(self.file.fd, size, offset=offset)
@@ -236,6 +240,9 @@ class FileStore(StateStore):
 
     def buffers(self) -> list[torch.Tensor]:
         return list(self._buffers)
+
+    def in_files(self, t: torch.Tensor) -> bool:
+        return self.swap.holds(t)
 
     def new(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A zero tensor of state in a new region of the swap file (see [Note: NVMe data path])."""

@@ -89,7 +89,7 @@ def plan_disk(module: nn.Module, options, world_size: int, dtype: torch.dtype) -
             raise ConfigError(
                 f"{_KEY}.buffer_size = {policy.buffer_size} elements is smaller than the shard of unit "
                 f"{path or '<root>'!r} on each rank ({numel} elements): raise buffer_size to at least {numel}, or "
-                f"give that module's parameters to smaller units (zero_optimization.module_granularity_threshold)",
+                f"give that module's parameters to smaller units (zero_optimization.stage3_module_granularity_threshold)",
                 [(f"{_KEY}.buffer_size", f"smaller than unit {path or '<root>'!r}'s shard of {numel} elements")])
         disk_bytes += _aligned(numel * item)
         largest = max(largest, numel)
@@ -175,8 +175,8 @@ class ParamSwap:
 
     def fetch(self, unit) -> bool:
         """Start reading `unit`'s shard ahead of its all-gather; False when no buffer is free."""
-        if unit.index in self._ahead or unit.index in self._taken:
-            return True
+        if not unit.gathered or unit.index in self._ahead or unit.index in self._taken:
+            return True  # (a unit of Muon's whole matrices only gathers from their owners' copies)
         if not self._free:
             return False
         self._ahead[unit.index] = self._read(unit, self._free.pop())
@@ -189,8 +189,13 @@ class ParamSwap:
         if r is None:
             r = self._read(unit, self._spare())
             self.reads["on_demand"] += 1
+        try:
+            self.times["read_wait"] += _wait_all([r.request])
+        except OSError:  # the buffer is free again, and the unit not taken
+            if not r.buffer.extra:
+                self._free.append(r.buffer)
+            raise
         self._taken[unit.index] = r
-        self.times["read_wait"] += _wait_all([r.request])
         return r.view
 
     def give_back(self, unit, copied: bool) -> None:

@@ -54,6 +54,10 @@ class StateStore:
         """Release what outlives the process otherwise (NVMe offload's swap files); nothing here."""
         return None
 
+    def in_files(self, t: torch.Tensor) -> bool:
+        """Is `t` a view of state kept in a swap file (NVMe offload)?"""
+        return False
+
     # -- allocation
 
     def new(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:

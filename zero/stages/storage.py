@@ -152,6 +152,11 @@ class ParamStorage(abc.ABC):
         """Remove what outlives the process otherwise (NVMe offload's swap files)."""
         self.store.close()
 
+    def in_files(self, t: torch.Tensor) -> bool:
+        """Is `t` a view of values kept in a swap file (NVMe offload)? Checkpoints write those from
+        the file's mapping instead of a host copy."""
+        return self.store.in_files(t)
+
     @abc.abstractmethod
     def zero_grads(self) -> None:
         """Forget this step's gradients."""

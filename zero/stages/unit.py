@@ -246,10 +246,10 @@ class ParamUnit:
     def start_gather(self) -> None:
         """Issue the all-gather of this unit (asynchronously)."""
         assert self.state is ShardedState.SHARDED, self
-        self.state = ShardedState.GATHERING
         shard = self.shard
-        if self.swap is not None and self.gathered:  # on disk: the copy read into a host buffer
-            shard = self.swap.take(self)
+        if self.swap is not None and self.gathered:  # on disk: the copy read into a host buffer (an I/O
+            shard = self.swap.take(self)  # error raises here, leaving the unit as it was)
+        self.state = ShardedState.GATHERING
         if shard.device != self.device:  # offload_param on a GPU: bring the shard to the device
             with record_function(f"zero::fetch_offloaded_shard[{self.name}]"):
                 host, shard = shard, torch.empty(self.numel, dtype=self.dtype, device=self.device)

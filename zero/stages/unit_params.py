@@ -184,6 +184,9 @@ class UnitParams(ParamStorage):
         if self.swap is not None:
             self.swap.close()
 
+    def in_files(self, t: torch.Tensor) -> bool:
+        return super().in_files(t) or (self.swap is not None and self.swap.holds(t))
+
     def zero_grads(self) -> None:
         self.runtime.recover()
         for unit in self.units:
