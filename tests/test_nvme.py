@@ -378,3 +378,18 @@ def test_parameters_on_nvme_see_every_write_while_shards_are_read_ahead(tmp_path
     assert swap.reads["ahead"] > swap.reads["on_demand"] and swap.reads["extra_buffers"] == 0
     for engine in engines:
         engine.destroy()
+
+
+def test_the_aio_section_reaches_the_policies_by_either_name(tmp_path):
+    from zero.config import ConfigError, load_config
+    from zero.offload.policy import offload_policy, param_nvme_policy
+
+    for name in ("thread_count", "intra_op_parallelism"):  # DeepSpeed's old name is read, not dropped
+        cfg = load_config({"train_micro_batch_size_per_gpu": 1, "aio": {name: 3, "block_size": 65536, "queue_depth": 5},
+                           "zero_optimization": {"stage": 3, "offload_optimizer": _nvme(tmp_path),
+                                                 "offload_param": _nvme(tmp_path)}})
+        opt, param = offload_policy(cfg, 1), param_nvme_policy(cfg)
+        assert (opt.threads, opt.block_size, opt.queue_depth) == (param.threads, param.block_size,
+                                                                 param.queue_depth) == (3, 65536, 5)
+    with pytest.raises(ConfigError, match="both 'thread_count' and 'intra_op_parallelism' are given"):
+        load_config({"train_micro_batch_size_per_gpu": 1, "aio": {"thread_count": 2, "intra_op_parallelism": 2}})
