@@ -210,7 +210,8 @@ class TrainingMonitor(Component):
         comm = engine.comm_report()
         times = engine.wall_clock_report()
         mine = [measured["model_states_total"], measured["device_bytes"], measured["host_bytes"], peak,
-                sum(c["bytes"] for c in comm.values()), -1.0 if self.step_peak is None else self.step_peak]
+                sum(c["bytes"] for c in comm.values()), -1.0 if self.step_peak is None else self.step_peak,
+                sum(c.get("cross_node_bytes", 0) for c in comm.values())]
         k = len(mine)
         everyone = self._gather([float(v) for v in mine])
         layout = getattr(engine, "spatial", None)
@@ -221,7 +222,8 @@ class TrainingMonitor(Component):
         per_rank = [everyone[r * k : (r + 1) * k] for r in range(self.world)]
         self.summary = {"model_states": [v[0] for v in per_rank], "device": [v[1] for v in per_rank],
                         "host": [v[2] for v in per_rank], "peak": [v[3] for v in per_rank],
-                        "comm_bytes": [v[4] for v in per_rank], "step_peak": [v[5] for v in per_rank]}
+                        "comm_bytes": [v[4] for v in per_rank], "step_peak": [v[5] for v in per_rank],
+                        "cross_node_bytes": [v[6] for v in per_rank]}
         zc = engine.config.zero_optimization
         opt = zc.offload_optimizer is not None and zc.offload_optimizer.device in ("cpu", "nvme")
         param = zc.stage == 3 and zc.offload_param is not None and zc.offload_param.device in ("cpu", "nvme")
@@ -293,6 +295,10 @@ class TrainingMonitor(Component):
         detail = ", ".join(f"{name} {_bytes(c['bytes'])} in {c['calls']}" for name, c in comm.items() if c["calls"])
         lines += ["", f"communication per step (last step, the most any rank sent): {_bytes(sent)}"
                   + (f"; rank 0: {detail}" if detail else "")]
+        crossing = max(v[6] for v in per_rank)
+        if crossing:  # see [Note: the byte ledger] in zero/parallel/comm.py
+            lines.append(f"of which across nodes (the most of any rank): {_bytes(crossing)}; the rest stayed inside "
+                         f"a node")
         if self.timed_steps and engine.config.wall_clock_breakdown:
             n = self.timed_steps
             ms = {key: times.get(key, 0.0) / n * 1e3 for key in ("forward", "backward", "step", "communication_wait")}

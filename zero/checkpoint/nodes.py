@@ -21,19 +21,12 @@ checkpoint again (every file present everywhere), and loads at any world size an
 """
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 
-
-def node_name() -> str:
-    """This process's node: its host name, and torchrun's node rank (GROUP_RANK; SLURM_NODEID under
-    srun) where there is one, so that two agents on one host count as two nodes."""
-    rank = os.environ.get("GROUP_RANK") or os.environ.get("SLURM_NODEID")
-    return socket.gethostname() + (f"/node{rank}" if rank is not None else "")
+from zero.parallel.nodes import node_name
 
 
 def gather_objects(io, value) -> list:

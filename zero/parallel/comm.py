@@ -30,6 +30,19 @@ Counts are logical: a reduce-scatter of a bucket of E elements counts E elements
 into a bucket of E elements counts E, an all-reduce of E elements counts E. That is what the ZeRO
 paper's "Psi per collective" means; what the backend moves on the wire differs (gloo emulates
 reduce-scatter with an all-reduce; a ring all-reduce sends about 2E), so do not time comm on gloo.
+
+[Note: the byte ledger]
+Once the engine knows which ranks share a node (`place_on_nodes`), each count also says how many
+of its bytes cross a node boundary on this rank's behalf (`cross_node_bytes`), whatever algorithm
+the backend runs: the bytes this rank must receive from, or send to, ranks of other nodes. With
+N ranks in the group, L of them on this rank's node, and B logical bytes:
+- all-gather: the parts of the N - L ranks of other nodes come in: B (N - L) / N;
+- reduce-scatter and all-to-all: the parts for them go out: B (N - L) / N;
+- all-reduce (a reduce-scatter, then an all-gather): 2 B (N - L) / N;
+- broadcast: B into each rank on another node than the root's; reduce: B out of each.
+Summed over the ranks, each byte that crosses is counted once. These are the ZeRO++ paper's units:
+a flat ZeRO-3 step over nodes moves 3 Psi (N - L) / N per rank (two all-gathers of the parameters
+and a reduce-scatter of the gradients); sharding inside a node makes them 0.
 """
 from __future__ import annotations
 
@@ -111,6 +124,7 @@ class CollectiveCount:
     calls: int = 0
     elements: int = 0
     bytes: int = 0
+    cross_node_bytes: int = 0  # of `bytes`, what crosses a node boundary (see [Note: the byte ledger])
 
 
 def collective_timeout_s(value: str | None = None) -> float:
@@ -163,6 +177,8 @@ class Comm:
         self.defer_tags = self.uses_nccl and not strict_tags  # check a pass's tags at its end (`tagged`)
         self.broken: str | None = None  # the first timeout on this group; later collectives refuse (`_usable`)
         self._deferred: list = []
+        self.node_of: list[int] | None = None  # each rank's node, in group order (see `place_on_nodes`)
+        self._cross = 0.0  # the share of the group's ranks on other nodes than this rank's
 
     def control(self) -> Comm:
         """A gloo group over the same ranks, for small host messages (stage 3's rank-divergence
@@ -218,12 +234,30 @@ class Comm:
 
     # -- counting
 
-    def _count(self, name: str, t: torch.Tensor) -> None:
+    def place_on_nodes(self, node_of_global: list[int]) -> None:
+        """Know each rank's node (indexed by global rank), for the byte ledger (see [Note: the
+        byte ledger]); no collective."""
+        members = dist.get_process_group_ranks(self.group or dist.group.WORLD) if self.distributed else [0]
+        self.node_of = [node_of_global[r] for r in members]
+        mine = self.node_of[self.rank]
+        self._cross = sum(n != mine for n in self.node_of) / len(self.node_of)
+
+    def _count(self, name: str, t: torch.Tensor, kind: str = "part", root: int | None = None) -> None:
+        """Count one collective of `t`; `kind`: "part" (all-gather, reduce-scatter, all-to-all),
+        "all" (all-reduce), "to" (broadcast from group rank `root`), "from" (reduce into it)."""
         self._usable()  # every collective counts itself first, before it is issued
         c = self.counts[name]
+        nbytes = t.numel() * t.element_size()
         c.calls += 1
         c.elements += t.numel()
-        c.bytes += t.numel() * t.element_size()
+        c.bytes += nbytes
+        if self._cross:
+            if kind == "part":
+                c.cross_node_bytes += round(nbytes * self._cross)
+            elif kind == "all":
+                c.cross_node_bytes += round(2 * nbytes * self._cross)
+            elif self.node_of[root] != self.node_of[self.rank]:  # into (broadcast) or out of (reduce) this rank
+                c.cross_node_bytes += nbytes
 
     def reset_counts(self) -> None:
         self.counts.clear()
@@ -308,7 +342,7 @@ class Comm:
         """In-place SUM or MAX over ranks (MAX is used for overflow flags). `label` names it in the
         counts (default `all_reduce_<op>`)."""
         label = label or f"all_reduce_{op}"
-        self._count(label, tensor)
+        self._count(label, tensor, "all")
         with record_function(f"zero::{label}"):
             if self.world_size == 1:
                 return _Done() if async_op else None
@@ -368,19 +402,20 @@ class Comm:
         """In-place broadcast from the group's rank `src` (its place in this group, which is the
         global rank for the default group). `label` names it in the counts."""
         return self._rooted(lambda t, root, **kw: dist.broadcast(t, src=root, **kw), tensor, src, async_op, label,
-                            f"a broadcast of {tensor.numel():,} elements from rank {src}")
+                            f"a broadcast of {tensor.numel():,} elements from rank {src}", "to")
 
     def reduce(self, tensor: torch.Tensor, dst: int, async_op: bool = False, label: str = "reduce"):
         """In-place SUM over ranks into the group's rank `dst` (other ranks' `tensor` is left
         undefined, as torch's reduce leaves it). `label` names it in the counts."""
         return self._rooted(lambda t, root, **kw: dist.reduce(t, dst=root, op=dist.ReduceOp.SUM, **kw), tensor, dst,
-                            async_op, label, f"a reduce of {tensor.numel():,} elements to rank {dst}")
+                            async_op, label, f"a reduce of {tensor.numel():,} elements to rank {dst}", "from")
 
-    def _rooted(self, collective: Callable, tensor: torch.Tensor, root: int, async_op: bool, label: str, what: str):
+    def _rooted(self, collective: Callable, tensor: torch.Tensor, root: int, async_op: bool, label: str, what: str,
+                kind: str):
         """One in-place collective with a root rank of this group (broadcast, reduce): counted,
         staged through the GPU for a host tensor under NCCL, bounded on gloo."""
+        self._count(label, tensor, kind, root)
         root = dist.get_global_rank(self.group, root) if self.distributed and self.group is not None else root
-        self._count(label, tensor)
         with record_function(f"zero::{label}"):
             if self.world_size == 1:
                 return _Done() if async_op else None

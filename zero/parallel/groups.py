@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from zero.parallel.comm import Comm, collective_timeout_s
 from zero.parallel.dims import ParallelDims
+from zero.parallel.nodes import node_of_ranks
 
 if TYPE_CHECKING:
     from zero.parallel.mesh import ParallelMesh
@@ -63,7 +64,7 @@ def take_traffic(kind: str) -> dict[str, dict[str, int]]:
         if k != kind:
             continue
         for name, count in comm.report().items():
-            total = out.setdefault(name, {"calls": 0, "elements": 0, "bytes": 0})
+            total = out.setdefault(name, {"calls": 0, "elements": 0, "bytes": 0, "cross_node_bytes": 0})
             for key in total:
                 total[key] += count[key]
         comm.reset_counts()
@@ -93,6 +94,7 @@ class ParallelGroups:
         self.dims, self.mesh = dims, mesh
         self.rank = dist.get_rank() if distributed else 0
         self._groups: dict[str, object] = {}
+        self._nodes: list[int] | None = None  # each global rank's node (zero/parallel/nodes.py)
 
     def ranks(self, name: str) -> list[int]:
         """This rank's group `name`, as global ranks in rank order."""
@@ -128,9 +130,15 @@ class ParallelGroups:
 
     def comm(self, name: str, strict_tags: bool = False) -> Comm:
         """A new Comm over this rank's group `name`, for an engine's own collectives (counted in its
-        report); `strict_tags` as Comm's. Over the whole world it is the default group's."""
+        report, with the bytes that cross nodes: see [Note: the byte ledger] in
+        zero/parallel/comm.py); `strict_tags` as Comm's. Over the whole world it is the default
+        group's. The first call is collective (the ranks say their nodes)."""
         group = self.group(name)
-        return Comm(None if group is dist.group.WORLD else group, strict_tags)
+        comm = Comm(None if group is dist.group.WORLD else group, strict_tags)
+        if self._nodes is None:
+            self._nodes = node_of_ranks()
+        comm.place_on_nodes(self._nodes)
+        return comm
 
 
 def sequence_parallel_group(size: int):

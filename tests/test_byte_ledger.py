@@ -1,0 +1,54 @@
+"""The byte ledger (see [Note: the byte ledger] in zero/parallel/comm.py): on 4 ranks as 2 nodes of 2
+(GROUP_RANK, as two torchrun agents set it), every collective's bytes split into those that cross a
+node boundary and those that stay inside one, by the group's ranks."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+def _ledger(stage: int, hybrid: bool) -> dict:
+    import zero
+    from zero.config import load_config
+    from zero.engine import Engine
+    from zero.parallel.dims import ParallelDims
+    from zero.parallel.groups import ParallelGroups
+    from zero.testing.training import STAGE3, build_model, make_batch
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    os.environ["GROUP_RANK"] = str(rank // 2)  # ranks 0-1 on node 0, 2-3 on node 1
+    try:
+        config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
+                  "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, **(STAGE3["mlp"] if stage == 3 else {})}}
+        torch.manual_seed(0)
+        if hybrid:  # shard inside a node, replicate across nodes
+            engine = Engine(build_model("mlp"), load_config(config, world_size=world),
+                            parallel=ParallelGroups(ParallelDims(world, dp_replicate=2, dp_shard=2)))
+        else:
+            engine, *_ = zero.initialize(model=build_model("mlp"), config=config)
+        for step in range(2):
+            engine.backward(engine(*make_batch("mlp", 2, torch.Generator().manual_seed(10 * step + rank))))
+            engine.step()
+        return {"comm": engine.comm_report(), "nodes": engine.comm.node_of}
+    finally:
+        os.environ.pop("GROUP_RANK")
+
+
+@pytest.mark.parametrize("stage, hybrid", [(3, False), (2, False), (2, True)])
+def test_the_bytes_that_cross_nodes_follow_the_groups_ranks(dist_run, stage, hybrid):
+    for rank, r in enumerate(dist_run(4, _ledger, stage, hybrid)):
+        comm = r["comm"]
+        assert r["nodes"] == ([rank // 2] * 2 if hybrid else [0, 0, 1, 1]), r["nodes"]  # the zero group's nodes
+        assert comm and all(c["cross_node_bytes"] <= 2 * c["bytes"] for c in comm.values())
+        for label, c in comm.items():
+            if hybrid and "replicas" not in label:  # the shard group is inside the node: nothing crosses
+                assert c["cross_node_bytes"] == 0, (label, c)
+            elif label.startswith("all_reduce"):  # 2 B (N - L) / N with N = 2 or 4, L = N / 2 (or 1 of 2)
+                assert c["cross_node_bytes"] == c["bytes"], (label, c)
+            else:  # all-gathers and reduce-scatters over 4 ranks, 2 of them on this node: half
+                assert abs(c["cross_node_bytes"] - c["bytes"] / 2) <= c["calls"], (label, c)
+        crossing = sum(c["cross_node_bytes"] for c in comm.values())
+        assert crossing > 0
+        if hybrid:  # once per step, the replicas' all-reduce of this rank's half of the gradients
+            assert set(k for k, c in comm.items() if c["cross_node_bytes"]) == {"all_reduce (replicas)"}
