@@ -167,7 +167,7 @@ class TrainingLoop(nn.Module):
         self.comm = parallel.comm("zero", strict_tag_checks(config))
         # hybrid sharding: the ranks holding the same partition (see [Note: placements])
         self.replicate = parallel.comm("replicate") if parallel.size("replicate") > 1 else None
-        if self.replicate is not None and config.zero_optimization.stage not in (1, 2):
+        if self.replicate is not None and config.zero_optimization.stage not in (1, 2, 3):
             raise NotImplementedError(
                 f"replicas of the partitioned state (dp_replicate={parallel.size('replicate')}) run at ZeRO stages 1 "
                 f"and 2 so far, not stage {config.zero_optimization.stage}: stage 3's units and the pipeline do not "

@@ -64,7 +64,7 @@ class UnitParams(ParamStorage):
         planned, persistent = plan_units(module, options.persistence_threshold, options.unit_elements,
                                          options.persistence_budget)
         modules = dict(module.named_modules())
-        placement = placement or Sharded(comm, comm.world_size)
+        placement = self.placement = placement or Sharded(comm, comm.world_size)
         self.units: list[ParamUnit] = []
         unit_modules: list[nn.Module | None] = []
         host_empty = self.host_memory.empty if options.pin_memory else self.host_memory.empty_pageable
@@ -133,6 +133,13 @@ class UnitParams(ParamStorage):
             f"parameter {self.names.get(param, '?')!r} was changed in place while ZeRO-3 held only this rank's shard "
             f"of it (between uses its .data is empty), so the change was lost. Change sharded parameters inside "
             f"`with zero.GatheredParameters(params, modifier_rank=0):`, or with model.load_state_dict(...).")
+
+    @property
+    def summed(self) -> int:
+        return self.placement.summed  # the shard group, times its replicas (hybrid sharding)
+
+    def norm_copies(self) -> int:
+        return self.placement.summed // self.comm.world_size  # each replica holds every shard once
 
     def out16_on_host(self) -> bool:
         return self.offload_param
