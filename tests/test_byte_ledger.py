@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 
-def _ledger(stage: int, hybrid: bool) -> dict:
+def _ledger(stage: int, hybrid: bool, accumulation: int = 1) -> dict:
     import zero
     from zero.config import load_config
     from zero.engine import Engine
@@ -20,6 +20,7 @@ def _ledger(stage: int, hybrid: bool) -> dict:
     os.environ["GROUP_RANK"] = str(rank // 2)  # ranks 0-1 on node 0, 2-3 on node 1
     try:
         config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
+                  "gradient_accumulation_steps": accumulation,
                   "zero_optimization": {"stage": stage, "reduce_bucket_size": 500, **(STAGE3["mlp"] if stage == 3 else {})}}
         torch.manual_seed(0)
         if hybrid:  # shard inside a node, replicate across nodes
@@ -27,7 +28,7 @@ def _ledger(stage: int, hybrid: bool) -> dict:
                             parallel=ParallelGroups(ParallelDims(world, dp_replicate=2, dp_shard=2)))
         else:
             engine, *_ = zero.initialize(model=build_model("mlp"), config=config)
-        for step in range(2):
+        for step in range(2 * accumulation):
             engine.backward(engine(*make_batch("mlp", 2, torch.Generator().manual_seed(10 * step + rank))))
             engine.step()
         return {"comm": engine.comm_report(), "nodes": engine.comm.node_of}
@@ -52,3 +53,15 @@ def test_the_bytes_that_cross_nodes_follow_the_groups_ranks(dist_run, stage, hyb
         assert crossing > 0
         if hybrid:  # once per step, the replicas' all-reduce of this rank's half of the gradients
             assert set(k for k, c in comm.items() if c["cross_node_bytes"]) == {"all_reduce (replicas)"}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hybrid_sharding_crosses_nodes_once_per_step_whatever_the_accumulation(dist_run, stage):
+    """Shards inside a node, replicas across nodes: the replicas sum their gradient shards at the
+    optimizer step, so the bytes between nodes are the same at accumulation 1 and 4 (HSDP's point),
+    while the reduce-scatters inside the node grow with it."""
+    for one, four in zip(dist_run(4, _ledger, stage, True, 1), dist_run(4, _ledger, stage, True, 4)):
+        a, b = one["comm"], four["comm"]
+        assert a["all_reduce (replicas)"] == b["all_reduce (replicas)"], (a, b)
+        assert b["reduce_scatter"]["calls"] == 4 * a["reduce_scatter"]["calls"]
+        assert sum(c["cross_node_bytes"] for c in b.values()) == sum(c["cross_node_bytes"] for c in a.values()) > 0

@@ -13,7 +13,7 @@ import torch.distributed as dist
 GLOBAL_BATCH = 16
 
 
-def _hybrid(stage: int, steps: int = 4) -> dict:
+def _hybrid(stage: int, accumulation: int = 1, offload: bool = False, steps: int = 4) -> dict:
     from zero.config import load_config
     from zero.engine import Engine
     from zero.parallel.dims import ParallelDims
@@ -25,8 +25,10 @@ def _hybrid(stage: int, steps: int = 4) -> dict:
     dims = ParallelDims(world, dp_replicate=2, dp_shard=2)
     parallel = ParallelGroups(dims)
     config = load_config({"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "gradient_clipping": 0.5,
+                          "gradient_accumulation_steps": accumulation,
                           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
                           "zero_optimization": {"stage": stage, "reduce_bucket_size": 500,
+                                                **({"offload_optimizer": {"device": "cpu"}} if offload else {}),
                                                 **(STAGE3["mlp"] if stage == 3 else {})}}, world_size=world)
     torch.manual_seed(0)
     model = build_model("mlp")
@@ -37,11 +39,12 @@ def _hybrid(stage: int, steps: int = 4) -> dict:
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
     per, at = GLOBAL_BATCH // world, parallel.index("batch")  # each data rank its own samples
     for step in range(steps):
-        x, y = make_batch("mlp", GLOBAL_BATCH, torch.Generator().manual_seed(step))
-        engine.backward(engine(x[at * per : (at + 1) * per], y[at * per : (at + 1) * per]))
-        engine.step()
         ref_opt.zero_grad()
-        reference(x, y).backward()
+        for micro in range(accumulation):  # the reference: the mean over every micro-batch of every rank
+            x, y = make_batch("mlp", GLOBAL_BATCH, torch.Generator().manual_seed(step * accumulation + micro))
+            engine.backward(engine(x[at * per : (at + 1) * per], y[at * per : (at + 1) * per]))
+            engine.step()
+            (reference(x, y) / accumulation).backward()
         torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
         ref_opt.step()
     # what does not take a replicate group yet is refused, before anything is written
@@ -63,9 +66,11 @@ def _hybrid(stage: int, steps: int = 4) -> dict:
             "norm": engine.get_global_grad_norm(), "refused": refused}
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_a_hybrid_placement_shards_in_pairs_replicates_across_them_and_trains_as_one_process(dist_run, stage):
-    results = dist_run(4, _hybrid, stage)
+@pytest.mark.parametrize("stage, accumulation, offload", [(1, 1, False), (2, 1, False), (3, 1, False),
+                                                         (2, 2, True), (3, 2, True)])
+def test_a_hybrid_placement_shards_in_pairs_replicates_across_them_and_trains_as_one_process(dist_run, stage,
+                                                                                           accumulation, offload):
+    results = dist_run(4, _hybrid, stage, accumulation, offload)
     for rank, r in enumerate(results):
         assert r["sharded"]
         assert r["shard"] == [rank - rank % 2, rank - rank % 2 + 1]  # shard within consecutive pairs
@@ -74,11 +79,13 @@ def test_a_hybrid_placement_shards_in_pairs_replicates_across_them_and_trains_as
         assert r["replicas_equal"]  # the two holders of a partition keep the same master bits
         # each rank keeps half of the model's optimizer state (its shard group has 2 ranks, not 4)
         assert r["psi"] / 2 <= r["master_numel"] <= r["psi"] / 2 + 6 * 16, r["master_numel"]
-        assert r["divisor"] == 4.0  # the mean over all 4 data ranks
+        assert r["divisor"] == 4.0 * accumulation  # the mean over all 4 data ranks' micro-batches
         comm = r["comm"]
         # a reduce-scatter per bucket inside the pair, then each half all-reduced across the replicas
-        assert comm["all_reduce (replicas)"]["elements"] * 2 == comm["reduce_scatter"]["elements"], comm
-        if stage < 3:  # once, inside the pair (stage 3 gathers for forward and backward)
-            assert comm["all_gather"]["elements"] == comm["reduce_scatter"]["elements"], comm
+        assert comm["all_reduce (replicas)"]["elements"] * 2 * accumulation == comm["reduce_scatter"]["elements"], comm
+        if stage < 3:  # a gather per step inside the pair (stage 3 gathers for forward and backward), a
+            # reduce-scatter per micro-step at stage 2
+            assert comm["all_gather"]["elements"] * (accumulation if stage == 2 else 1) == \
+                comm["reduce_scatter"]["elements"], comm
     assert len({r["norm"] for r in results}) == 1  # every rank clips with the same norm
     assert all(r["refused"] == [True] for r in results)  # checkpoints wait for the full feature

@@ -181,12 +181,13 @@ class FlatParams(ParamStorage):
         """[begin, end) of this rank's slice of `bucket` in the flat buffer (all of it at stage 0)."""
         return bucket.slice_range(self.rank) if self.partitions > 1 else (bucket.start, bucket.start + bucket.numel)
 
-    def reduce_bucket(self, bucket: Bucket, buf: torch.Tensor, async_op: bool):
-        """Sum `buf` (one whole bucket) over ranks; afterwards this rank's ranges of it hold their
-        sums. Returns the collective's handle."""
+    def reduce_bucket(self, bucket: Bucket, buf: torch.Tensor, async_op: bool, replicas: bool = True):
+        """Sum `buf` (one whole bucket) over ranks (without the replicas: `replicas` False);
+        afterwards this rank's ranges of it hold their sums. Returns the collective's handle."""
         if self.predivide != 1.0:
             buf.div_(self.predivide)
-        return self.placement(bucket).reduce_bucket(bucket, buf, self.layout, async_op, self.reduce.reduce_scatter)
+        return self.placement(bucket).reduce_bucket(bucket, buf, self.layout, async_op, self.reduce.reduce_scatter,
+                                                    replicas)
 
     # -- what the step sees -----------------------------------------------------------------------
 
@@ -419,7 +420,9 @@ class BucketGradients:
         bucket = s.layout.buckets[b]
         s.comm.tagged(Tag.BUCKET_REDUCE, b, bucket.numel, f"stage 2, gradient reduction of bucket {b}")
         staging = self._staging_for(b)  # a bucket without any gradient on this rank contributes zeros
-        self._work[b] = s.reduce_bucket(bucket, staging, async_op=s.reduce.overlap_comm)
+        # replicas (hybrid sharding) sum their shards once, at the step (`reduce`)
+        self._work[b] = s.reduce_bucket(bucket, staging, async_op=s.reduce.overlap_comm,
+                                        replicas=not s.placement(bucket).defers_replicas)
 
     def _finish(self, b: int) -> None:
         s = self.storage
@@ -432,8 +435,9 @@ class BucketGradients:
             for lo, hi, at in s.mine(bucket):
                 self.shards[b][at : at + hi - lo].add_(staging[lo - bucket.start : hi - bucket.start])
             s.gauges.reduce_buffers.sub(staging.untyped_storage().nbytes())
-        for grad in s.final_grads(s.layout.buckets[b]):
-            s.grad_final(grad)
+        if not s.placement(bucket).defers_replicas:
+            for grad in s.final_grads(bucket):
+                s.grad_final(grad)
 
     def recover(self) -> None:
         """Forget what a backward that raised left behind (see [Note: gradient readiness])."""
@@ -443,7 +447,15 @@ class BucketGradients:
             self._staging.clear()
 
     def reduce(self, communicate: bool = True) -> None:
-        """Nothing is owed at the step: every bucket was reduced during backward."""
+        """Every bucket was reduced inside its shard group during backward; what is owed at the step
+        is the sum over the replicas (hybrid sharding), once per optimizer step."""
+        s = self.storage
+        for bucket in s.layout.buckets:
+            place = s.placement(bucket)
+            if place.defers_replicas:
+                place.reduce_replicas([self.shards[bucket.index]])
+                for grad in s.final_grads(bucket):
+                    s.grad_final(grad)
 
     def piece(self, i: int) -> tuple[int, torch.Tensor, bool]:
         s = self.storage

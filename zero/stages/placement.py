@@ -63,16 +63,33 @@ class Placement(abc.ABC):
 
     # -- the reducer and the gatherer (buckets' and units')
 
-    def reduce_scatter(self, mine: torch.Tensor, buf: torch.Tensor, async_op: bool = False):
-        """SUM `buf` (this rank's gradients, `partitions` equal parts in rank order) over the shard
-        group into this rank's part `mine` (a view of `buf` or apart), then over the replicate group."""
-        work = self.comm.reduce_scatter(mine, buf, async_op=async_op or self.replicate is not None)
-        return self._then_replicas(work, mine, async_op)
+    @property
+    def defers_replicas(self) -> bool:
+        """With replicas, gradients are summed over them once per optimizer step, not per
+        micro-step (`reduce_replicas`, at the accumulation boundary): the bytes between replicas,
+        usually between nodes, no longer grow with gradient accumulation."""
+        return self.replicate is not None
 
-    def all_reduce(self, buf: torch.Tensor, async_op: bool = False):
-        """SUM `buf` whole over the shard group and the replicate group."""
-        work = self.comm.all_reduce(buf, "sum", async_op=async_op or self.replicate is not None)
-        return self._then_replicas(work, buf, async_op)
+    def reduce_scatter(self, mine: torch.Tensor, buf: torch.Tensor, async_op: bool = False, replicas: bool = True):
+        """SUM `buf` (this rank's gradients, `partitions` equal parts in rank order) over the shard
+        group into this rank's part `mine` (a view of `buf` or apart), then (`replicas`) over the
+        replicate group."""
+        chained = replicas and self.replicate is not None
+        work = self.comm.reduce_scatter(mine, buf, async_op=async_op or chained)
+        return self._then_replicas(work, mine, async_op) if chained else work
+
+    def all_reduce(self, buf: torch.Tensor, async_op: bool = False, replicas: bool = True):
+        """SUM `buf` whole over the shard group and (`replicas`) the replicate group."""
+        chained = replicas and self.replicate is not None
+        work = self.comm.all_reduce(buf, "sum", async_op=async_op or chained)
+        return self._then_replicas(work, buf, async_op) if chained else work
+
+    def reduce_replicas(self, grads: list[torch.Tensor]) -> None:
+        """SUM this rank's gradient shards over the replicate group (once per optimizer step; see
+        `defers_replicas`)."""
+        if self.replicate is not None:
+            for g in grads:
+                self.replicate.all_reduce(g, "sum", label="all_reduce (replicas)")
 
     def _then_replicas(self, work, part: torch.Tensor, async_op: bool):
         if self.replicate is None:
@@ -99,10 +116,10 @@ class Placement(abc.ABC):
 
     @abc.abstractmethod
     def reduce_bucket(self, bucket: Bucket, buf: torch.Tensor, layout: ShardLayout, async_op: bool,
-                      reduce_scatter: bool = True):
-        """Sum `buf` (the whole bucket's gradients) so that this rank's ranges hold their sums;
-        `reduce_scatter=False` all-reduces the whole bucket instead (DeepSpeed's flag). Returns
-        the collective's handle (None when done)."""
+                      reduce_scatter: bool = True, replicas: bool = True):
+        """Sum `buf` (the whole bucket's gradients) so that this rank's ranges hold their sums
+        (over the replicas too unless `replicas` is False); `reduce_scatter=False` all-reduces the
+        whole bucket instead (DeepSpeed's flag). Returns the collective's handle (None when done)."""
 
     @abc.abstractmethod
     def gather_bucket(self, flat: torch.Tensor, bucket: Bucket, layout: ShardLayout) -> list:
@@ -122,11 +139,11 @@ class Sharded(Placement):
         return [(lo, hi, None)]
 
     def reduce_bucket(self, bucket: Bucket, buf: torch.Tensor, layout: ShardLayout, async_op: bool,
-                      reduce_scatter: bool = True):
+                      reduce_scatter: bool = True, replicas: bool = True):
         if self.partitions == 1 or not reduce_scatter:
-            return self.all_reduce(buf, async_op)
+            return self.all_reduce(buf, async_op, replicas)
         lo, hi = bucket.slice_range(self.rank)
-        return self.reduce_scatter(buf[lo - bucket.start : hi - bucket.start], buf, async_op)
+        return self.reduce_scatter(buf[lo - bucket.start : hi - bucket.start], buf, async_op, replicas)
 
     def gather_bucket(self, flat: torch.Tensor, bucket: Bucket, layout: ShardLayout) -> list:
         if self.partitions == 1:
@@ -176,7 +193,7 @@ class Owned(Placement):
         return [(layout.offsets[i], layout.offsets[i] + layout.numels[i], i) for i in bucket.params if self.owns(i)]
 
     def reduce_bucket(self, bucket: Bucket, buf: torch.Tensor, layout: ShardLayout, async_op: bool,
-                      reduce_scatter: bool = True):
+                      reduce_scatter: bool = True, replicas: bool = True):
         if self.partitions == 1 or not reduce_scatter:
             return self.all_reduce(buf, async_op)
         works = [self.reduce_to(buf[layout.offsets[i] - bucket.start : layout.offsets[i] - bucket.start

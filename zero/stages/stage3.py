@@ -430,8 +430,10 @@ class Stage3Runtime:
     def _finish_reduce(self, gi: int) -> None:
         unit = self._reducible[gi]
         what = self._describe(unit, REDUCE)
-        for grad in unit.finish_reduce(lambda work: self._wait(work, what)):
-            self._grad_final(grad)
+        grads = unit.finish_reduce(lambda work: self._wait(work, what))
+        if not unit.placement.defers_replicas:  # else final once the replicas summed them (UnitParams.reduce_gradients)
+            for grad in grads:
+                self._grad_final(grad)
 
     def _end_backward(self) -> None:
         """Runs once at the end of each backward, after every reduction finished."""

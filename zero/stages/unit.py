@@ -400,7 +400,9 @@ class ParamUnit:
                 send.div_(predivide)
         mine = send[rank * self.trainable_numel : (rank + 1) * self.trainable_numel]
         self.gauges.reduce_buffers.add(_nbytes(send))
-        self._reduce = _InFlight(self.placement.reduce_scatter(mine, send, async_op=True), send, mine=mine, owned=sent)
+        work = self.placement.reduce_scatter(mine, send, async_op=True,  # the replicas sum once, at the step
+                                             replicas=not self.placement.defers_replicas)
+        self._reduce = _InFlight(work, send, mine=mine, owned=sent)
 
     def finish_reduce(self, wait: Callable[[object], None]) -> list[torch.Tensor]:
         """Wait for the reduce-scatter and add this rank's part to the gradient shards.

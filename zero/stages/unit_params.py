@@ -134,6 +134,16 @@ class UnitParams(ParamStorage):
             f"of it (between uses its .data is empty), so the change was lost. Change sharded parameters inside "
             f"`with zero.GatheredParameters(params, modifier_rank=0):`, or with model.load_state_dict(...).")
 
+    def reduce_gradients(self) -> None:
+        """Hybrid sharding: the replicas sum the gradient shards once per optimizer step (see
+        Placement.defers_replicas); then they are final."""
+        if not self.placement.defers_replicas:
+            return
+        grads = [r.grad for u in self.units for r in u.ranges]
+        self.placement.reduce_replicas(grads)
+        for grad in grads:
+            self.runtime._grad_final(grad)
+
     @property
     def summed(self) -> int:
         return self.placement.summed  # the shard group, times its replicas (hybrid sharding)
