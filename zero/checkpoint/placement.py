@@ -97,15 +97,10 @@ class Placement:
     optimizer's rule."""
 
     def __init__(self, engine):
-        if getattr(engine, "replicate", None) is not None:
-            from zero.checkpoint.tags import CheckpointError
-
-            raise CheckpointError("checkpoints of an engine with replicas of its partitioned state (dp_replicate > 1) "
-                                  "are not written or read yet: its replicas hold the same shards, and which of them "
-                                  "writes is hybrid sharding's own issue")
         mesh = getattr(engine, "mesh", None)
         self.mesh = mesh
-        self.world = Comm() if mesh is not None else engine.comm  # every rank of the run
+        # every rank of the run: with replicas (hybrid sharding), the shard group and its replicas
+        self.world = Comm() if mesh is not None else getattr(engine, "dp", engine.comm)
         self._not_mine: set[int] = set()
         if mesh is None:
             return

@@ -209,8 +209,6 @@ UNIMPLEMENTED_FEATURES: tuple[UnimplementedFeature, ...] = (
              "ZeRO++ quantized gradients (qgZ)"),
     _refused("zero_optimization.zeropp_loco_param",
              _key(Optional[dict[str, Any]], None, "LoCo-ZeRO++ (not implemented)."), "LoCo-ZeRO++ error feedback"),
-    _refused("zero_optimization.mics_shard_size", _key(int, -1, "MiCS shard size; > 0 not implemented."),
-             "MiCS shard groups", _above(0)),
     _refused("zero_optimization.mics_hierarchical_params_gather", _flag(False, "MiCS (not implemented)."), "MiCS"),
     _refused("zero_optimization.zenflow", _key(Optional[dict[str, Any]], None, "ZenFlow (not implemented)."),
              "ZenFlow's asynchronous updates"),

@@ -301,6 +301,13 @@ def load_config(config: Union[Mapping[str, Any], str, pathlib.Path], world_size:
     if world_size % vp:
         _raise([(("spatial_parallel_size",), f"is {vp}, which does not divide the world of {world_size} ranks "
                  f"into spatial-parallel groups")], source)
+    shard = cfg.zero_optimization.mics_shard_size
+    if shard != -1:
+        ranks = world_size // (stages * cfg.tensor_parallel.size * sp * vp)  # the data-parallel ranks
+        if shard < 1 or ranks % shard:
+            _raise([(("zero_optimization", "mics_shard_size"), f"is {shard}: give -1 (shard over every data-parallel "
+                     f"rank) or a number of ranks that divides the {ranks} data-parallel ranks (usually the ranks of "
+                     f"one node)")], source)
     data_parallel = _parallel_dims(cfg, world_size, source).size("batch")  # the ranks loading different samples
     if cfg.elasticity.enabled:  # the section decides the batch (zero/config/elasticity.py)
         cfg = _elastic(cfg, world_size, world_size // data_parallel, source)

@@ -288,6 +288,9 @@ class ZeroOptimizationConfig(_Section):
     allgather_bucket_size: int = Field(500_000_000, ge=0, description="Elements all-gathered at a time.")
     overlap_comm: Optional[bool] = Field(None, description="Overlap reduction with backward; "
                                          "default true for stage 3, false otherwise.")
+    mics_shard_size: int = Field(-1, description="Hybrid sharding (MiCS, HSDP): shard the states over groups of "
+                                 "this many data-parallel ranks (usually the ranks of a node) and replicate them across "
+                                 "the groups; -1: over every rank.")
     offload_param: Optional[OffloadParamConfig] = Field(None, description="Stage-3 parameter offload.")
     offload_optimizer: Optional[OffloadOptimizerConfig] = Field(None, description="Optimizer offload.")
     sub_group_size: int = Field(1_000_000_000, ge=0, description="With offload_optimizer: elements per CPU "

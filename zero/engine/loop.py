@@ -167,11 +167,10 @@ class TrainingLoop(nn.Module):
         self.comm = parallel.comm("zero", strict_tag_checks(config))
         # hybrid sharding: the ranks holding the same partition (see [Note: placements])
         self.replicate = parallel.comm("replicate") if parallel.size("replicate") > 1 else None
-        if self.replicate is not None and config.zero_optimization.stage not in (1, 2, 3):
+        if self.replicate is not None and mesh is not None:
             raise NotImplementedError(
-                f"replicas of the partitioned state (dp_replicate={parallel.size('replicate')}) run at ZeRO stages 1 "
-                f"and 2 so far, not stage {config.zero_optimization.stage}: stage 3's units and the pipeline do not "
-                f"take a replicate group yet (hybrid sharding is its own issue)")
+                f"hybrid sharding (zero_optimization.mics_shard_size, {parallel.size('replicate')} replicas) with "
+                f"pipeline stages or tensor slices is not implemented; shard over every data-parallel rank there")
         # every rank whose gradient enters the sum: the zero group, and its replicas
         self.dp = parallel.comm("dp") if self.replicate is not None else self.comm
         # the layout a volume is split in (zero/spatial: the plan the model was converted with): its

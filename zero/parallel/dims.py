@@ -108,8 +108,11 @@ class ParallelDims:
     @classmethod
     def from_config(cls, config, world_size: int) -> ParallelDims:
         """The dimensions a validated config asks for over `world_size` ranks."""
-        return cls(world_size, pp=config.pipeline.stages or 1, sp=config.sequence_parallel_size,
-                   spatial=config.spatial_parallel_size, tp=config.tensor_parallel.size)
+        pp, sp, spatial, tp = (config.pipeline.stages or 1, config.sequence_parallel_size,
+                               config.spatial_parallel_size, config.tensor_parallel.size)
+        shard = config.zero_optimization.mics_shard_size  # hybrid sharding: shard groups of this many ranks
+        replicate = world_size // (pp * sp * spatial * tp) // shard if shard > 0 else 1
+        return cls(world_size, pp=pp, dp_replicate=max(1, replicate), sp=sp, spatial=spatial, tp=tp)
 
     # -- sizes and coordinates
 
