@@ -783,6 +783,8 @@ def test_every_broken_rule_is_reported_at_once():
      "zero_optimization.offload_optimizer.nvme_path", r"is missing: offload_optimizer.device 'nvme' needs"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
      "zero_optimization.offload_param.nvme_path", r"is missing: offload_param.device 'nvme' needs"),
+    ({"zero_optimization": {"stage": 3, "mics_shard_size": 2}},  # one rank: no group of 2
+     "zero_optimization.mics_shard_size", r"is 2: give -1 .* or a number of ranks that divides the 1 data-parallel"),
 ])
 def test_nvme_and_partial_offload_are_refused_at_load_with_the_key_path(extra, path, message):
     with pytest.raises(ConfigError, match=message) as info:
