@@ -238,9 +238,18 @@ class Stage3Runtime:
             budget += unit.full_numel
             self._start_gather(unit, self._pass)
             self.prefetched += 1
-        for idx in ahead[stopped:]:  # beyond the gathers: read the next shards on NVMe into free buffers
+        self._read_ahead(ahead[stopped:])
+
+    def _read_ahead(self, order: list[int]) -> None:
+        """Start reading the shards on NVMe of the units in `order` into free buffers, nearest first,
+        looking no further than the buffers could hold (see [Note: parameters on NVMe])."""
+        seen = 0
+        for idx in order:
             unit = self.units[idx]
-            if unit.state is ShardedState.SHARDED and unit.swap is not None and not unit.swap.fetch(unit):
+            if unit.swap is None or unit.state is not ShardedState.SHARDED:
+                continue
+            seen += 1
+            if seen > unit.swap.policy.buffer_count or not unit.swap.fetch(unit):
                 break
 
     # -- divergence tags ------------------------------------------------------------------------------
@@ -445,10 +454,7 @@ class Stage3Runtime:
     def read_ahead(self) -> None:
         """Start reading the shards on NVMe the next forward gathers first, into free buffers (see
         [Note: parameters on NVMe]); after a step, once the step wrote them."""
-        for idx in self.traces[FORWARD]:
-            unit = self.units[idx]
-            if unit.state is ShardedState.SHARDED and unit.swap is not None and not unit.swap.fetch(unit):
-                break
+        self._read_ahead(self.traces[FORWARD])
 
     def recover(self) -> None:
         """Drop what a backward that raised left behind (see [Note: gradient readiness])."""
