@@ -179,10 +179,18 @@ def _lr(v: Optional[float]) -> Optional[float]:
 # ZeRO
 # ---------------------------------------------------------------------------------------------
 
-def _check_nvme_path(section: str, device: str, path: Optional[pathlib.Path]) -> None:
-    """`device: nvme` needs an existing, writable directory, checked before anything is built."""
-    if device != "nvme":
+def _check_nvme(section: _Section, name: str, keys: tuple[str, ...]) -> None:
+    """NVMe-only `keys` set with another device warn; `device: nvme` needs an existing, writable
+    directory, checked before anything is built."""
+    if section.device != "nvme":
+        for key in sorted(section.model_fields_set & set(keys)):
+            _warn(f"zero_optimization.{name}.{key} = {getattr(section, key)} has no effect in zero with device "
+                  f"{section.device!r}: only device 'nvme' uses it")
         return
+    _check_nvme_path(name, section.nvme_path)
+
+
+def _check_nvme_path(section: str, path: Optional[pathlib.Path]) -> None:
     if path is None:
         problem = (f"is missing: {section}.device 'nvme' needs the directory (on the NVMe drive) where each rank "
                    f"keeps its swap files")
@@ -224,7 +232,7 @@ class OffloadOptimizerConfig(_Section):
 
     @model_validator(mode="after")
     def _nvme(self) -> OffloadOptimizerConfig:
-        _check_nvme_path("offload_optimizer", self.device, self.nvme_path)
+        _check_nvme(self, "offload_optimizer", ("nvme_path", "buffer_count", "pipeline_read", "pipeline_write"))
         return self
 
 
@@ -247,7 +255,7 @@ class OffloadParamConfig(_Section):
 
     @model_validator(mode="after")
     def _nvme(self) -> OffloadParamConfig:
-        _check_nvme_path("offload_param", self.device, self.nvme_path)
+        _check_nvme(self, "offload_param", ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu"))
         return self
 
 
@@ -384,14 +392,6 @@ class ZeroOptimizationConfig(_Section):
         if self.offload_param is not None and self.offload_param.device != "none" and self.stage != 3:
             _warn(f"zero_optimization.offload_param has no effect at stage {self.stage}; "
                   "parameter offload needs stage 3 (as in DeepSpeed)")
-        for name, section, keys in (
-                ("offload_optimizer", self.offload_optimizer, ("nvme_path", "buffer_count", "pipeline_read",
-                                                               "pipeline_write")),
-                ("offload_param", self.offload_param, ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu"))):
-            if section is not None and section.device != "nvme":
-                for key in sorted(section.model_fields_set & set(keys)):
-                    _warn(f"zero_optimization.{name}.{key} = {getattr(section, key)} has no effect in zero with "
-                          f"device {section.device!r}: only device 'nvme' uses it")
         for name, section in (("offload_optimizer", self.offload_optimizer), ("offload_param", self.offload_param)):
             if section is not None and section.device == "none" and section.pin_memory:
                 _warn(f"zero_optimization.{name}.pin_memory has no effect with device 'none'")

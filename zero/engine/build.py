@@ -104,9 +104,19 @@ def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], confi
         needs.append((step.offload.path, nbytes, "optimizer state",
                       "zero_optimization.offload_optimizer.nvme_path"))
     if stage == 3 and stage3.param_nvme is not None:
-        from zero.offload.param_swap import plan_disk
+        from zero.stages.planning import plan_disk
 
-        nbytes = plan_disk(module, stage3, comm.world_size, precision.param).disk_bytes
+        plan = plan_disk(module, stage3, comm.world_size, precision.param)
+        if plan.too_big is not None:
+            from zero.config import ConfigError
+
+            (unit, numel), key = plan.too_big, "zero_optimization.offload_param.buffer_size"
+            raise ConfigError(
+                f"{key} = {stage3.param_nvme.buffer_size} elements is smaller than the shard of unit {unit!r} on each "
+                f"rank ({numel} elements): raise buffer_size to at least {numel}, or give that module's parameters "
+                f"to smaller units (zero_optimization.stage3_module_granularity_threshold)",
+                [(key, f"smaller than unit {unit!r}'s shard of {numel} elements")])
+        nbytes = plan.disk_bytes
         needs.append((stage3.param_nvme.path, nbytes, "parameter shards",
                       "zero_optimization.offload_param.nvme_path"))
     if needs:  # every rank checks before any reserves, and all refuse if one must (none waits in a collective)

@@ -64,6 +64,12 @@ def _aligned(n: int, alignment: int = ALIGNMENT) -> int:
     return -(-n // alignment) * alignment
 
 
+def region_bytes(nbytes: int) -> int:
+    """Bytes a tensor of `nbytes` takes in a swap file (its region starts where a direct transfer and
+    a mapping may)."""
+    return _aligned(nbytes, REGION)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -108,7 +114,7 @@ def state_bytes(elements: dict[int, int], specs, master_dtype: torch.dtype) -> i
 
 
 def _nbytes(n: int, dtype: torch.dtype) -> int:
-    return _aligned(n * torch.empty((), dtype=dtype).element_size())
+    return region_bytes(n * torch.empty((), dtype=dtype).element_size())
 
 
 def check_room(needs: list[tuple[str, int, str, str]]) -> None:
@@ -173,7 +179,7 @@ class SwapFile:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         if nbytes == 0:
             return torch.zeros(shape, dtype=dtype)
-        offset, size = self.size, _aligned(nbytes, REGION)
+        offset, size = self.size, region_bytes(nbytes)
         self.file.reserve(offset, size)  # zeros, on disk now
         self.size += size
         region = mmap.mmap(self.file.fd, size, offset=offset)

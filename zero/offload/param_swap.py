@@ -33,67 +33,11 @@ import collections
 import dataclasses
 
 import torch
-import torch.nn as nn
 
 from zero.offload.host import HostMemory
 from zero.offload.nvme import SwapFile, _aligned, _settle, _wait_all
 from zero.offload.policy import ParamNVMe
 from zero.ops.aio import aligned_empty
-from zero.parallel.sliced import local_tensor
-from zero.partition.shards import shard_numel
-
-_KEY = "zero_optimization.offload_param"
-
-
-@dataclasses.dataclass
-class DiskPlan:
-    """Which units keep their shards on disk (see [Note: parameters on NVMe]).
-
-    Args:
-        on_disk: module path of each unit -> its shard is on disk.
-        disk_bytes: bytes of the shards on disk in this rank's swap file.
-        largest: elements of the largest shard on disk (what a buffer holds).
-    """
-
-    on_disk: dict[str, bool]
-    disk_bytes: int
-    largest: int
-
-
-def plan_disk(module: nn.Module, options, world_size: int, dtype: torch.dtype) -> DiskPlan:
-    """Plan the units of `module` as stage 3 will (zero.stages.planning.plan_units) and decide which
-    shards go to disk; a shard larger than `buffer_size` is refused here, before anything is built.
-
-    Args:
-        module: the model.
-        options: the Stage3Options (its `param_nvme` policy, unit and persistence settings).
-        world_size: ranks the shards divide over.
-        dtype: the parameters' training dtype.
-    """
-    from zero.stages.planning import plan_units
-
-    policy: ParamNVMe = options.param_nvme
-    planned, _ = plan_units(module, options.persistence_threshold, options.unit_elements, options.persistence_budget)
-    size = lambda p: p._zero.numel if getattr(p, "_zero", None) is not None else local_tensor(p).numel()  # noqa: E731
-    in_cpu, on_disk, disk_bytes, largest = 0, {}, 0, 0
-    item = torch.empty((), dtype=dtype).element_size()
-    for path, params in planned:
-        numel = sum(shard_numel(size(p), world_size) for p in params)
-        on_disk[path] = in_cpu + numel > policy.max_in_cpu
-        if not on_disk[path]:
-            in_cpu += numel
-            continue
-        if numel > policy.buffer_size:
-            from zero.config import ConfigError
-
-            raise ConfigError(
-                f"{_KEY}.buffer_size = {policy.buffer_size} elements is smaller than the shard of unit "
-                f"{path or '<root>'!r} on each rank ({numel} elements): raise buffer_size to at least {numel}, or "
-                f"give that module's parameters to smaller units (zero_optimization.stage3_module_granularity_threshold)",
-                [(f"{_KEY}.buffer_size", f"smaller than unit {path or '<root>'!r}'s shard of {numel} elements")])
-        disk_bytes += _aligned(numel * item)
-        largest = max(largest, numel)
-    return DiskPlan(on_disk, disk_bytes, largest)
 
 
 @dataclasses.dataclass

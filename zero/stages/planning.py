@@ -1,6 +1,8 @@
 """Stage 3 planning: shard every parameter, then decide which parameters form which unit."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 
@@ -99,3 +101,51 @@ def take_local_shard(p: nn.Parameter, comm: Comm) -> torch.Tensor:
         local = take_shard(full, comm.rank, comm.world_size)
         local_tensor(p).data = local[:0]
     return local
+
+
+@dataclass
+class DiskPlan:
+    """Which units keep their shards on disk (see [Note: parameters on NVMe] in
+    zero/offload/param_swap.py).
+
+    Args:
+        on_disk: module path of each unit -> its shard is on disk.
+        disk_bytes: bytes of the shards on disk in this rank's swap file.
+        largest: elements of the largest shard on disk (what a buffer holds).
+        too_big: (unit, elements) of the first shard on disk larger than `buffer_size`, or None.
+    """
+
+    on_disk: dict[str, bool]
+    disk_bytes: int
+    largest: int
+    too_big: tuple[str, int] | None = None
+
+
+def plan_disk(module: nn.Module, options, world_size: int, dtype: torch.dtype) -> DiskPlan:
+    """Plan the units of `module` as stage 3 will (`plan_units`) and decide which shards go to disk
+    (build_optimizer refuses a shard larger than `buffer_size` from it, before anything is built).
+
+    Args:
+        module: the model.
+        options: the Stage3Options (its `param_nvme` policy, unit and persistence settings).
+        world_size: ranks the shards divide over.
+        dtype: the parameters' training dtype.
+    """
+    from zero.offload.nvme import region_bytes
+
+    policy = options.param_nvme
+    planned, _ = plan_units(module, options.persistence_threshold, options.unit_elements, options.persistence_budget)
+    size = lambda p: p._zero.numel if getattr(p, "_zero", None) is not None else local_tensor(p).numel()  # noqa: E731
+    in_cpu, on_disk, disk_bytes, largest, too_big = 0, {}, 0, 0, None
+    item = torch.empty((), dtype=dtype).element_size()
+    for path, params in planned:
+        numel = sum(shard_numel(size(p), world_size) for p in params)
+        on_disk[path] = in_cpu + numel > policy.max_in_cpu
+        if not on_disk[path]:
+            in_cpu += numel
+            continue
+        if numel > policy.buffer_size and too_big is None:
+            too_big = (path or "<root>", numel)
+        disk_bytes += region_bytes(numel * item)
+        largest = max(largest, numel)
+    return DiskPlan(on_disk, disk_bytes, largest, too_big)

@@ -10,13 +10,13 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from zero.offload.param_swap import ParamSwap, plan_disk
+from zero.offload.param_swap import ParamSwap
 from zero.offload.policy import OffloadPolicy
 from zero.parallel.comm import Comm
 from zero.parallel.sliced import local_tensor
 from zero.stages.memory import Gauges
 from zero.stages.placement import Owned, Sharded
-from zero.stages.planning import describe_shard, plan_units, take_local_shard
+from zero.stages.planning import describe_shard, plan_disk, plan_units, take_local_shard
 from zero.stages.policies import Precision, ReduceOptions, Stage3Options
 from zero.stages.stage3 import Stage3Runtime
 from zero.stages.storage import ParamStorage, Slot

@@ -1,0 +1,171 @@
+"""Past one node: the bytes each layout sends across nodes and inside them, per optimizer step, from
+the comm report's byte ledger, beside the formula's number, and the loss against flat ZeRO-3.
+
+    python benchmarks/bench_multinode.py            # 2 nodes x 2 ranks on this host; results/multinode.md
+    python benchmarks/bench_multinode.py --steps 300 --write
+
+Two torchrun agents on this host (`--nnodes 2 --node-rank 0/1`, a localhost rendezvous) are two
+nodes of 2 ranks each, as zero sees them (zero/parallel/nodes.py). The demo GPT in bf16 trains with
+each layout at gradient accumulation 1 and 4, on the same data; the last step's comm report gives
+the bytes that crossed a node boundary and those that stayed inside one (see [Note: the byte
+ledger] in zero/parallel/comm.py), summed over the ranks and divided by them (per rank).
+
+The formulas, per rank and optimizer step, with N data-parallel ranks, L per node, R = N / L
+replicas of a shard group that is a node, a micro-steps per step, Psi_u the elements stage 3
+gathers (its units), Psi the trainable elements, p = r = 2 bytes (bf16 parameters and reduced
+gradients), and (N - L) / N = 1/2 the share of a group's ranks on other nodes:
+- flat ZeRO-3: a (2 p Psi_u + r Psi) (N - L) / N: every micro-step gathers the units for forward
+  and backward (no reuse: stage3_max_reuse_distance 0) and reduce-scatters the gradients;
+- flat stage 2: a r Psi (N - L) / N + p Psi (N - L) / N: a reduce-scatter per micro-step, one
+  all-gather of the updated parameters per step;
+- flat stage 1: (r Psi + p Psi) (N - L) / N: reduce-scatter and all-gather once per step;
+- hybrid (mics_shard_size = L) at stages 1-3: 2 g (Psi / L) (R - 1) / R: the replicas' all-reduce of
+  this rank's gradient shard, once per step (g = 4: gradient shards accumulate in fp32 at a > 1,
+  else r; see the estimator's g); nothing else crosses.
+Small collectives (the gradient norm's all-reduce, 4 bytes) are left out of the formulas.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LAYOUTS = {  # name -> (stage, mics_shard_size)
+    "ZeRO-3 (flat)": (3, -1),
+    "HSDP: ZeRO-3 sharded in a node": (3, 2),
+    "stage 2 (flat)": (2, -1),
+    "stage 2 hybrid": (2, 2),
+    "stage 1 (flat)": (1, -1),
+    "stage 1 hybrid": (1, 2),
+}
+
+
+def worker(out: str, steps: int) -> None:
+    """On every rank of the 2 x 2 world: each layout, each accumulation; rank 0 writes the results."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import zero
+    from zero.models import GPT, GPTConfig
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = []
+    for name, (stage, shard) in LAYOUTS.items():
+        for accumulation in (1, 4):
+            torch.manual_seed(0)
+            model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128))
+            config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accumulation,
+                      "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+                      "zero_optimization": {"stage": stage, "mics_shard_size": shard, "reduce_bucket_size": 1 << 22,
+                                            "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+                                            "stage3_prefetch_bucket_size": 0}}
+            engine, *_ = zero.initialize(model=model, config=config)
+            g = torch.Generator().manual_seed(1234)
+            losses = []
+            for _ in range(steps * accumulation):
+                x = torch.randint(0, 256, (2 * world, 65), generator=g)[2 * rank : 2 * rank + 2]
+                logits = engine(x[:, :-1])
+                loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            comm = engine.comm_report()
+            mine = torch.tensor([sum(c["bytes"] for c in comm.values()),
+                                 sum(c["cross_node_bytes"] for c in comm.values())], dtype=torch.float64)
+            dist.all_reduce(mine)
+            loss = torch.tensor([sum(losses[-accumulation:]) / accumulation], dtype=torch.float64)
+            dist.all_reduce(loss)
+            storage = engine.optimizer.storage
+            gathered = sum(u.full_numel for u in getattr(storage, "units", []) if not u.persistent)
+            psi = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters())
+            results.append({"layout": name, "stage": stage, "shard": shard, "accumulation": accumulation,
+                            "bytes": mine[0].item() / world, "cross": mine[1].item() / world,
+                            "loss": loss.item() / world, "psi": psi, "psi_units": gathered,
+                            "nodes": engine.comm.node_of, "world": world})
+            engine.destroy()
+    if rank == 0:
+        Path(out).write_text(json.dumps(results, indent=1))
+    dist.destroy_process_group()
+
+
+def formula(r: dict) -> float:
+    n, local = r["world"], 2
+    share = (n - local) / n
+    p = red = 2
+    a, psi = r["accumulation"], r["psi"]
+    if r["shard"] > 0:  # hybrid: the replicas' all-reduce of the gradient shard, once per step
+        replicas = n // local
+        g = 4 if a > 1 else red
+        return 2 * g * (psi / local) * (replicas - 1) / replicas
+    if r["stage"] == 3:
+        return a * (2 * p * r["psi_units"] + red * psi) * share
+    if r["stage"] == 2:
+        return (a * red * psi + p * psi) * share
+    return (red * psi + p * psi) * share
+
+
+def launch(steps: int) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tempfile.mktemp(suffix=".json")
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import bench_multinode; " \
+           f"bench_multinode.worker({out!r}, {steps})"
+    script = tempfile.mktemp(suffix=".py")
+    Path(script).write_text(code)
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(k),
+                                "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                                script], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for k in (0, 1)]
+    outputs = [a.communicate(timeout=3600)[0] for a in agents]
+    if any(a.returncode for a in agents):
+        raise SystemExit("the agents failed:\n" + "\n".join(o[-3000:] for o in outputs))
+    return json.loads(Path(out).read_text())
+
+
+def report(results: list[dict], steps: int) -> str:
+    flat3 = {r["accumulation"]: r for r in results if r["layout"] == "ZeRO-3 (flat)"}
+    lines = ["# Past one node: bytes across nodes per optimizer step (benchmarks/bench_multinode.py)", "",
+             f"2 nodes x 2 ranks (two torchrun agents on one host, gloo), the demo GPT ({results[0]['psi']:,} "
+             f"parameters, 4 layers x 128) in bf16, {steps} steps, {time.strftime('%Y-%m-%d')}. Per rank and "
+             f"optimizer step, from the comm report's byte ledger; the formula's number beside it (see the "
+             f"module's docstring).", "",
+             "| layout | accumulation | across nodes | formula | ledger / formula | inside nodes | across / flat ZeRO-3's "
+             "| loss (last step) |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        f = formula(r)
+        base = flat3[r["accumulation"]]["cross"]
+        lines.append(f"| {r['layout']} | {r['accumulation']} | {r['cross'] / 1e6:.3f} MB | {f / 1e6:.3f} MB | "
+                     f"{r['cross'] / f:.3f} | {(r['bytes'] - r['cross']) / 1e6:.3f} MB | {r['cross'] / base:.3f} | "
+                     f"{r['loss']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--write", action="store_true", help="write results/multinode.md and .json")
+    args = parser.parse_args()
+    results = launch(args.steps)
+    text = report(results, args.steps)
+    print(text)
+    if args.write:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "multinode.md").write_text(text)
+        (RESULTS / "multinode.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
