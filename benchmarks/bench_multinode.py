@@ -20,8 +20,9 @@ gradients), and (N - L) / N = 1/2 the share of a group's ranks on other nodes:
   all-gather of the updated parameters per step;
 - flat stage 1: (r Psi + p Psi) (N - L) / N: reduce-scatter and all-gather once per step;
 - hybrid (mics_shard_size = L) at stages 1-3: 2 g (Psi / L) (R - 1) / R: the replicas' all-reduce of
-  this rank's gradient shard, once per step (g = 4: gradient shards accumulate in fp32 at a > 1,
-  else r; see the estimator's g); nothing else crosses.
+  this rank's gradient shard, once per step (g = 4 at stages 2-3 with a > 1, whose gradient shards
+  accumulate in fp32; else r, stage 1 reducing its bf16 gradient buffer at the step); nothing else
+  crosses.
 Small collectives (the gradient norm's all-reduce, 4 bytes) are left out of the formulas.
 """
 from __future__ import annotations
@@ -107,7 +108,7 @@ def formula(r: dict) -> float:
     a, psi = r["accumulation"], r["psi"]
     if r["shard"] > 0:  # hybrid: the replicas' all-reduce of the gradient shard, once per step
         replicas = n // local
-        g = 4 if a > 1 else red
+        g = 4 if a > 1 and r["stage"] >= 2 else red  # stages 2-3 accumulate gradient shards in fp32
         return 2 * g * (psi / local) * (replicas - 1) / replicas
     if r["stage"] == 3:
         return a * (2 * p * r["psi_units"] + red * psi) * share
