@@ -10,20 +10,9 @@ each layout at gradient accumulation 1 and 4, on the same data; the last step's 
 the bytes that crossed a node boundary and those that stayed inside one (see [Note: the byte
 ledger] in zero/parallel/comm.py), summed over the ranks and divided by them (per rank).
 
-The formulas, per rank and optimizer step, with N data-parallel ranks, L per node, R = N / L
-replicas of a shard group that is a node, a micro-steps per step, Psi_u the elements stage 3
-gathers (its units), Psi the trainable elements, p = r = 2 bytes (bf16 parameters and reduced
-gradients), and (N - L) / N = 1/2 the share of a group's ranks on other nodes:
-- flat ZeRO-3: a (2 p Psi_u + r Psi) (N - L) / N: every micro-step gathers the units for forward
-  and backward (no reuse: stage3_max_reuse_distance 0) and reduce-scatters the gradients;
-- flat stage 2: a r Psi (N - L) / N + p Psi (N - L) / N: a reduce-scatter per micro-step, one
-  all-gather of the updated parameters per step;
-- flat stage 1: (r Psi + p Psi) (N - L) / N: reduce-scatter and all-gather once per step;
-- hybrid (mics_shard_size = L) at stages 1-3: 2 g (Psi / L) (R - 1) / R: the replicas' all-reduce of
-  this rank's gradient shard, once per step (g = 4 at stages 2-3 with a > 1, whose gradient shards
-  accumulate in fp32; else r, stage 1 reducing its bf16 gradient buffer at the step); nothing else
-  crosses.
-Small collectives (the gradient norm's all-reduce, 4 bytes) are left out of the formulas.
+The formulas are zero.estimate.comm.cross_node_bytes (its docstring has them), with bf16
+parameters and reductions, every micro-step of ZeRO-3 gathering its units for forward and for
+backward (`stage3_max_reuse_distance` 0), and a shard group of hybrid sharding being a node.
 """
 from __future__ import annotations
 
@@ -102,19 +91,10 @@ def worker(out: str, steps: int) -> None:
 
 
 def formula(r: dict) -> float:
-    n, local = r["world"], 2
-    share = (n - local) / n
-    p = red = 2
-    a, psi = r["accumulation"], r["psi"]
-    if r["shard"] > 0:  # hybrid: the replicas' all-reduce of the gradient shard, once per step
-        replicas = n // local
-        g = 4 if a > 1 and r["stage"] >= 2 else red  # stages 2-3 accumulate gradient shards in fp32
-        return 2 * g * (psi / local) * (replicas - 1) / replicas
-    if r["stage"] == 3:
-        return a * (2 * p * r["psi_units"] + red * psi) * share
-    if r["stage"] == 2:
-        return (a * red * psi + p * psi) * share
-    return (red * psi + p * psi) * share
+    from zero.estimate.comm import cross_node_bytes
+
+    return cross_node_bytes(r["stage"], r["world"], 2, r["accumulation"], r["psi"], r["psi_units"],
+                            hybrid=r["shard"] > 0)
 
 
 def launch(steps: int) -> list[dict]:

@@ -297,8 +297,9 @@ class TrainingMonitor(Component):
                   + (f"; rank 0: {detail}" if detail else "")]
         crossing = max(v[6] for v in per_rank)
         if crossing:  # see [Note: the byte ledger] in zero/parallel/comm.py
+            text, self.summary["cross_node_formula"] = _cross_node_formula(engine)
             lines.append(f"of which across nodes (the most of any rank): {_bytes(crossing)}; the rest stayed inside "
-                         f"a node")
+                         f"a node" + text)
         if self.timed_steps and engine.config.wall_clock_breakdown:
             n = self.timed_steps
             ms = {key: times.get(key, 0.0) / n * 1e3 for key in ("forward", "backward", "step", "communication_wait")}
@@ -313,6 +314,27 @@ class TrainingMonitor(Component):
             lines.append(f"throughput (last {len(self.durations)} steps): {self.tokens_per_step / per_step:,.0f} "
                          f"{self.unit}/s, {per_step * 1e3:.0f} ms/step")
         return "\n".join(lines) + "\n"
+
+
+def _cross_node_formula(engine) -> tuple[str, float | None]:
+    """The formula's bytes across nodes per step for this run (zero.estimate.comm), to print beside
+    the ledger's, and the number; ("", None) where the run's layout has none (a mesh, stage 0)."""
+    from zero.estimate.comm import cross_node_bytes
+
+    storage, comm, stage = engine.optimizer.storage, engine.comm, engine.config.zero_optimization.stage
+    precision = getattr(engine.optimizer, "precision", None)
+    if engine.mesh is not None or precision is None or stage == 0 or comm.node_of is None:
+        return "", None
+    hybrid = engine.replicate is not None
+    world = engine.dp.world_size if hybrid else comm.world_size
+    local = comm.world_size if hybrid else comm.node_of.count(comm.node_of[comm.rank])
+    psi = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for g in engine.optimizer.param_groups
+              for p in g["params"])
+    units = sum(u.full_numel for u in getattr(storage, "units", []) if not u.persistent)
+    predicted = cross_node_bytes(stage, world, local, engine.config.gradient_accumulation_steps, psi, units, hybrid,
+                                 precision.param.itemsize, precision.reduce.itemsize)
+    note = " with every unit gathered for forward and again for backward" if stage == 3 and not hybrid else ""
+    return f" (the formula{note}: {_bytes(predicted)}; zero.estimate.comm)", predicted
 
 
 def _swap_lines(engine, world: int) -> list[str]:

@@ -1,0 +1,44 @@
+"""The bytes a training step sends across nodes, by formula: what the comm report's byte ledger
+should count (see [Note: the byte ledger] in zero/parallel/comm.py). The end table prints the two
+side by side, and benchmarks/bench_multinode.py checks them against each other for every layout.
+
+Per rank and optimizer step, with N data-parallel ranks, L of them per node, a micro-steps per
+step, Psi the trainable elements, Psi_u the elements stage 3 gathers per pass (its units that are
+not persistent), p the parameters' bytes per element, r the reduced gradients', and
+s = (N - L) / N the share of the group's ranks on other nodes:
+- flat stage 3: a (2 p Psi_u + r Psi) s, when every micro-step gathers the units for forward and
+  again for backward (no reuse across them) and reduce-scatters the gradients;
+- flat stage 2: a r Psi s + p Psi s: a reduce-scatter per micro-step, one all-gather per step;
+- flat stage 1: (r Psi + p Psi) s: both once per step;
+- hybrid sharding (shard groups of L ranks, R = N / L replicas): 2 g (Psi / L) (R - 1) / R, the
+  replicas' all-reduce of this rank's gradient shard once per step, with g = 4 at stages 2-3 when
+  a > 1 (their gradient shards accumulate in fp32), else r. Nothing else crosses.
+The gradient norm's all-reduce (a few bytes) is left out.
+"""
+from __future__ import annotations
+
+
+def cross_node_bytes(stage: int, world: int, local: int, accumulation: int, psi: int, psi_units: int = 0,
+                     hybrid: bool = False, p: int = 2, r: int = 2) -> float:
+    """Bytes per rank and optimizer step that cross a node boundary (see the module's docstring).
+
+    Args:
+        stage: the ZeRO stage (1-3).
+        world: data-parallel ranks N.
+        local: of them, the ranks of one node L (with `hybrid`, the shard group's size).
+        accumulation: micro-steps per optimizer step.
+        psi: trainable elements.
+        psi_units: elements stage 3 gathers per pass.
+        hybrid: shard groups of `local` ranks, replicated across nodes.
+        p, r: bytes per parameter element and per reduced-gradient element.
+    """
+    if hybrid:
+        replicas = world // local
+        g = 4 if accumulation > 1 and stage >= 2 else r
+        return 2 * g * (psi / local) * (replicas - 1) / replicas
+    share = (world - local) / world
+    if stage == 3:
+        return accumulation * (2 * p * psi_units + r * psi) * share
+    if stage == 2:
+        return (accumulation * r + p) * psi * share
+    return (r + p) * psi * share
