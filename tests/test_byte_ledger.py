@@ -75,3 +75,70 @@ def test_hybrid_sharding_crosses_nodes_once_per_step_whatever_the_accumulation(d
         assert a["all_reduce (replicas)"] == b["all_reduce (replicas)"], (a, b)
         assert b["reduce_scatter"]["calls"] == 4 * a["reduce_scatter"]["calls"]
         assert sum(c["cross_node_bytes"] for c in b.values()) == sum(c["cross_node_bytes"] for c in a.values()) > 0
+
+
+def _hpz(precision: str, offload: bool) -> dict:
+    """Flat ZeRO-3 and ZeRO-3 with hpZ (zero_hpz_partition_size 2 = a node) on the same data: the same
+    parameters bit for bit, and what each sends across nodes."""
+    import copy
+
+    import zero
+    from zero.testing.training import STAGE3, build_model, make_batch
+
+    rank = dist.get_rank()
+    os.environ["GROUP_RANK"] = str(rank // 2)
+    try:
+        torch.manual_seed(0)
+        base = build_model("gpt")
+        engines = []
+        for hpz in (1, 2):
+            zc = {"stage": 3, **STAGE3["gpt"], "stage3_max_reuse_distance": 0, "zero_hpz_partition_size": hpz,
+                  **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
+            config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "zero_optimization": zc,
+                      "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **({precision: {"enabled": True}}
+                                                                                  if precision != "fp32" else {})}
+            engines.append(zero.initialize(model=copy.deepcopy(base), config=config)[0])
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3 * 2):
+            batch = make_batch("gpt", 2, g)
+            for engine in engines:
+                engine.backward(engine(*batch))
+                engine.step()
+        with zero.GatheredParameters(list(engines[0].module.parameters())), \
+                zero.GatheredParameters(list(engines[1].module.parameters())):
+            same = all(torch.equal(p, q) for p, q in zip(engines[0].module.parameters(), engines[1].module.parameters()))
+        reports = [e.comm_report() for e in engines]
+        peak = engines[1].optimizer.gauges.secondary.peak
+        left = engines[1].optimizer.gauges.secondary.now
+        return {"same": same, "flat": reports[0], "hpz": reports[1], "secondary_peak": peak, "secondary_now": left,
+                "psi_units": sum(u.full_numel for u in engines[1].optimizer.storage.units if not u.persistent),
+                "itemsize": engines[1].optimizer.precision.param.itemsize}
+    finally:
+        os.environ.pop("GROUP_RANK")
+
+
+@pytest.mark.parametrize("precision, offload", [("fp32", False), ("bf16", True)])
+def test_hpz_gathers_backward_inside_the_node_and_changes_no_number(dist_run, precision, offload):
+    for r in dist_run(4, _hpz, precision, offload):
+        assert r["same"]  # gathers are copies: the same parameters as flat ZeRO-3, bit for bit
+        flat, hpz = r["flat"], r["hpz"]
+        # backward's all-gathers come from the node's secondary shards: none of their bytes cross
+        assert hpz["all_gather (hpZ)"]["cross_node_bytes"] == 0 < hpz["all_gather (hpZ)"]["bytes"]
+        assert hpz["all_gather"]["bytes"] + hpz["all_gather (hpZ)"]["bytes"] == flat["all_gather"]["bytes"]
+        crossing = [sum(c["cross_node_bytes"] for c in rep.values()) for rep in (flat, hpz)]
+        moved = hpz["all_gather (hpZ)"]["bytes"]  # backward's gathers, which cross half their bytes when flat
+        assert crossing[1] == pytest.approx(crossing[0] - moved / 2, abs=16)
+        # a node's share of every unit while forward's secondary shards live, none after the step
+        assert r["secondary_peak"] == pytest.approx(r["psi_units"] * r["itemsize"] / 2, rel=0.01)
+        assert r["secondary_now"] == 0
+
+
+def test_the_estimator_counts_hpz_secondary_shards():
+    """zero_hpz_partition_size L adds the parameters' bytes / L to stage 3's buffers (what
+    memory_report()'s hpz_secondary_peak measures in the test above: p Psi_units / L)."""
+    from zero.estimate import estimate_memory
+
+    flat = estimate_memory(7e9, 16, stage=3, offload="none")[0]
+    hpz = estimate_memory(7e9, 16, stage=3, offload="none", config={"zero_optimization": {"zero_hpz_partition_size": 8}})
+    assert hpz[0].buffers - flat.buffers == pytest.approx(2 * 7e9 / 8, rel=1e-6)
+    assert hpz[0].buffers_in_backward - flat.buffers_in_backward == pytest.approx(2 * 7e9 / 8, rel=1e-6)

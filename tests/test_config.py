@@ -601,7 +601,7 @@ _SETTINGS = {  # a value that sets each row whose key is not a typed bool
     "weight_quantization": {"post_init_quant": {"fc": {"num_bits": 8}}},
     "timers": {"throughput": {"enabled": True}}, "activation_checkpointing": {"partition_activations": True},
     "aio": {"block_size": 1048576}, "sequence_parallel_size": 2, "gradient_allreduce_op": "sum",
-    "data_types.grad_accum_dtype": "bf16", "seq_parallel_communication_data_type": "bf16", "zero_optimization.zero_hpz_partition_size": 2,
+    "data_types.grad_accum_dtype": "bf16", "seq_parallel_communication_data_type": "bf16",
     "zero_optimization.zeropp_loco_param": {"err_beta": 0.8}, "zero_optimization.mics_shard_size": 2,
     "zero_optimization.zenflow": {"topk_ratio": 0.1}, "vocabulary_size": 50257,
     "checkpoint.tag_validation": "Fail", "zero_optimization.cpu_offload_use_pin_memory": True,
@@ -783,6 +783,8 @@ def test_every_broken_rule_is_reported_at_once():
      "zero_optimization.offload_optimizer.nvme_path", r"is missing: offload_optimizer.device 'nvme' needs"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
      "zero_optimization.offload_param.nvme_path", r"is missing: offload_param.device 'nvme' needs"),
+    ({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}},
+     "zero_optimization.zero_hpz_partition_size", r"is 2: it applies to ZeRO stage 3"),
     ({"zero_optimization": {"stage": 3, "mics_shard_size": 2}},  # one rank: no group of 2
      "zero_optimization.mics_shard_size", r"is 2: give -1 .* or a number of ranks that divides the 1 data-parallel"),
 ])
@@ -815,7 +817,6 @@ def test_pin_memory_without_offload_warns():
     ({"amp": {"enabled": True, "opt_level": "O1"}}, "amp.enabled"),
     ({"sparse_gradients": True}, "sparse_gradients"),
     ({"curriculum_learning": {"enabled": True}}, "curriculum_learning.enabled"),
-    ({"zero_optimization": {"zero_hpz_partition_size": 2}}, "zero_optimization.zero_hpz_partition_size"),
     ({"zero_optimization": {"zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients"),
     ({"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}}},
      "compression_training"),

@@ -308,6 +308,16 @@ def load_config(config: Union[Mapping[str, Any], str, pathlib.Path], world_size:
             _raise([(("zero_optimization", "mics_shard_size"), f"is {shard}: give -1 (shard over every data-parallel "
                      f"rank) or a number of ranks that divides the {ranks} data-parallel ranks (usually the ranks of "
                      f"one node)")], source)
+    hpz = cfg.zero_optimization.zero_hpz_partition_size
+    if hpz > 1:
+        ranks = world_size // (stages * cfg.tensor_parallel.size * sp * vp)
+        problem = ("applies to ZeRO stage 3" if cfg.zero_optimization.stage != 3 else
+                   "does not combine with mics_shard_size (hybrid sharding keeps every gather inside the shard group "
+                   "already)" if shard != -1 else
+                   "does not combine with pipeline stages or tensor slices yet" if stages * cfg.tensor_parallel.size > 1
+                   else f"does not divide the {ranks} data-parallel ranks" if ranks % hpz else None)
+        if problem:
+            _raise([(("zero_optimization", "zero_hpz_partition_size"), f"is {hpz}: it {problem}")], source)
     data_parallel = _parallel_dims(cfg, world_size, source).size("batch")  # the ranks loading different samples
     if cfg.elasticity.enabled:  # the section decides the batch (zero/config/elasticity.py)
         cfg = _elastic(cfg, world_size, world_size // data_parallel, source)

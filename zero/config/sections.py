@@ -296,6 +296,9 @@ class ZeroOptimizationConfig(_Section):
     allgather_bucket_size: int = Field(500_000_000, ge=0, description="Elements all-gathered at a time.")
     overlap_comm: Optional[bool] = Field(None, description="Overlap reduction with backward; "
                                          "default true for stage 3, false otherwise.")
+    zero_hpz_partition_size: int = Field(1, ge=1, description="ZeRO++ hpZ (stage 3): ranks of a node that keep a "
+                                         "secondary shard of each unit from forward, so backward gathers inside the "
+                                         "node; 1: off.")
     mics_shard_size: int = Field(-1, description="Hybrid sharding (MiCS, HSDP): shard the states over groups of "
                                  "this many data-parallel ranks (usually the ranks of a node) and replicate them across "
                                  "the groups; -1: over every rank.")

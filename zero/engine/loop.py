@@ -396,7 +396,7 @@ class TrainingLoop(nn.Module):
         self._last_comm = self.comm.report()
         self.comm.reset_counts()
         spatial = () if self.spatial is None else (self.spatial.comm, *self.spatial.axes)
-        for other in {id(c): c for c in (self.replicate, self.dp, *spatial)
+        for other in {id(c): c for c in (self.replicate, self.dp, *spatial, *self.optimizer.storage.side_comms())
                       if c is not None and c is not self.comm}.values():
             for label, count in other.report().items():  # the replicas' all-reduces, the buffers' sync, halos
                 total = self._last_comm.setdefault(label, dict.fromkeys(count, 0))

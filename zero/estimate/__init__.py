@@ -62,6 +62,9 @@ With a OneBitAdam or ZeroOneAdam config, `compression_errors` (included in `buff
 buffers: an fp32 copy of the trainable parameters per rank, plus 1/N of it at stage 0. ZeroOneAdam
 adds two more fp32 copies to `buffers` (its momentum accumulator and anchor).
 
+With `zero_hpz_partition_size` = L (ZeRO++ hpZ) stage 3's buffers also hold the secondary shards
+from forward to the end of backward: p Psi / L (the units that are not persistent).
+
 `buffers` is the communication and gathering memory of a step beyond the model states: stages 0-1
 one bucket cast to the communication dtype (when it differs); stage 2 the staging buffers of the
 buckets being filled or reduced, three when backward produces gradients in about the reverse of the
@@ -371,6 +374,8 @@ def _policies(config, stage: int, offload: str, dtype: str, world_size: int, mas
     data = copy.deepcopy(data)
     zo = dict(data.get("zero_optimization", {}))
     zo["stage"] = stage
+    if stage != 3:  # hpZ is stage 3's: the other rows go without it
+        zo.pop("zero_hpz_partition_size", None)
     for section, on, keys in (("offload_optimizer", offload in ("optimizer", "optimizer+param"), ("buffer_count",)),
                               ("offload_param", offload in ("param", "optimizer+param"),
                                ("buffer_count", "buffer_size", "max_in_cpu"))):
@@ -522,6 +527,10 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
         gathered = min(psi - persistent, max(s3.max_live_elements, largest_unit))
         buffers = p * gathered + p * largest_unit + (p * largest_unit / n if offload_param else 0) + 2 * r * largest_unit
         in_backward = p * gathered  # the units kept from forward for backward
+        if s3.hpz > 1:  # hpZ: a node's share of every unit, kept from forward through backward
+            secondary = p * (psi - persistent) / s3.hpz
+            buffers += secondary
+            in_backward += secondary
     # OneBitAdam (stages 0-2) and ZeroOneAdam (stage 0), several ranks: a worker error per element, a
     # server error per owned element at stage 0; ZeroOneAdam also keeps u and the anchor (8 bytes each)
     errors = 4 * (psi + (psi / n if stage == 0 else 0)) if onebit and n > 1 and stage < 3 else 0

@@ -66,8 +66,11 @@ class Gauges:
             stage 0/1 casts to the communication dtype).
         gather_buffers: stage 3 all-gather outputs before they are copied into units.
         gathered: stage 3 full parameter buffers of units (persistent units excluded).
+        secondary: hpZ's secondary shards (a node's share of each gathered unit, kept from forward
+            for backward).
     """
 
     reduce_buffers: BufferGauge = field(default_factory=BufferGauge)
     gather_buffers: BufferGauge = field(default_factory=BufferGauge)
     gathered: BufferGauge = field(default_factory=BufferGauge)
+    secondary: BufferGauge = field(default_factory=BufferGauge)

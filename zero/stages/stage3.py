@@ -325,6 +325,7 @@ class Stage3Runtime:
         for unit in self.units:
             unit.forward_uses = 0
             unit.needed_in_backward = unit.grads_done = unit.inputs_done = False
+            unit.drop_secondary()  # kept from a forward for its backward only (see [Note: hpZ])
             if unit.state is ShardedState.GATHERED and not unit.resident:
                 self._release(unit)
 

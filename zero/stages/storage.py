@@ -152,6 +152,11 @@ class ParamStorage(abc.ABC):
         """Remove what outlives the process otherwise (NVMe offload's swap files)."""
         self.store.close()
 
+    def side_comms(self) -> list:
+        """Comms of its own besides the data-parallel groups (stage 3's hpZ node group), whose counts
+        join the comm report."""
+        return []
+
     def in_files(self, t: torch.Tensor) -> bool:
         """Is `t` a view of values kept in a swap file (NVMe offload)? Checkpoints write those from
         the file's mapping instead of a host copy."""

@@ -43,6 +43,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.profiler import record_function
 
+from zero.parallel.comm import Comm
 from zero.parallel.sliced import local_grad, local_tensor
 from zero.partition.shards import ZeroParamStatus, gather_param, mark_ds, take_shard
 from zero.stages.memory import Gauges
@@ -82,6 +83,7 @@ class _InFlight:
     source: torch.Tensor | None = None  # the shard staged onto the device (offload_param)
     mine: torch.Tensor | None = None  # a reduce-scatter's output: this rank's row
     owned: list = dataclasses.field(default_factory=list)  # the owned parameters' collectives (zero/stages/owned.py)
+    keep: bool = True  # an all-gather from every rank's shard: hpZ keeps a secondary shard of it
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -121,6 +123,8 @@ class ParamUnit:
             when asked).
         swap: the shard lives on disk in this swap (see [Note: parameters on NVMe] in
             zero/offload/param_swap.py), or None.
+        hpz: the group of this rank's node that keeps a secondary shard of the gathered unit from
+            forward to backward (ZeRO++ hpZ; see [Note: hpZ]), or None.
     """
 
     def __init__(self, index: int, name: str, params: list[nn.Parameter], groups: list[int], placement: Sharded,
@@ -131,11 +135,14 @@ class ParamUnit:
                  offload_param: bool, host_empty: Callable[..., torch.Tensor], gauges: Gauges,
                  owned: Owned | None = None,
                  new_state: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 host16: Callable[[int], torch.Tensor] | None = None, swap: ParamSwap | None = None):
+                 host16: Callable[[int], torch.Tensor] | None = None, swap: ParamSwap | None = None,
+                 hpz: Comm | None = None):
         comm = placement.comm
         self.index, self.name, self.placement, self.comm, self.device = index, name, placement, comm, device
         self.dtype, self.reduce_dtype = precision.param, precision.reduce
         self.persistent, self.offload_param, self.swap = persistent, offload_param, swap
+        self.hpz = hpz if hpz is not None and hpz.world_size > 1 and not persistent else None
+        self.secondary: torch.Tensor | None = None  # see [Note: hpZ]
         self.gauges = gauges
         self.specs = lambda g: saved_specs(state_specs(g))  # what checkpoints hold of a group's state
         whole = {p for p in params if owned is not None and owned.matrix(p) is not None}
@@ -154,6 +161,8 @@ class ParamUnit:
         self.matrices = OwnedParams(self, owned, [i for i, p in enumerate(self.params) if p in whole],
                                     new_state or (lambda like: torch.zeros(like.shape, device=device)), new_states,
                                     host16 or (lambda n: host_empty(n, dtype=self.dtype)))
+        if self.matrices:  # Muon's whole matrices come from their owners: such a unit keeps no secondary shard
+            self.hpz = None
         self.gathered = len(self.params) - len(whole)  # the parameters the all-gather carries, first
         self.gather_numel = sum(self.split_sizes[: self.gathered])
         self.trainable_numel = sum(self.split_sizes[: len(self.trainable) - len(whole)])  # reduce-scattered
@@ -244,8 +253,16 @@ class ParamUnit:
         return 0 if self.aliased else self.full.untyped_storage().nbytes()
 
     def start_gather(self) -> None:
-        """Issue the all-gather of this unit (asynchronously)."""
+        """Issue the all-gather of this unit (asynchronously): from the secondary shards of this
+        rank's node while they are kept (see [Note: hpZ]), else from every rank's shard."""
         assert self.state is ShardedState.SHARDED, self
+        if self.secondary is not None:
+            self._allocate()
+            with record_function(f"zero::gather_unit_in_node[{self.name}]"):
+                work = self.hpz.all_gather(self.full, self.secondary, async_op=True, label="all_gather (hpZ)")
+            self._gather = _InFlight(work, None, keep=False)
+            self.state = ShardedState.GATHERING
+            return
         shard = self.shard
         if self.swap is not None and self.gathered:  # on disk: the copy read into a host buffer (an I/O
             shard = self.swap.take(self)  # error raises here, leaving the unit as it was)
@@ -287,8 +304,18 @@ class ParamUnit:
                 torch.split_with_sizes_copy(rows, self.split_sizes[: self.gathered], dim=1, out=self._blocks)
             self.gauges.gather_buffers.sub(_nbytes(inflight.buffer))
         self.matrices.finish_gather(inflight.owned, wait)
+        if inflight.keep and self.hpz is not None and torch.is_grad_enabled():  # for backward, in the node
+            part = self.full_numel // self.hpz.world_size
+            self.secondary = self.full[self.hpz.rank * part : (self.hpz.rank + 1) * part].clone()
+            self.gauges.secondary.add(_nbytes(self.secondary))
         self._show()
         self.state = ShardedState.GATHERED
+
+    def drop_secondary(self) -> None:
+        """Forget the secondary shard (the end of a backward, a step, a change of the shard)."""
+        if self.secondary is not None:
+            self.gauges.secondary.sub(_nbytes(self.secondary))
+            self.secondary = None
 
     def mark_updated(self, masters_written: bool = False) -> None:
         """See OwnedParams.mark_updated."""
@@ -364,6 +391,7 @@ class ParamUnit:
         self.shard[off : off + n].copy_(local)
         if self.swap is not None:  # a read ahead of the old values is stale
             self.swap.forget(self)
+        self.drop_secondary()  # and so is a secondary shard
         if i in self.matrices:
             self.matrices.load(i, value)
         r = next((r for r in self.ranges if r.lo <= off < r.hi), None)

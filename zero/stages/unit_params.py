@@ -8,6 +8,7 @@ import types
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from zero.offload.param_swap import ParamSwap
@@ -65,6 +66,7 @@ class UnitParams(ParamStorage):
                                          options.persistence_budget)
         modules = dict(module.named_modules())
         placement = self.placement = placement or Sharded(comm, comm.world_size)
+        hpz = self.hpz = _node_group(comm, options.hpz) if options.hpz > 1 else None  # see [Note: hpZ]
         self.units: list[ParamUnit] = []
         unit_modules: list[nn.Module | None] = []
         host_empty = self.host_memory.empty if options.pin_memory else self.host_memory.empty_pageable
@@ -79,7 +81,7 @@ class UnitParams(ParamStorage):
                              host_empty=host_empty, gauges=gauges, owned=owned,
                              new_state=lambda like: self.store.new(like.shape),
                              host16=lambda n: self.host_memory.empty((n,), precision.param, pin),
-                             swap=self.swap if on_disk.get(path) and path != "<persistent>" else None)
+                             swap=self.swap if on_disk.get(path) and path != "<persistent>" else None, hpz=hpz)
             self.units.append(unit)
             unit_modules.append(None if unit.persistent else modules.get(path))
         if self.swap is not None:
@@ -204,6 +206,9 @@ class UnitParams(ParamStorage):
     def in_files(self, t: torch.Tensor) -> bool:
         return super().in_files(t) or (self.swap is not None and self.swap.holds(t))
 
+    def side_comms(self) -> list:
+        return [self.hpz] if self.hpz is not None else []
+
     def zero_grads(self) -> None:
         self.runtime.recover()
         for unit in self.units:
@@ -229,12 +234,40 @@ class UnitParams(ParamStorage):
         report["gathered_peak"] = self.gauges.gathered.peak
         report["gather_buffers_peak"] = self.gauges.gather_buffers.peak
         report["persistent_params"] = sum(u.full_numel for u in self.units if u.persistent)
+        report["hpz_secondary_peak"] = self.gauges.secondary.peak  # hpZ's secondary shards (see [Note: hpZ])
         if self.swap is not None:  # shards on NVMe: on disk, not in host memory; their buffers are
             disk = sum(u.shard.untyped_storage().nbytes() for u in self.units if u.swap is not None)
             buffers = sum(b.untyped_storage().nbytes() for b in self.swap.buffers())
             report["host_bytes"] += buffers - disk
             report["disk_bytes"] += disk
             report["nvme_buffers"] += buffers
+
+
+def _node_group(comm: Comm, size: int) -> Comm:
+    """[Note: hpZ]
+    ZeRO++'s hierarchical partitioning (`zero_hpz_partition_size` = L, the ranks of a node): the
+    shards stay divided over every rank, and forward gathers a unit from all of them, across nodes.
+    Then each rank keeps a secondary shard, its 1/L slice of the gathered unit, so that backward
+    gathers the unit from the L ranks of its node only: no byte of backward's all-gathers crosses a
+    node. The secondary shards live from a forward to the end of its backward (they cost the
+    parameters' bytes / L while they do), and are dropped then, by a step, by a checkpoint load or
+    by any change of a shard, so backward never reads stale values. Forwards without grad keep none.
+
+    The group: `size` consecutive ranks of `comm` (made once; every rank makes its own)."""
+    from zero.parallel.groups import group_of
+
+    members = dist.get_process_group_ranks(comm.group or dist.group.WORLD)
+    if comm.node_of is not None:  # every group inside one node (the same verdict on every rank)
+        for at in range(0, len(members), size):
+            if len(set(comm.node_of[at : at + size])) > 1:
+                raise ValueError(f"zero_optimization.zero_hpz_partition_size = {size}, but ranks "
+                                 f"{members[at : at + size]} are not all on one node: give the ranks per node (or a "
+                                 f"divisor of them)")
+    first = comm.rank - comm.rank % size
+    node = Comm(group_of(members[first : first + size]))
+    if comm.node_of is not None:
+        node.place_on_nodes({m: comm.node_of[i] for i, m in enumerate(members)})
+    return node
 
 
 def _owned(units: list[ParamUnit], kind: str) -> list:
