@@ -31,13 +31,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 RESULTS = Path(__file__).resolve().parent / "results"
-LAYOUTS = {  # name -> (stage, mics_shard_size)
-    "ZeRO-3 (flat)": (3, -1),
-    "HSDP: ZeRO-3 sharded in a node": (3, 2),
-    "stage 2 (flat)": (2, -1),
-    "stage 2 hybrid": (2, 2),
-    "stage 1 (flat)": (1, -1),
-    "stage 1 hybrid": (1, 2),
+LAYOUTS = {  # name -> (stage, mics_shard_size, zero_hpz_partition_size)
+    "ZeRO-3 (flat)": (3, -1, 1),
+    "ZeRO++ hpZ (secondary shards in a node)": (3, -1, 2),
+    "HSDP: ZeRO-3 sharded in a node": (3, 2, 1),
+    "stage 2 (flat)": (2, -1, 1),
+    "stage 2 hybrid": (2, 2, 1),
+    "stage 1 (flat)": (1, -1, 1),
+    "stage 1 hybrid": (1, 2, 1),
 }
 
 
@@ -52,13 +53,14 @@ def worker(out: str, steps: int) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
-    for name, (stage, shard) in LAYOUTS.items():
+    for name, (stage, shard, hpz) in LAYOUTS.items():
         for accumulation in (1, 4):
             torch.manual_seed(0)
             model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128))
             config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accumulation,
                       "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
-                      "zero_optimization": {"stage": stage, "mics_shard_size": shard, "reduce_bucket_size": 1 << 22,
+                      "zero_optimization": {"stage": stage, "mics_shard_size": shard, "zero_hpz_partition_size": hpz,
+                                            "reduce_bucket_size": 1 << 22,
                                             "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
                                             "stage3_prefetch_bucket_size": 0}}
             engine, *_ = zero.initialize(model=model, config=config)
@@ -80,7 +82,7 @@ def worker(out: str, steps: int) -> None:
             storage = engine.optimizer.storage
             gathered = sum(u.full_numel for u in getattr(storage, "units", []) if not u.persistent)
             psi = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters())
-            results.append({"layout": name, "stage": stage, "shard": shard, "accumulation": accumulation,
+            results.append({"layout": name, "stage": stage, "shard": shard, "hpz": hpz, "accumulation": accumulation,
                             "bytes": mine[0].item() / world, "cross": mine[1].item() / world,
                             "loss": loss.item() / world, "psi": psi, "psi_units": gathered,
                             "nodes": engine.comm.node_of, "world": world})
@@ -94,7 +96,7 @@ def formula(r: dict) -> float:
     from zero.estimate.comm import cross_node_bytes
 
     return cross_node_bytes(r["stage"], r["world"], 2, r["accumulation"], r["psi"], r["psi_units"],
-                            hybrid=r["shard"] > 0)
+                            hybrid=r["shard"] > 0, hpz=r.get("hpz", 1) > 1)
 
 
 def launch(steps: int) -> list[dict]:
