@@ -783,6 +783,8 @@ def test_every_broken_rule_is_reported_at_once():
      "zero_optimization.offload_optimizer.nvme_path", r"is missing: offload_optimizer.device 'nvme' needs"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
      "zero_optimization.offload_param.nvme_path", r"is missing: offload_param.device 'nvme' needs"),
+    ({"optimizer": {"type": "OneBitAdam"}, "zero_optimization": {"stage": 2, "mics_shard_size": 1}},
+     "zero_optimization.mics_shard_size", r"with optimizer type OneBitAdam is not supported"),
     ({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}},
      "zero_optimization.zero_hpz_partition_size", r"is 2: it applies to ZeRO stage 3"),
     ({"zero_optimization": {"stage": 3, "mics_shard_size": 2}},  # one rank: no group of 2

@@ -163,7 +163,9 @@ def config_error_on_rank_one():
 def test_a_rank_that_fails_inside_initialize_does_not_leave_the_others_waiting():
     results, exit_s = run_once(2, config_error_on_rank_one, env={"ZERO_COLLECTIVE_TIMEOUT": "3"}, timeout=60)
     assert results[1].startswith("ConfigError") and "zero_optimization.stage" in results[1], results[1]
-    assert results[0].startswith("CollectiveTimeout") and "did not all arrive within 3 s" in results[0], results[0]
+    # rank 0 learns it at its first collective (the ranks saying their nodes), bounded, naming the cause
+    assert results[0].startswith("CollectiveTimeout") and any(
+        said in results[0] for said in ("did not all arrive within 3 s", "another rank stopped or crashed")), results[0]
     assert float(results[0].split(" after ")[1].split(" s:")[0]) < 6, results[0]
     assert max(exit_s) < 10, exit_s
 

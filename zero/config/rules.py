@@ -81,6 +81,10 @@ def _onebit_and_stage(cfg: ZeroConfig) -> Issues:
             issues.append((("zero_optimization", "offload_optimizer"), "optimizer type ZeroOneAdam with "
                            "offload_optimizer is not supported: its local steps run on the device; remove "
                            "zero_optimization.offload_optimizer"))
+    if kind in ("OneBitAdam", "ZeroOneAdam") and cfg.zero_optimization.mics_shard_size != -1:
+        issues.append((("zero_optimization", "mics_shard_size"), f"with optimizer type {kind} is not supported: its "
+                       f"compressed exchange runs over every data-parallel rank, not shard groups and their replicas; "
+                       f"remove zero_optimization.mics_shard_size"))
     if kind == "OneBitAdam":
         opt = cfg.zero_optimization.offload_optimizer
         if opt is not None and opt.device == "nvme":

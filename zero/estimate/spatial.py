@@ -78,6 +78,7 @@ class TraceComm:
         self.group, self.distributed, self.backend, self.broken = None, False, "trace", None
 
     _count = Comm._count  # the real group's counting, so that the two agree byte for byte
+    node_of, _cross = None, 0.0  # one node: the byte ledger's share across nodes is 0
     _usable = Comm._usable
     reset_counts = Comm.reset_counts
     report = Comm.report

@@ -58,9 +58,9 @@ class OneBitParams(FlatParams):
         """The gradients being reduced now are for a step after `freeze_step`."""
         return self.step_number() > self.freeze_step and self.comm.world_size > 1
 
-    def reduce_bucket(self, bucket, buf: torch.Tensor, async_op: bool):
+    def reduce_bucket(self, bucket, buf: torch.Tensor, async_op: bool, replicas: bool = True):
         if not self.compressing:
-            return super().reduce_bucket(bucket, buf, async_op)
+            return super().reduce_bucket(bucket, buf, async_op, replicas)
         if self.predivide != 1.0:
             buf.div_(self.predivide)
         if self.loss_scaler.scale != self.error_scale.item():  # fp16: the errors follow the gradients' scale

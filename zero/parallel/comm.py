@@ -160,6 +160,9 @@ class Comm:
             zero/parallel/tags.py).
     """
 
+    node_of: list[int] | None = None  # each rank's node, in group order (see `place_on_nodes`)
+    _cross = 0.0  # the share of the group's ranks on other nodes than this rank's
+
     def __init__(self, group: dist.ProcessGroup | None = None, strict_tags: bool = False):
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = group
@@ -177,8 +180,6 @@ class Comm:
         self.defer_tags = self.uses_nccl and not strict_tags  # check a pass's tags at its end (`tagged`)
         self.broken: str | None = None  # the first timeout on this group; later collectives refuse (`_usable`)
         self._deferred: list = []
-        self.node_of: list[int] | None = None  # each rank's node, in group order (see `place_on_nodes`)
-        self._cross = 0.0  # the share of the group's ranks on other nodes than this rank's
 
     def control(self) -> Comm:
         """A gloo group over the same ranks, for small host messages (stage 3's rank-divergence
