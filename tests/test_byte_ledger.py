@@ -77,7 +77,7 @@ def test_hybrid_sharding_crosses_nodes_once_per_step_whatever_the_accumulation(d
         assert sum(c["cross_node_bytes"] for c in b.values()) == sum(c["cross_node_bytes"] for c in a.values()) > 0
 
 
-def _hpz(precision: str, offload: bool) -> dict:
+def _hpz(precision: str, offload: bool, nvme: str | None = None) -> dict:
     """Flat ZeRO-3 and ZeRO-3 with hpZ (zero_hpz_partition_size 2 = a node) on the same data: the same
     parameters bit for bit, and what each sends across nodes."""
     import copy
@@ -93,7 +93,9 @@ def _hpz(precision: str, offload: bool) -> dict:
         engines = []
         for hpz in (1, 2):
             zc = {"stage": 3, **STAGE3["gpt"], "stage3_max_reuse_distance": 0, "zero_hpz_partition_size": hpz,
-                  **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
+                  **({"offload_optimizer": {"device": "cpu"}} if offload else {}),
+                  **({"offload_param": {"device": "nvme", "nvme_path": nvme, "max_in_cpu": 0}} if nvme and hpz > 1
+                     else {})}
             config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "zero_optimization": zc,
                       "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **({precision: {"enabled": True}}
                                                                                   if precision != "fp32" else {})}
@@ -117,9 +119,12 @@ def _hpz(precision: str, offload: bool) -> dict:
         os.environ.pop("GROUP_RANK")
 
 
-@pytest.mark.parametrize("precision, offload", [("fp32", False), ("bf16", True)])
-def test_hpz_gathers_backward_inside_the_node_and_changes_no_number(dist_run, precision, offload):
-    for r in dist_run(4, _hpz, precision, offload):
+@pytest.mark.parametrize("precision, offload, nvme", [("fp32", False, False), ("bf16", True, False),
+                                                     ("fp32", True, True)])
+def test_hpz_gathers_backward_inside_the_node_and_changes_no_number(dist_run, tmp_path, precision, offload, nvme):
+    """fp32; bf16 with optimizer offload; and with the parameter shards on NVMe (forward reads them
+    from disk, backward gathers the node's secondary shards)."""
+    for r in dist_run(4, _hpz, precision, offload, str(tmp_path) if nvme else None):
         assert r["same"]  # gathers are copies: the same parameters as flat ZeRO-3, bit for bit
         flat, hpz = r["flat"], r["hpz"]
         # backward's all-gathers come from the node's secondary shards: none of their bytes cross

@@ -84,9 +84,10 @@ def describe_shard(p: nn.Parameter, world_size: int) -> ShardedParam:
 
 
 @torch.no_grad()
-def take_local_shard(p: nn.Parameter, comm: Comm) -> torch.Tensor:
+def take_local_shard(p: nn.Parameter, comm: Comm, broadcast=None) -> torch.Tensor:
     """This rank's shard of `p`, in `p`'s own dtype and on its own device (the exact values the
-    fp32 master starts from).
+    fp32 master starts from). `broadcast(t)` gives every rank the first rank's `t` (default: over
+    `comm`; with replicas, over them too: Placement.broadcast_initial).
 
     A whole parameter takes rank 0's values where it is (under NCCL a host parameter goes through
     the GPU on its own, see [Note: host tensors and NCCL]) and is cut; its full tensor is dropped
@@ -97,7 +98,7 @@ def take_local_shard(p: nn.Parameter, comm: Comm) -> torch.Tensor:
     local, info.local = info.local, None
     if local is None:
         full = local_tensor(p).detach()
-        comm.broadcast(full, src=0)  # every rank starts from rank 0's values
+        (broadcast or (lambda t: comm.broadcast(t, src=0)))(full)  # every rank starts from rank 0's values
         local = take_shard(full, comm.rank, comm.world_size)
         local_tensor(p).data = local[:0]
     return local

@@ -295,7 +295,7 @@ class ParamUnit:
         if inflight.work is not None:
             wait(inflight.work)
         inflight.source = None  # the staged shard (offload_param) is not needed any more
-        if self.swap is not None and self.gathered:
+        if self.swap is not None and self.gathered and inflight.keep:  # (not a gather of hpZ's secondary shards)
             self.swap.give_back(self, copied=self.device.type == "cuda")
         if inflight.buffer is not None:
             with record_function(f"zero::unshard_unit[{self.name}]"):

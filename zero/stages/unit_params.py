@@ -74,7 +74,7 @@ class UnitParams(ParamStorage):
         alias = precision.master_is_model and not self.store.on_host and not options.offload_param
         for path, unit_params in planned + ([("<persistent>", persistent)] if persistent else []):
             unit = ParamUnit(len(self.units), path, unit_params, [group_of.get(p, -1) for p in unit_params], placement,
-                             precision, device, lambda p: take_local_shard(p, comm),
+                             precision, device, lambda p: take_local_shard(p, comm, placement.broadcast_initial),
                              lambda shard: self.new_master(shard, alias), self.new_states, state_specs,
                              alias_master=alias,
                              persistent=path == "<persistent>", offload_param=options.offload_param,
