@@ -263,7 +263,9 @@ class Stage3Runtime:
         if self.comm.world_size == 1:  # nothing to agree on: no closure per gather on this hot path
             return
         step = self._step()
-        self.comm.tagged(_PHASE_TAG[phase], unit.index, 0,
+        # the third field: whether the gather comes from hpZ's secondary shards (ranks that disagree
+        # would issue different collectives; see [Note: hpZ] in zero/stages/unit_params.py)
+        self.comm.tagged(_PHASE_TAG[phase], unit.index, int(unit.secondary is not None and phase != REDUCE),
                          lambda: f"ZeRO-3 step {step}, {self._describe(unit, phase)}", self._unit_label,
                          advice=" (rank-dependent branches, early exits or a different number of forward passes "
                                 "cause this; for generation pass synced_gpus=True)")

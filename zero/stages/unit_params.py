@@ -194,9 +194,12 @@ class UnitParams(ParamStorage):
         self.runtime.release_all()
 
     def _drop_reads(self) -> None:
-        """The shards changed: reads of them ahead are stale (see [Note: parameters on NVMe])."""
+        """The shards changed: reads of them ahead (see [Note: parameters on NVMe]) and hpZ's
+        secondary shards (see [Note: hpZ]) are stale."""
         if self.swap is not None:
             self.swap.drop()
+        for unit in self.units:
+            unit.drop_secondary()
 
     def close(self) -> None:
         super().close()
