@@ -47,6 +47,12 @@ def _hybrid(stage: int, accumulation: int = 1, offload: bool = False, steps: int
             (reference(x, y) / accumulation).backward()
         torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
         ref_opt.step()
+    from zero.accessors import safe_get_full_fp32_param
+
+    # every replica reads the whole master, not only the first one (which writes checkpoints)
+    got = [safe_get_full_fp32_param(p) for p in model.parameters()]
+    accessor_error = max(((a - b.detach()).abs().max() / b.detach().abs().max()).item()
+                         for a, b in zip(got, reference.parameters()))
     masters = torch.cat([s.master.reshape(-1) for s in engine.optimizer.slots()])
     theirs = torch.empty(2 * masters.numel())
     dist.all_gather_into_tensor(theirs, masters, group=parallel.group("replicate"))
@@ -55,7 +61,7 @@ def _hybrid(stage: int, accumulation: int = 1, offload: bool = False, steps: int
             "replicas_equal": torch.equal(theirs[: masters.numel()], theirs[masters.numel():]),
             "master_numel": masters.numel(), "psi": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
             "divisor": engine.optimizer.grad_divisor(reduced=True), "comm": engine.comm_report(),
-            "norm": engine.get_global_grad_norm()}
+            "norm": engine.get_global_grad_norm(), "accessor_error": accessor_error}
 
 
 @pytest.mark.parametrize("stage, accumulation, offload", [(1, 1, False), (2, 1, False), (3, 1, False),
@@ -69,6 +75,7 @@ def test_a_hybrid_placement_shards_in_pairs_replicates_across_them_and_trains_as
         assert r["replicate"] == [rank % 2, rank % 2 + 2]  # replicate across them
         assert r["error"] < 1e-6, (rank, r["error"])  # fp32 round-off of the summation order
         assert r["replicas_equal"]  # the two holders of a partition keep the same master bits
+        assert r["accessor_error"] < 1e-5, r["accessor_error"]  # safe_get_full_fp32_param on every replica
         # each rank keeps half of the model's optimizer state (its shard group has 2 ranks, not 4)
         assert r["psi"] / 2 <= r["master_numel"] <= r["psi"] / 2 + 6 * 16, r["master_numel"]
         assert r["divisor"] == 4.0 * accumulation  # the mean over all 4 data ranks' micro-batches

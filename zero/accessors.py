@@ -44,6 +44,9 @@ def _full(param, kind: str) -> torch.Tensor | None:
             full[offset : offset + view.numel()] = view.detach().float().cpu()
     optimizer.storage.store.begin_views()
     optimizer.comm.all_reduce(full, "sum")  # host tensor: staged through the GPU under NCCL by Comm
+    replicate = optimizer.storage.replicate
+    if replicate is not None:  # hybrid sharding: the first replica wrote every element, the others zeros
+        replicate.all_reduce(full, "sum")
     return full.view(shape)
 
 

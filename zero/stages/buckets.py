@@ -227,6 +227,10 @@ class FlatParams(ParamStorage):
     def summed(self) -> int:
         return self.placements[0].summed if self.placements else self.comm.world_size
 
+    @property
+    def replicate(self):
+        return self.placements[0].replicate if self.placements else None
+
     def norm_copies(self) -> int:
         replicas = self.summed // self.comm.world_size
         return replicas if self.partitions > 1 else replicas * self.comm.world_size

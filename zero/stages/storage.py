@@ -152,6 +152,11 @@ class ParamStorage(abc.ABC):
         """Remove what outlives the process otherwise (NVMe offload's swap files)."""
         self.store.close()
 
+    @property
+    def replicate(self):
+        """The group holding copies of this rank's partition (hybrid sharding), or None."""
+        return None
+
     def side_comms(self) -> list:
         """Comms of its own besides the data-parallel groups (stage 3's hpZ node group), whose counts
         join the comm report."""

@@ -212,6 +212,10 @@ class UnitParams(ParamStorage):
     def side_comms(self) -> list:
         return [self.hpz] if self.hpz is not None else []
 
+    @property
+    def replicate(self):
+        return self.placement.replicate
+
     def zero_grads(self) -> None:
         self.runtime.recover()
         for unit in self.units:
