@@ -189,18 +189,21 @@ class SwapFile:
         self._regions.insert(at, (t.data_ptr(), nbytes, offset))
         return t
 
+    def _region(self, t: torch.Tensor) -> tuple[int, int, int] | None:
+        """(address, bytes, file offset) of the mapped region `t` lies in, or None."""
+        i = bisect.bisect(self._starts, t.data_ptr()) - 1
+        return self._regions[i] if i >= 0 and t.data_ptr() < self._regions[i][0] + self._regions[i][1] else None
+
     def holds(self, t: torch.Tensor) -> bool:
         """Is `t` (a view of) one of this file's mapped regions?"""
-        i = bisect.bisect(self._starts, t.data_ptr()) - 1
-        return i >= 0 and t.data_ptr() < self._regions[i][0] + self._regions[i][1]
+        return self._region(t) is not None
 
     def offset(self, t: torch.Tensor) -> int:
         """The file offset of tensor `t` (a view of a mapped region)."""
-        addr = t.data_ptr()
-        i = bisect.bisect(self._starts, addr) - 1
-        if i < 0 or addr + t.numel() * t.element_size() > self._regions[i][0] + self._regions[i][1]:
+        region, addr = self._region(t), t.data_ptr()
+        if region is None or addr + t.numel() * t.element_size() > region[0] + region[1]:
             raise RuntimeError(f"zero: a tensor at {addr:#x} is not in the swap file {self.file.path}")
-        return self._regions[i][2] + addr - self._regions[i][0]
+        return region[2] + addr - region[0]
 
     def read(self, buf: torch.Tensor, t: torch.Tensor):
         """Start reading the values of mapped tensor `t` into `buf` (a Request)."""

@@ -144,7 +144,7 @@ class UnitParams(ParamStorage):
         grads = [r.grad for u in self.units for r in u.ranges]
         self.placement.reduce_replicas(grads)
         for grad in grads:
-            self.runtime._grad_final(grad)
+            self.grad_final(grad)
 
     @property
     def summed(self) -> int:
