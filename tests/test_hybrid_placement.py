@@ -38,16 +38,27 @@ def _hybrid(stage: int, accumulation: int = 1, offload: bool = False, steps: int
     placement = storage.placements[0] if hasattr(storage, "placements") else storage.placement
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
     per, at = GLOBAL_BATCH // world, parallel.index("batch")  # each data rank its own samples
+    from zero.accessors import safe_get_full_fp32_param, safe_get_full_grad, safe_get_local_grad, safe_set_full_grad, safe_set_local_grad
+
+    grad_error = 0.0
     for step in range(steps):
         ref_opt.zero_grad()
         for micro in range(accumulation):  # the reference: the mean over every micro-batch of every rank
             x, y = make_batch("mlp", GLOBAL_BATCH, torch.Generator().manual_seed(step * accumulation + micro))
-            engine.backward(engine(x[at * per : (at + 1) * per], y[at * per : (at + 1) * per]))
-            engine.step()
             (reference(x, y) / accumulation).backward()
+        for micro in range(accumulation):
+            x, y = make_batch("mlp", GLOBAL_BATCH, torch.Generator().manual_seed(step * accumulation + micro))
+            engine.backward(engine(x[at * per : (at + 1) * per], y[at * per : (at + 1) * per]))
+            if micro == accumulation - 1:  # the gradient accessors before the step: the final mean on every
+                for p, r in zip(model.parameters(), reference.parameters()):  # replica, and writing it back
+                    full = safe_get_full_grad(p)  # (locally too) must not make the step sum it again
+                    grad_error = max(grad_error, ((full - r.grad).abs().max() / r.grad.abs().max()).item())
+                    safe_set_full_grad(p, full)
+                    if stage >= 2:
+                        safe_set_local_grad(p, safe_get_local_grad(p))
+            engine.step()
         torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
         ref_opt.step()
-    from zero.accessors import safe_get_full_fp32_param
 
     # every replica reads the whole master, not only the first one (which writes checkpoints)
     got = [safe_get_full_fp32_param(p) for p in model.parameters()]
@@ -61,7 +72,8 @@ def _hybrid(stage: int, accumulation: int = 1, offload: bool = False, steps: int
             "replicas_equal": torch.equal(theirs[: masters.numel()], theirs[masters.numel():]),
             "master_numel": masters.numel(), "psi": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
             "divisor": engine.optimizer.grad_divisor(reduced=True), "comm": engine.comm_report(),
-            "norm": engine.get_global_grad_norm(), "accessor_error": accessor_error}
+            "norm": engine.get_global_grad_norm(), "accessor_error": accessor_error,
+            "grad_error": grad_error}
 
 
 @pytest.mark.parametrize("stage, accumulation, offload", [(1, 1, False), (2, 1, False), (3, 1, False),
@@ -76,6 +88,7 @@ def test_a_hybrid_placement_shards_in_pairs_replicates_across_them_and_trains_as
         assert r["error"] < 1e-6, (rank, r["error"])  # fp32 round-off of the summation order
         assert r["replicas_equal"]  # the two holders of a partition keep the same master bits
         assert r["accessor_error"] < 1e-5, r["accessor_error"]  # safe_get_full_fp32_param on every replica
+        assert r["grad_error"] < 1e-5, r["grad_error"]  # safe_get_full_grad: the mean over every replica
         # each rank keeps half of the model's optimizer state (its shard group has 2 ranks, not 4)
         assert r["psi"] / 2 <= r["master_numel"] <= r["psi"] / 2 + 6 * 16, r["master_numel"]
         assert r["divisor"] == 4.0 * accumulation  # the mean over all 4 data ranks' micro-batches
@@ -87,3 +100,39 @@ def test_a_hybrid_placement_shards_in_pairs_replicates_across_them_and_trains_as
             assert comm["all_gather"]["elements"] * (accumulation if stage == 2 else 1) == \
                 comm["reduce_scatter"]["elements"], comm
     assert len({r["norm"] for r in results}) == 1  # every rank clips with the same norm
+
+
+def _backward_after_accessor(stage: int) -> str:
+    from zero.accessors import safe_get_full_grad
+    from zero.config import load_config
+    from zero.engine import Engine
+    from zero.parallel.dims import ParallelDims
+    from zero.parallel.groups import ParallelGroups
+    from zero.stages.placement import ReplicasSummedError
+    from zero.testing.training import STAGE3, build_model, make_batch
+
+    world = dist.get_world_size()
+    config = load_config({"train_micro_batch_size_per_gpu": 2,
+                          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                          "zero_optimization": {"stage": stage, "reduce_bucket_size": 500,
+                                                **(STAGE3["mlp"] if stage == 3 else {})}}, world_size=world)
+    torch.manual_seed(0)
+    model = build_model("mlp")
+    engine = Engine(model, config, parallel=ParallelGroups(ParallelDims(world, dp_replicate=2, dp_shard=2)))
+    x, y = make_batch("mlp", 2, torch.Generator().manual_seed(dist.get_rank()))
+    engine.backward(engine(x, y))
+    before = safe_get_full_grad(next(model.parameters()))
+    try:
+        engine.backward(engine(x, y))  # adds to gradients the replicas already summed
+    except ReplicasSummedError as exc:
+        after = safe_get_full_grad(next(model.parameters()))
+        return str(exc) if torch.equal(before, after) else "the gradients changed"
+    return "no error"
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_backward_after_a_gradient_accessor_summed_the_replicas_is_refused_before_any_gradient_changes(dist_run,
+                                                                                                       stage):
+    for message in dist_run(4, _backward_after_accessor, stage):
+        assert "summed this step's gradients over the replicas" in message, message
+        assert "mics_shard_size" in message

@@ -5,7 +5,9 @@ The full-value accessors are collective under ZeRO (every rank of the engine cal
 puts in the part it holds and one all-reduce gives every rank the whole, as the checkpoint does
 (the optimizer storage's `param_chunks`). The local ones read or write this rank's part, flat. The
 safe_get_* accessors answer None for a frozen parameter, as DeepSpeed's do; the safe_set_* ones
-refuse it.
+refuse it. With hybrid sharding (replicas) the gradient accessors, local ones included, are
+collective over the replicas: the first of a step sums the gradient shards over them, once (see
+[Note: the replicas' sum, once] in zero/stages/placement.py).
 """
 from __future__ import annotations
 
@@ -104,12 +106,15 @@ def safe_get_full_grad(param) -> torch.Tensor | None:
     optimizer = _owner(param)
     if optimizer is None:
         return None
+    optimizer.storage.sum_replicas()  # hybrid sharding: reduced pieces final on every replica
     offset, piece, reduced = optimizer.storage.grad_piece(param)
     z = getattr(param, "_zero", None)
     shape = z.shape if z is not None else param.shape
     full = torch.zeros(math.prod(shape), dtype=torch.float32)
     full[offset : offset + piece.numel()] = piece.detach().float().cpu()
     optimizer.comm.all_reduce(full, "sum")  # reduced pieces are disjoint; unreduced ones sum as the step would
+    if not reduced and optimizer.storage.replicate is not None:  # ... over the replicas too
+        optimizer.storage.replicate.all_reduce(full, "sum")
     return full.div_(optimizer.grad_divisor(reduced)).view(shape)
 
 
@@ -117,6 +122,7 @@ def _reduced_piece(param, frozen_ok: bool) -> tuple:
     optimizer = _owner(param, frozen_ok)
     if optimizer is None:
         return None, None
+    optimizer.storage.sum_replicas()  # hybrid sharding: collective over the replicas, once per step
     _, piece, reduced = optimizer.storage.grad_piece(param)
     if not reduced:
         raise ValueError(f"safe_get_local_grad/safe_set_local_grad: at stage {optimizer.storage.stage} gradients are "
@@ -178,14 +184,15 @@ def safe_set_full_grad(param, value: torch.Tensor) -> None:
     to the full `value`, given on every rank (collective in meaning: every rank calls it). Call it
     after the backward of an accumulation boundary, before `step()`."""
     optimizer = _owner(param, frozen_ok=False)
-    offset, piece, reduced = optimizer.storage.grad_piece(param)
     shape = tuple(getattr(param, "ds_shape", param.shape))
     if not isinstance(value, torch.Tensor) or value.numel() != math.prod(shape):
         got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise ValueError(f"safe_set_full_grad: the parameter has shape {shape}; got {got}")
+    optimizer.storage.sum_replicas()  # hybrid sharding: the step must not sum what is set over the replicas
+    offset, piece, reduced = optimizer.storage.grad_piece(param)
     flat = value.detach().reshape(-1).float()[offset : offset + piece.numel()]
     # a reduced piece is this rank's part of the sum; unreduced ones (stages 0, 1) are summed by the step
-    scale = optimizer.grad_divisor(reduced) / (1 if reduced else optimizer.comm.world_size)
+    scale = optimizer.grad_divisor(reduced) / (1 if reduced else optimizer.storage.summed)
     if optimizer.host_adam is not None:  # offload: copies of the old values may be on their way to the host
         optimizer.host_adam.discard()
     with torch.no_grad():

@@ -46,7 +46,7 @@ from zero.parallel.sliced import local_grad, local_tensor
 from zero.parallel.tags import Tag
 from zero.partition.layout import Bucket, ShardLayout
 from zero.stages.memory import Gauges
-from zero.stages.placement import Placement
+from zero.stages.placement import Placement, ReplicasSummedError
 from zero.stages.policies import Precision, ReduceOptions
 from zero.stages.readiness import GradReadiness, UnusedParameterError
 from zero.stages.storage import ParamStorage, Slot
@@ -220,6 +220,10 @@ class FlatParams(ParamStorage):
         """See GradPath.reduce."""
         self.grads.reduce(communicate)
 
+    def sum_replicas(self) -> None:
+        if isinstance(self.grads, BucketGradients):  # stages 0-1 sum over the replicas inside the step's reduce
+            self.grads.reduce()
+
     def norm_is_partitioned(self) -> bool:
         return self.partitions > 1
 
@@ -385,6 +389,7 @@ class BucketGradients:
         self.shards = [torch.zeros(s.shard_numel(b), dtype=s.precision.grad, device=device) for b in s.layout.buckets]
         self._staging: dict[int, torch.Tensor] = {}
         self._work: dict[int, Any] = {}
+        self.replicas_summed = False  # see [Note: the replicas' sum, once] in zero/stages/placement.py
         self.readiness = GradReadiness(
             [[s.params[i] for i in b.params] for b in s.layout.buckets], take=self._take, launch=self._launch,
             finish=self._finish, comm=s.comm, ordered=True, overlap=s.reduce.overlap_comm, names=s.names,
@@ -422,6 +427,8 @@ class BucketGradients:
     def _launch(self, b: int) -> None:
         s = self.storage
         bucket = s.layout.buckets[b]
+        if self.replicas_summed and s.placement(bucket).defers_replicas:  # before any shard changes
+            raise ReplicasSummedError(s.names.get(s.params[bucket.params[0]], "?"))
         s.comm.tagged(Tag.BUCKET_REDUCE, b, bucket.numel, f"stage 2, gradient reduction of bucket {b}")
         staging = self._staging_for(b)  # a bucket without any gradient on this rank contributes zeros
         # replicas (hybrid sharding) sum their shards once, at the step (`reduce`)
@@ -452,14 +459,18 @@ class BucketGradients:
 
     def reduce(self, communicate: bool = True) -> None:
         """Every bucket was reduced inside its shard group during backward; what is owed at the step
-        is the sum over the replicas (hybrid sharding), once per optimizer step."""
+        is the sum over the replicas (hybrid sharding), once per optimizer step (see [Note: the
+        replicas' sum, once] in zero/stages/placement.py)."""
         s = self.storage
+        if self.replicas_summed:
+            return
         for bucket in s.layout.buckets:
             place = s.placement(bucket)
             if place.defers_replicas:
                 place.reduce_replicas([self.shards[bucket.index]])
                 for grad in s.final_grads(bucket):
                     s.grad_final(grad)
+                self.replicas_summed = True
 
     def piece(self, i: int) -> tuple[int, torch.Tensor, bool]:
         s = self.storage
@@ -470,6 +481,7 @@ class BucketGradients:
 
     def zero(self) -> None:
         self.recover()
+        self.replicas_summed = False
         for s in self.shards:
             s.zero_()
 

@@ -21,6 +21,13 @@ are summed over `summed` ranks, and each element's reduced gradient is held by `
 ranks' shares once per replica.
 
 Sums are SUM collectives; callers divide (see [Note: one divisor] in zero/optim/step.py).
+
+[Note: the replicas' sum, once]
+With replicas, a reduced gradient shard holds its replica's sum until the replicas sum it, once
+per optimizer step (`defers_replicas`). That sum runs at the step, or earlier when a gradient
+accessor (zero/accessors.py) needs the final values; either way once: the storage remembers that
+this step's shards were summed until the gradients are zeroed, and a backward that adds to them
+after that is refused (its gradients would be summed over the replicas twice or not at all).
 """
 from __future__ import annotations
 
@@ -30,6 +37,18 @@ import torch
 
 from zero.parallel.comm import Comm
 from zero.partition.layout import Bucket, ShardLayout
+
+
+class ReplicasSummedError(RuntimeError):
+    """A backward added gradients after this step's were summed over the replicas (see [Note: the
+    replicas' sum, once])."""
+
+    def __init__(self, param: str):
+        super().__init__(
+            f"a backward reduced gradients (the bucket or unit of parameter {param!r}) after a gradient accessor "
+            f"(safe_get_full_grad and its kin) had summed this step's gradients over the replicas (hybrid sharding, "
+            f"zero_optimization.mics_shard_size): the sum would miss them. Call the gradient accessors after the last "
+            f"backward of the accumulation, before step().")
 
 
 class Placement(abc.ABC):

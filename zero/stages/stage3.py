@@ -64,6 +64,7 @@ from zero.graph import graph_outputs, in_backward
 from zero.init import external_parameters
 from zero.parallel.comm import Comm
 from zero.parallel.tags import Tag
+from zero.stages.placement import ReplicasSummedError
 from zero.stages.policies import ReduceOptions, Stage3Options
 from zero.stages.readiness import GradReadiness
 from zero.stages.unit import ParamUnit, ShardedState
@@ -108,6 +109,7 @@ class Stage3Runtime:
                  step: Callable[[], int], grad_final: Callable[[torch.Tensor], None]):
         self.module, self.units, self.comm, self.options = module, units, comm, options
         self.predivide, self._step, self._grad_final = predivide, step, grad_final
+        self.replicas_summed = False  # see [Note: the replicas' sum, once] in zero/stages/placement.py
         self.reserved = 0  # elements of non-resident units gathering or gathered (what max_live caps)
         self.prefetched = 0  # gathers started ahead of use
         self.traces: dict[str, list[int]] = {FORWARD: [], BACKWARD: []}
@@ -433,6 +435,8 @@ class Stage3Runtime:
 
     def _launch_reduce(self, gi: int) -> None:
         unit = self._reducible[gi]
+        if unit.placement.defers_replicas and self.replicas_summed:  # before any shard changes
+            raise ReplicasSummedError(unit.name or "<root>")
         self._exchange_tag(unit, REDUCE)
         unit.grads_done = True
         if not unit.has_frozen or unit.inputs_done:  # nothing in backward needs its values any more:

@@ -140,6 +140,12 @@ class ParamStorage(abc.ABC):
         """Finish any gradient reduction still owed at the accumulation boundary (none here)."""
         return None
 
+    def sum_replicas(self) -> None:
+        """Hybrid sharding at stages 2-3: sum the reduced gradient shards over the replicas now,
+        once per optimizer step (the step does it otherwise; see [Note: the replicas' sum, once] in
+        zero/stages/placement.py). Collective over the replicate group. Nothing to do here."""
+        return None
+
     @abc.abstractmethod
     def publish(self) -> None:
         """Make the updated shards visible to the model (all-gather them, release stale copies)."""

@@ -138,13 +138,17 @@ class UnitParams(ParamStorage):
 
     def reduce_gradients(self) -> None:
         """Hybrid sharding: the replicas sum the gradient shards once per optimizer step (see
-        Placement.defers_replicas); then they are final."""
-        if not self.placement.defers_replicas:
+        [Note: the replicas' sum, once] in zero/stages/placement.py); then they are final."""
+        if not self.placement.defers_replicas or self.runtime.replicas_summed:
             return
         grads = [r.grad for u in self.units for r in u.ranges]
         self.placement.reduce_replicas(grads)
         for grad in grads:
             self.grad_final(grad)
+        self.runtime.replicas_summed = True
+
+    def sum_replicas(self) -> None:
+        self.reduce_gradients()
 
     @property
     def summed(self) -> int:
@@ -218,6 +222,7 @@ class UnitParams(ParamStorage):
 
     def zero_grads(self) -> None:
         self.runtime.recover()
+        self.runtime.replicas_summed = False
         for unit in self.units:
             unit.zero_grads()
 
