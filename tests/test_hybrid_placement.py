@@ -136,3 +136,36 @@ def test_a_backward_after_a_gradient_accessor_summed_the_replicas_is_refused_bef
     for message in dist_run(4, _backward_after_accessor, stage):
         assert "summed this step's gradients over the replicas" in message, message
         assert "mics_shard_size" in message
+
+
+def _init_then_hybrid() -> dict:
+    import zero
+    from zero.testing.training import STAGE3, build_model, make_batch
+
+    world = dist.get_world_size()
+    config = {"train_micro_batch_size_per_gpu": 2,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+              "zero_optimization": {"stage": 3, "mics_shard_size": 2, **STAGE3["mlp"]}}
+    torch.manual_seed(0)
+    reference = build_model("mlp")
+    torch.manual_seed(0)
+    with zero.Init(config=config):  # sharded over the 4 ranks of the world as it is built
+        model = build_model("mlp")
+    engine, *_ = zero.initialize(model=model, config=config)  # shards over pairs of ranks
+    x, y = make_batch("mlp", 2 * world, torch.Generator().manual_seed(0))
+    engine.backward(engine(x[2 * dist.get_rank() : 2 * dist.get_rank() + 2], y[2 * dist.get_rank() : 2 * dist.get_rank() + 2]))
+    engine.step()
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    reference(x, y).backward()
+    opt.step()
+    with zero.GatheredParameters(list(model.parameters())):
+        error = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(model.parameters(),
+                                                                                 reference.parameters()))
+    return {"error": error, "shard": next(model.parameters()).ds_tensor.numel(),
+            "numel": next(model.parameters()).ds_numel}
+
+
+def test_zero_init_shards_over_the_world_and_a_hybrid_engine_reshards_over_its_shard_group(dist_run):
+    for r in dist_run(4, _init_then_hybrid):
+        assert r["error"] < 1e-6, r["error"]
+        assert r["shard"] == -(-r["numel"] // 2)  # a shard of a pair, not of the 4 ranks zero.Init cut over

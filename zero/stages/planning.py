@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from zero.parallel.comm import Comm
 from zero.parallel.sliced import local_tensor
-from zero.partition.shards import ShardedParam, shard_numel, take_shard
+from zero.partition.shards import ShardedParam, gather_param, mark_ds, shard_numel, take_shard
 
 
 def _owner(paths: list[str]) -> str:
@@ -81,6 +81,21 @@ def describe_shard(p: nn.Parameter, world_size: int) -> ShardedParam:
         local = local_tensor(p)
         p._zero = ShardedParam(local.shape, local.numel(), shard_numel(local.numel(), world_size))
     return p._zero
+
+
+@torch.no_grad()
+def reshard_init(p: nn.Parameter, comm: Comm) -> None:
+    """A parameter `zero.Init` sharded over the world, for an engine that shards over fewer ranks
+    (hybrid sharding's shard group): cut again for `comm` from its full value, gathered over the
+    world (one parameter's full value at a time; every rank calls it in the same order)."""
+    info = getattr(p, "_zero", None)
+    world = Comm()
+    if info is None or info.local is None or info.unit is not None or comm.world_size == world.world_size:
+        return
+    full = gather_param(info.local, info.numel, world)
+    info.local = take_shard(full, comm.rank, comm.world_size).to(info.local.device)
+    info.shard_numel = shard_numel(info.numel, comm.world_size)
+    mark_ds(p, info, info.local)
 
 
 @torch.no_grad()

@@ -17,7 +17,7 @@ from zero.parallel.comm import Comm
 from zero.parallel.sliced import local_tensor
 from zero.stages.memory import Gauges
 from zero.stages.placement import Owned, Sharded
-from zero.stages.planning import describe_shard, plan_disk, plan_units, take_local_shard
+from zero.stages.planning import describe_shard, plan_disk, plan_units, reshard_init, take_local_shard
 from zero.stages.policies import Precision, ReduceOptions, Stage3Options
 from zero.stages.stage3 import Stage3Runtime
 from zero.stages.storage import ParamStorage, Slot
@@ -61,6 +61,7 @@ class UnitParams(ParamStorage):
             self.swap = ParamSwap(options.param_nvme, self.host_memory)
         group_of = dict(zip(params, groups))
         for p in module.parameters():
+            reshard_init(p, comm)  # zero.Init cut it over the world; hybrid sharding shards over fewer ranks
             describe_shard(p, comm.world_size)
         planned, persistent = plan_units(module, options.persistence_threshold, options.unit_elements,
                                          options.persistence_budget)
