@@ -36,6 +36,7 @@ def _ledger(stage: int, hybrid: bool, accumulation: int = 1) -> dict:
             monitor.step()
         table = monitor.report()
         return {"comm": engine.comm_report(), "nodes": engine.comm.node_of, "table": table,
+                "world": (engine.world_size, engine.global_rank),
                 "summary": {k: monitor.summary.get(k) for k in ("cross_node_bytes", "cross_node_formula")}}
     finally:
         os.environ.pop("GROUP_RANK")
@@ -56,12 +57,15 @@ def test_the_bytes_that_cross_nodes_follow_the_groups_ranks(dist_run, stage, hyb
                 assert abs(c["cross_node_bytes"] - c["bytes"] / 2) <= c["calls"], (label, c)
         crossing = sum(c["cross_node_bytes"] for c in comm.values())
         assert crossing > 0
+        assert r["world"] == (4, rank)  # every data-parallel rank, replicas too (DeepSpeed's meaning)
+        assert bool(r["table"]) == (rank == 0), rank  # one end table, not one per replica
         if hybrid:  # once per step, the replicas' all-reduce of this rank's half of the gradients
             assert set(k for k, c in comm.items() if c["cross_node_bytes"]) == {"all_reduce (replicas)"}
         if rank == 0:  # the end table: the ledger's total beside the formula's (which leaves out the
             # padding of buckets and units, 8% of this 500-element model; 0.1% of bench_multinode's)
             assert "of which across nodes" in r["table"] and "zero.estimate.comm" in r["table"], r["table"]
             summary = r["summary"]
+            assert len(summary["cross_node_bytes"]) == 4  # every rank's column, replicas too
             assert summary["cross_node_formula"] == pytest.approx(max(summary["cross_node_bytes"]), rel=0.1)
 
 

@@ -67,7 +67,9 @@ class TrainingMonitor(Component):
         from tqdm.auto import tqdm
 
         self.engine = engine
-        self.rank, self.world = engine.comm.rank, engine.world_size
+        # every data-parallel rank (replicas too, under hybrid sharding); the states are sharded over `shards`
+        dp = getattr(engine, "dp", engine.comm)
+        self.rank, self.world, self.shards = dp.rank, dp.world_size, engine.comm.world_size
         self.tokens_per_step, self.unit = tokens_per_step, unit
         self.memory_every = max(1, memory_every)
         self.durations: collections.deque[float] = collections.deque(maxlen=max(1, window))
@@ -151,7 +153,7 @@ class TrainingMonitor(Component):
         if self.world == 1:
             return mine.tolist()
         out = torch.zeros(self.world * len(values), dtype=torch.float64)
-        self.engine.comm.control().all_gather(out, mine)
+        getattr(self.engine, "dp", self.engine.comm).control().all_gather(out, mine)
         return out.tolist()
 
     def _activations(self):
@@ -246,11 +248,11 @@ class TrainingMonitor(Component):
         if adam:
             config = {k: v for k, v in config.model_dump(by_alias=True, exclude_unset=True).items() if k != "optimizer"}
         activations, why_not = self._activations()
-        table = estimate_memory(engine.module, self.world, dtype=engine.config.precision, config=config,
-                                gpus_per_node=self.world, activations=activations, nvme=nvme, **formats)
+        table = estimate_memory(engine.module, self.shards, dtype=engine.config.precision, config=config,
+                                gpus_per_node=self.shards, activations=activations, nvme=nvme, **formats)
         this = table.row(zc.stage, offload)
-        formats_table = estimate_memory(engine.module, self.world, stage=zc.stage, offload=offload,
-                                        dtype=engine.config.precision, config=config, gpus_per_node=self.world,
+        formats_table = estimate_memory(engine.module, self.shards, stage=zc.stage, offload=offload,
+                                        dtype=engine.config.precision, config=config, gpus_per_node=self.shards,
                                         state_formats=True, nvme=nvme, **formats) if adam else []  # this one first
         on_cpu = engine.device.type != "cuda"  # one memory: the host's bytes are in the peak too
         predicted = this.peak_bytes + (this.host_bytes if on_cpu else 0)

@@ -72,7 +72,7 @@ def auto_resume(engine, root: str) -> str | None:
         tag = _newest_on_every_node(Placement(engine).io, Path(root))
     else:
         choice = [None]
-        if engine.comm.rank == 0:
+        if engine.dp.rank == 0:
             path, skipped = newest_complete(root)
             for reason in skipped:
                 log.warning("zero: auto_resume skips %s", reason)
@@ -81,11 +81,11 @@ def auto_resume(engine, root: str) -> str | None:
             dist.broadcast_object_list(choice, src=0)
         tag = choice[0]
     if tag is None:
-        if engine.comm.rank == 0:
+        if engine.dp.rank == 0:
             log.info("zero: auto_resume found no complete checkpoint in %s; starting fresh", root)
         return None
     path, _ = engine.load_checkpoint(root, tag=tag)
-    if engine.comm.rank == 0:
+    if engine.dp.rank == 0:
         log.warning("zero: auto_resume resumed from %s (global step %d)", path, engine.global_steps)
     return str(path)
 
@@ -157,7 +157,7 @@ class PeriodicSaves(Component):
                 self._nodes = Nodes.of(world)
             first = self._nodes.is_leader(world.rank)
         else:
-            first = engine.comm.rank == 0
+            first = engine.dp.rank == 0
         if not first or not self.root.is_dir():
             return
         for _, path in _tags(self.root)[keep:]:

@@ -102,7 +102,7 @@ def _chunks(engine, place: Placement, saving: bool, kinds: tuple[str, ...] | Non
         else:  # buffers are replicated: data rank 0 writes them, every rank reads them
             if not t.is_contiguous():
                 raise CheckpointError(f"buffer {name!r} is not contiguous; zero checkpoints store buffers flat")
-            pieces = [("model", 0, t.detach().view(-1))] if not saving or engine.comm.rank == 0 else []
+            pieces = [("model", 0, t.detach().view(-1))] if not saving or engine.dp.rank == 0 else []
         start = piece_offset(t)  # a tensor-parallel slice's place (see [Note: sliced tensors in checkpoints])
         out += [Chunk(f"{kind}/{name}", 0 if kind in scalars else start + off, view, 1 if kind in scalars else numel)
                 for kind, off, view in pieces if _wanted(kind, kinds)]

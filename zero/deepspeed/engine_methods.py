@@ -90,7 +90,7 @@ class DeepSpeedMethods:
         """Change the global batch size by changing the gradient accumulation steps (the
         micro-batch stays); at an accumulation boundary only. ValueError if it is not a multiple
         of micro-batch x data-parallel ranks."""
-        per_step = self.config.train_micro_batch_size_per_gpu * self.comm.world_size
+        per_step = self.config.train_micro_batch_size_per_gpu * self.dp.world_size
         if not isinstance(train_batch_size, int) or train_batch_size <= 0 or train_batch_size % per_step:
             raise ValueError(f"set_train_batch_size({train_batch_size!r}): the train batch size must be a positive "
                              f"multiple of train_micro_batch_size_per_gpu x data-parallel ranks = {per_step}")
@@ -104,7 +104,7 @@ class DeepSpeedMethods:
         c = self.config
         self.config = c.model_copy(update={
             "train_micro_batch_size_per_gpu": micro_batch_size,
-            "train_batch_size": micro_batch_size * c.gradient_accumulation_steps * self.comm.world_size})
+            "train_batch_size": micro_batch_size * c.gradient_accumulation_steps * self.dp.world_size})
 
     def _set_accumulation(self, steps: int, what: str) -> None:
         c = self.config
@@ -119,7 +119,7 @@ class DeepSpeedMethods:
                                f"micro-batches); set gradient_accumulation_steps to > 1 in the config if the run "
                                f"will switch")
         self.config = c.model_copy(update={"gradient_accumulation_steps": steps,
-                                           "train_batch_size": steps * c.train_micro_batch_size_per_gpu * self.comm.world_size})
+                                           "train_batch_size": steps * c.train_micro_batch_size_per_gpu * self.dp.world_size})
         self.progress.accumulation = steps
         self.progress.micro_steps = self.progress.global_steps * steps
         opt = self.optimizer
@@ -134,7 +134,7 @@ class DeepSpeedMethods:
         return self.mesh.coordinate(dim) if self.mesh is not None else 0
 
     def get_data_parallel_rank(self) -> int:
-        return self.comm.rank
+        return self.dp.rank
 
     def get_tensor_parallel_rank(self) -> int:
         return self._coordinate("tp")
@@ -157,7 +157,7 @@ class DeepSpeedMethods:
 
     @property
     def data_parallel_group(self):
-        return self.comm.group if self.comm.group is not None else (dist.group.WORLD if dist.is_initialized() else None)
+        return self.dp.group if self.dp.group is not None else (dist.group.WORLD if dist.is_initialized() else None)
 
     # -- data ------------------------------------------------------------------------------------------
 

@@ -59,7 +59,9 @@ class Engine(TrainingLoop):
 
     @property
     def world_size(self) -> int:
-        return self.comm.world_size
+        """The data-parallel ranks (with hybrid sharding: every replica's; the states are sharded over
+        `engine.comm`)."""
+        return self.dp.world_size
 
     @property
     def local_rank(self) -> int:
@@ -67,7 +69,7 @@ class Engine(TrainingLoop):
 
     @property
     def global_rank(self) -> int:
-        return self.comm.rank
+        return self.dp.rank
 
     @property
     def loss_scale(self) -> float:
@@ -156,12 +158,12 @@ class Engine(TrainingLoop):
             return False
         state = self.consolidated_16bit_state_dict(exclude_frozen_parameters)
         error = None
-        if self.comm.rank == 0:
+        if self.dp.rank == 0:  # one writer, not one per replica
             try:
                 atomic_save(state, save_path)
             except Exception as exc:  # noqa: BLE001 - every rank must learn of it, then it is raised
                 error = exc
-        if self.comm.any_rank(error is not None):  # as long as the write takes: the process group's timeout
+        if self.dp.any_rank(error is not None):  # as long as the write takes: the process group's timeout
             if error is not None:
                 raise error
             raise RuntimeError(f"save_16bit_model: rank 0 could not write {save_path} (its error says why); nothing "
@@ -335,11 +337,11 @@ class Engine(TrainingLoop):
         hf = getattr(self.module, "config", None)
         if getattr(hf, "use_cache", False) is True:  # a key/value cache in training forwards makes each layer
             hf.use_cache = False  # a graph of its own (its layer index); generate() passes use_cache itself
-            if self.comm.rank == 0:
+            if self.dp.rank == 0:
                 log.info("zero: compile sets the model's config.use_cache = False for training (HF Trainer does the "
                          "same under gradient checkpointing)")
         self._compiled_blocks = compile_blocks(self.module, backend, compile_kwargs, modules)
-        if self.comm.rank == 0:
+        if self.dp.rank == 0:
             log.info("zero: compiled %d block(s) (%s) with backend %r", len(self._compiled_blocks),
                      ", ".join(sorted({type(b).__name__ for b in self._compiled_blocks})) or "none found",
                      backend_name(backend))

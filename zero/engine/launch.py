@@ -159,7 +159,7 @@ def launch(
     engine = engine_class(model, cfg, mesh, parallel=groups, model_parameters=model_parameters,
                           optimizer=optimizer, lr_scheduler=lr_scheduler)
     if compiled_with is not None:
-        if engine.comm.rank == 0:
+        if engine.dp.rank == 0:
             log.warning("zero: the model was compiled whole with torch.compile (backend %r); zero compiles its blocks "
                         "instead, with its hooks outside the graphs (engine.compile(); see docs/compile.md)",
                         backend_name(compiled_with))

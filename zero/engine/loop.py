@@ -227,7 +227,7 @@ class TrainingLoop(nn.Module):
         self.seq_parallel_group = parallel.group("sp") if parallel.size("sp") > 1 else None
         self.components: dict[str, Component] = {}  # see [Note: engine components]
         self._build_components(pipelined)
-        if config.dump_state and self.comm.rank == 0:
+        if config.dump_state and self.dp.rank == 0:
             print(f"zero: engine state\n  config: {config.model_dump_json(exclude_defaults=True)}\n"
                   f"  device: {self.device}  world size: {self.comm.world_size}\n"
                   f"  trainable params: {sum(p.numel() for p in self.optimizer.params):,}\n"
@@ -265,7 +265,7 @@ class TrainingLoop(nn.Module):
         if config.csv_monitor.enabled or config.tensorboard.enabled:  # DeepSpeed's monitors (zero/events.py)
             from zero.events import MonitorEvents
 
-            self.add_component(MonitorEvents(config, self.comm.rank))
+            self.add_component(MonitorEvents(config, self.dp.rank))
 
     def _build_scheduler(self, lr_scheduler):
         if lr_scheduler is not None:
@@ -404,7 +404,7 @@ class TrainingLoop(nn.Module):
                     total[key] += count[key]
             other.reset_counts()
         every = self.config.steps_per_print
-        if every and p.global_steps % every == 0 and self.comm.rank == 0:
+        if every and p.global_steps % every == 0 and self.dp.rank == 0:
             self._print_progress(every)
         for component in list(self.components.values()):  # see [Note: engine components]
             component.after_step(self, updated)
@@ -512,7 +512,7 @@ class TrainingLoop(nn.Module):
                 f"({self.skipped_steps} steps skipped so far). Every further step would be skipped. The loss or the "
                 f"gradients are inf/NaN by themselves: check the data and the loss, lower the learning rate, or "
                 f"train in bf16.")
-        if self.comm.rank != 0:
+        if self.dp.rank != 0:
             return
         if scaler.dynamic:
             log.warning("zero: step %d skipped: fp16 gradients overflowed; loss scale %g -> %g",
