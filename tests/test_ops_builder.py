@@ -81,7 +81,7 @@ def test_each_cpu_op_compiles_its_own_kernel_and_the_shared_simd_detection_only(
     """The 1-bit and sparse-attention ops once compiled all of the Adam kernel to reach its SIMD
     detection; now every CPU op links common/simd.c and no kernel of another op."""
     cpu_ops = {name: spec for name, spec in builder.OPS.items() if spec.c_sources}
-    assert set(cpu_ops) == {"cpu_adam", "cpu_optim", "onebit", "aio", "sparse_attention"}
+    assert set(cpu_ops) == {"cpu_adam", "cpu_optim", "onebit", "quant", "aio", "sparse_attention"}
     owners: dict[str, list[str]] = {}
     for name, spec in cpu_ops.items():
         assert "common/simd.c" in spec.c_sources, name
@@ -230,7 +230,7 @@ def test_cuda_op_on_a_cpu_only_torch_names_the_missing_piece(monkeypatch):
 
 
 def test_unknown_op_names_the_known_ones():
-    with pytest.raises(KeyError, match="known ops: cpu_adam, cpu_optim, onebit, onebit_cuda, fused_adam"):
+    with pytest.raises(KeyError, match="known ops: cpu_adam, cpu_optim, onebit, onebit_cuda, quant, quant_cuda, fused_adam"):
         builder.load("no_such_op")
 
 

@@ -299,6 +299,11 @@ class ZeroOptimizationConfig(_Section):
     zero_hpz_partition_size: int = Field(1, ge=1, description="ZeRO++ hpZ (stage 3): ranks of a node that keep a "
                                          "secondary shard of each unit from forward, so backward gathers inside the "
                                          "node; 1: off.")
+    zero_quantized_weights: bool = Field(False, description="ZeRO++ qwZ (stage 3): all-gather parameters as int8 "
+                                         "blocks with one scale per 256 elements (about half the bytes of bf16); "
+                                         "masters, optimizer states and gradient reductions stay exact.")
+    zero_quantized_nontrainable_weights: bool = Field(False, description="ZeRO++ (stage 3): the same for the units "
+                                                      "of frozen parameters only (LoRA's base weights).")
     mics_shard_size: int = Field(-1, description="Hybrid sharding (MiCS, HSDP): shard the states over groups of "
                                  "this many data-parallel ranks (usually the ranks of a node) and replicate them across "
                                  "the groups; -1: over every rank.")

@@ -8,7 +8,9 @@ not persistent), p the parameters' bytes per element, r the reduced gradients', 
 s = (N - L) / N the share of the group's ranks on other nodes:
 - flat stage 3: a (2 p Psi_u + r Psi) s, when every micro-step gathers the units for forward and
   again for backward (no reuse across them) and reduce-scatters the gradients; with hpZ
-  (`zero_hpz_partition_size` = L) backward gathers inside the node: a (p Psi_u + r Psi) s;
+  (`zero_hpz_partition_size` = L) backward gathers inside the node: a (p Psi_u + r Psi) s; with
+  qwZ (`zero_quantized_weights`) the gathers send q = 1 + 4/256 bytes per element instead of p
+  (int8 codes and one fp32 scale per block of 256; see zero/zeropp/blocks.py);
 - flat stage 2: a r Psi s + p Psi s: a reduce-scatter per micro-step, one all-gather per step;
 - flat stage 1: (r Psi + p Psi) s: both once per step;
 - hybrid sharding (shard groups of L ranks, R = N / L replicas): 2 g (Psi / L) (R - 1) / R, the
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 
 def cross_node_bytes(stage: int, world: int, local: int, accumulation: int, psi: int, psi_units: int = 0,
-                     hybrid: bool = False, p: int = 2, r: int = 2, hpz: bool = False) -> float:
+                     hybrid: bool = False, p: int = 2, r: int = 2, hpz: bool = False, qwz: bool = False) -> float:
     """Bytes per rank and optimizer step that cross a node boundary (see the module's docstring).
 
     Args:
@@ -33,6 +35,7 @@ def cross_node_bytes(stage: int, world: int, local: int, accumulation: int, psi:
         hybrid: shard groups of `local` ranks, replicated across nodes.
         p, r: bytes per parameter element and per reduced-gradient element.
         hpz: stage 3 with hpZ over the ranks of a node (backward's gathers stay inside it).
+        qwz: stage 3's gathers send int8 weight blocks.
     """
     if hybrid:
         replicas = world // local
@@ -40,7 +43,8 @@ def cross_node_bytes(stage: int, world: int, local: int, accumulation: int, psi:
         return 2 * g * (psi / local) * (replicas - 1) / replicas
     share = (world - local) / world
     if stage == 3:
-        return accumulation * ((1 if hpz else 2) * p * psi_units + r * psi) * share
+        gathered = 1 + 4 / 256 if qwz else p
+        return accumulation * ((1 if hpz else 2) * gathered * psi_units + r * psi) * share
     if stage == 2:
         return (accumulation * r + p) * psi * share
     return (r + p) * psi * share

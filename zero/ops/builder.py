@@ -128,6 +128,17 @@ OPS: dict[str, OpSpec] = {
             cuda_sources=("onebit/onebit.cu",),
         ),
         OpSpec(
+            "quant",
+            "ZeRO++ qwZ: int8 weight blocks, quantize and dequantize (C, OpenMP)",
+            c_sources=("quant/quant.c", *_CPU_COMMON),
+        ),
+        OpSpec(
+            "quant_cuda",
+            "ZeRO++ qwZ: int8 weight blocks, quantize and dequantize on the GPU",
+            cpp_sources=("bindings/quant_cuda.cpp",),
+            cuda_sources=("quant/quant.cu",),
+        ),
+        OpSpec(
             "fused_adam",
             "fused multi-tensor GPU Adam/AdamW",
             cpp_sources=("bindings/fused_adam.cpp",),

@@ -81,6 +81,10 @@ _ENTRY_POINTS = {
         ("zero_onebit_pack", _I, (_L, _P, _P, _L, _P, _P, _I, _I)),
         ("zero_onebit_unpack_mean", _I, (_L, _L, _P, _P, _L, _P, _I, _I)),
     ),
+    "quant": (
+        ("zero_qw_quantize", _I, (_L, _P, _I, _P, _I)),
+        ("zero_qw_dequantize", _I, (_L, _L, _P, _P, _I, _I)),
+    ),
     "aio": (
         ("zero_aio_create", _P, (_I, _I)),
         ("zero_aio_destroy", None, (_P,)),
@@ -198,6 +202,20 @@ class Onebit(Library):
         self.check(rc, "zero_onebit_unpack_mean", simd)
 
 
+class Quant(Library):
+    """csrc/quant/quant.c: qwZ's int8 weight blocks; contiguous CPU tensors."""
+
+    op = "quant"
+
+    def quantize(self, x, msg, num_threads) -> None:
+        rc = self.c.zero_qw_quantize(x.numel(), x.data_ptr(), dtype_code(x), msg.data_ptr(), num_threads)
+        self.check(rc, "zero_qw_quantize", 0)
+
+    def dequantize(self, msgs, n, out, num_threads) -> None:
+        rc = self.c.zero_qw_dequantize(msgs.size(0), n, msgs.data_ptr(), out.data_ptr(), dtype_code(out), num_threads)
+        self.check(rc, "zero_qw_dequantize", 0)
+
+
 class SparseAttention(Library):
     """csrc/sparse_attention/sparse_attention.c. Outputs and the kernels' work space come from
     torch's allocator, so memory measurements see them."""
@@ -250,4 +268,4 @@ class Aio(Library):
     op = "aio"
 
 
-BINDINGS: dict[str, type[Library]] = {cls.op: cls for cls in (CpuAdam, CpuOptim, Onebit, SparseAttention, Aio)}
+BINDINGS: dict[str, type[Library]] = {cls.op: cls for cls in (CpuAdam, CpuOptim, Onebit, Quant, SparseAttention, Aio)}

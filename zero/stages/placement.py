@@ -122,8 +122,14 @@ class Placement(abc.ABC):
         if self.replicate is not None:
             self.replicate.broadcast(t, src=0)
 
-    def all_gather(self, full: torch.Tensor, mine: torch.Tensor, async_op: bool = False, label: str = "all_gather"):
-        """Every rank's part `mine` into `full` (rank order) over the shard group."""
+    def all_gather(self, full: torch.Tensor, mine: torch.Tensor, async_op: bool = False, label: str = "all_gather",
+                   quantized: bool = False):
+        """Every rank's part `mine` into `full` (rank order) over the shard group; `quantized`: as
+        int8 weight blocks (ZeRO++ qwZ; see [Note: int8 weight blocks] in zero/zeropp/blocks.py)."""
+        if quantized and self.comm.world_size > 1:
+            from zero.zeropp.gather import all_gather_quantized
+
+            return all_gather_quantized(self.comm, full, mine, async_op=async_op)
         return self.comm.all_gather(full, mine, async_op=async_op, label=label)
 
     # -- buckets (stages 0-2)

@@ -123,6 +123,9 @@ class Stage3Options:
         param_nvme: put the shards beyond `max_in_cpu` in files (zero/offload/param_swap.py), or None.
         hpz: ranks of a node that keep secondary shards from forward for backward (ZeRO++ hpZ,
             `zero_hpz_partition_size`; 1: none).
+        quantize_weights: all-gather int8 weight blocks (ZeRO++ qwZ, `zero_quantized_weights`).
+        quantize_frozen_weights: the same for units of frozen parameters only
+            (`zero_quantized_nontrainable_weights`).
         log_trace_changes: warn when a recorded order of units changes
             (`log_trace_cache_warnings`).
         gather_on_apply: `module.apply(fn)` sees gathered parameters (`override_module_apply`).
@@ -138,6 +141,8 @@ class Stage3Options:
     pin_memory: bool = False
     param_nvme: ParamNVMe | None = None
     hpz: int = 1
+    quantize_weights: bool = False
+    quantize_frozen_weights: bool = False
     log_trace_changes: bool = False
     gather_on_apply: bool = True
 
@@ -175,7 +180,8 @@ def options_from_config(cfg: ZeroConfig, world_size: int, num_threads: int, stat
         prefetch_elements=zc.prefetch_bucket_size, max_live_elements=zc.max_live_parameters,
         max_reuse_distance=zc.max_reuse_distance, offload_param=offload_param,
         pin_memory=offload_param and zc.offload_param.pin_memory, param_nvme=param_nvme_policy(cfg),
-        hpz=zc.zero_hpz_partition_size,
+        hpz=zc.zero_hpz_partition_size, quantize_weights=zc.zero_quantized_weights,
+        quantize_frozen_weights=zc.zero_quantized_nontrainable_weights,
         log_trace_changes=zc.log_trace_cache_warnings, gather_on_apply=zc.override_module_apply)
     return Precision.from_config(cfg, state_dtype), step, reduce, stage3
 

@@ -125,6 +125,8 @@ class ParamUnit:
             zero/offload/param_swap.py), or None.
         hpz: the group of this rank's node that keeps a secondary shard of the gathered unit from
             forward to backward (ZeRO++ hpZ; see [Note: hpZ]), or None.
+        quantized: its all-gather sends int8 weight blocks (ZeRO++ qwZ; see [Note: int8 weight
+            blocks] in zero/zeropp/blocks.py); the shard and its master stay exact.
     """
 
     def __init__(self, index: int, name: str, params: list[nn.Parameter], groups: list[int], placement: Sharded,
@@ -136,8 +138,9 @@ class ParamUnit:
                  owned: Owned | None = None,
                  new_state: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  host16: Callable[[int], torch.Tensor] | None = None, swap: ParamSwap | None = None,
-                 hpz: Comm | None = None):
+                 hpz: Comm | None = None, quantized: bool = False):
         comm = placement.comm
+        self.quantized = quantized and not persistent  # its all-gather sends int8 blocks (ZeRO++ qwZ)
         self.index, self.name, self.placement, self.comm, self.device = index, name, placement, comm, device
         self.dtype, self.reduce_dtype = precision.param, precision.reduce
         self.persistent, self.offload_param, self.swap = persistent, offload_param, swap
@@ -277,13 +280,14 @@ class ParamUnit:
                 self._gather = _InFlight(None, None)
             elif world == 1 or self.gathered == 1:  # the output layout is the full buffer's own
                 self._allocate()
-                work = self.placement.all_gather(self.full[: world * n], shard[:n], async_op=True)
+                work = self.placement.all_gather(self.full[: world * n], shard[:n], async_op=True,
+                                                 quantized=self.quantized)
                 self._gather = _InFlight(work, None, source=shard)
             else:
                 buffer = torch.empty(world * n, dtype=self.dtype, device=self.device)
                 self.gauges.gather_buffers.add(_nbytes(buffer))
-                self._gather = _InFlight(self.placement.all_gather(buffer, shard[:n], async_op=True), buffer,
-                                         source=shard)
+                self._gather = _InFlight(self.placement.all_gather(buffer, shard[:n], async_op=True,
+                                                                   quantized=self.quantized), buffer, source=shard)
             if self.matrices:
                 self._allocate()
                 self._gather.owned = self.matrices.start_gather()

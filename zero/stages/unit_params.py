@@ -82,7 +82,9 @@ class UnitParams(ParamStorage):
                              host_empty=host_empty, gauges=gauges, owned=owned,
                              new_state=lambda like: self.store.new(like.shape),
                              host16=lambda n: self.host_memory.empty((n,), precision.param, pin),
-                             swap=self.swap if on_disk.get(path) and path != "<persistent>" else None, hpz=hpz)
+                             swap=self.swap if on_disk.get(path) and path != "<persistent>" else None, hpz=hpz,
+                             quantized=options.quantize_weights or (options.quantize_frozen_weights and all(
+                                 group_of.get(p, -1) < 0 for p in unit_params)))
             self.units.append(unit)
             unit_modules.append(None if unit.persistent else modules.get(path))
         if self.swap is not None:

@@ -1,0 +1,47 @@
+"""qwZ's all-gather: each rank sends its shard as int8 weight blocks (see [Note: int8 weight
+blocks] in zero/zeropp/blocks.py) and every rank decodes all the messages into the gathered
+buffer, on waiting for the collective."""
+from __future__ import annotations
+
+import torch
+
+from zero.parallel.comm import Comm
+from zero.zeropp.blocks import dequantize, message_bytes, quantize
+
+LABEL = "all_gather (qwZ)"  # its line in the comm report and the byte ledger
+
+
+class QuantizedGather:
+    """An all-gather of int8 weight blocks in flight: `wait` waits for it, then decodes every
+    rank's message into the output (once)."""
+
+    def __init__(self, work, messages: torch.Tensor, out: torch.Tensor, n: int):
+        self.work, self.messages, self.out, self.n = work, messages, out, n
+
+    def wait(self, timeout=None) -> None:
+        if self.messages is None:
+            return
+        if self.work is not None:
+            self.work.wait()
+        dequantize(self.messages, self.n, self.out)
+        self.messages = None  # the messages' memory goes back now
+
+    def is_completed(self) -> bool:
+        return self.messages is None
+
+
+def all_gather_quantized(comm: Comm, full: torch.Tensor, mine: torch.Tensor, async_op: bool = False):
+    """Every rank's part `mine` (n elements) into `full` (its first world * n elements, rank
+    order), sent as int8 weight blocks. Returns the handle (async_op), else None once done."""
+    n, world = mine.numel(), comm.world_size
+    if full.numel() < world * n or not full.is_contiguous():
+        raise ValueError(f"qwZ all-gather: the output holds {full.numel()} elements (contiguous: "
+                         f"{full.is_contiguous()}); {world} ranks x {n} need a contiguous {world * n}")
+    message = quantize(mine)
+    messages = torch.empty(world, message_bytes(n), dtype=torch.uint8, device=mine.device)
+    work = comm.all_gather(messages.view(-1), message, async_op=True, label=LABEL)
+    handle = QuantizedGather(work, messages, full.view(-1)[: world * n], n)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
