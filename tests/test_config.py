@@ -819,7 +819,7 @@ def test_pin_memory_without_offload_warns():
     ({"amp": {"enabled": True, "opt_level": "O1"}}, "amp.enabled"),
     ({"sparse_gradients": True}, "sparse_gradients"),
     ({"curriculum_learning": {"enabled": True}}, "curriculum_learning.enabled"),
-    ({"zero_optimization": {"zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients"),
+    ({"zero_optimization": {"zeropp_loco_param": {"err_beta": 0.8}}}, "zero_optimization.zeropp_loco_param"),
     ({"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}}},
      "compression_training"),
 ])

@@ -236,8 +236,8 @@ def test_deepspeed_config_loads_as_zero_does(tmp_path):
         DeepSpeedConfig({"train_batch_size": 8, "zero_optimization": {"stag": 1}})
     with pytest.raises(ConfigError, match=r"train_batch_size must equal"):
         DeepSpeedConfig({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1})
-    with pytest.raises(DeepSpeedConfigError, match=r"zero_quantized_gradients: set to true, which zero does not implement"):
-        DeepSpeedConfig({"train_batch_size": 8, "zero_optimization": {"zero_quantized_gradients": True}})
+    with pytest.raises(DeepSpeedConfigError, match=r"zeropp_loco_param: set to .*which zero does not implement"):
+        DeepSpeedConfig({"train_batch_size": 8, "zero_optimization": {"zeropp_loco_param": {"err_beta": 0.8}}})
     assert issubclass(ConfigError, DeepSpeedConfigError) and issubclass(ConfigError, ValueError)
 
 

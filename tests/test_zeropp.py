@@ -113,7 +113,10 @@ def _train(steps: int) -> dict:
         base = build_model("gpt")
         runs = {}
         for name, extra in (("exact", {}), ("qwz", {"zero_quantized_weights": True}),
-                            ("hpz+qwz", {"zero_quantized_weights": True, "zero_hpz_partition_size": 2})):
+                            ("hpz+qwz", {"zero_quantized_weights": True, "zero_hpz_partition_size": 2}),
+                            ("qgz", {"zero_quantized_gradients": True}),
+                            ("zero++", {"zero_quantized_weights": True, "zero_hpz_partition_size": 2,
+                                        "zero_quantized_gradients": True})):
             zc = {"stage": 3, **STAGE3["gpt"], "stage3_max_reuse_distance": 0, **extra}
             engine = zero.initialize(model=copy.deepcopy(base), config={
                 "train_micro_batch_size_per_gpu": 2, "zero_optimization": zc, "bf16": {"enabled": True},
@@ -134,11 +137,11 @@ def _train(steps: int) -> dict:
         os.environ.pop("GROUP_RANK")
 
 
-def test_qwz_trains_within_the_loss_bound_and_halves_the_gathers_bytes(dist_run):
+def test_zeropp_trains_within_the_loss_bound_and_sends_a_quarter_of_the_bytes_across_nodes(dist_run):
     for r in dist_run(4, _train, 12):
-        exact, qwz, both = r["exact"], r["qwz"], r["hpz+qwz"]
+        exact, qwz, both, qgz, zpp = r["exact"], r["qwz"], r["hpz+qwz"], r["qgz"], r["zero++"]
         assert exact["loss"] < exact["first"] * 0.95, exact  # it learns
-        for run in (qwz, both):
+        for run in (qwz, both, qgz, zpp):
             assert abs(run["loss"] - exact["loss"]) <= 0.005 * exact["loss"], (run["loss"], exact["loss"])
             assert not torch.equal(run["masters"], exact["masters"])  # the forward did see rounded weights
             assert run["crossing"] == pytest.approx(run["formula"], rel=0.1)  # the ledger and the formula
@@ -146,6 +149,11 @@ def test_qwz_trains_within_the_loss_bound_and_halves_the_gathers_bytes(dist_run)
         assert qwz["comm"]["all_gather (qwZ)"]["bytes"] <= 0.53 * exact["comm"]["all_gather"]["bytes"]
         assert both["comm"]["all_gather (hpZ)"]["cross_node_bytes"] == 0  # backward's gathers stay in the node
         assert both["crossing"] < qwz["crossing"] < exact["crossing"]
+        # the reduce-scatter's bytes across nodes: one int8 message of its part to the other node
+        assert qgz["comm"]["all_to_all (qgZ, across)"]["cross_node_bytes"] <= 0.26 * exact["comm"]["reduce_scatter"][
+            "cross_node_bytes"]
+        assert "reduce_scatter" not in zpp["comm"]
+        assert zpp["crossing"] <= 0.3 * exact["crossing"], (zpp["crossing"], exact["crossing"])  # ZeRO++'s target
 
 
 def test_quantized_weights_outside_stage_3_are_refused_naming_the_key():
@@ -155,3 +163,43 @@ def test_quantized_weights_outside_stage_3_are_refused_naming_the_key():
         with pytest.raises(ConfigError, match=f"zero_optimization.{key}.*stage 3"):
             load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, key: True}},
                         world_size=1)
+
+
+def _two_hop(n: int, nodes: int) -> dict:
+    from zero.parallel.comm import Comm
+    from zero.zeropp.reduce import TwoHop
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    os.environ["GROUP_RANK"] = str(rank * nodes // world)  # `nodes` nodes of consecutive ranks
+    try:
+        from zero.parallel.nodes import node_of_ranks
+
+        comm = Comm()
+        comm.place_on_nodes(dict(enumerate(node_of_ranks())))
+        hop = TwoHop(comm)
+        grads = [torch.randn(world * n, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+        buf = grads[rank].clone()
+        mine = buf[rank * n : (rank + 1) * n]  # a view of the input, as stage 3 hands it
+        hop.reduce_scatter(mine, buf)
+        exact = torch.stack(grads).sum(0)[rank * n : (rank + 1) * n]
+        step = max(g.abs().max().item() for g in grads) / 254  # half a step of the largest block, per rounding
+        counts = {c: comm_.report() for c, comm_ in (("node", hop.in_node), ("across", hop.across)) if comm_}
+        return {"error": (mine - exact).abs().max().item(), "bound": 2 * world * step, "counts": counts,
+                "shape": (hop.nodes, hop.local)}
+    finally:
+        os.environ.pop("GROUP_RANK")
+
+
+@pytest.mark.parametrize("world, nodes", [(4, 2), (6, 3), (6, 2), (3, 3)])
+def test_qgz_reduce_scatters_any_size_in_two_quantized_hops_within_the_rounding_bound(dist_run, world, nodes):
+    for n in (1, 517):
+        for r in dist_run(world, _two_hop, n, nodes):
+            assert r["shape"] == (nodes, world // nodes)
+            assert r["error"] <= r["bound"], r  # within half a step per element and hop
+            assert r["error"] > 0 or n == 1, r  # rounded (a message of one element is exact: +-127 steps)
+            counts = r["counts"]
+            if nodes > 1:  # one message of n elements to every other node, nothing more crosses
+                across = counts["across"]["all_to_all (qgZ, across)"]
+                assert across["cross_node_bytes"] == (nodes - 1) * message_bytes(n), across
+            if world // nodes > 1:
+                assert counts["node"]["all_to_all (qgZ, node)"]["cross_node_bytes"] == 0

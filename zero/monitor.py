@@ -335,8 +335,9 @@ def _cross_node_formula(engine) -> tuple[str, float | None]:
     units = sum(u.full_numel for u in getattr(storage, "units", []) if not u.persistent)
     hpz = stage == 3 and engine.config.zero_optimization.zero_hpz_partition_size > 1
     qwz = stage == 3 and engine.config.zero_optimization.zero_quantized_weights
+    qgz = stage == 3 and engine.config.zero_optimization.zero_quantized_gradients
     predicted = cross_node_bytes(stage, world, local, engine.config.gradient_accumulation_steps, psi, units, hybrid,
-                                 precision.param.itemsize, precision.reduce.itemsize, hpz, qwz)
+                                 precision.param.itemsize, precision.reduce.itemsize, hpz, qwz, qgz)
     note = "" if stage < 3 or hybrid else " with every unit gathered for forward" + ("" if hpz else " and again for backward")
     return f" (the formula{note}: {_bytes(predicted)}; zero.estimate.comm)", predicted
 

@@ -198,8 +198,6 @@ UNIMPLEMENTED_FEATURES: tuple[UnimplementedFeature, ...] = (
              "master weights and their gradients are fp32"),
     _refused("zero_optimization.legacy_stage1", _flag(False, "DeepSpeed's old stage 1 (not implemented)."),
              "DeepSpeed's old stage-1 code; use stage 1"),
-    _refused("zero_optimization.zero_quantized_gradients", _flag(False, "ZeRO++ qgZ (not implemented)."),
-             "ZeRO++ quantized gradients (qgZ)"),
     _refused("zero_optimization.zeropp_loco_param",
              _key(Optional[dict[str, Any]], None, "LoCo-ZeRO++ (not implemented)."), "LoCo-ZeRO++ error feedback"),
     _refused("zero_optimization.mics_hierarchical_params_gather", _flag(False, "MiCS (not implemented)."), "MiCS"),

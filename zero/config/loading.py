@@ -319,10 +319,12 @@ def load_config(config: Union[Mapping[str, Any], str, pathlib.Path], world_size:
         if problem:
             _raise([(("zero_optimization", "zero_hpz_partition_size"), f"is {hpz}: it {problem}")], source)
     zc = cfg.zero_optimization
-    for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):
+    for key, what in (("zero_quantized_weights", "quantized weights are stage 3's all-gather"),
+                      ("zero_quantized_nontrainable_weights", "quantized weights are stage 3's all-gather"),
+                      ("zero_quantized_gradients", "quantized gradients are stage 3's reduce-scatter")):
         if getattr(zc, key) and zc.stage != 3:
-            _raise([(("zero_optimization", key), f"is true at stage {zc.stage}: quantized weights are stage 3's "
-                     f"all-gather (set stage 3, or leave it false)")], source)
+            _raise([(("zero_optimization", key), f"is true at stage {zc.stage}: {what} (set stage 3, or leave it "
+                     f"false)")], source)
     data_parallel = _parallel_dims(cfg, world_size, source).size("batch")  # the ranks loading different samples
     if cfg.elasticity.enabled:  # the section decides the batch (zero/config/elasticity.py)
         cfg = _elastic(cfg, world_size, world_size // data_parallel, source)

@@ -304,6 +304,9 @@ class ZeroOptimizationConfig(_Section):
                                          "masters, optimizer states and gradient reductions stay exact.")
     zero_quantized_nontrainable_weights: bool = Field(False, description="ZeRO++ (stage 3): the same for the units "
                                                       "of frozen parameters only (LoRA's base weights).")
+    zero_quantized_gradients: bool = Field(False, description="ZeRO++ qgZ (stage 3): reduce-scatter gradients as "
+                                           "two int8 all-to-alls, inside each node and then across nodes; the "
+                                           "optimizer's masters and states stay exact.")
     mics_shard_size: int = Field(-1, description="Hybrid sharding (MiCS, HSDP): shard the states over groups of "
                                  "this many data-parallel ranks (usually the ranks of a node) and replicate them across "
                                  "the groups; -1: over every rank.")

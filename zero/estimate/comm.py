@@ -10,7 +10,9 @@ s = (N - L) / N the share of the group's ranks on other nodes:
   again for backward (no reuse across them) and reduce-scatters the gradients; with hpZ
   (`zero_hpz_partition_size` = L) backward gathers inside the node: a (p Psi_u + r Psi) s; with
   qwZ (`zero_quantized_weights`) the gathers send q = 1 + 4/256 bytes per element instead of p
-  (int8 codes and one fp32 scale per block of 256; see zero/zeropp/blocks.py);
+  (int8 codes and one fp32 scale per block of 256; see zero/zeropp/blocks.py); with qgZ
+  (`zero_quantized_gradients`) the reduction sends one q-byte message of its part to each other
+  node, q Psi s / L in place of r Psi s (see [Note: qgZ] in zero/zeropp/reduce.py);
 - flat stage 2: a r Psi s + p Psi s: a reduce-scatter per micro-step, one all-gather per step;
 - flat stage 1: (r Psi + p Psi) s: both once per step;
 - hybrid sharding (shard groups of L ranks, R = N / L replicas): 2 g (Psi / L) (R - 1) / R, the
@@ -22,7 +24,8 @@ from __future__ import annotations
 
 
 def cross_node_bytes(stage: int, world: int, local: int, accumulation: int, psi: int, psi_units: int = 0,
-                     hybrid: bool = False, p: int = 2, r: int = 2, hpz: bool = False, qwz: bool = False) -> float:
+                     hybrid: bool = False, p: int = 2, r: int = 2, hpz: bool = False, qwz: bool = False,
+                     qgz: bool = False) -> float:
     """Bytes per rank and optimizer step that cross a node boundary (see the module's docstring).
 
     Args:
@@ -36,6 +39,7 @@ def cross_node_bytes(stage: int, world: int, local: int, accumulation: int, psi:
         p, r: bytes per parameter element and per reduced-gradient element.
         hpz: stage 3 with hpZ over the ranks of a node (backward's gathers stay inside it).
         qwz: stage 3's gathers send int8 weight blocks.
+        qgz: stage 3's reduce-scatter is qgZ's two quantized hops.
     """
     if hybrid:
         replicas = world // local
@@ -43,8 +47,9 @@ def cross_node_bytes(stage: int, world: int, local: int, accumulation: int, psi:
         return 2 * g * (psi / local) * (replicas - 1) / replicas
     share = (world - local) / world
     if stage == 3:
-        gathered = 1 + 4 / 256 if qwz else p
-        return accumulation * ((1 if hpz else 2) * gathered * psi_units + r * psi) * share
+        q = 1 + 4 / 256
+        gathered, reduced = q if qwz else p, q / local if qgz else r
+        return accumulation * ((1 if hpz else 2) * gathered * psi_units + reduced * psi) * share
     if stage == 2:
         return (accumulation * r + p) * psi * share
     return (r + p) * psi * share

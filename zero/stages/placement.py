@@ -67,6 +67,7 @@ class Placement(abc.ABC):
                              f"at all, not into {partitions} parts")
         self.comm, self.partitions, self.replicate = shard, partitions, replicate
         self.rank = shard.rank if partitions > 1 else 0  # this rank's part
+        self.two_hop = None  # ZeRO++ qgZ: reduce-scatters as two quantized all-to-alls (zero/zeropp/reduce.py)
 
     @property
     def summed(self) -> int:
@@ -94,7 +95,11 @@ class Placement(abc.ABC):
         group into this rank's part `mine` (a view of `buf` or apart), then (`replicas`) over the
         replicate group."""
         chained = replicas and self.replicate is not None
-        work = self.comm.reduce_scatter(mine, buf, async_op=async_op or chained)
+        if self.two_hop is not None:  # quantized, inside the node then across (see [Note: qgZ])
+            self.two_hop.reduce_scatter(mine, buf)
+            work = _Done()
+        else:
+            work = self.comm.reduce_scatter(mine, buf, async_op=async_op or chained)
         return self._then_replicas(work, mine, async_op) if chained else work
 
     def all_reduce(self, buf: torch.Tensor, async_op: bool = False, replicas: bool = True):
@@ -276,6 +281,16 @@ class Each:
             return self
         self.wait()
         return None
+
+
+class _Done:
+    """The handle of a collective that already finished."""
+
+    def wait(self, timeout=None) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
 
 
 class _Then:

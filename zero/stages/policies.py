@@ -126,6 +126,8 @@ class Stage3Options:
         quantize_weights: all-gather int8 weight blocks (ZeRO++ qwZ, `zero_quantized_weights`).
         quantize_frozen_weights: the same for units of frozen parameters only
             (`zero_quantized_nontrainable_weights`).
+        quantize_gradients: reduce-scatter gradients as two int8 all-to-alls, inside the node then
+            across (ZeRO++ qgZ, `zero_quantized_gradients`).
         log_trace_changes: warn when a recorded order of units changes
             (`log_trace_cache_warnings`).
         gather_on_apply: `module.apply(fn)` sees gathered parameters (`override_module_apply`).
@@ -143,6 +145,7 @@ class Stage3Options:
     hpz: int = 1
     quantize_weights: bool = False
     quantize_frozen_weights: bool = False
+    quantize_gradients: bool = False
     log_trace_changes: bool = False
     gather_on_apply: bool = True
 
@@ -181,7 +184,7 @@ def options_from_config(cfg: ZeroConfig, world_size: int, num_threads: int, stat
         max_reuse_distance=zc.max_reuse_distance, offload_param=offload_param,
         pin_memory=offload_param and zc.offload_param.pin_memory, param_nvme=param_nvme_policy(cfg),
         hpz=zc.zero_hpz_partition_size, quantize_weights=zc.zero_quantized_weights,
-        quantize_frozen_weights=zc.zero_quantized_nontrainable_weights,
+        quantize_frozen_weights=zc.zero_quantized_nontrainable_weights, quantize_gradients=zc.zero_quantized_gradients,
         log_trace_changes=zc.log_trace_cache_warnings, gather_on_apply=zc.override_module_apply)
     return Precision.from_config(cfg, state_dtype), step, reduce, stage3
 

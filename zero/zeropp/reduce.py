@@ -1,0 +1,99 @@
+"""qgZ: stage 3's gradient reduce-scatter as two quantized all-to-alls, inside the node, then
+across nodes.
+
+[Note: qgZ]
+ZeRO++'s quantized gradients (`zero_quantized_gradients`). With N ranks as M nodes of L, rank
+(m, l) (node m, place l in it) holds the gradients of every rank's part, N parts of n elements.
+- Inside the node: to each rank (m, l') of its node it sends, as one int8 message (see [Note:
+  int8 weight blocks] in zero/zeropp/blocks.py), the M parts of the ranks (*, l'): the parts
+  whose owners sit at place l' of some node. Each rank sums (in fp32, in the node's rank order)
+  the L messages it gets: the node's partial sums of the M parts owned at its place.
+- Across nodes: among the ranks at place l of every node, it sends each (m', l) the node's
+  partial sum of (m', l)'s part, as an int8 message; the sum of the M messages it gets is its own
+  part's sum over all N ranks.
+Each rank sends (M - 1) messages of n elements across nodes, where a flat reduce-scatter sends
+L (M - 1) parts of n at the gradients' width: 1 / L of the parts, at about half the bytes of
+bf16. Any n works (the blocks' last one is ragged). Rounding happens twice: each gradient's value
+is within half a step of its block (its amax / 254) at each hop, so the sum's error is bounded by
+the sums of those steps; the optimizer's masters and states are exact. One hop is skipped where
+it moves nothing (one node: no second hop; one rank per node: no first).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from zero.parallel.comm import Comm
+from zero.zeropp.blocks import dequantize, message_bytes, quantize
+
+NODE, ACROSS = "all_to_all (qgZ, node)", "all_to_all (qgZ, across)"  # their lines in the comm report
+
+
+class TwoHop:
+    """qgZ's two groups for the ranks of `comm`: this rank's node, and the ranks at its place in
+    every node. Made once, when the engine is built (every rank of `comm` makes its own)."""
+
+    def __init__(self, comm: Comm):
+        from zero.parallel.groups import group_of
+
+        node_of = comm.node_of if comm.node_of is not None else [0] * comm.world_size
+        nodes: dict[int, list[int]] = {}
+        for r, node in enumerate(node_of):
+            nodes.setdefault(node, []).append(r)
+        sizes = {len(ranks) for ranks in nodes.values()}
+        if len(sizes) > 1:
+            raise ValueError(f"zero_optimization.zero_quantized_gradients: the ranks per node differ "
+                             f"({sorted(len(r) for r in nodes.values())}); qgZ's two hops need the same number on "
+                             f"every node")
+        self.comm = comm
+        self.rank_at = list(nodes.values())  # rank_at[m][l]: the comm rank at place l of node m
+        self.nodes, self.local = len(self.rank_at), sizes.pop()
+        self.node = next(m for m, ranks in enumerate(self.rank_at) if comm.rank in ranks)
+        self.place = self.rank_at[self.node].index(comm.rank)
+        members = dist.get_process_group_ranks(comm.group or dist.group.WORLD) if comm.distributed else [0]
+        placed = {members[r]: node_of[r] for r in range(comm.world_size)}
+
+        def sub(ranks: list[int]) -> Comm:
+            c = Comm(group_of([members[r] for r in ranks]))
+            c.place_on_nodes({members[r]: placed[members[r]] for r in ranks})
+            return c
+
+        self.in_node = sub(self.rank_at[self.node]) if self.local > 1 else None
+        self.across = sub([ranks[self.place] for ranks in self.rank_at]) if self.nodes > 1 else None
+
+    def side_comms(self) -> list[Comm]:
+        """Its groups, whose counts join the comm report."""
+        return [c for c in (self.in_node, self.across) if c is not None]
+
+    @torch.no_grad()
+    def reduce_scatter(self, mine: torch.Tensor, buf: torch.Tensor) -> None:
+        """SUM `buf` (this rank's gradients: the comm's N ranks' parts, n elements each, in rank
+        order) over the ranks into `mine` (this rank's part, n elements; may be a view of `buf`)."""
+        n, nodes, local = mine.numel(), self.nodes, self.local
+        parts = buf.view(self.comm.world_size, n)
+        # the parts owned at each place of each node: (place, node, n)
+        order = torch.tensor([self.rank_at[m][at] for at in range(local) for m in range(nodes)], device=buf.device)
+        by_place = parts.index_select(0, order).view(local, nodes * n)
+        if self.in_node is None:
+            partial = by_place[0].float().view(nodes, n)
+        else:
+            partial = _sum_messages(self.in_node, by_place, NODE).view(nodes, n)
+        if self.across is None:
+            mine.copy_(partial[0])
+        else:
+            mine.copy_(_sum_messages(self.across, partial, ACROSS))
+
+
+def _sum_messages(comm: Comm, rows: torch.Tensor, label: str) -> torch.Tensor:
+    """Row i of `rows` to rank i of `comm` as an int8 message; the fp32 sum of the messages this
+    rank gets (in rank order)."""
+    k, width = rows.shape
+    size = message_bytes(width)
+    send = torch.empty(k, size, dtype=torch.uint8, device=rows.device)
+    for i in range(k):
+        quantize(rows[i], out=send[i])
+    got = torch.empty_like(send)
+    comm.all_to_all(got, send, label=label)
+    values = torch.empty(k * width, dtype=torch.float32, device=rows.device)
+    dequantize(got, width, values)
+    return values.view(k, width).sum(0)
