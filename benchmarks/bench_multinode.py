@@ -1,8 +1,8 @@
 """Past one node: the bytes each layout sends across nodes and inside them, per optimizer step, from
 the comm report's byte ledger, beside the formula's number, and the loss against flat ZeRO-3.
 
-    python benchmarks/bench_multinode.py            # 2 nodes x 2 ranks on this host; results/multinode.md
-    python benchmarks/bench_multinode.py --steps 300 --write
+    python benchmarks/bench_multinode.py            # 2 nodes x 2 ranks on this host, 3 steps
+    python benchmarks/bench_multinode.py --steps 300 --write   # results/multinode.md
 
 Two torchrun agents on this host (`--nnodes 2 --node-rank 0/1`, a localhost rendezvous) are two
 nodes of 2 ranks each, as zero sees them (zero/parallel/nodes.py). The demo GPT in bf16 trains with
@@ -12,7 +12,9 @@ ledger] in zero/parallel/comm.py), summed over the ranks and divided by them (pe
 
 The formulas are zero.estimate.comm.cross_node_bytes (its docstring has them), with bf16
 parameters and reductions, every micro-step of ZeRO-3 gathering its units for forward and for
-backward (`stage3_max_reuse_distance` 0), and a shard group of hybrid sharding being a node.
+backward (`stage3_max_reuse_distance` 0), and a shard group of hybrid sharding being a node. The
+ZeRO++ layouts add qwZ's int8 all-gathers and qgZ's two quantized hops (zero/zeropp); their loss is
+compared with flat ZeRO-3's on the same data (the target: within 0.5%).
 """
 from __future__ import annotations
 
@@ -31,15 +33,33 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 RESULTS = Path(__file__).resolve().parent / "results"
-LAYOUTS = {  # name -> (stage, mics_shard_size, zero_hpz_partition_size)
-    "ZeRO-3 (flat)": (3, -1, 1),
-    "ZeRO++ hpZ (secondary shards in a node)": (3, -1, 2),
-    "HSDP: ZeRO-3 sharded in a node": (3, 2, 1),
-    "stage 2 (flat)": (2, -1, 1),
-    "stage 2 hybrid": (2, 2, 1),
-    "stage 1 (flat)": (1, -1, 1),
-    "stage 1 hybrid": (1, 2, 1),
+LAYOUTS = {  # name -> (stage, zero_optimization keys)
+    "ZeRO-3 (flat)": (3, {}),
+    "ZeRO++ hpZ (secondary shards in a node)": (3, {"zero_hpz_partition_size": 2}),
+    "ZeRO++ hpZ + qwZ": (3, {"zero_hpz_partition_size": 2, "zero_quantized_weights": True}),
+    "ZeRO++ hpZ + qwZ + qgZ": (3, {"zero_hpz_partition_size": 2, "zero_quantized_weights": True,
+                                   "zero_quantized_gradients": True}),
+    "HSDP: ZeRO-3 sharded in a node": (3, {"mics_shard_size": 2}),
+    "stage 2 (flat)": (2, {}),
+    "stage 2 hybrid": (2, {"mics_shard_size": 2}),
+    "stage 1 (flat)": (1, {}),
+    "stage 1 hybrid": (1, {"mics_shard_size": 2}),
 }
+VOCAB, CHOICES = 256, 4  # the data: each token followed by one of 4 tokens (a fixed table); loss floor ln 4
+
+
+def _batches(rank: int, world: int):
+    """Every rank's 2 sequences of 65 tokens per micro-step, from one generator: a random walk through
+    a fixed table of 4 successors per token (learnable, unlike uniform tokens)."""
+    table = torch.randint(0, VOCAB, (VOCAB, CHOICES), generator=torch.Generator().manual_seed(7))
+    g = torch.Generator().manual_seed(1234)
+    while True:
+        x = torch.empty(2 * world, 65, dtype=torch.long)
+        x[:, 0] = torch.randint(0, VOCAB, (2 * world,), generator=g)
+        pick = torch.randint(0, CHOICES, (2 * world, 64), generator=g)
+        for t in range(64):
+            x[:, t + 1] = table[x[:, t], pick[:, t]]
+        yield x[2 * rank : 2 * rank + 2]
 
 
 def worker(out: str, steps: int) -> None:
@@ -48,26 +68,26 @@ def worker(out: str, steps: int) -> None:
     import torch.nn.functional as F
 
     import zero
+    from zero.estimate import estimate_memory
     from zero.models import GPT, GPTConfig
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
-    for name, (stage, shard, hpz) in LAYOUTS.items():
+    for name, (stage, keys) in LAYOUTS.items():
         for accumulation in (1, 4):
             torch.manual_seed(0)
-            model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128))
+            model = GPT(GPTConfig(vocab_size=VOCAB, block_size=64, n_layer=4, n_head=4, n_embd=128))
             config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accumulation,
                       "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
-                      "zero_optimization": {"stage": stage, "mics_shard_size": shard, "zero_hpz_partition_size": hpz,
-                                            "reduce_bucket_size": 1 << 22,
+                      "zero_optimization": {"stage": stage, **keys, "reduce_bucket_size": 1 << 22,
                                             "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
                                             "stage3_prefetch_bucket_size": 0}}
             engine, *_ = zero.initialize(model=model, config=config)
-            g = torch.Generator().manual_seed(1234)
-            losses = []
-            for _ in range(steps * accumulation):
-                x = torch.randint(0, 256, (2 * world, 65), generator=g)[2 * rank : 2 * rank + 2]
+            data, losses = _batches(rank, world), []
+            run = steps if accumulation == 1 else max(2, steps // 4)  # the same micro-steps at accumulation 4
+            for _ in range(run * accumulation):
+                x = next(data)
                 logits = engine(x[:, :-1])
                 loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
                 engine.backward(loss)
@@ -77,15 +97,25 @@ def worker(out: str, steps: int) -> None:
             mine = torch.tensor([sum(c["bytes"] for c in comm.values()),
                                  sum(c["cross_node_bytes"] for c in comm.values())], dtype=torch.float64)
             dist.all_reduce(mine)
-            loss = torch.tensor([sum(losses[-accumulation:]) / accumulation], dtype=torch.float64)
+            tail = min(len(losses), 10 * accumulation)  # the mean of the last 10 steps' losses, over the ranks
+            loss = torch.tensor([sum(losses[-tail:]) / tail], dtype=torch.float64)
             dist.all_reduce(loss)
+            report = engine.memory_report()
+            memory = torch.tensor([report["model_states_total"], report.get("hpz_secondary_peak", 0)],
+                                  dtype=torch.float64)
+            dist.all_reduce(memory, op=dist.ReduceOp.MAX)
+            shards = engine.comm.world_size
+            estimate = estimate_memory(engine.module, shards, dtype="bf16", gpus_per_node=shards,
+                                       config={"zero_optimization": config["zero_optimization"]}).row(stage, "none")
             storage = engine.optimizer.storage
             gathered = sum(u.full_numel for u in getattr(storage, "units", []) if not u.persistent)
             psi = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters())
-            results.append({"layout": name, "stage": stage, "shard": shard, "hpz": hpz, "accumulation": accumulation,
-                            "bytes": mine[0].item() / world, "cross": mine[1].item() / world,
-                            "loss": loss.item() / world, "psi": psi, "psi_units": gathered,
-                            "nodes": engine.comm.node_of, "world": world})
+            results.append({"layout": name, "stage": stage, "keys": keys, "accumulation": accumulation,
+                            "steps": run, "bytes": mine[0].item() / world, "cross": mine[1].item() / world,
+                            "loss": loss.item() / world, "first_loss": losses[0], "psi": psi, "psi_units": gathered,
+                            "nodes": engine.comm.node_of, "world": world, "states": memory[0].item(),
+                            "secondary": memory[1].item(), "states_estimate": estimate.model_states_total,
+                            "buffers_estimate": estimate.buffers})
             engine.destroy()
     if rank == 0:
         Path(out).write_text(json.dumps(results, indent=1))
@@ -95,8 +125,10 @@ def worker(out: str, steps: int) -> None:
 def formula(r: dict) -> float:
     from zero.estimate.comm import cross_node_bytes
 
+    keys = r["keys"]
     return cross_node_bytes(r["stage"], r["world"], 2, r["accumulation"], r["psi"], r["psi_units"],
-                            hybrid=r["shard"] > 0, hpz=r.get("hpz", 1) > 1)
+                            hybrid=keys.get("mics_shard_size", -1) > 0, hpz=keys.get("zero_hpz_partition_size", 1) > 1,
+                            qwz=keys.get("zero_quantized_weights", False), qgz=keys.get("zero_quantized_gradients", False))
 
 
 def launch(steps: int) -> list[dict]:
@@ -122,17 +154,28 @@ def report(results: list[dict], steps: int) -> str:
     flat3 = {r["accumulation"]: r for r in results if r["layout"] == "ZeRO-3 (flat)"}
     lines = ["# Past one node: bytes across nodes per optimizer step (benchmarks/bench_multinode.py)", "",
              f"2 nodes x 2 ranks (two torchrun agents on one host, gloo), the demo GPT ({results[0]['psi']:,} "
-             f"parameters, 4 layers x 128) in bf16, {steps} steps, {time.strftime('%Y-%m-%d')}. Per rank and "
-             f"optimizer step, from the comm report's byte ledger; the formula's number beside it (see the "
-             f"module's docstring).", "",
+             f"parameters, 4 layers x 128) in bf16 on a learnable token walk (loss floor ln 4 = 1.386), "
+             f"{time.strftime('%Y-%m-%d')}. Per rank and optimizer step, from the comm report's byte ledger; the "
+             f"formula's number beside it (see the module's docstring). Loss: the mean of the last 10 steps over "
+             f"the ranks, after {steps} steps at accumulation 1 and {max(2, steps // 4)} at accumulation 4 (the "
+             f"same micro-batches); beside it, its difference from flat ZeRO-3's at the same accumulation.", "",
              "| layout | accumulation | across nodes | formula | ledger / formula | inside nodes | across / flat ZeRO-3's "
-             "| loss (last step) |", "|---|---|---|---|---|---|---|---|"]
+             "| loss | vs ZeRO-3 |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         f = formula(r)
-        base = flat3[r["accumulation"]]["cross"]
+        base = flat3[r["accumulation"]]
         lines.append(f"| {r['layout']} | {r['accumulation']} | {r['cross'] / 1e6:.3f} MB | {f / 1e6:.3f} MB | "
-                     f"{r['cross'] / f:.3f} | {(r['bytes'] - r['cross']) / 1e6:.3f} MB | {r['cross'] / base:.3f} | "
-                     f"{r['loss']:.4f} |")
+                     f"{r['cross'] / f:.3f} | {(r['bytes'] - r['cross']) / 1e6:.3f} MB | "
+                     f"{r['cross'] / base['cross']:.3f} | {r['loss']:.4f} | "
+                     f"{100 * (r['loss'] - base['loss']) / base['loss']:+.2f}% |")
+    lines += ["", "Memory per rank (accumulation 1; the largest rank's `memory_report()` against zero.estimate_memory "
+              "for the layout's shard group; hpZ's secondary shards are buffers, counted apart):", "",
+              "| layout | model states, measured | estimated | hpZ secondary shards (peak) | estimated buffers |",
+              "|---|---|---|---|---|"]
+    for r in results:
+        if r["accumulation"] == 1:
+            lines.append(f"| {r['layout']} | {r['states'] / 1e6:.3f} MB | {r['states_estimate'] / 1e6:.3f} MB | "
+                         f"{r['secondary'] / 1e6:.3f} MB | {r['buffers_estimate'] / 1e6:.3f} MB |")
     return "\n".join(lines) + "\n"
 
 

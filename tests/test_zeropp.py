@@ -203,3 +203,65 @@ def test_qgz_reduce_scatters_any_size_in_two_quantized_hops_within_the_rounding_
                 assert across["cross_node_bytes"] == (nodes - 1) * message_bytes(n), across
             if world // nodes > 1:
                 assert counts["node"]["all_to_all (qgZ, node)"]["cross_node_bytes"] == 0
+
+
+def _zpp_engine(zc_extra: dict, stage: int = 3):
+    import zero
+    from zero.testing.training import STAGE3, build_model
+
+    torch.manual_seed(0)
+    zc = {"stage": stage, **(STAGE3["gpt"] if stage == 3 else {}), **zc_extra}
+    return zero.initialize(model=build_model("gpt"), config={
+        "train_micro_batch_size_per_gpu": 2, "zero_optimization": zc,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})[0]
+
+
+ZEROPP = {"zero_hpz_partition_size": 2, "zero_quantized_weights": True, "zero_quantized_gradients": True}
+
+
+def _zpp_save(path: str) -> list[torch.Tensor]:
+    import zero
+    from zero.testing.training import make_batch
+
+    rank = dist.get_rank()
+    os.environ["GROUP_RANK"] = str(rank // 2)
+    try:
+        engine = _zpp_engine(ZEROPP)
+        for step in range(3):
+            engine.backward(engine(*make_batch("gpt", 2, torch.Generator().manual_seed(10 * step + rank))))
+            engine.step()
+        engine.save_checkpoint(path, tag="zpp")
+        with zero.GatheredParameters(list(engine.module.parameters())):  # fp32: the masters' exact values
+            return [p.detach().clone() for p in engine.module.parameters()]
+    finally:
+        os.environ.pop("GROUP_RANK")
+
+
+def _zpp_load(path: str, zc_extra: dict, stage: int) -> dict:
+    import zero
+    from zero.testing.training import make_batch
+
+    rank = dist.get_rank()
+    os.environ["GROUP_RANK"] = str(rank // 2)
+    try:
+        engine = _zpp_engine(zc_extra, stage)
+        engine.load_checkpoint(path, tag="zpp")
+        with zero.GatheredParameters(list(engine.module.parameters())):
+            loaded = [p.detach().clone() for p in engine.module.parameters()]
+        engine.backward(engine(*make_batch("gpt", 2, torch.Generator().manual_seed(99))))
+        engine.step()
+        return {"loaded": loaded, "steps": engine.global_steps}
+    finally:
+        os.environ.pop("GROUP_RANK")
+
+
+def test_a_zeropp_checkpoint_resumes_in_every_layout(dist_run, tmp_path):
+    """Saved by hpZ + qwZ + qgZ on 2 nodes x 2 ranks (the masters are exact, so the checkpoint is
+    ZeRO-3's), loaded into flat ZeRO-3 on 4 and 2 ranks, HSDP on 4, ZeRO++ on 4 and stage 1 on 1:
+    the same parameters bit for bit, and training goes on."""
+    path = str(tmp_path / "ckpt")
+    saved = dist_run(4, _zpp_save, path)[0]
+    for world, extra, stage in ((4, {}, 3), (2, {}, 3), (4, {"mics_shard_size": 2}, 3), (4, ZEROPP, 3), (1, {}, 1)):
+        r = dist_run(world, _zpp_load, path, extra, stage)[0]
+        assert all(torch.equal(a, b) for a, b in zip(r["loaded"], saved)), (world, extra, stage)
+        assert r["steps"] == 4

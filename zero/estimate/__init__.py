@@ -374,8 +374,10 @@ def _policies(config, stage: int, offload: str, dtype: str, world_size: int, mas
     data = copy.deepcopy(data)
     zo = dict(data.get("zero_optimization", {}))
     zo["stage"] = stage
-    if stage != 3:  # hpZ is stage 3's: the other rows go without it
-        zo.pop("zero_hpz_partition_size", None)
+    if stage != 3:  # hpZ and quantized collectives are stage 3's: the other rows go without them
+        for key in ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+                    "zero_quantized_gradients"):
+            zo.pop(key, None)
     for section, on, keys in (("offload_optimizer", offload in ("optimizer", "optimizer+param"), ("buffer_count",)),
                               ("offload_param", offload in ("param", "optimizer+param"),
                                ("buffer_count", "buffer_size", "max_in_cpu"))):
