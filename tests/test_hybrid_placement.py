@@ -169,3 +169,47 @@ def test_zero_init_shards_over_the_world_and_a_hybrid_engine_reshards_over_its_s
     for r in dist_run(4, _init_then_hybrid):
         assert r["error"] < 1e-6, r["error"]
         assert r["shard"] == -(-r["numel"] // 2)  # a shard of a pair, not of the 4 ranks zero.Init cut over
+
+
+def _hybrid_sequence_parallel(stage: int) -> dict:
+    """4 ranks: 2 replicas (mics_shard_size 1: one data rank per shard group) of a sequence-parallel
+    pair; the states are sharded over the pair and replicated across the replicas."""
+    import zero
+    from zero.models import GPT, GPTConfig
+    from zero.sequence import ulysses_attention
+
+    cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=32)
+    torch.manual_seed(0)
+    reference = GPT(cfg)
+    torch.manual_seed(0)
+    engine, *_ = zero.initialize(model=GPT(cfg), config={
+        "train_micro_batch_size_per_gpu": 2, "sequence_parallel_size": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage, "mics_shard_size": 1, "stage3_param_persistence_threshold": 0}})
+    ulysses_attention(engine.module, engine.seq_parallel_group)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
+    data, sp = engine.parallel.index("batch"), dist.get_process_group_ranks(engine.seq_parallel_group).index(
+        dist.get_rank())
+    g, s = torch.Generator().manual_seed(0), 16
+    part = slice(sp * s // 2, (sp + 1) * s // 2)
+    for _ in range(3):
+        idx, targets = torch.randint(0, 64, (4, s), generator=g), torch.randint(0, 64, (4, s), generator=g)
+        mine = slice(2 * data, 2 * data + 2)  # this replica's samples, this rank's half of each sequence
+        engine.backward(engine(idx[mine, part], targets[mine, part], position_ids=torch.arange(s)[part]))
+        engine.step()
+        opt.zero_grad()
+        reference(idx, targets).backward()
+        opt.step()
+    with zero.GatheredParameters(list(engine.module.parameters())) if stage == 3 else torch.no_grad():
+        error = max(((p.detach() - q.detach()).abs().max() / q.detach().abs().max()).item()
+                    for p, q in zip(engine.module.parameters(), reference.parameters()))
+    return {"error": error, "zero": engine.comm.world_size, "replicas": engine.replicate.world_size,
+            "comm": engine.comm_report()}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hybrid_sharding_composes_with_sequence_parallelism(dist_run, stage):
+    for r in dist_run(4, _hybrid_sequence_parallel, stage):
+        assert (r["zero"], r["replicas"]) == (2, 2)  # sharded over the sequence pair, replicated across
+        assert "all_reduce (replicas)" in r["comm"] and "all_to_all (sequence)" in r["comm"]
+        assert r["error"] < 1e-5, r["error"]

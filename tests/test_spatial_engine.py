@@ -62,7 +62,8 @@ def _reference(samples: int = 2, net: str = "unet3d") -> tuple[list[torch.Tensor
     return [p.detach().clone() for p in model.parameters()], sum(planes) * 4  # fp32
 
 
-def _spatial(stage: int, offload: bool, spatial: int = 2, dims: tuple[int, ...] = (2,), net: str = "unet3d") -> tuple:
+def _spatial(stage: int, offload: bool, spatial: int = 2, dims: tuple[int, ...] = (2,), net: str = "unet3d",
+             mics: int = -1) -> tuple:
     import torch.distributed as dist
 
     import zero
@@ -70,7 +71,7 @@ def _spatial(stage: int, offload: bool, spatial: int = 2, dims: tuple[int, ...] 
 
     model = _build(net)
     names = [n for n, _ in model.named_parameters()]
-    zc = {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
+    zc = {"stage": stage, "mics_shard_size": mics, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
     engine, *_ = zero.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": 2, "spatial_parallel_size": spatial, "spatial_parallel_dims": list(dims),
         "zero_optimization": zc,
@@ -90,6 +91,9 @@ def _spatial(stage: int, offload: bool, spatial: int = 2, dims: tuple[int, ...] 
         with zero.GatheredParameters([p]):
             full[name] = p.detach().clone()
     halo = engine.comm_report().get("spatial_halo", {}).get("bytes")
+    if mics > 0:  # hybrid sharding: states sharded over the spatial group, replicated across data ranks
+        assert engine.replicate is not None and engine.comm.world_size == spatial * mics
+        assert "all_reduce (replicas)" in engine.comm_report() or stage < 2
     engine.destroy()
     return [full[n] for n in names], losses, halo
 
@@ -102,6 +106,16 @@ def test_the_unet_trained_over_spatial_ranks_equals_the_unsplit_one(dist_run, st
             assert torch.allclose(p, q, rtol=1e-5, atol=2e-5), (stage, (p - q).abs().max().item())  # see EPS
         assert len(set(losses)) == STEPS  # every rank sees the whole volume's loss
         assert halo == halo_bytes, (halo, halo_bytes)  # the comm report's halo bytes: the docs' formula
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hybrid_sharding_composes_with_spatial_parallelism(dist_run, stage):
+    """2 replicas (mics_shard_size 1) of a spatial pair: the states sharded over the pair's 2
+    ranks, replicated across the replicas, and the model equals the unsplit one."""
+    expected, _ = _reference(4)
+    for params, _, _ in dist_run(4, _spatial, stage, False, 2, (2,), "unet3d", 1, timeout=600):
+        for p, q in zip(params, expected):
+            assert torch.allclose(p, q, rtol=1e-5, atol=2e-5), (stage, (p - q).abs().max().item())
 
 
 FOUR_RANKS = [(4, 3, True, (2,), "unet3d"), (2, 2, False, (2,), "unet3d"), (4, 1, False, (2, 4), "unet3d"),
