@@ -386,3 +386,20 @@ def test_pipeline_stages_with_muon_equal_one_process(dist_run, monkeypatch):
         for name, p in full.items():
             want = params[name].detach()
             assert ((torch.tensor(p) - want).norm() / want.norm()).item() < 1e-5, name
+
+
+def _hybrid_variants() -> dict:
+    """4 ranks as 2 replicas of a shard group of 2 (mics_shard_size 2): owners in each group, the
+    same matrices at the same place of both, their gradients summed over the replicas."""
+    return {"stage 1": _variant(1, {}, {"mics_shard_size": 2}),
+            "stage 2": _variant(2, {}, {"mics_shard_size": 2}),
+            "stage 2, accumulation 3, offload": _variant(2, {"gradient_accumulation_steps": 3}, {
+                "mics_shard_size": 2, "offload_optimizer": {"device": "cpu"}}),
+            "stage 3": _variant(3, {}, {"mics_shard_size": 2}),
+            "stage 3, accumulation 3": _variant(3, {"gradient_accumulation_steps": 3}, {"mics_shard_size": 2})}
+
+
+def test_muon_with_hybrid_sharding_equals_torch_muon_in_one_process(dist_run):
+    errors = dist_run(4, _hybrid_variants)
+    assert errors[0] == errors[-1]  # every rank, replicas too, holds the same model
+    assert max(errors[0].values()) < 1e-5, errors[0]

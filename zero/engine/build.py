@@ -131,7 +131,8 @@ def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], confi
             raise error or OSError(errno.ENOSPC, "zero: NVMe offload's swap files do not fit the drive of another rank "
                                                  "(see its error)")
     if stage == 3:
-        whole = Owned(comm, comm.world_size, {params[i]: matrix_shape(params[i]) for i in muon_at}) if muon_at else None
+        whole = Owned(comm, comm.world_size, {params[i]: matrix_shape(params[i]) for i in muon_at},
+                      replicate) if muon_at else None
         storage = functools.partial(UnitParams, module, params, groups, comm=comm, precision=precision,
                                     offload=step.offload, gauges=gauges, reduce=reduce, options=stage3,
                                     predivide=step.predivide, device=device, placement=sharded, owned=whole)

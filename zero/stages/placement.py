@@ -9,9 +9,11 @@ dimensions] in zero/parallel/dims.py):
   `replicate` group (hybrid sharding), each slice is held by every rank of that group. A
   gradient is reduce-scattered over the shard group, then its slice all-reduced over the
   replicate group; updated slices are all-gathered over the shard group.
-- `Owned(shard, partitions, shapes)`: each parameter whole on one owner rank (Muon's matrices,
-  zero/optim/muon.py): owners chosen by balancing their Newton-Schulz work; a gradient is
-  reduced to its owner, an updated value broadcast from it. The same bytes as the slices'.
+- `Owned(shard, partitions, shapes, replicate)`: each parameter whole on one owner rank (Muon's
+  matrices, zero/optim/muon.py): owners chosen by balancing their Newton-Schulz work; a gradient
+  is reduced to its owner, an updated value broadcast from it. The same bytes as the slices'.
+  Owners depend only on the shapes, so with a `replicate` group the rank at the same place of
+  every replica owns the same parameters, and the owners sum their gradients over it.
 Both storages take their ranges from the placement: stages 0-2 cut each bucket into the ranges
 `ranges` gives (zero/stages/buckets.py), stage 3 lays a unit's parameters out in `partitions`
 rows and keeps Owned parameters apart (zero/stages/owned.py). Both reduce with `reduce_scatter`
@@ -193,10 +195,7 @@ class Owned(Placement):
     """
 
     def __init__(self, shard: Comm, partitions: int, shapes: dict, replicate: Comm | None = None):
-        if replicate is not None:
-            raise NotImplementedError("whole parameters on owners (Muon) with replicated shards (hybrid sharding) "
-                                      "are not implemented")
-        super().__init__(shard, partitions)
+        super().__init__(shard, partitions, replicate)
         self.shapes = dict(shapes)
         whole = sorted(self.shapes, key=_order)
         owners = assign_owners([self.shapes[i] for i in whole], partitions) if partitions > 1 else [0] * len(whole)
@@ -225,10 +224,14 @@ class Owned(Placement):
     def reduce_bucket(self, bucket: Bucket, buf: torch.Tensor, layout: ShardLayout, async_op: bool,
                       reduce_scatter: bool = True, replicas: bool = True):
         if self.partitions == 1 or not reduce_scatter:
-            return self.all_reduce(buf, async_op)
-        works = [self.reduce_to(buf[layout.offsets[i] - bucket.start : layout.offsets[i] - bucket.start
-                                    + layout.numels[i]], i, async_op=True) for i in bucket.params]
-        return Each(works).done(async_op)
+            return self.all_reduce(buf, async_op, replicas)
+        pieces = {i: buf[layout.offsets[i] - bucket.start : layout.offsets[i] - bucket.start + layout.numels[i]]
+                  for i in bucket.params}
+        work = Each([self.reduce_to(piece, i, async_op=True) for i, piece in pieces.items()])
+        if replicas and self.replicate is not None:  # the owners of each replica sum what they own
+            mine = [piece for i, piece in pieces.items() if self.owns(i)]
+            work = _Then(work, lambda: self.reduce_replicas(mine))
+        return work if async_op else work.wait()
 
     def gather_bucket(self, flat: torch.Tensor, bucket: Bucket, layout: ShardLayout) -> list:
         if self.partitions == 1:

@@ -148,8 +148,8 @@ class UnitParams(ParamStorage):
         [Note: the replicas' sum, once] in zero/stages/placement.py); then they are final."""
         if not self.placement.defers_replicas or self.runtime.replicas_summed:
             return
-        grads = [r.grad for u in self.units for r in u.ranges]
-        self.placement.reduce_replicas(grads)
+        grads = [r.grad for u in self.units for r in u.ranges] + _owned(self.units, "grad")  # owners: the same
+        self.placement.reduce_replicas(grads)  # matrices at the same place of every replica
         for grad in grads:
             self.grad_final(grad)
         self.runtime.replicas_summed = True
