@@ -213,3 +213,52 @@ def test_hybrid_sharding_composes_with_sequence_parallelism(dist_run, stage):
         assert (r["zero"], r["replicas"]) == (2, 2)  # sharded over the sequence pair, replicated across
         assert "all_reduce (replicas)" in r["comm"] and "all_to_all (sequence)" in r["comm"]
         assert r["error"] < 1e-5, r["error"]
+
+
+def _against_flat(stage: int, precision: str, accumulation: int, offload: bool) -> dict:
+    """Flat ZeRO and HSDP (mics_shard_size 2 = a node of 2) on 2 nodes x 2 ranks, the same data:
+    their parameters after 5 steps."""
+    import os
+
+    import zero
+    from zero.accessors import safe_get_full_fp32_param
+    from zero.testing.training import STAGE3, build_model, make_batch
+
+    rank = dist.get_rank()
+    os.environ["GROUP_RANK"] = str(rank // 2)
+    try:
+        torch.manual_seed(0)
+        base = build_model("gpt")
+        params = []
+        for shard in (-1, 2):
+            zc = {"stage": stage, "mics_shard_size": shard, "reduce_bucket_size": 500,
+                  **(STAGE3["gpt"] if stage == 3 else {}), **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
+            engine = zero.initialize(model=copy.deepcopy(base), config={
+                "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accumulation, "zero_optimization": zc,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **({precision: {"enabled": True}}
+                                                                           if precision != "fp32" else {})})[0]
+            g = torch.Generator().manual_seed(rank)
+            for _ in range(5 * accumulation):
+                engine.backward(engine(*make_batch("gpt", 2, g)))
+                engine.step()
+            params.append(torch.cat([safe_get_full_fp32_param(p).reshape(-1) for p in engine.module.parameters()]))
+            engine.destroy()
+        flat, hybrid = params
+        return {"error": ((flat - hybrid).abs().max() / flat.abs().max()).item(),
+                "absolute": (flat - hybrid).abs().max().item()}
+    finally:
+        os.environ.pop("GROUP_RANK")
+
+
+@pytest.mark.parametrize("stage, precision, accumulation, offload", [
+    (1, "fp32", 4, False), (2, "bf16", 4, True), (3, "bf16", 1, False), (3, "fp32", 4, True), (3, "bf16", 4, True)])
+def test_hsdp_equals_flat_zero_at_the_same_stage(dist_run, stage, precision, accumulation, offload):
+    """fp32: to round-off of the reduction order (shard group, then replicas), 1e-6 relative. bf16:
+    the sums of bf16 gradients round differently in the two orders, and an Adam step moves a
+    parameter by at most about lr whatever its gradient, so 5 steps of lr 1e-3 differ by at most
+    2 x 5 x 1e-3 (measured: 2e-3 relative to the largest parameter, 1e-3 absolute)."""
+    for r in dist_run(4, _against_flat, stage, precision, accumulation, offload):
+        if precision == "fp32":
+            assert r["error"] < 1e-6, r
+        else:
+            assert 0 < r["absolute"] <= 2 * 5 * 1e-3, r
