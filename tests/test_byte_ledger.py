@@ -151,3 +151,36 @@ def test_the_estimator_counts_hpz_secondary_shards():
     hpz = estimate_memory(7e9, 16, stage=3, offload="none", config={"zero_optimization": {"zero_hpz_partition_size": 8}})
     assert hpz[0].buffers - flat.buffers == pytest.approx(2 * 7e9 / 8, rel=1e-6)
     assert hpz[0].buffers_in_backward - flat.buffers_in_backward == pytest.approx(2 * 7e9 / 8, rel=1e-6)
+
+
+def _side_groups() -> dict:
+    from zero.parallel.dims import ParallelDims
+    from zero.parallel.groups import ParallelGroups, group_of, shared_comm
+
+    rank = dist.get_rank()
+    os.environ["GROUP_RANK"] = str(rank % 2)  # even ranks on node 0, odd on node 1
+    try:
+        ParallelGroups(ParallelDims(4)).comm("zero")  # an engine's first group: the ranks learn their nodes
+        pair = shared_comm(group_of([rank - rank % 2, rank - rank % 2 + 1]), "sequence")  # spans both nodes
+        x = torch.zeros(2, 3)
+        pair.all_to_all(torch.empty_like(x), x, label="all_to_all (sequence)")
+        world = shared_comm(group_of([0, 1, 2, 3]), "uneven")
+        splits = [[1, 2, 3, 4], [0, 1, 0, 1], [2, 2, 2, 2], [4, 0, 0, 0]][rank]  # rows to ranks 0-3
+        received = [[1, 0, 2, 4], [2, 1, 2, 0], [3, 0, 2, 0], [4, 1, 2, 0]][rank]
+        rows = torch.zeros(sum(splits), 5)
+        world.all_to_all(torch.empty(sum(received), 5), rows, label="all_to_all (uneven)", input_splits=splits,
+                         output_splits=received)
+        return {"pair": pair.report()["all_to_all (sequence)"], "uneven": world.report()["all_to_all (uneven)"],
+                "splits": splits}
+    finally:
+        os.environ.pop("GROUP_RANK")
+
+
+def test_side_groups_and_uneven_all_to_alls_join_the_ledger(dist_run):
+    """The sequence group's exchange (a shared Comm, not an engine's) is placed on nodes once an
+    engine learnt them, and an all-to-all of uneven blocks counts the bytes of the blocks that go
+    to other nodes, not an even share."""
+    for rank, r in enumerate(dist_run(4, _side_groups)):
+        assert r["pair"]["cross_node_bytes"] == r["pair"]["bytes"] // 2  # half the blocks go to the other node
+        other = [i for i in range(4) if i % 2 != rank % 2]
+        assert r["uneven"]["cross_node_bytes"] == sum(r["splits"][i] for i in other) * 5 * 4, (rank, r)

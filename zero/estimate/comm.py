@@ -16,8 +16,9 @@ s = (N - L) / N the share of the group's ranks on other nodes:
 - flat stage 2: a r Psi s + p Psi s: a reduce-scatter per micro-step, one all-gather per step;
 - flat stage 1: (r Psi + p Psi) s: both once per step;
 - hybrid sharding (shard groups of L ranks, R = N / L replicas): 2 g (Psi / L) (R - 1) / R, the
-  replicas' all-reduce of this rank's gradient shard once per step, with g = 4 at stages 2-3 when
-  a > 1 (their gradient shards accumulate in fp32), else r. Nothing else crosses.
+  replicas' all-reduce of this rank's gradient shard once per step, with g the gradient shards'
+  bytes per element at stages 2-3 (4 when a > 1: they accumulate in fp32, unless the master and
+  gradients are bf16), else r. Nothing else crosses.
 The gradient norm's all-reduce (a few bytes) is left out.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 def cross_node_bytes(stage: int, world: int, local: int, accumulation: int, psi: int, psi_units: int = 0,
                      hybrid: bool = False, p: int = 2, r: int = 2, hpz: bool = False, qwz: bool = False,
-                     qgz: bool = False) -> float:
+                     qgz: bool = False, g: int | None = None) -> float:
     """Bytes per rank and optimizer step that cross a node boundary (see the module's docstring).
 
     Args:
@@ -40,10 +41,15 @@ def cross_node_bytes(stage: int, world: int, local: int, accumulation: int, psi:
         hpz: stage 3 with hpZ over the ranks of a node (backward's gathers stay inside it).
         qwz: stage 3's gathers send int8 weight blocks.
         qgz: stage 3's reduce-scatter is qgZ's two quantized hops.
+        g: bytes per element of the gradient shards (stages 2-3; default 4 when accumulation > 1,
+            else r).
     """
     if hybrid:
         replicas = world // local
-        g = 4 if accumulation > 1 and stage >= 2 else r
+        if stage < 2:
+            g = r
+        elif g is None:
+            g = 4 if accumulation > 1 else r
         return 2 * g * (psi / local) * (replicas - 1) / replicas
     share = (world - local) / world
     if stage == 3:

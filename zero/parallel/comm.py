@@ -37,7 +37,8 @@ of its bytes cross a node boundary on this rank's behalf (`cross_node_bytes`), w
 the backend runs: the bytes this rank must receive from, or send to, ranks of other nodes. With
 N ranks in the group, L of them on this rank's node, and B logical bytes:
 - all-gather: the parts of the N - L ranks of other nodes come in: B (N - L) / N;
-- reduce-scatter and all-to-all: the parts for them go out: B (N - L) / N;
+- reduce-scatter and all-to-all: the parts for them go out: B (N - L) / N (an all-to-all of
+  uneven blocks: the bytes of the blocks sent to them);
 - all-reduce (a reduce-scatter, then an all-gather): 2 B (N - L) / N;
 - broadcast: B into each rank on another node than the root's; reduce: B out of each.
 Summed over the ranks, each byte that crosses is counted once. These are the ZeRO++ paper's units:
@@ -243,16 +244,20 @@ class Comm:
         mine = self.node_of[self.rank]
         self._cross = sum(n != mine for n in self.node_of) / len(self.node_of)
 
-    def _count(self, name: str, t: torch.Tensor, kind: str = "part", root: int | None = None) -> None:
+    def _count(self, name: str, t: torch.Tensor, kind: str = "part", root: int | None = None,
+               crossing: int | None = None) -> None:
         """Count one collective of `t`; `kind`: "part" (all-gather, reduce-scatter, all-to-all),
-        "all" (all-reduce), "to" (broadcast from group rank `root`), "from" (reduce into it)."""
+        "all" (all-reduce), "to" (broadcast from group rank `root`), "from" (reduce into it);
+        `crossing`: its bytes across nodes where they are not the kind's share (uneven blocks)."""
         self._usable()  # every collective counts itself first, before it is issued
         c = self.counts[name]
         nbytes = t.numel() * t.element_size()
         c.calls += 1
         c.elements += t.numel()
         c.bytes += nbytes
-        if self._cross:
+        if crossing is not None:
+            c.cross_node_bytes += crossing
+        elif self._cross:
             if kind == "part":
                 c.cross_node_bytes += round(nbytes * self._cross)
             elif kind == "all":
@@ -382,7 +387,11 @@ class Comm:
         """Block r of `output` = block `rank` of rank r's `input`: world_size equal blocks along dim
         0, or blocks of `input_splits[i]` rows sent to rank i and `output_splits[r]` rows received
         from rank r (blocks may be empty: a neighbours' exchange)."""
-        self._count(label, input)
+        crossing = None
+        if input_splits is not None and self._cross:  # uneven blocks: the rows sent to other nodes
+            row = input.numel() // max(1, input.shape[0]) * input.element_size() if input.dim() else 0
+            crossing = row * sum(n for r, n in enumerate(input_splits) if self.node_of[r] != self.node_of[self.rank])
+        self._count(label, input, crossing=crossing)
         splits = {} if input_splits is None else {"output_split_sizes": output_splits, "input_split_sizes": input_splits}
         with record_function(f"zero::{label}"):
             if self.world_size == 1:

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 # destroyed world alive (see [Note: gloo at exit] in zero/parallel/process_group.py)
 _GROUPS: dict[tuple, tuple[weakref.ref, dist.ProcessGroup]] = {}
 _SHARED: dict[tuple, tuple[object, Comm]] = {}  # (id of a group, kind) -> (the group, the shared Comm over it)
+_NODES: dict[str, object] = {}  # "world": a weak reference to the world group, "nodes": each global rank's node
 
 
 def group_of(ranks: list[int]) -> dist.ProcessGroup:
@@ -48,12 +49,17 @@ def group_of(ranks: list[int]) -> dist.ProcessGroup:
 
 def shared_comm(group, kind: str = "side") -> Comm:
     """The one counted, bounded Comm over `group` (None: the world) for traffic of `kind` outside
-    an engine's own collectives; see [Note: one group registry]."""
+    an engine's own collectives; see [Note: one group registry]. Placed on the ranks' nodes once an
+    engine has learnt them (the sequence, pipeline and tie groups' bytes join the byte ledger)."""
     key = (id(group), kind)
     entry = _SHARED.get(key)
     if entry is None or entry[0] is not group:
         entry = _SHARED[key] = (group, Comm(group))
-    return entry[1]
+    comm = entry[1]
+    world = _NODES.get("world")
+    if comm.node_of is None and world is not None and dist.is_initialized() and world() is dist.group.WORLD:
+        comm.place_on_nodes(_NODES["nodes"])
+    return comm
 
 
 def take_traffic(kind: str) -> dict[str, dict[str, int]]:
@@ -137,6 +143,7 @@ class ParallelGroups:
         comm = Comm(None if group is dist.group.WORLD else group, strict_tags)
         if self._nodes is None:
             self._nodes = node_of_ranks()
+            _NODES.update(world=weakref.ref(dist.group.WORLD) if dist.is_initialized() else None, nodes=self._nodes)
         comm.place_on_nodes(self._nodes)
         return comm
 
