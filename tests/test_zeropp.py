@@ -265,3 +265,73 @@ def test_a_zeropp_checkpoint_resumes_in_every_layout(dist_run, tmp_path):
         r = dist_run(world, _zpp_load, path, extra, stage)[0]
         assert all(torch.equal(a, b) for a, b in zip(r["loaded"], saved)), (world, extra, stage)
         assert r["steps"] == 4
+
+
+def _two_hop_gather(nodes: int, interleaved: bool) -> dict:
+    from zero.parallel.comm import Comm
+    from zero.parallel.nodes import node_of_ranks
+    from zero.zeropp.reduce import TwoHop
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    os.environ["GROUP_RANK"] = str(rank % nodes if interleaved else rank * nodes // world)
+    try:
+        comm = Comm()
+        comm.place_on_nodes(dict(enumerate(node_of_ranks())))
+        hop = TwoHop(comm)
+        n = 37
+        mine = torch.arange(n, dtype=torch.float32) + 100 * rank
+        full = torch.empty(world * n + 3)
+        hop.all_gather(full, mine, async_op=True).wait()
+        expected = torch.cat([torch.arange(n, dtype=torch.float32) + 100 * r for r in range(world)])
+        counts = {**hop.across.report(), **(hop.in_node.report() if hop.in_node else {})}
+        return {"equal": torch.equal(full[: world * n], expected), "counts": counts}
+    finally:
+        os.environ.pop("GROUP_RANK")
+
+
+@pytest.mark.parametrize("world, nodes, interleaved", [(4, 2, False), (6, 3, True), (6, 2, True)])
+def test_the_two_hop_gather_is_exact_and_crosses_nodes_once_per_part(dist_run, world, nodes, interleaved):
+    """Nodes of consecutive ranks, and interleaved ones (rank r on node r mod M): every rank gets
+    every part in rank order, and receives M - 1 parts across nodes, not N - L."""
+    for r in dist_run(world, _two_hop_gather, nodes, interleaved):
+        assert r["equal"]
+        assert r["counts"]["all_gather (two-hop, across)"]["cross_node_bytes"] == (nodes - 1) * 37 * 4
+        if world > nodes:
+            assert r["counts"]["all_gather (two-hop, node)"]["cross_node_bytes"] == 0
+
+
+def _hierarchical_training() -> dict:
+    import zero
+    from zero.testing.training import STAGE3, build_model, make_batch
+
+    rank = dist.get_rank()
+    os.environ["GROUP_RANK"] = str(rank // 2)
+    try:
+        torch.manual_seed(0)
+        base = build_model("gpt")
+        out = []
+        for hierarchical in (False, True):
+            engine = zero.initialize(model=copy.deepcopy(base), config={
+                "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                "zero_optimization": {"stage": 3, **STAGE3["gpt"], "stage3_max_reuse_distance": 0,
+                                      "mics_hierarchical_params_gather": hierarchical}})[0]
+            g = torch.Generator().manual_seed(rank)
+            for _ in range(3):
+                engine.backward(engine(*make_batch("gpt", 2, g)))
+                engine.step()
+            with zero.GatheredParameters(list(engine.module.parameters())):
+                out.append(([p.detach().clone() for p in engine.module.parameters()], engine.comm_report()))
+        (flat, _), (two_hop, comm) = out
+        from zero.monitor import _cross_node_formula
+
+        return {"same": all(torch.equal(a, b) for a, b in zip(flat, two_hop)), "comm": comm,
+                "crossing": sum(c["cross_node_bytes"] for c in comm.values()), "formula": _cross_node_formula(engine)[1]}
+    finally:
+        os.environ.pop("GROUP_RANK")
+
+
+def test_stage_3_with_the_two_hop_gather_trains_bit_for_bit_as_flat(dist_run):
+    for r in dist_run(4, _hierarchical_training):
+        assert r["same"]  # copies: the same parameters as flat ZeRO-3
+        assert r["comm"]["all_gather (two-hop, across)"]["calls"] > 0
+        assert r["crossing"] == pytest.approx(r["formula"], rel=0.1)  # the ledger and the formula

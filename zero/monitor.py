@@ -338,7 +338,8 @@ def _cross_node_formula(engine) -> tuple[str, float | None]:
     qgz = stage == 3 and engine.config.zero_optimization.zero_quantized_gradients
     predicted = cross_node_bytes(stage, world, local, engine.config.gradient_accumulation_steps, psi, units, hybrid,
                                  precision.param.itemsize, precision.reduce.itemsize, hpz, qwz, qgz,
-                                 precision.grad.itemsize)
+                                 precision.grad.itemsize,
+                                 stage == 3 and engine.config.zero_optimization.mics_hierarchical_params_gather)
     note = "" if stage < 3 or hybrid else " with every unit gathered for forward" + ("" if hpz else " and again for backward")
     return f" (the formula{note}: {_bytes(predicted)}; zero.estimate.comm)", predicted
 

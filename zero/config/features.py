@@ -200,7 +200,6 @@ UNIMPLEMENTED_FEATURES: tuple[UnimplementedFeature, ...] = (
              "DeepSpeed's old stage-1 code; use stage 1"),
     _refused("zero_optimization.zeropp_loco_param",
              _key(Optional[dict[str, Any]], None, "LoCo-ZeRO++ (not implemented)."), "LoCo-ZeRO++ error feedback"),
-    _refused("zero_optimization.mics_hierarchical_params_gather", _flag(False, "MiCS (not implemented)."), "MiCS"),
     _refused("zero_optimization.zenflow", _key(Optional[dict[str, Any]], None, "ZenFlow (not implemented)."),
              "ZenFlow's asynchronous updates"),
     _refused("zero_optimization.offload_optimizer.super_offload",

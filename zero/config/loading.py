@@ -321,7 +321,8 @@ def load_config(config: Union[Mapping[str, Any], str, pathlib.Path], world_size:
     zc = cfg.zero_optimization
     for key, what in (("zero_quantized_weights", "quantized weights are stage 3's all-gather"),
                       ("zero_quantized_nontrainable_weights", "quantized weights are stage 3's all-gather"),
-                      ("zero_quantized_gradients", "quantized gradients are stage 3's reduce-scatter")):
+                      ("zero_quantized_gradients", "quantized gradients are stage 3's reduce-scatter"),
+                      ("mics_hierarchical_params_gather", "the two-hop gather is stage 3's all-gather")):
         if getattr(zc, key) and zc.stage != 3:
             _raise([(("zero_optimization", key), f"is true at stage {zc.stage}: {what} (set stage 3, or leave it "
                      f"false)")], source)

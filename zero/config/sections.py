@@ -307,6 +307,10 @@ class ZeroOptimizationConfig(_Section):
     zero_quantized_gradients: bool = Field(False, description="ZeRO++ qgZ (stage 3): reduce-scatter gradients as "
                                            "two int8 all-to-alls, inside each node and then across nodes; the "
                                            "optimizer's masters and states stay exact.")
+    mics_hierarchical_params_gather: bool = Field(False, description="Stage 3: all-gather parameters in two hops, "
+                                                  "across nodes among the ranks at one place of every node, then "
+                                                  "inside each node (exact copies; 1 / ranks-per-node of the bytes "
+                                                  "across nodes). Needs the same number of ranks on every node.")
     mics_shard_size: int = Field(-1, description="Hybrid sharding (MiCS, HSDP): shard the states over groups of "
                                  "this many data-parallel ranks (usually the ranks of a node) and replicate them across "
                                  "the groups; -1: over every rank.")

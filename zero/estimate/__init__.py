@@ -376,7 +376,7 @@ def _policies(config, stage: int, offload: str, dtype: str, world_size: int, mas
     zo["stage"] = stage
     if stage != 3:  # hpZ and quantized collectives are stage 3's: the other rows go without them
         for key in ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
-                    "zero_quantized_gradients"):
+                    "zero_quantized_gradients", "mics_hierarchical_params_gather"):
             zo.pop(key, None)
     for section, on, keys in (("offload_optimizer", offload in ("optimizer", "optimizer+param"), ("buffer_count",)),
                               ("offload_param", offload in ("param", "optimizer+param"),

@@ -12,7 +12,8 @@ s = (N - L) / N the share of the group's ranks on other nodes:
   qwZ (`zero_quantized_weights`) the gathers send q = 1 + 4/256 bytes per element instead of p
   (int8 codes and one fp32 scale per block of 256; see zero/zeropp/blocks.py); with qgZ
   (`zero_quantized_gradients`) the reduction sends one q-byte message of its part to each other
-  node, q Psi s / L in place of r Psi s (see [Note: qgZ] in zero/zeropp/reduce.py);
+  node, q Psi s / L in place of r Psi s (see [Note: qgZ] in zero/zeropp/reduce.py); with the
+  two-hop gather (`mics_hierarchical_params_gather`) a gather's p Psi_u s becomes p Psi_u s / L;
 - flat stage 2: a r Psi s + p Psi s: a reduce-scatter per micro-step, one all-gather per step;
 - flat stage 1: (r Psi + p Psi) s: both once per step;
 - hybrid sharding (shard groups of L ranks, R = N / L replicas): 2 g (Psi / L) (R - 1) / R, the
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 def cross_node_bytes(stage: int, world: int, local: int, accumulation: int, psi: int, psi_units: int = 0,
                      hybrid: bool = False, p: int = 2, r: int = 2, hpz: bool = False, qwz: bool = False,
-                     qgz: bool = False, g: int | None = None) -> float:
+                     qgz: bool = False, g: int | None = None, hierarchical: bool = False) -> float:
     """Bytes per rank and optimizer step that cross a node boundary (see the module's docstring).
 
     Args:
@@ -43,6 +44,8 @@ def cross_node_bytes(stage: int, world: int, local: int, accumulation: int, psi:
         qgz: stage 3's reduce-scatter is qgZ's two quantized hops.
         g: bytes per element of the gradient shards (stages 2-3; default 4 when accumulation > 1,
             else r).
+        hierarchical: stage 3's all-gathers run in two hops (`mics_hierarchical_params_gather`):
+            1 / L of their bytes cross.
     """
     if hybrid:
         replicas = world // local
@@ -54,7 +57,7 @@ def cross_node_bytes(stage: int, world: int, local: int, accumulation: int, psi:
     share = (world - local) / world
     if stage == 3:
         q = 1 + 4 / 256
-        gathered, reduced = q if qwz else p, q / local if qgz else r
+        gathered, reduced = (q if qwz else p) / (local if hierarchical and not qwz else 1), q / local if qgz else r
         return accumulation * ((1 if hpz else 2) * gathered * psi_units + reduced * psi) * share
     if stage == 2:
         return (accumulation * r + p) * psi * share

@@ -70,6 +70,7 @@ class Placement(abc.ABC):
         self.comm, self.partitions, self.replicate = shard, partitions, replicate
         self.rank = shard.rank if partitions > 1 else 0  # this rank's part
         self.two_hop = None  # ZeRO++ qgZ: reduce-scatters as two quantized all-to-alls (zero/zeropp/reduce.py)
+        self.hierarchical = None  # MiCS: all-gathers in two hops, across nodes then inside them (the same file)
 
     @property
     def summed(self) -> int:
@@ -137,6 +138,8 @@ class Placement(abc.ABC):
             from zero.zeropp.gather import all_gather_quantized
 
             return all_gather_quantized(self.comm, full, mine, async_op=async_op)
+        if self.hierarchical is not None:  # across nodes, then inside them (see [Note: the two-hop gather])
+            return self.hierarchical.all_gather(full, mine, async_op=async_op)
         return self.comm.all_gather(full, mine, async_op=async_op, label=label)
 
     # -- buckets (stages 0-2)

@@ -128,6 +128,8 @@ class Stage3Options:
             (`zero_quantized_nontrainable_weights`).
         quantize_gradients: reduce-scatter gradients as two int8 all-to-alls, inside the node then
             across (ZeRO++ qgZ, `zero_quantized_gradients`).
+        hierarchical_gather: all-gather in two hops, across nodes then inside them (MiCS's
+            `mics_hierarchical_params_gather`).
         log_trace_changes: warn when a recorded order of units changes
             (`log_trace_cache_warnings`).
         gather_on_apply: `module.apply(fn)` sees gathered parameters (`override_module_apply`).
@@ -146,6 +148,7 @@ class Stage3Options:
     quantize_weights: bool = False
     quantize_frozen_weights: bool = False
     quantize_gradients: bool = False
+    hierarchical_gather: bool = False
     log_trace_changes: bool = False
     gather_on_apply: bool = True
 
@@ -185,6 +188,7 @@ def options_from_config(cfg: ZeroConfig, world_size: int, num_threads: int, stat
         pin_memory=offload_param and zc.offload_param.pin_memory, param_nvme=param_nvme_policy(cfg),
         hpz=zc.zero_hpz_partition_size, quantize_weights=zc.zero_quantized_weights,
         quantize_frozen_weights=zc.zero_quantized_nontrainable_weights, quantize_gradients=zc.zero_quantized_gradients,
+        hierarchical_gather=zc.mics_hierarchical_params_gather,
         log_trace_changes=zc.log_trace_cache_warnings, gather_on_apply=zc.override_module_apply)
     return Precision.from_config(cfg, state_dtype), step, reduce, stage3
 

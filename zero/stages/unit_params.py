@@ -68,10 +68,12 @@ class UnitParams(ParamStorage):
         modules = dict(module.named_modules())
         placement = self.placement = placement or Sharded(comm, comm.world_size)
         hpz = self.hpz = _node_group(comm, options.hpz) if options.hpz > 1 else None  # see [Note: hpZ]
-        if options.quantize_gradients and comm.world_size > 1:  # see [Note: qgZ] in zero/zeropp/reduce.py
-            from zero.zeropp.reduce import TwoHop
+        if (options.quantize_gradients or options.hierarchical_gather) and comm.world_size > 1:
+            from zero.zeropp.reduce import TwoHop  # see [Note: qgZ] and [Note: the two-hop gather] there
 
-            placement.two_hop = TwoHop(comm)
+            hop = TwoHop(comm)
+            placement.two_hop = hop if options.quantize_gradients else None
+            placement.hierarchical = hop if options.hierarchical_gather and hop.nodes > 1 else None
         self.units: list[ParamUnit] = []
         unit_modules: list[nn.Module | None] = []
         host_empty = self.host_memory.empty if options.pin_memory else self.host_memory.empty_pageable
@@ -221,7 +223,8 @@ class UnitParams(ParamStorage):
         return super().in_files(t) or (self.swap is not None and self.swap.holds(t))
 
     def side_comms(self) -> list:
-        two_hop = self.placement.two_hop.side_comms() if self.placement.two_hop is not None else []
+        hop = self.placement.two_hop or self.placement.hierarchical
+        two_hop = hop.side_comms() if hop is not None else []
         return ([self.hpz] if self.hpz is not None else []) + two_hop
 
     @property

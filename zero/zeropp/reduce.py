@@ -17,6 +17,13 @@ bf16. Any n works (the blocks' last one is ragged). Rounding happens twice: each
 is within half a step of its block (its amax / 254) at each hop, so the sum's error is bounded by
 the sums of those steps; the optimizer's masters and states are exact. One hop is skipped where
 it moves nothing (one node: no second hop; one rank per node: no first).
+
+[Note: the two-hop gather]
+MiCS's hierarchical all-gather (`mics_hierarchical_params_gather`, stage 3) uses the same groups
+the other way round: each rank first gathers the parts of the ranks at its place of every node
+(M - 1 parts of n elements come in across nodes), then the node's ranks gather those M parts from
+each other (inside the node). Every rank ends with all N parts, exactly (copies), having received
+(M - 1) n elements across nodes instead of (N - L) n: 1 / L of a flat all-gather's.
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ from zero.parallel.comm import Comm
 from zero.zeropp.blocks import dequantize, message_bytes, quantize
 
 NODE, ACROSS = "all_to_all (qgZ, node)", "all_to_all (qgZ, across)"  # their lines in the comm report
+GATHER_ACROSS, GATHER_NODE = "all_gather (two-hop, across)", "all_gather (two-hop, node)"
 
 
 class TwoHop:
@@ -60,6 +68,22 @@ class TwoHop:
 
         self.in_node = sub(self.rank_at[self.node]) if self.local > 1 else None
         self.across = sub([ranks[self.place] for ranks in self.rank_at]) if self.nodes > 1 else None
+
+    def all_gather(self, full: torch.Tensor, mine: torch.Tensor, async_op: bool = False):
+        """Every rank's part `mine` (n elements) into `full` (its first N n elements, rank order)
+        in two hops: across nodes among the ranks at this rank's place, then inside the node (see
+        [Note: the two-hop gather]). Returns the handle (async_op), else None once done."""
+        n, nodes, local = mine.numel(), self.nodes, self.local
+        across = torch.empty(nodes * n, dtype=mine.dtype, device=mine.device)
+        work = self.across.all_gather(across, mine.contiguous(), async_op=True, label=GATHER_ACROSS) \
+            if self.across is not None else None
+        if work is None:
+            across.copy_(mine.reshape(-1))
+        handle = _TwoHopGather(self, work, across, full.view(-1)[: self.comm.world_size * n], n)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     def side_comms(self) -> list[Comm]:
         """Its groups, whose counts join the comm report."""
@@ -97,3 +121,32 @@ def _sum_messages(comm: Comm, rows: torch.Tensor, label: str) -> torch.Tensor:
     values = torch.empty(k * width, dtype=torch.float32, device=rows.device)
     dequantize(got, width, values)
     return values.view(k, width).sum(0)
+
+
+class _TwoHopGather:
+    """The two-hop all-gather in flight: `wait` waits for the hop across nodes, runs the hop inside
+    the node, and lays every rank's part out in rank order (once)."""
+
+    def __init__(self, hop: TwoHop, work, across: torch.Tensor, out: torch.Tensor, n: int):
+        self.hop, self.work, self.across, self.out, self.n = hop, work, across, out, n
+
+    def wait(self, timeout=None) -> None:
+        if self.across is None:
+            return
+        hop, n = self.hop, self.n
+        if self.work is not None:
+            self.work.wait()
+        if hop.in_node is not None:
+            both = torch.empty(hop.local * hop.nodes * n, dtype=self.across.dtype, device=self.across.device)
+            hop.in_node.all_gather(both, self.across, label=GATHER_NODE)
+        else:
+            both = self.across
+        rows = both.view(hop.local, hop.nodes, n)  # [place, node]: the part of rank_at[node][place]
+        out = self.out.view(hop.comm.world_size, n)
+        for m in range(hop.nodes):
+            for at in range(hop.local):
+                out[hop.rank_at[m][at]].copy_(rows[at, m])
+        self.across = None
+
+    def is_completed(self) -> bool:
+        return self.across is None
