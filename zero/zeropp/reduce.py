@@ -73,7 +73,7 @@ class TwoHop:
         """Every rank's part `mine` (n elements) into `full` (its first N n elements, rank order)
         in two hops: across nodes among the ranks at this rank's place, then inside the node (see
         [Note: the two-hop gather]). Returns the handle (async_op), else None once done."""
-        n, nodes, local = mine.numel(), self.nodes, self.local
+        n, nodes = mine.numel(), self.nodes
         across = torch.empty(nodes * n, dtype=mine.dtype, device=mine.device)
         work = self.across.all_gather(across, mine.contiguous(), async_op=True, label=GATHER_ACROSS) \
             if self.across is not None else None
