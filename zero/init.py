@@ -38,16 +38,18 @@ _OPEN_INITS: list[Init] = []  # the Init contexts entered and not yet left, oute
 
 def _refuse_unsupported_init_arguments(kwargs: dict) -> None:
     """DeepSpeed's Init arguments zero has no counterpart for: refused unless left at their default."""
-    defaults = {"tensor_overrides": (None,), "zero_quantized_weights": (False,),
-                "zero_quantized_nontrainable_weights": (False,), "mpu": (None,), "zero_param_parallel_group": (None,),
+    defaults = {"tensor_overrides": (None,), "zero_quantized_weights": (False, True),
+                "zero_quantized_nontrainable_weights": (False, True), "mpu": (None,), "zero_param_parallel_group": (None,),
                 "sequence_data_parallel_group": (None,), "param_swapper": (None,)}
     for key, value in kwargs.items():
         if key not in defaults:
             raise TypeError(f"zero.Init got an unexpected keyword argument {key!r}")
+        # tensor overrides: see ABSENT_NAMES; quantized weights: Init's shards are exact either way, and
+        # the engine's all-gathers follow zero_optimization.zero_quantized_weights (ZeRO++ qwZ)
         if key == "tensor_overrides" or any(value is d or value == d for d in defaults[key]):
-            continue  # tensor overrides: see ABSENT_NAMES
+            continue
         raise ValueError(f"zero.Init({key}={value!r}) is not supported: zero shards every parameter over the "
-                         f"data-parallel ranks of the world (no mpu, custom groups, quantized weights or NVMe swap); "
+                         f"data-parallel ranks of the world (no mpu, custom groups or NVMe swap); "
                          f"leave {key} unset")
 
 
