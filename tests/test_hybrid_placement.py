@@ -262,3 +262,17 @@ def test_hsdp_equals_flat_zero_at_the_same_stage(dist_run, stage, precision, acc
             assert r["error"] < 1e-6, r
         else:
             assert 0 < r["absolute"] <= 2 * 5 * 1e-3, r
+
+
+def test_a_shard_group_of_one_node_is_asked_for_by_name(monkeypatch):
+    """`"mics_shard_size": "node"`: the data-parallel ranks of one node, from torchrun's
+    LOCAL_WORLD_SIZE (less the ranks of the other dimensions); refused naming the key without it."""
+    from zero.config import ConfigError, load_config
+
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "mics_shard_size": "node"}}
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert load_config(config, world_size=8).zero_optimization.mics_shard_size == 4
+    assert load_config({**config, "sequence_parallel_size": 2}, world_size=8).zero_optimization.mics_shard_size == 2
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    with pytest.raises(ConfigError, match="zero_optimization.mics_shard_size: is 'node', but the ranks per node"):
+        load_config(config, world_size=8)

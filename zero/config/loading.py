@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import pathlib
 from collections.abc import Mapping
 from typing import Any, Optional, Union
@@ -302,6 +303,16 @@ def load_config(config: Union[Mapping[str, Any], str, pathlib.Path], world_size:
         _raise([(("spatial_parallel_size",), f"is {vp}, which does not divide the world of {world_size} ranks "
                  f"into spatial-parallel groups")], source)
     shard = cfg.zero_optimization.mics_shard_size
+    if shard == "node":  # the data-parallel ranks of one node: torchrun's ranks per node, less the other dimensions
+        local, others = os.environ.get("LOCAL_WORLD_SIZE"), stages * cfg.tensor_parallel.size * sp * vp
+        if not (local or "").isdigit() or int(local) % others:
+            _raise([(("zero_optimization", "mics_shard_size"), f"is 'node', but the ranks per node are unknown: "
+                     f"torchrun's LOCAL_WORLD_SIZE is {local!r}" + (f", not a multiple of the {others} ranks of the other "
+                                                                   f"dimensions" if (local or '').isdigit() else "") +
+                     "; give the number of data-parallel ranks per node")], source)
+        shard = int(local) // others
+        cfg = cfg.model_copy(update={"zero_optimization": cfg.zero_optimization.model_copy(
+            update={"mics_shard_size": shard})})
     if shard != -1:
         ranks = world_size // (stages * cfg.tensor_parallel.size * sp * vp)  # the data-parallel ranks
         if shard < 1 or ranks % shard:

@@ -311,9 +311,11 @@ class ZeroOptimizationConfig(_Section):
                                                   "across nodes among the ranks at one place of every node, then "
                                                   "inside each node (exact copies; 1 / ranks-per-node of the bytes "
                                                   "across nodes). Needs the same number of ranks on every node.")
-    mics_shard_size: int = Field(-1, description="Hybrid sharding (MiCS, HSDP): shard the states over groups of "
-                                 "this many data-parallel ranks (usually the ranks of a node) and replicate them across "
-                                 "the groups; -1: over every rank.")
+    mics_shard_size: Union[int, Literal["node"]] = Field(-1, description="Hybrid sharding (MiCS, HSDP): shard the "
+                                                         "states over groups of this many data-parallel ranks and "
+                                                         "replicate them across the groups; \"node\": the data-parallel "
+                                                         "ranks of one node (torchrun's LOCAL_WORLD_SIZE); -1: over "
+                                                         "every rank.")
     offload_param: Optional[OffloadParamConfig] = Field(None, description="Stage-3 parameter offload.")
     offload_optimizer: Optional[OffloadOptimizerConfig] = Field(None, description="Optimizer offload.")
     sub_group_size: int = Field(1_000_000_000, ge=0, description="With offload_optimizer: elements per CPU "
