@@ -116,10 +116,15 @@ def _train(steps: int) -> dict:
                             ("hpz+qwz", {"zero_quantized_weights": True, "zero_hpz_partition_size": 2}),
                             ("qgz", {"zero_quantized_gradients": True}),
                             ("zero++", {"zero_quantized_weights": True, "zero_hpz_partition_size": 2,
-                                        "zero_quantized_gradients": True})):
+                                        "zero_quantized_gradients": True}),
+                            ("fp16 exact", {}), ("fp16 zero++", {"zero_quantized_weights": True,
+                                                                 "zero_hpz_partition_size": 2,
+                                                                 "zero_quantized_gradients": True})):
             zc = {"stage": 3, **STAGE3["gpt"], "stage3_max_reuse_distance": 0, **extra}
+            precision = {"fp16": {"enabled": True, "initial_scale_power": 8}} if name.startswith("fp16") else \
+                {"bf16": {"enabled": True}}
             engine = zero.initialize(model=copy.deepcopy(base), config={
-                "train_micro_batch_size_per_gpu": 2, "zero_optimization": zc, "bf16": {"enabled": True},
+                "train_micro_batch_size_per_gpu": 2, "zero_optimization": zc, **precision,
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})[0]
             batch, losses = make_batch("gpt", 2, torch.Generator().manual_seed(rank)), []
             for _ in range(steps):  # one batch again and again: the loss must fall
@@ -154,6 +159,9 @@ def test_zeropp_trains_within_the_loss_bound_and_sends_a_quarter_of_the_bytes_ac
             "cross_node_bytes"]
         assert "reduce_scatter" not in zpp["comm"]
         assert zpp["crossing"] <= 0.3 * exact["crossing"], (zpp["crossing"], exact["crossing"])  # ZeRO++'s target
+        fp16, fp16_zpp = r["fp16 exact"], r["fp16 zero++"]  # loss-scaled fp16 gradients through the int8 hops
+        assert fp16["loss"] < fp16["first"] * 0.95
+        assert abs(fp16_zpp["loss"] - fp16["loss"]) <= 0.005 * fp16["loss"], (fp16_zpp["loss"], fp16["loss"])
 
 
 def test_quantized_weights_outside_stage_3_are_refused_naming_the_key():
@@ -165,12 +173,20 @@ def test_quantized_weights_outside_stage_3_are_refused_naming_the_key():
                         world_size=1)
 
 
-def _two_hop(n: int, nodes: int) -> dict:
+def _node_of(rank: int, world: int, nodes: int, layout: str) -> int:
+    if layout == "consecutive":
+        return rank * nodes // world
+    if layout == "interleaved":
+        return rank % nodes
+    return [0, 1, 1, 0, 0, 1][rank]  # not monotone: at place 1, node 0's rank (3) follows node 1's (2)
+
+
+def _two_hop(n: int, nodes: int, layout: str = "consecutive") -> dict:
     from zero.parallel.comm import Comm
     from zero.zeropp.reduce import TwoHop
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    os.environ["GROUP_RANK"] = str(rank * nodes // world)  # `nodes` nodes of consecutive ranks
+    os.environ["GROUP_RANK"] = str(_node_of(rank, world, nodes, layout))
     try:
         from zero.parallel.nodes import node_of_ranks
 
@@ -190,10 +206,11 @@ def _two_hop(n: int, nodes: int) -> dict:
         os.environ.pop("GROUP_RANK")
 
 
-@pytest.mark.parametrize("world, nodes", [(4, 2), (6, 3), (6, 2), (3, 3)])
-def test_qgz_reduce_scatters_any_size_in_two_quantized_hops_within_the_rounding_bound(dist_run, world, nodes):
+@pytest.mark.parametrize("world, nodes, layout", [(4, 2, "consecutive"), (6, 3, "consecutive"), (6, 2, "interleaved"),
+                                                  (3, 3, "consecutive"), (6, 2, "mixed")])
+def test_qgz_reduce_scatters_any_size_in_two_quantized_hops_within_the_rounding_bound(dist_run, world, nodes, layout):
     for n in (1, 517):
-        for r in dist_run(world, _two_hop, n, nodes):
+        for r in dist_run(world, _two_hop, n, nodes, layout):
             assert r["shape"] == (nodes, world // nodes)
             assert r["error"] <= r["bound"], r  # within half a step per element and hop
             assert r["error"] > 0 or n == 1, r  # rounded (a message of one element is exact: +-127 steps)
@@ -267,13 +284,13 @@ def test_a_zeropp_checkpoint_resumes_in_every_layout(dist_run, tmp_path):
         assert r["steps"] == 4
 
 
-def _two_hop_gather(nodes: int, interleaved: bool) -> dict:
+def _two_hop_gather(nodes: int, layout: str) -> dict:
     from zero.parallel.comm import Comm
     from zero.parallel.nodes import node_of_ranks
     from zero.zeropp.reduce import TwoHop
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    os.environ["GROUP_RANK"] = str(rank % nodes if interleaved else rank * nodes // world)
+    os.environ["GROUP_RANK"] = str(_node_of(rank, world, nodes, layout))
     try:
         comm = Comm()
         comm.place_on_nodes(dict(enumerate(node_of_ranks())))
@@ -289,11 +306,13 @@ def _two_hop_gather(nodes: int, interleaved: bool) -> dict:
         os.environ.pop("GROUP_RANK")
 
 
-@pytest.mark.parametrize("world, nodes, interleaved", [(4, 2, False), (6, 3, True), (6, 2, True)])
-def test_the_two_hop_gather_is_exact_and_crosses_nodes_once_per_part(dist_run, world, nodes, interleaved):
-    """Nodes of consecutive ranks, and interleaved ones (rank r on node r mod M): every rank gets
-    every part in rank order, and receives M - 1 parts across nodes, not N - L."""
-    for r in dist_run(world, _two_hop_gather, nodes, interleaved):
+@pytest.mark.parametrize("world, nodes, layout", [(4, 2, "consecutive"), (6, 3, "interleaved"), (6, 2, "interleaved"),
+                                                  (6, 2, "mixed")])
+def test_the_two_hop_gather_is_exact_and_crosses_nodes_once_per_part(dist_run, world, nodes, layout):
+    """Nodes of consecutive ranks, interleaved ones (rank r on node r mod M), and a layout whose
+    nodes' ranks are not in the same order at every place: every rank gets every part in rank
+    order, and receives M - 1 parts across nodes, not N - L."""
+    for r in dist_run(world, _two_hop_gather, nodes, layout):
         assert r["equal"]
         assert r["counts"]["all_gather (two-hop, across)"]["cross_node_bytes"] == (nodes - 1) * 37 * 4
         if world > nodes:

@@ -58,6 +58,9 @@ class TwoHop:
         self.nodes, self.local = len(self.rank_at), sizes.pop()
         self.node = next(m for m, ranks in enumerate(self.rank_at) if comm.rank in ranks)
         self.place = self.rank_at[self.node].index(comm.rank)
+        # a group numbers its ranks in rank order: the nodes in the order of their ranks at place l
+        # (not always the nodes' own order: nodes [0, 1, 1, 0] have ranks 3 and 2 at place 1)
+        self.orders = [sorted(range(self.nodes), key=lambda m, at=at: self.rank_at[m][at]) for at in range(self.local)]
         members = dist.get_process_group_ranks(comm.group or dist.group.WORLD) if comm.distributed else [0]
         placed = {members[r]: node_of[r] for r in range(comm.world_size)}
 
@@ -96,16 +99,19 @@ class TwoHop:
         n, nodes, local = mine.numel(), self.nodes, self.local
         parts = buf.view(self.comm.world_size, n)
         # the parts owned at each place of each node: (place, node, n)
-        order = torch.tensor([self.rank_at[m][at] for at in range(local) for m in range(nodes)], device=buf.device)
-        by_place = parts.index_select(0, order).view(local, nodes * n)
+        order = [self.rank_at[m][at] for at in range(local) for m in range(nodes)]
+        by_place = (parts if order == list(range(len(order))) else  # consecutive nodes: already in place
+                    parts.index_select(0, torch.tensor(order, device=buf.device))).view(local, nodes * n)
         if self.in_node is None:
             partial = by_place[0].float().view(nodes, n)
         else:
             partial = _sum_messages(self.in_node, by_place, NODE).view(nodes, n)
         if self.across is None:
             mine.copy_(partial[0])
-        else:
-            mine.copy_(_sum_messages(self.across, partial, ACROSS))
+        else:  # row g to the g-th rank of the group across nodes
+            order = self.orders[self.place]
+            rows = partial if order == sorted(order) else partial[torch.tensor(order, device=partial.device)]
+            mine.copy_(_sum_messages(self.across, rows, ACROSS))
 
 
 def _sum_messages(comm: Comm, rows: torch.Tensor, label: str) -> torch.Tensor:
@@ -118,9 +124,13 @@ def _sum_messages(comm: Comm, rows: torch.Tensor, label: str) -> torch.Tensor:
         quantize(rows[i], out=send[i])
     got = torch.empty_like(send)
     comm.all_to_all(got, send, label=label)
-    values = torch.empty(k * width, dtype=torch.float32, device=rows.device)
-    dequantize(got, width, values)
-    return values.view(k, width).sum(0)
+    del send
+    total = torch.zeros(width, dtype=torch.float32, device=rows.device)
+    one = torch.empty(width, dtype=torch.float32, device=rows.device)  # one row decoded at a time
+    for i in range(k):
+        dequantize(got[i : i + 1], width, one)
+        total += one
+    return total
 
 
 class _TwoHopGather:
@@ -141,11 +151,11 @@ class _TwoHopGather:
             hop.in_node.all_gather(both, self.across, label=GATHER_NODE)
         else:
             both = self.across
-        rows = both.view(hop.local, hop.nodes, n)  # [place, node]: the part of rank_at[node][place]
+        rows = both.view(hop.local, hop.nodes, n)  # [place, g]: the part of the g-th rank at that place
         out = self.out.view(hop.comm.world_size, n)
-        for m in range(hop.nodes):
-            for at in range(hop.local):
-                out[hop.rank_at[m][at]].copy_(rows[at, m])
+        for at in range(hop.local):
+            for g, m in enumerate(hop.orders[at]):
+                out[hop.rank_at[m][at]].copy_(rows[at, g])
         self.across = None
 
     def is_completed(self) -> bool:
