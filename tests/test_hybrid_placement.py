@@ -276,3 +276,31 @@ def test_a_shard_group_of_one_node_is_asked_for_by_name(monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     with pytest.raises(ConfigError, match="zero_optimization.mics_shard_size: is 'node', but the ranks per node"):
         load_config(config, world_size=8)
+
+
+def _edit_on_one_rank(modifier: int) -> dict:
+    import zero
+    from zero.testing.training import STAGE3, build_model
+
+    world = dist.get_world_size()
+    engine = zero.initialize(model=build_model("mlp"), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
+        "zero_optimization": {"stage": 3, "mics_shard_size": 2, **STAGE3["mlp"]}})[0]
+    weight = next(engine.module.parameters())
+    with zero.GatheredParameters([weight], modifier_rank=modifier):
+        if dist.get_rank() == modifier:  # the DeepSpeed pattern: one rank loads or edits
+            with torch.no_grad():
+                weight.fill_(0.5)
+    with zero.GatheredParameters([weight]):
+        value = weight.detach().clone()
+    from zero.accessors import safe_get_full_fp32_param
+
+    return {"value": value, "master": safe_get_full_fp32_param(weight), "world": world}
+
+
+@pytest.mark.parametrize("modifier", [0, 3])
+def test_an_edit_on_one_data_rank_reaches_every_replica(dist_run, modifier):
+    """modifier_rank is a data-parallel rank (DeepSpeed's meaning): with 2 replicas of 2 ranks, an
+    edit made on rank 0 or on rank 3 (the second replica's) reaches all 4 ranks, the masters too."""
+    for r in dist_run(4, _edit_on_one_rank, modifier):
+        assert torch.all(r["value"] == 0.5) and torch.all(r["master"] == 0.5)

@@ -199,7 +199,8 @@ class GatheredParameters:
 
     Args:
         params: a parameter or an iterable of parameters.
-        modifier_rank: the rank whose changes are kept; None for read-only use.
+        modifier_rank: the data-parallel rank whose changes are kept (with hybrid sharding, a rank
+            of any replica: its values reach every replica); None for read-only use.
         fwd_module: accepted for DeepSpeed compatibility; unused.
         enabled: False makes the context do nothing.
     """
@@ -216,9 +217,14 @@ class GatheredParameters:
         if not self.params:
             return self
         self.comm = self.params[0]._zero.comm()  # the group the parameters are sharded over
+        unit = self.params[0]._zero.unit
+        # hybrid sharding: the ranks holding the same shards; modifier_rank is a data-parallel rank
+        # (DeepSpeed's meaning), and its values reach every replica
+        self.replicate = unit.placement.replicate if unit is not None else None
         # every rank must enter with the same parameters (see [Note: rank-agreement tags])
-        self.comm.agree(Tag.GATHERED_PARAMETERS, len(self.params), sum(p._zero.numel for p in self.params),
-                        "GatheredParameters")
+        for comm in (self.comm, self.replicate) if self.replicate is not None else (self.comm,):
+            comm.agree(Tag.GATHERED_PARAMETERS, len(self.params), sum(p._zero.numel for p in self.params),
+                       "GatheredParameters")
         with torch.no_grad():
             for unit in dict.fromkeys(p._zero.unit for p in self.params if p._zero.unit is not None):
                 # Muon's matrices updated since their last gather (see [Note: owned parameters in units]
@@ -226,8 +232,12 @@ class GatheredParameters:
                 unit.freshen()
             for p in self.params:
                 info: ShardedParam = p._zero
-                if local_tensor(p).numel() == info.numel and info.numel > 0:
-                    continue  # its unit is gathered right now (or it is persistent)
+                if local_tensor(p).numel() == info.numel and info.numel > 0:  # its unit is gathered right now
+                    if info.unit is not None and info.unit.quantized:
+                        # ZeRO++ qwZ gathered decoded int8 values: the exact ones, to read and before
+                        # they can be written back into the masters
+                        local_tensor(p).copy_(gather_param(info.shard(), info.numel, self.comm).view(info.shape))
+                    continue  # (or it is persistent)
                 local_tensor(p).data = gather_param(info.shard(), info.numel, self.comm).view(info.shape)
                 p.ds_status = ZeroParamStatus.AVAILABLE
                 self._gathered.append(p)
@@ -251,7 +261,11 @@ class GatheredParameters:
         info: ShardedParam = p._zero
         local = local_tensor(p).data  # a tensor slice's own piece (see [Note: sliced parameters])
         full = local.contiguous()
-        self.comm.broadcast(full, src=self.modifier_rank)
+        if self.replicate is None:
+            self.comm.broadcast(full, src=self.modifier_rank)
+        else:  # data rank d is rank d mod S of replica d // S (the shard group's S ranks are the fastest)
+            self.comm.broadcast(full, src=self.modifier_rank % self.comm.world_size)
+            self.replicate.broadcast(full, src=self.modifier_rank // self.comm.world_size)
         if full.data_ptr() != local.data_ptr():
             local.copy_(full)
         if info.unit is not None:  # the shard, and the fp32 master with it
