@@ -57,6 +57,8 @@ def _hybrid(stage: int, accumulation: int = 1, offload: bool = False, steps: int
                     if stage >= 2:
                         safe_set_local_grad(p, safe_get_local_grad(p))
             engine.step()
+            if micro == accumulation - 1:  # after the step (a logging callback): nothing is owed, the next
+                safe_get_full_grad(next(model.parameters()))  # backward goes on
         torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
         ref_opt.step()
 

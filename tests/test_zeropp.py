@@ -72,6 +72,7 @@ def test_int8_weight_blocks_the_cuda_kernel_equals_the_reference_bit_for_bit(dty
         msg = torch.empty(message_bytes(n), dtype=torch.uint8, device="cuda")
         quantize_into_cuda(x.cuda(), msg)
         assert torch.equal(msg.cpu(), quantize_reference(x)), n
+        assert torch.equal(quantize_reference(x.cuda()).cpu(), quantize_reference(x)), n  # the reference on CUDA
         messages = torch.stack([quantize_reference(x), quantize_reference(-x)])
         out = torch.empty(2 * n, dtype=dtype, device="cuda")
         dequantize_into_cuda(messages.cuda(), n, out)

@@ -48,7 +48,7 @@ class ConfigAccessors:
         if cached is None or cached[0] is not self.config:
             from zero.deepspeed.runtime.config import DeepSpeedConfig  # zero.deepspeed imports the engine
 
-            comm = self.__dict__.get("comm")
+            comm = self.__dict__.get("dp") or self.__dict__.get("comm")  # every data rank, replicas too
             world = comm.world_size if comm is not None else 1
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             cached = self.__dict__["_deepspeed_config"] = (self.config, DeepSpeedConfig.of(self.config, world, rank))

@@ -127,7 +127,10 @@ def build_optimizer(module: nn.Module, param_groups: list[dict[str, Any]], confi
             check_room(needs)
         except OSError as exc:
             error = exc
-        if comm.any_rank(error is not None, "the NVMe room check"):
+        failed = comm.any_rank(error is not None, "the NVMe room check")
+        if replicate is not None:  # the replicas too (else the others would wait in their first sum)
+            failed = replicate.any_rank(failed, "the NVMe room check")
+        if failed:
             raise error or OSError(errno.ENOSPC, "zero: NVMe offload's swap files do not fit the drive of another rank "
                                                  "(see its error)")
     if stage == 3:

@@ -135,7 +135,8 @@ class Engine(TrainingLoop):
 
         refuse_whole_model_save(self.mesh, "consolidated_16bit_state_dict")
         self._check_states_home("consolidated_16bit_state_dict()")
-        return consolidated_state_dict(self.module, self.comm, exclude_frozen_parameters)
+        state = consolidated_state_dict(self.module, self.comm, exclude_frozen_parameters)
+        return state if self.dp.rank == 0 else None  # hybrid sharding: one copy, not one per replica
 
     _zero3_consolidated_16bit_state_dict = consolidated_16bit_state_dict  # DeepSpeed's name (accelerate calls it)
 

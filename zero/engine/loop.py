@@ -194,7 +194,7 @@ class TrainingLoop(nn.Module):
             client, muon, groups = None, False, [{**ADAM_DEFAULTS, "params": []}]  # nothing to train: all frozen
         _refuse_claimed(module, {p for g in groups for p in g["params"]}, config.zero_optimization.stage)
         _refuse_foreign_parameters(module, groups, config)
-        check_ranks_agree(module, config, self.comm)  # before the first broadcast
+        check_ranks_agree(module, config, self.dp)  # before the first broadcast (replicas included)
         self.module = module
         self.progress = TrainingProgress(accumulation=config.gradient_accumulation_steps)
         if pipelined:
@@ -229,7 +229,7 @@ class TrainingLoop(nn.Module):
         self._build_components(pipelined)
         if config.dump_state and self.dp.rank == 0:
             print(f"zero: engine state\n  config: {config.model_dump_json(exclude_defaults=True)}\n"
-                  f"  device: {self.device}  world size: {self.comm.world_size}\n"
+                  f"  device: {self.device}  world size: {self.dp.world_size}\n"
                   f"  trainable params: {sum(p.numel() for p in self.optimizer.params):,}\n"
                   f"  memory: {self.memory_report()}", flush=True)
 
@@ -358,7 +358,7 @@ class TrainingLoop(nn.Module):
         # every rank at this step after the same number of backward passes (a rank that skipped
         # one would contribute stale or zero gradients), before its collectives
         steps, backwards = self.progress.global_steps + 1, self.progress.backwards
-        self.comm.agree(Tag.STEP, steps, backwards, f"optimizer step {steps}")
+        self.dp.agree(Tag.STEP, steps, backwards, f"optimizer step {steps}")  # replicas too: they sum at the step
         for component in list(self.components.values()):
             component.before_step(self)
         if not backwards and not self._warned_count:

@@ -56,9 +56,11 @@ def shared_comm(group, kind: str = "side") -> Comm:
     if entry is None or entry[0] is not group:
         entry = _SHARED[key] = (group, Comm(group))
     comm = entry[1]
-    world = _NODES.get("world")
-    if comm.node_of is None and world is not None and dist.is_initialized() and world() is dist.group.WORLD:
-        comm.place_on_nodes(_NODES["nodes"])
+    world, nodes = _NODES.get("world"), _NODES.get("nodes")
+    if getattr(comm, "_placed_by", None) is not nodes and world is not None and dist.is_initialized() \
+            and world() is dist.group.WORLD:  # the nodes the latest engine learnt
+        comm.place_on_nodes(nodes)
+        comm._placed_by = nodes
     return comm
 
 

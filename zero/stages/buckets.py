@@ -277,9 +277,10 @@ class FlatParams(ParamStorage):
 
     def param_chunks(self, param: nn.Parameter, saving: bool) -> list[tuple[str, int, torch.Tensor]]:
         i = self._index.get(param)
-        if i is None:  # frozen: replicated on every rank, written by rank 0
+        if i is None:  # frozen: replicated on every rank, written by rank 0 (of the first replica)
             whole = local_tensor(param).detach().reshape(-1)
-            return [("model", 0, whole)] if not saving or self.comm.rank == 0 else []
+            first = self.comm.rank == 0 and (self.replicate is None or self.replicate.rank == 0)
+            return [("model", 0, whole)] if not saving or first else []
         off, n = self.layout.offsets[i], self.layout.numels[i]
         bucket = self.layout.buckets[self.layout.bucket_of[i]]
         if saving and not self.placement(bucket).writes:  # another rank writes what this one holds
@@ -390,6 +391,7 @@ class BucketGradients:
         self._staging: dict[int, torch.Tensor] = {}
         self._work: dict[int, Any] = {}
         self.replicas_summed = False  # see [Note: the replicas' sum, once] in zero/stages/placement.py
+        self.replicas_owed = False  # a bucket was reduced in its shard group since the gradients were zeroed
         self.readiness = GradReadiness(
             [[s.params[i] for i in b.params] for b in s.layout.buckets], take=self._take, launch=self._launch,
             finish=self._finish, comm=s.comm, ordered=True, overlap=s.reduce.overlap_comm, names=s.names,
@@ -427,8 +429,10 @@ class BucketGradients:
     def _launch(self, b: int) -> None:
         s = self.storage
         bucket = s.layout.buckets[b]
-        if self.replicas_summed and s.placement(bucket).defers_replicas:  # before any shard changes
-            raise ReplicasSummedError(s.names.get(s.params[bucket.params[0]], "?"))
+        if s.placement(bucket).defers_replicas:
+            if self.replicas_summed:  # before any shard changes
+                raise ReplicasSummedError(s.names.get(s.params[bucket.params[0]], "?"))
+            self.replicas_owed = True
         s.comm.tagged(Tag.BUCKET_REDUCE, b, bucket.numel, f"stage 2, gradient reduction of bucket {b}")
         staging = self._staging_for(b)  # a bucket without any gradient on this rank contributes zeros
         # replicas (hybrid sharding) sum their shards once, at the step (`reduce`)
@@ -462,7 +466,7 @@ class BucketGradients:
         is the sum over the replicas (hybrid sharding), once per optimizer step (see [Note: the
         replicas' sum, once] in zero/stages/placement.py)."""
         s = self.storage
-        if self.replicas_summed:
+        if self.replicas_summed or not self.replicas_owed:  # summed already, or nothing reduced since zeroed
             return
         for bucket in s.layout.buckets:
             place = s.placement(bucket)
@@ -481,7 +485,7 @@ class BucketGradients:
 
     def zero(self) -> None:
         self.recover()
-        self.replicas_summed = False
+        self.replicas_summed = self.replicas_owed = False
         for s in self.shards:
             s.zero_()
 

@@ -27,9 +27,11 @@ Sums are SUM collectives; callers divide (see [Note: one divisor] in zero/optim/
 [Note: the replicas' sum, once]
 With replicas, a reduced gradient shard holds its replica's sum until the replicas sum it, once
 per optimizer step (`defers_replicas`). That sum runs at the step, or earlier when a gradient
-accessor (zero/accessors.py) needs the final values; either way once: the storage remembers that
-this step's shards were summed until the gradients are zeroed, and a backward that adds to them
-after that is refused (its gradients would be summed over the replicas twice or not at all).
+accessor (zero/accessors.py) needs the final values; either way once, and only when a backward
+reduced something since the gradients were zeroed (an accessor after the step finds nothing owed):
+the storage remembers that this step's shards were summed until the gradients are zeroed, and a
+backward that adds to them after that is refused (its gradients would be summed over the replicas
+twice or not at all).
 """
 from __future__ import annotations
 
@@ -111,12 +113,32 @@ class Placement(abc.ABC):
         work = self.comm.all_reduce(buf, "sum", async_op=async_op or chained)
         return self._then_replicas(work, buf, async_op) if chained else work
 
-    def reduce_replicas(self, grads: list[torch.Tensor]) -> None:
+    def reduce_replicas(self, grads: list[torch.Tensor], bucket_elements: int = 1 << 26) -> None:
         """SUM this rank's gradient shards over the replicate group (once per optimizer step; see
-        `defers_replicas`)."""
-        if self.replicate is not None:
-            for g in grads:
-                self.replicate.all_reduce(g, "sum", label="all_reduce (replicas)")
+        `defers_replicas`): few large all-reduces over the slow link, not one per shard (shards of
+        one dtype and device packed into buckets of up to `bucket_elements`; a larger shard alone)."""
+        if self.replicate is None:
+            return
+        bucket: list[torch.Tensor] = []
+
+        def flush() -> None:
+            if len(bucket) == 1:
+                self.replicate.all_reduce(bucket[0], "sum", label="all_reduce (replicas)")
+            elif bucket:
+                flat = torch.cat([g.reshape(-1) for g in bucket])
+                self.replicate.all_reduce(flat, "sum", label="all_reduce (replicas)")
+                torch._foreach_copy_(bucket, [p.view_as(g) for p, g in zip(flat.split([g.numel() for g in bucket]),
+                                                                             bucket)])
+            bucket.clear()
+
+        for g in grads:
+            if g.numel() == 0:
+                continue
+            if bucket and (g.dtype != bucket[0].dtype or g.device != bucket[0].device
+                           or sum(b.numel() for b in bucket) + g.numel() > bucket_elements):
+                flush()
+            bucket.append(g)
+        flush()
 
     def _then_replicas(self, work, part: torch.Tensor, async_op: bool):
         if self.replicate is None:

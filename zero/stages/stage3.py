@@ -110,6 +110,7 @@ class Stage3Runtime:
         self.module, self.units, self.comm, self.options = module, units, comm, options
         self.predivide, self._step, self._grad_final = predivide, step, grad_final
         self.replicas_summed = False  # see [Note: the replicas' sum, once] in zero/stages/placement.py
+        self.replicas_owed = False  # a unit was reduced in its shard group since the gradients were zeroed
         self.reserved = 0  # elements of non-resident units gathering or gathered (what max_live caps)
         self.prefetched = 0  # gathers started ahead of use
         self.traces: dict[str, list[int]] = {FORWARD: [], BACKWARD: []}
@@ -435,8 +436,10 @@ class Stage3Runtime:
 
     def _launch_reduce(self, gi: int) -> None:
         unit = self._reducible[gi]
-        if unit.placement.defers_replicas and self.replicas_summed:  # before any shard changes
-            raise ReplicasSummedError(unit.name or "<root>")
+        if unit.placement.defers_replicas:
+            if self.replicas_summed:  # before any shard changes
+                raise ReplicasSummedError(unit.name or "<root>")
+            self.replicas_owed = True
         self._exchange_tag(unit, REDUCE)
         unit.grads_done = True
         if not unit.has_frozen or unit.inputs_done:  # nothing in backward needs its values any more:

@@ -148,7 +148,7 @@ class UnitParams(ParamStorage):
     def reduce_gradients(self) -> None:
         """Hybrid sharding: the replicas sum the gradient shards once per optimizer step (see
         [Note: the replicas' sum, once] in zero/stages/placement.py); then they are final."""
-        if not self.placement.defers_replicas or self.runtime.replicas_summed:
+        if not self.placement.defers_replicas or self.runtime.replicas_summed or not self.runtime.replicas_owed:
             return
         grads = [r.grad for u in self.units for r in u.ranges] + _owned(self.units, "grad")  # owners: the same
         self.placement.reduce_replicas(grads)  # matrices at the same place of every replica
@@ -233,7 +233,7 @@ class UnitParams(ParamStorage):
 
     def zero_grads(self) -> None:
         self.runtime.recover()
-        self.runtime.replicas_summed = False
+        self.runtime.replicas_summed = self.runtime.replicas_owed = False
         for unit in self.units:
             unit.zero_grads()
 

@@ -10,7 +10,9 @@ not). scale = amax / 127 over the block; code = round-half-even(x / scale) clamp
 0 where the scale is 0 or not finite; decoded, code * scale in fp32, rounded to the parameters'
 dtype. A NaN or inf in a block makes the whole block NaN after decoding, so a broken weight is
 seen, not hidden. Each step is one IEEE operation, so the C kernel (csrc/quant/quant.c), the CUDA
-kernel (quant.cu) and this file's reference give the same bits; the tests hold them to it.
+kernel (quant.cu) and this file's reference give the same bits for every finite block; the tests
+hold them to it. (A block with a NaN or inf decodes to NaN on every path, but the NaN's sign and
+payload bits may differ between CPU and GPU; every rank decodes the same message on one device.)
 
 The message is 1 + 4/256 bytes per element against 2 (bf16) or 4 (fp32): 0.51x or 0.25x of
 the exact gather's bytes. The error per element is at most half a step, amax / 254 of its block.
@@ -43,7 +45,8 @@ def quantize_reference(x: torch.Tensor, out: torch.Tensor | None = None) -> torc
     padded = torch.zeros(blocks * BLOCK, dtype=torch.float32, device=x.device)
     padded[:n] = flat
     rows = padded.view(blocks, BLOCK)
-    scale = rows.abs().amax(dim=1) / 127 if blocks else torch.zeros(0, device=x.device)  # NaN stays NaN
+    top = rows.abs().amax(dim=1) if blocks else torch.zeros(0, device=x.device)  # NaN stays NaN
+    scale = top / torch.full_like(top, 127.0)  # a true division (by a scalar, CUDA multiplies by 1/127)
     ok = (scale > 0) & torch.isfinite(scale)
     safe = torch.where(ok, scale, torch.ones_like(scale))
     codes = torch.where(ok[:, None], torch.clamp(torch.round(rows / safe[:, None]), -127, 127), torch.zeros_like(rows))
