@@ -68,6 +68,7 @@ class UnitParams(ParamStorage):
         modules = dict(module.named_modules())
         placement = self.placement = placement or Sharded(comm, comm.world_size)
         hpz = self.hpz = _node_group(comm, options.hpz) if options.hpz > 1 else None  # see [Note: hpZ]
+        _warn_useless_zeropp(comm, options)
         if (options.quantize_gradients or options.hierarchical_gather) and comm.world_size > 1:
             from zero.zeropp.reduce import TwoHop  # see [Note: qgZ] and [Note: the two-hop gather] there
 
@@ -291,6 +292,21 @@ def _node_group(comm: Comm, size: int) -> Comm:
     if comm.node_of is not None:
         node.place_on_nodes({m: comm.node_of[i] for i, m in enumerate(members)})
     return node
+
+
+def _warn_useless_zeropp(comm: Comm, options: Stage3Options) -> None:
+    """ZeRO++'s rounding where it saves nothing, and the two-hop gather where qwZ replaces it: said
+    once, at build (the same on every rank)."""
+    import warnings
+
+    one_node = comm.node_of is not None and len(set(comm.node_of)) == 1
+    if one_node and comm.world_size > 1 and (options.quantize_weights or options.quantize_gradients):
+        warnings.warn("zero_optimization.zero_quantized_weights / zero_quantized_gradients: every rank of the shard "
+                      "group is on one node, so nothing crosses a node and the int8 collectives only round weights "
+                      "and gradients; leave them off on one node (or with a shard group inside a node)", stacklevel=3)
+    if options.quantize_weights and options.hierarchical_gather:
+        warnings.warn("zero_optimization.mics_hierarchical_params_gather with zero_quantized_weights: the gathers "
+                      "send int8 blocks in one hop; the two-hop gather applies to exact gathers only", stacklevel=3)
 
 
 def _owned(units: list[ParamUnit], kind: str) -> list:
