@@ -45,7 +45,7 @@ LAYOUTS = {  # name -> (stage, zero_optimization keys)
     "stage 1 (flat)": (1, {}),
     "stage 1 hybrid": (1, {"mics_shard_size": 2}),
 }
-VOCAB, CHOICES = 64, 4  # the data: each token followed by one of 4 tokens (a fixed table); loss floor ln 4
+VOCAB, CHOICES = 32, 4  # the data: each token followed by one of 4 tokens (a fixed table); loss floor ln 4
 
 
 def _batches(rank: int, world: int):
@@ -79,7 +79,7 @@ def worker(out: str, steps: int) -> None:
             torch.manual_seed(0)
             model = GPT(GPTConfig(vocab_size=VOCAB, block_size=64, n_layer=4, n_head=4, n_embd=128))
             config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accumulation,
-                      "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+                      "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 5e-3}},
                       "zero_optimization": {"stage": stage, **keys, "reduce_bucket_size": 1 << 22,
                                             "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
                                             "stage3_prefetch_bucket_size": 0}}
