@@ -3,6 +3,7 @@ the comm report's byte ledger, beside the formula's number, and the loss against
 
     python benchmarks/bench_multinode.py            # 2 nodes x 2 ranks on this host, 3 steps
     python benchmarks/bench_multinode.py --steps 300 --write   # results/multinode.md
+    python benchmarks/bench_multinode.py --steps 300 --write --fp32-loss   # results/multinode_fp32.md
 
 Two torchrun agents on this host (`--nnodes 2 --node-rank 0/1`, a localhost rendezvous) are two
 nodes of 2 ranks each, as zero sees them (zero/parallel/nodes.py). The demo GPT in bf16 trains with
