@@ -182,18 +182,23 @@ def _node_of(rank: int, world: int, nodes: int, layout: str) -> int:
     return [0, 1, 1, 0, 0, 1][rank]  # not monotone: at place 1, node 0's rank (3) follows node 1's (2)
 
 
-def _two_hop(n: int, nodes: int, layout: str = "consecutive") -> dict:
+def _placed_two_hop(nodes: int, layout: str):
+    """qgZ's groups over the world, its ranks on `nodes` nodes laid out as `layout` (GROUP_RANK
+    set until the caller pops it)."""
     from zero.parallel.comm import Comm
+    from zero.parallel.nodes import node_of_ranks
     from zero.zeropp.reduce import TwoHop
 
-    world, rank = dist.get_world_size(), dist.get_rank()
-    os.environ["GROUP_RANK"] = str(_node_of(rank, world, nodes, layout))
-    try:
-        from zero.parallel.nodes import node_of_ranks
+    os.environ["GROUP_RANK"] = str(_node_of(dist.get_rank(), dist.get_world_size(), nodes, layout))
+    comm = Comm()
+    comm.place_on_nodes(dict(enumerate(node_of_ranks())))
+    return TwoHop(comm)
 
-        comm = Comm()
-        comm.place_on_nodes(dict(enumerate(node_of_ranks())))
-        hop = TwoHop(comm)
+
+def _two_hop(n: int, nodes: int, layout: str = "consecutive") -> dict:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    try:
+        hop = _placed_two_hop(nodes, layout)
         grads = [torch.randn(world * n, generator=torch.Generator().manual_seed(r)) for r in range(world)]
         buf = grads[rank].clone()
         mine = buf[rank * n : (rank + 1) * n]  # a view of the input, as stage 3 hands it
@@ -286,16 +291,9 @@ def test_a_zeropp_checkpoint_resumes_in_every_layout(dist_run, tmp_path):
 
 
 def _two_hop_gather(nodes: int, layout: str) -> dict:
-    from zero.parallel.comm import Comm
-    from zero.parallel.nodes import node_of_ranks
-    from zero.zeropp.reduce import TwoHop
-
     world, rank = dist.get_world_size(), dist.get_rank()
-    os.environ["GROUP_RANK"] = str(_node_of(rank, world, nodes, layout))
     try:
-        comm = Comm()
-        comm.place_on_nodes(dict(enumerate(node_of_ranks())))
-        hop = TwoHop(comm)
+        hop = _placed_two_hop(nodes, layout)
         n = 37
         mine = torch.arange(n, dtype=torch.float32) + 100 * rank
         full = torch.empty(world * n + 3)

@@ -60,7 +60,12 @@ class TwoHop:
         self.place = self.rank_at[self.node].index(comm.rank)
         # a group numbers its ranks in rank order: the nodes in the order of their ranks at place l
         # (not always the nodes' own order: nodes [0, 1, 1, 0] have ranks 3 and 2 at place 1)
-        self.orders = [sorted(range(self.nodes), key=lambda m, at=at: self.rank_at[m][at]) for at in range(self.local)]
+        orders = [sorted(range(self.nodes), key=lambda m, at=at: self.rank_at[m][at]) for at in range(self.local)]
+        # laid out once, used by every reduce and gather: the comm ranks (place, node) in node order,
+        # the across group's order of this place's nodes, and the comm rank of each gathered row
+        self._by_place = _Rows([self.rank_at[m][at] for at in range(self.local) for m in range(self.nodes)])
+        self._across_order = _Rows(orders[self.place])
+        self._gathered = _Rows([self.rank_at[m][at] for at in range(self.local) for m in orders[at]])
         members = dist.get_process_group_ranks(comm.group or dist.group.WORLD) if comm.distributed else [0]
         placed = {members[r]: node_of[r] for r in range(comm.world_size)}
 
@@ -97,11 +102,8 @@ class TwoHop:
         """SUM `buf` (this rank's gradients: the comm's N ranks' parts, n elements each, in rank
         order) over the ranks into `mine` (this rank's part, n elements; may be a view of `buf`)."""
         n, nodes, local = mine.numel(), self.nodes, self.local
-        parts = buf.view(self.comm.world_size, n)
         # the parts owned at each place of each node: (place, node, n)
-        order = [self.rank_at[m][at] for at in range(local) for m in range(nodes)]
-        by_place = (parts if order == list(range(len(order))) else  # consecutive nodes: already in place
-                    parts.index_select(0, torch.tensor(order, device=buf.device))).view(local, nodes * n)
+        by_place = self._by_place.take(buf.view(self.comm.world_size, n)).view(local, nodes * n)
         if self.in_node is None:
             partial = by_place[0].float().view(nodes, n)
         else:
@@ -109,9 +111,31 @@ class TwoHop:
         if self.across is None:
             mine.copy_(partial[0])
         else:  # row g to the g-th rank of the group across nodes
-            order = self.orders[self.place]
-            rows = partial if order == sorted(order) else partial[torch.tensor(order, device=partial.device)]
-            mine.copy_(_sum_messages(self.across, rows, ACROSS))
+            mine.copy_(_sum_messages(self.across, self._across_order.take(partial), ACROSS))
+
+
+class _Rows:
+    """A fixed order of rows: `take` reads them in it, `put` writes rows back to their places; the
+    identity order costs nothing, another one an index kept per device."""
+
+    def __init__(self, order: list[int]):
+        self.order = order
+        self.identity = order == list(range(len(order)))
+        self._index: dict[torch.device, torch.Tensor] = {}
+
+    def _on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._index:
+            self._index[device] = torch.tensor(self.order, device=device)
+        return self._index[device]
+
+    def take(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows if self.identity else rows.index_select(0, self._on(rows.device))
+
+    def put(self, out: torch.Tensor, rows: torch.Tensor) -> None:
+        if self.identity:
+            out.copy_(rows)
+        else:
+            out.index_copy_(0, self._on(out.device), rows)
 
 
 def _sum_messages(comm: Comm, rows: torch.Tensor, label: str) -> torch.Tensor:
@@ -151,11 +175,8 @@ class _TwoHopGather:
             hop.in_node.all_gather(both, self.across, label=GATHER_NODE)
         else:
             both = self.across
-        rows = both.view(hop.local, hop.nodes, n)  # [place, g]: the part of the g-th rank at that place
-        out = self.out.view(hop.comm.world_size, n)
-        for at in range(hop.local):
-            for g, m in enumerate(hop.orders[at]):
-                out[hop.rank_at[m][at]].copy_(rows[at, g])
+        # row (place, g): the part of the g-th rank at that place, which goes to its comm rank
+        hop._gathered.put(self.out.view(hop.comm.world_size, n), both.view(hop.local * hop.nodes, n))
         self.across = None
 
     def is_completed(self) -> bool:
