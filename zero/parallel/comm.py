@@ -74,14 +74,35 @@ class CollectiveTimeout(ZeroRuntimeError):
     """A collective did not complete in time; the message says which and what to check."""
 
 
-class _Done:
-    """The handle of a collective that completed at once (a world of one)."""
+class Done:
+    """The handle of a collective that completed at once (a world of one, or done in place)."""
 
     def wait(self, timeout=None) -> bool:
         return True
 
     def is_completed(self) -> bool:
         return True
+
+
+
+class Then:
+    """A collective's handle (or None) whose `wait` also runs `then` once after it: a follow-up
+    collective (the replicas' all-reduce) or the decoding of what arrived (ZeRO++). `then` and what
+    it holds are dropped once it ran."""
+
+    def __init__(self, work, then):
+        self.work, self.then = work, then
+
+    def wait(self, timeout=None) -> None:
+        if self.then is None:
+            return
+        if self.work is not None:
+            self.work.wait()
+        then, self.then, self.work = self.then, None, None
+        then()
+
+    def is_completed(self) -> bool:
+        return self.then is None
 
 
 class _SliceAfter:
@@ -311,13 +332,13 @@ class Comm:
             if self.world_size == 1:
                 if output.data_ptr() != input.data_ptr():
                     output.copy_(input)
-                return _Done() if async_op else None
+                return Done() if async_op else None
             staged = self._staged([output], [input])
             if staged is not None:
                 (out,), (inp,) = staged
                 _reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=self.group)
                 output.copy_(out)
-                return _Done() if async_op else None
+                return Done() if async_op else None
             if self.backend == "gloo":
                 work = dist.all_reduce(input, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
                 what = f"a gradient reduce-scatter of {input.numel():,} elements"
@@ -332,13 +353,13 @@ class Comm:
             if self.world_size == 1:
                 if input.data_ptr() != output.data_ptr():
                     output.copy_(input)
-                return _Done() if async_op else None
+                return Done() if async_op else None
             staged = self._staged([output], [input])
             if staged is not None:
                 (out,), (inp,) = staged
                 _all_gather(out, inp, group=self.group)
                 output.copy_(out)
-                return _Done() if async_op else None
+                return Done() if async_op else None
             if self.backend == "gloo":
                 work = _all_gather(output, input, group=self.group, async_op=True)
                 return self._bounded(work, async_op, f"an all-gather of {output.numel():,} elements ({label})")
@@ -351,14 +372,14 @@ class Comm:
         self._count(label, tensor, "all")
         with record_function(f"zero::{label}"):
             if self.world_size == 1:
-                return _Done() if async_op else None
+                return Done() if async_op else None
             red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
             staged = self._staged([], [tensor])
             if staged is not None:
                 _, (t,) = staged
                 dist.all_reduce(t, op=red, group=self.group)
                 tensor.copy_(t)
-                return _Done() if async_op else None
+                return Done() if async_op else None
             if self.backend == "gloo":
                 work = dist.all_reduce(tensor, op=red, group=self.group, async_op=True)
                 return self._bounded(work, async_op, f"an all-reduce of {tensor.numel():,} elements")
@@ -428,13 +449,13 @@ class Comm:
         root = dist.get_global_rank(self.group, root) if self.distributed and self.group is not None else root
         with record_function(f"zero::{label}"):
             if self.world_size == 1:
-                return _Done() if async_op else None
+                return Done() if async_op else None
             staged = self._staged([], [tensor])
             if staged is not None:
                 _, (t,) = staged
                 collective(t, root, group=self.group)
                 tensor.copy_(t)
-                return _Done() if async_op else None
+                return Done() if async_op else None
             if self.backend == "gloo":
                 return self._bounded(collective(tensor, root, group=self.group, async_op=True), async_op, what)
             return collective(tensor, root, group=self.group, async_op=async_op)

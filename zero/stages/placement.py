@@ -39,7 +39,7 @@ import abc
 
 import torch
 
-from zero.parallel.comm import Comm
+from zero.parallel.comm import Comm, Done, Then
 from zero.partition.layout import Bucket, ShardLayout
 
 
@@ -102,7 +102,7 @@ class Placement(abc.ABC):
         chained = replicas and self.replicate is not None
         if self.two_hop is not None:  # quantized, inside the node then across (see [Note: qgZ])
             self.two_hop.reduce_scatter(mine, buf)
-            work = _Done()
+            work = Done()
         else:
             work = self.comm.reduce_scatter(mine, buf, async_op=async_op or chained)
         return self._then_replicas(work, mine, async_op) if chained else work
@@ -143,7 +143,7 @@ class Placement(abc.ABC):
     def _then_replicas(self, work, part: torch.Tensor, async_op: bool):
         if self.replicate is None:
             return work
-        chained = _Then(work, lambda: self.replicate.all_reduce(part, "sum", label="all_reduce (replicas)"))
+        chained = Then(work, lambda: self.replicate.all_reduce(part, "sum", label="all_reduce (replicas)"))
         return chained if async_op else chained.wait()
 
     def broadcast_initial(self, t: torch.Tensor) -> None:
@@ -255,7 +255,7 @@ class Owned(Placement):
         work = Each([self.reduce_to(piece, i, async_op=True) for i, piece in pieces.items()])
         if replicas and self.replicate is not None:  # the owners of each replica sum what they own
             mine = [piece for i, piece in pieces.items() if self.owns(i)]
-            work = _Then(work, lambda: self.reduce_replicas(mine))
+            work = Then(work, lambda: self.reduce_replicas(mine))
         return work if async_op else work.wait()
 
     def gather_bucket(self, flat: torch.Tensor, bucket: Bucket, layout: ShardLayout) -> list:
@@ -309,28 +309,3 @@ class Each:
             return self
         self.wait()
         return None
-
-
-class _Done:
-    """The handle of a collective that already finished."""
-
-    def wait(self, timeout=None) -> None:
-        return None
-
-    def is_completed(self) -> bool:
-        return True
-
-
-class _Then:
-    """A collective's handle whose `wait` also runs a follow-up collective (the replicas' all-reduce)."""
-
-    def __init__(self, work, then):
-        self.work, self.then = work, then
-
-    def wait(self, timeout=None) -> None:
-        if self.work is not None:
-            self.work.wait()
-        self.then()
-
-    def is_completed(self) -> bool:
-        return False

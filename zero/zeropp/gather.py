@@ -5,29 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from zero.parallel.comm import Comm
+from zero.parallel.comm import Comm, Then
 from zero.zeropp.blocks import dequantize, message_bytes, quantize
 
 LABEL = "all_gather (qwZ)"  # its line in the comm report and the byte ledger
-
-
-class QuantizedGather:
-    """An all-gather of int8 weight blocks in flight: `wait` waits for it, then decodes every
-    rank's message into the output (once)."""
-
-    def __init__(self, work, messages: torch.Tensor, out: torch.Tensor, n: int):
-        self.work, self.messages, self.out, self.n = work, messages, out, n
-
-    def wait(self, timeout=None) -> None:
-        if self.messages is None:
-            return
-        if self.work is not None:
-            self.work.wait()
-        dequantize(self.messages, self.n, self.out)
-        self.messages = None  # the messages' memory goes back now
-
-    def is_completed(self) -> bool:
-        return self.messages is None
 
 
 def all_gather_quantized(comm: Comm, full: torch.Tensor, mine: torch.Tensor, async_op: bool = False):
@@ -40,7 +21,8 @@ def all_gather_quantized(comm: Comm, full: torch.Tensor, mine: torch.Tensor, asy
     message = quantize(mine)
     messages = torch.empty(world, message_bytes(n), dtype=torch.uint8, device=mine.device)
     work = comm.all_gather(messages.view(-1), message, async_op=True, label=LABEL)
-    handle = QuantizedGather(work, messages, full.view(-1)[: world * n], n)
+    out = full.view(-1)[: world * n]
+    handle = Then(work, lambda: dequantize(messages, n, out))  # the messages' memory goes with it
     if async_op:
         return handle
     handle.wait()

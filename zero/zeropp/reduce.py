@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from zero.parallel.comm import Comm
+from zero.parallel.comm import Comm, Then
 from zero.zeropp.blocks import dequantize, message_bytes, quantize
 
 NODE, ACROSS = "all_to_all (qgZ, node)", "all_to_all (qgZ, across)"  # their lines in the comm report
@@ -87,11 +87,22 @@ class TwoHop:
             if self.across is not None else None
         if work is None:
             across.copy_(mine.reshape(-1))
-        handle = _TwoHopGather(self, work, across, full.view(-1)[: self.comm.world_size * n], n)
+        out = full.view(-1)[: self.comm.world_size * n].view(self.comm.world_size, n)
+        handle = Then(work, lambda: self._inside_node(across, out))
         if async_op:
             return handle
         handle.wait()
         return None
+
+    def _inside_node(self, across: torch.Tensor, out: torch.Tensor) -> None:
+        """The gather's second hop, once the first arrived: the node's ranks share what each got
+        across nodes, and every part goes to its rank's row of `out`."""
+        both = across
+        if self.in_node is not None:
+            both = torch.empty(self.local * across.numel(), dtype=across.dtype, device=across.device)
+            self.in_node.all_gather(both, across, label=GATHER_NODE)
+        # row (place, g): the part of the g-th rank at that place, which goes to its comm rank
+        self._gathered.put(out, both.view(self.local * self.nodes, out.shape[1]))
 
     def side_comms(self) -> list[Comm]:
         """Its groups, whose counts join the comm report."""
@@ -155,29 +166,3 @@ def _sum_messages(comm: Comm, rows: torch.Tensor, label: str) -> torch.Tensor:
         dequantize(got[i : i + 1], width, one)
         total += one
     return total
-
-
-class _TwoHopGather:
-    """The two-hop all-gather in flight: `wait` waits for the hop across nodes, runs the hop inside
-    the node, and lays every rank's part out in rank order (once)."""
-
-    def __init__(self, hop: TwoHop, work, across: torch.Tensor, out: torch.Tensor, n: int):
-        self.hop, self.work, self.across, self.out, self.n = hop, work, across, out, n
-
-    def wait(self, timeout=None) -> None:
-        if self.across is None:
-            return
-        hop, n = self.hop, self.n
-        if self.work is not None:
-            self.work.wait()
-        if hop.in_node is not None:
-            both = torch.empty(hop.local * hop.nodes * n, dtype=self.across.dtype, device=self.across.device)
-            hop.in_node.all_gather(both, self.across, label=GATHER_NODE)
-        else:
-            both = self.across
-        # row (place, g): the part of the g-th rank at that place, which goes to its comm rank
-        hop._gathered.put(self.out.view(hop.comm.world_size, n), both.view(hop.local * hop.nodes, n))
-        self.across = None
-
-    def is_completed(self) -> bool:
-        return self.across is None
