@@ -102,6 +102,17 @@ def test_the_quantized_all_gather_decodes_every_ranks_message(dist_run, world):
             assert r["bytes"] == world * message_bytes(n)
 
 
+def _temporaries_estimate(module, zc: dict, dtype: str = "bf16") -> float:
+    """The estimator's buffers of a stage-3 layout on 2 nodes of 2 ranks, less those of the same
+    layout without ZeRO++'s quantized collectives and the two-hop gather: their temporaries."""
+    from zero.estimate import estimate_memory
+
+    plain = {k: v for k, v in zc.items() if not k.startswith(("zero_quantized", "mics_hierarchical"))}
+    return (estimate_memory(module, 4, dtype=dtype, gpus_per_node=2, config={"zero_optimization": zc}).row(
+        3, "none").buffers - estimate_memory(module, 4, dtype=dtype, gpus_per_node=2, config={
+            "zero_optimization": plain}).row(3, "none").buffers)
+
+
 def _train(steps: int) -> dict:
     import zero
     from zero.monitor import _cross_node_formula
@@ -135,6 +146,8 @@ def _train(steps: int) -> dict:
                 losses.append(loss.item())
             comm = engine.comm_report()
             runs[name] = {"loss": sum(losses[-3:]) / 3, "first": losses[0], "comm": comm,
+                          "temporaries": engine.memory_report()["collective_temporaries_peak"],
+                          "temporaries_estimate": _temporaries_estimate(engine.module, zc),
                           "crossing": sum(c["cross_node_bytes"] for c in comm.values()),
                           "formula": _cross_node_formula(engine)[1],
                           "masters": torch.cat([s.master.float().reshape(-1) for s in engine.optimizer.slots()])}
@@ -151,6 +164,9 @@ def test_zeropp_trains_within_the_loss_bound_and_sends_a_quarter_of_the_bytes_ac
             assert abs(run["loss"] - exact["loss"]) <= 0.005 * exact["loss"], (run["loss"], exact["loss"])
             assert not torch.equal(run["masters"], exact["masters"])  # the forward did see rounded weights
             assert run["crossing"] == pytest.approx(run["formula"], rel=0.1)  # the ledger and the formula
+            # the int8 messages, reordered parts and partial sums: measured, within the estimate
+            assert 0.5 * run["temporaries_estimate"] <= run["temporaries"] <= run["temporaries_estimate"], run
+        assert exact["temporaries"] == exact["temporaries_estimate"] == 0
         # forward and backward gather int8 blocks: ~1.02 bytes per element instead of bf16's 2
         assert qwz["comm"]["all_gather (qwZ)"]["bytes"] <= 0.53 * exact["comm"]["all_gather"]["bytes"]
         assert both["comm"]["all_gather (hpZ)"]["cross_node_bytes"] == 0  # backward's gathers stay in the node
@@ -329,10 +345,11 @@ def _hierarchical_training() -> dict:
         base = build_model("gpt")
         out = []
         for hierarchical in (False, True):
+            zc = {"stage": 3, **STAGE3["gpt"], "stage3_max_reuse_distance": 0,
+                  "mics_hierarchical_params_gather": hierarchical}
             engine = zero.initialize(model=copy.deepcopy(base), config={
                 "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-                "zero_optimization": {"stage": 3, **STAGE3["gpt"], "stage3_max_reuse_distance": 0,
-                                      "mics_hierarchical_params_gather": hierarchical}})[0]
+                "zero_optimization": zc})[0]
             g = torch.Generator().manual_seed(rank)
             for _ in range(3):
                 engine.backward(engine(*make_batch("gpt", 2, g)))
@@ -343,6 +360,8 @@ def _hierarchical_training() -> dict:
         from zero.monitor import _cross_node_formula
 
         return {"same": all(torch.equal(a, b) for a, b in zip(flat, two_hop)), "comm": comm,
+                "temporaries": engine.memory_report()["collective_temporaries_peak"],
+                "temporaries_estimate": _temporaries_estimate(engine.module, zc, "fp32"),
                 "crossing": sum(c["cross_node_bytes"] for c in comm.values()), "formula": _cross_node_formula(engine)[1]}
     finally:
         os.environ.pop("GROUP_RANK")
@@ -352,4 +371,5 @@ def test_stage_3_with_the_two_hop_gather_trains_bit_for_bit_as_flat(dist_run):
     for r in dist_run(4, _hierarchical_training):
         assert r["same"]  # copies: the same parameters as flat ZeRO-3
         assert r["comm"]["all_gather (two-hop, across)"]["calls"] > 0
+        assert 0.5 * r["temporaries_estimate"] <= r["temporaries"] <= r["temporaries_estimate"], r
         assert r["crossing"] == pytest.approx(r["formula"], rel=0.1)  # the ledger and the formula

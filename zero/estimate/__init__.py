@@ -63,7 +63,8 @@ buffers: an fp32 copy of the trainable parameters per rank, plus 1/N of it at st
 adds two more fp32 copies to `buffers` (its momentum accumulator and anchor).
 
 With `zero_hpz_partition_size` = L (ZeRO++ hpZ) stage 3's buffers also hold the secondary shards
-from forward to the end of backward: p Psi / L (the units that are not persistent).
+from forward to the end of backward: p Psi / L (the units that are not persistent). ZeRO++'s and
+MiCS's collectives add their temporaries (zero.estimate.comm.collective_temporaries).
 
 `buffers` is the communication and gathering memory of a step beyond the model states: stages 0-1
 one bucket cast to the communication dtype (when it differs); stage 2 the staging buffers of the
@@ -83,6 +84,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+
+from zero.estimate.comm import collective_temporaries
+from zero.estimate.units import format_bytes, human_count
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OFFLOADS = ("none", "optimizer", "param", "optimizer+param")
@@ -188,7 +192,7 @@ class MemoryTable(list):
         n = self[0].world_size if self else 1
         formats = self.state_formats
         several = len(formats) > 1
-        head = (f"{self.psi:,} trainable parameters ({_human(self.psi)}), {self.dtype}, "
+        head = (f"{self.psi:,} trainable parameters ({human_count(self.psi)}), {self.dtype}, "
                 + ("every state format" if several else formats[0] if formats else "") + f", {n} rank(s)"
                 + (f", {self.persistent:,} kept whole under stage 3" if self.persistent else ""))
         peaks = any(r.activations for r in self)
@@ -331,7 +335,8 @@ def estimate_memory(model_or_param_count: nn.Module | int | float, world_size: i
                 if (m, st) in {(r.master_dtype, r.state_dtype) for r in rows if (r.stage, r.offload) == (s, o)}:
                     continue
                 row, persistent, unit = _estimate(psi, model, world_size, s, o, dtype_name, config, persistent_params,
-                                                  largest_layer, m, st, activation_bytes, muon_params, nvme)
+                                                  largest_layer, m, st, activation_bytes, muon_params, nvme,
+                                                  gpus_per_node)
                 rows.append(row)
                 persistent_seen = max(persistent_seen, persistent)
                 largest_seen = max(largest_seen, unit if s == 3 else 0)
@@ -436,7 +441,7 @@ def _policies(config, stage: int, offload: str, dtype: str, world_size: int, mas
 
 def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, config, persistent_given,
               largest_layer: int | None, master_dtype: str | None = None, state_dtype: str | None = None,
-              activations: int = 0, muon_params: int | None = None, nvme: bool | str = False):
+              activations: int = 0, muon_params: int | None = None, nvme: bool | str = False, node: int = 0):
     precision, step, reduce, s3, onebit, compressed_gather, muon_config, declared, zc = _policies(
         config, stage, offload, dtype, n, master_dtype, state_dtype)
     members = None  # ids of the parameters Muon updates, where known
@@ -533,6 +538,10 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
             secondary = p * (psi - persistent) / s3.hpz
             buffers += secondary
             in_backward += secondary
+        # gathers in flight: the one waited for, the prefetched ones (see [Note: prefetch and reuse])
+        flight = largest_unit + (max(largest_unit, s3.prefetch_elements) if s3.prefetch_elements > 0 else 0)
+        buffers += collective_temporaries(s3, largest_unit, max(1, min(psi - persistent, flight)), n,
+                                          s3.hpz if s3.hpz > 1 else node, p, r)
     # OneBitAdam (stages 0-2) and ZeroOneAdam (stage 0), several ranks: a worker error per element, a
     # server error per owned element at stage 0; ZeroOneAdam also keeps u and the anchor (8 bytes each)
     errors = 4 * (psi + (psi / n if stage == 0 else 0)) if onebit and n > 1 and stage < 3 else 0
@@ -591,21 +600,6 @@ def _copy_back_tiles(slots: list[float], tile: int) -> float:
             lo += tile
             k += 1
     return sum(ring)
-
-
-def format_bytes(nbytes: float) -> str:
-    """Bytes in the largest binary unit that keeps the number at least 0.25."""
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= size / 4:
-            return f"{nbytes / size:,.2f} {unit}"
-    return f"{int(nbytes)} B"
-
-
-def _human(count: int) -> str:
-    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if count >= size:
-            return f"{count / size:.3g}{unit}"
-    return str(count)
 
 
 from zero.estimate.activations import ActivationEstimate, estimate_activations  # noqa: E402

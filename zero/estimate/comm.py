@@ -24,6 +24,8 @@ The gradient norm's all-reduce (a few bytes) is left out.
 """
 from __future__ import annotations
 
+import math
+
 
 def cross_node_bytes(stage: int, world: int, local: int, accumulation: int, psi: int, psi_units: int = 0,
                      hybrid: bool = False, p: int = 2, r: int = 2, hpz: bool = False, qwz: bool = False,
@@ -62,3 +64,31 @@ def cross_node_bytes(stage: int, world: int, local: int, accumulation: int, psi:
     if stage == 2:
         return (accumulation * r + p) * psi * share
     return (r + p) * psi * share
+
+
+def collective_temporaries(s3, unit: int, flight: int, n: int, local: int, p: int, r: int) -> int:
+    """Stage 3's temporaries of ZeRO++'s quantized collectives and the two-hop gather (zero/zeropp),
+    in bytes at most, what `memory_report()["collective_temporaries_peak"]` measures: the gathers of
+    `flight` elements in flight at once (the largest unit `unit` and what stage3_prefetch_bucket_size
+    fetches ahead) beside one quantized reduce-scatter of the largest unit, over `n` ranks with
+    `local` of them per node, p and r the parameters' and reduced gradients' bytes per element.
+    - qwZ: the int8 messages from every rank and its own, about F (1 + 1/n) bytes for F elements;
+    - the two-hop gather: the parts from across nodes and from the node, p F (1 + 1/L);
+    - qgZ: the parts in (place, node) order, the first hop's int8 sends and receipts, and the fp32
+      sums of a node's parts, about r U + 2 U + 8 U / L.
+    `s3`: the Stage3Options (which of them are on)."""
+    from zero.ops.quant import message_bytes
+
+    if n < 2 or unit < 1:
+        return 0
+    local, part = max(1, min(local, n)), math.ceil(flight / n)  # a rank's part of the gathers
+    units = math.ceil(flight / unit)  # each unit's parts round up to whole words and blocks
+    gathers = [0]
+    if s3.quantize_weights or s3.quantize_frozen_weights:
+        gathers.append((n + 1) * (message_bytes(part) + 8 * units))
+    if s3.hierarchical_gather and local < n and not s3.quantize_weights:
+        gathers.append(p * (part + units) * (n + n // local))
+    part = math.ceil(unit / n)
+    reduce = r * unit + 2 * local * message_bytes(part * (n // local)) + 8 * part * (n // local) \
+        if s3.quantize_gradients else 0
+    return max(gathers) + reduce

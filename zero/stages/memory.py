@@ -68,9 +68,12 @@ class Gauges:
         gathered: stage 3 full parameter buffers of units (persistent units excluded).
         secondary: hpZ's secondary shards (a node's share of each gathered unit, kept from forward
             for backward).
+        collective_temporaries: what ZeRO++'s quantized collectives and the two-hop gather hold
+            while they run (int8 messages, reordered parts, partial sums; zero/zeropp).
     """
 
     reduce_buffers: BufferGauge = field(default_factory=BufferGauge)
     gather_buffers: BufferGauge = field(default_factory=BufferGauge)
     gathered: BufferGauge = field(default_factory=BufferGauge)
     secondary: BufferGauge = field(default_factory=BufferGauge)
+    collective_temporaries: BufferGauge = field(default_factory=BufferGauge)

@@ -73,6 +73,7 @@ class Placement(abc.ABC):
         self.rank = shard.rank if partitions > 1 else 0  # this rank's part
         self.two_hop = None  # ZeRO++ qgZ: reduce-scatters as two quantized all-to-alls (zero/zeropp/reduce.py)
         self.hierarchical = None  # MiCS: all-gathers in two hops, across nodes then inside them (the same file)
+        self.temporaries = None  # a BufferGauge of the quantized gathers' messages (stage 3 sets it)
 
     @property
     def summed(self) -> int:
@@ -159,7 +160,7 @@ class Placement(abc.ABC):
         if quantized and self.comm.world_size > 1:
             from zero.zeropp.gather import all_gather_quantized
 
-            return all_gather_quantized(self.comm, full, mine, async_op=async_op)
+            return all_gather_quantized(self.comm, full, mine, async_op=async_op, gauge=self.temporaries)
         if self.hierarchical is not None:  # across nodes, then inside them (see [Note: the two-hop gather])
             return self.hierarchical.all_gather(full, mine, async_op=async_op)
         return self.comm.all_gather(full, mine, async_op=async_op, label=label)

@@ -67,12 +67,13 @@ class UnitParams(ParamStorage):
                                          options.persistence_budget)
         modules = dict(module.named_modules())
         placement = self.placement = placement or Sharded(comm, comm.world_size)
+        placement.temporaries = gauges.collective_temporaries  # qwZ's gathers count their messages there
         hpz = self.hpz = _node_group(comm, options.hpz) if options.hpz > 1 else None  # see [Note: hpZ]
         _warn_useless_zeropp(comm, options)
         if (options.quantize_gradients or options.hierarchical_gather) and comm.world_size > 1:
             from zero.zeropp.reduce import TwoHop  # see [Note: qgZ] and [Note: the two-hop gather] there
 
-            hop = TwoHop(comm)
+            hop = TwoHop(comm, gauges.collective_temporaries)
             placement.two_hop = hop if options.quantize_gradients else None
             placement.hierarchical = hop if options.hierarchical_gather and hop.nodes > 1 else None
         self.units: list[ParamUnit] = []
@@ -259,6 +260,7 @@ class UnitParams(ParamStorage):
         report["gather_buffers_peak"] = self.gauges.gather_buffers.peak
         report["persistent_params"] = sum(u.full_numel for u in self.units if u.persistent)
         report["hpz_secondary_peak"] = self.gauges.secondary.peak  # hpZ's secondary shards (see [Note: hpZ])
+        report["collective_temporaries_peak"] = self.gauges.collective_temporaries.peak  # zero/zeropp's
         if self.swap is not None:  # shards on NVMe: on disk, not in host memory; their buffers are
             disk = sum(u.shard.untyped_storage().nbytes() for u in self.units if u.swap is not None)
             buffers = sum(b.untyped_storage().nbytes() for b in self.swap.buffers())

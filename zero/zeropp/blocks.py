@@ -32,6 +32,31 @@ _OPS = {"cpu": "quant", "cuda": "quant_cuda"}  # the native op for tensors on ea
 _VALUES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+class Held:
+    """The bytes of a collective's temporaries on a gauge (a BufferGauge with add and sub, or
+    None): `hold` as they are made, `drop` as they go, `done` for the rest at the end."""
+
+    def __init__(self, gauge) -> None:
+        self.gauge, self.bytes = gauge, 0
+
+    def hold(self, *tensors: torch.Tensor) -> None:
+        if self.gauge is not None:
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            self.bytes += nbytes
+            self.gauge.add(nbytes)
+
+    def drop(self, *tensors: torch.Tensor) -> None:
+        if self.gauge is not None:
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            self.bytes -= nbytes
+            self.gauge.sub(nbytes)
+
+    def done(self) -> None:
+        if self.gauge is not None:
+            self.gauge.sub(self.bytes)
+            self.bytes = 0
+
+
 def _codes_bytes(n: int) -> int:
     return -(-n // 4) * 4
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from zero.parallel.comm import Comm, Then
-from zero.zeropp.blocks import dequantize, message_bytes, quantize
+from zero.zeropp.blocks import Held, dequantize, message_bytes, quantize
 
 NODE, ACROSS = "all_to_all (qgZ, node)", "all_to_all (qgZ, across)"  # their lines in the comm report
 GATHER_ACROSS, GATHER_NODE = "all_gather (two-hop, across)", "all_gather (two-hop, node)"
@@ -39,9 +39,10 @@ GATHER_ACROSS, GATHER_NODE = "all_gather (two-hop, across)", "all_gather (two-ho
 
 class TwoHop:
     """qgZ's two groups for the ranks of `comm`: this rank's node, and the ranks at its place in
-    every node. Made once, when the engine is built (every rank of `comm` makes its own)."""
+    every node. Made once, when the engine is built (every rank of `comm` makes its own). The
+    temporaries of its reduces and gathers count on `gauge` (a BufferGauge, or None)."""
 
-    def __init__(self, comm: Comm):
+    def __init__(self, comm: Comm, gauge=None):
         from zero.parallel.groups import group_of
 
         node_of = comm.node_of if comm.node_of is not None else [0] * comm.world_size
@@ -53,7 +54,7 @@ class TwoHop:
             raise ValueError(f"zero_optimization.zero_quantized_gradients: the ranks per node differ "
                              f"({sorted(len(r) for r in nodes.values())}); qgZ's two hops need the same number on "
                              f"every node")
-        self.comm = comm
+        self.comm, self.gauge = comm, gauge
         self.rank_at = list(nodes.values())  # rank_at[m][l]: the comm rank at place l of node m
         self.nodes, self.local = len(self.rank_at), sizes.pop()
         self.node = next(m for m, ranks in enumerate(self.rank_at) if comm.rank in ranks)
@@ -83,26 +84,30 @@ class TwoHop:
         [Note: the two-hop gather]). Returns the handle (async_op), else None once done."""
         n, nodes = mine.numel(), self.nodes
         across = torch.empty(nodes * n, dtype=mine.dtype, device=mine.device)
+        held = Held(self.gauge)
+        held.hold(across)
         work = self.across.all_gather(across, mine.contiguous(), async_op=True, label=GATHER_ACROSS) \
             if self.across is not None else None
         if work is None:
             across.copy_(mine.reshape(-1))
         out = full.view(-1)[: self.comm.world_size * n].view(self.comm.world_size, n)
-        handle = Then(work, lambda: self._inside_node(across, out))
+        handle = Then(work, lambda: self._inside_node(across, out, held))
         if async_op:
             return handle
         handle.wait()
         return None
 
-    def _inside_node(self, across: torch.Tensor, out: torch.Tensor) -> None:
+    def _inside_node(self, across: torch.Tensor, out: torch.Tensor, held: Held) -> None:
         """The gather's second hop, once the first arrived: the node's ranks share what each got
         across nodes, and every part goes to its rank's row of `out`."""
         both = across
         if self.in_node is not None:
             both = torch.empty(self.local * across.numel(), dtype=across.dtype, device=across.device)
+            held.hold(both)
             self.in_node.all_gather(both, across, label=GATHER_NODE)
         # row (place, g): the part of the g-th rank at that place, which goes to its comm rank
         self._gathered.put(out, both.view(self.local * self.nodes, out.shape[1]))
+        held.done()
 
     def side_comms(self) -> list[Comm]:
         """Its groups, whose counts join the comm report."""
@@ -113,16 +118,20 @@ class TwoHop:
         """SUM `buf` (this rank's gradients: the comm's N ranks' parts, n elements each, in rank
         order) over the ranks into `mine` (this rank's part, n elements; may be a view of `buf`)."""
         n, nodes, local = mine.numel(), self.nodes, self.local
+        held = Held(self.gauge)
         # the parts owned at each place of each node: (place, node, n)
         by_place = self._by_place.take(buf.view(self.comm.world_size, n)).view(local, nodes * n)
+        if not self._by_place.identity:
+            held.hold(by_place)
         if self.in_node is None:
             partial = by_place[0].float().view(nodes, n)
         else:
-            partial = _sum_messages(self.in_node, by_place, NODE).view(nodes, n)
+            partial = _sum_messages(self.in_node, by_place, NODE, held).view(nodes, n)
         if self.across is None:
             mine.copy_(partial[0])
         else:  # row g to the g-th rank of the group across nodes
-            mine.copy_(_sum_messages(self.across, self._across_order.take(partial), ACROSS))
+            mine.copy_(_sum_messages(self.across, self._across_order.take(partial), ACROSS, held))
+        held.done()
 
 
 class _Rows:
@@ -149,20 +158,24 @@ class _Rows:
             out.index_copy_(0, self._on(out.device), rows)
 
 
-def _sum_messages(comm: Comm, rows: torch.Tensor, label: str) -> torch.Tensor:
+def _sum_messages(comm: Comm, rows: torch.Tensor, label: str, held: Held) -> torch.Tensor:
     """Row i of `rows` to rank i of `comm` as an int8 message; the fp32 sum of the messages this
-    rank gets (in rank order)."""
+    rank gets (in rank order). Its temporaries count on `held`; the sum stays held."""
     k, width = rows.shape
     size = message_bytes(width)
     send = torch.empty(k, size, dtype=torch.uint8, device=rows.device)
     for i in range(k):
         quantize(rows[i], out=send[i])
     got = torch.empty_like(send)
+    held.hold(send, got)
     comm.all_to_all(got, send, label=label)
+    held.drop(send)
     del send
     total = torch.zeros(width, dtype=torch.float32, device=rows.device)
     one = torch.empty(width, dtype=torch.float32, device=rows.device)  # one row decoded at a time
+    held.hold(total, one)
     for i in range(k):
         dequantize(got[i : i + 1], width, one)
         total += one
+    held.drop(got, one)
     return total
