@@ -3,6 +3,7 @@ traffic per step, and prefetching that follows (and re-records) the order of uni
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 import zero
 from zero.testing.training import STAGE3, build_model, make_batch, train_side_by_side
@@ -120,3 +121,29 @@ def test_model_persistence_threshold_caps_the_persistent_elements():
     _, capped = plan_units(model, persistence_threshold=100, unit_threshold=2000, persistence_budget=50)
     assert sum(p.numel() for p in everything) == 14 * 18 + 2 * 72  # LayerNorm params and biases, fc biases
     assert sum(p.numel() for p in capped) <= 50 and len(capped) == 2  # smallest first, within the budget
+
+
+def gathers_in_flight(units_ahead: int) -> float:
+    """The most all-gather buffers alive at once, in units, when the prefetch budget holds
+    `units_ahead` of the eight equal layers."""
+    torch.manual_seed(0)
+    width = 64
+    net = nn.Sequential(*[nn.Linear(width, width) for _ in range(8)])
+    unit = width * width + width
+    engine, *_ = zero.initialize(model=net, config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+                              "stage3_prefetch_bucket_size": units_ahead * unit,
+                              "stage3_module_granularity_threshold": 1000}})  # a unit per layer
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):  # the first step records the order; the next ones prefetch along it
+        engine.backward(engine(torch.randn(2, width, generator=g)).square().mean())
+        engine.step()
+    return engine.memory_report()["gather_buffers_peak"] / (4 * unit), engine.optimizer.storage.runtime.prefetched
+
+
+def test_prefetch_keeps_its_budget_counting_the_gathers_already_in_flight(dist_run):
+    for held, prefetched in dist_run(2, gathers_in_flight, 2):
+        # the unit waited for and the two in the budget; before, each hook started two more beside
+        # those still in flight, and the gathers in flight grew along the pass
+        assert prefetched > 0 and 2 <= held <= 3.01, held

@@ -208,7 +208,8 @@ class TrainingMonitor(Component):
             peak = float(max(torch.cuda.max_memory_allocated(engine.device), self.peak_before_step))
         else:
             peak = float(measured["model_states_total"] + measured["host_staging"] + measured["reduce_buffers_peak"]
-                         + measured.get("gathered_peak", 0) + measured.get("gather_buffers_peak", 0))
+                         + sum(measured.get(k, 0) for k in ("gathered_peak", "gather_buffers_peak", "hpz_secondary_peak",
+                                                            "collective_temporaries_peak")))
         comm = engine.comm_report()
         times = engine.wall_clock_report()
         mine = [measured["model_states_total"], measured["device_bytes"], measured["host_bytes"], peak,
@@ -248,11 +249,13 @@ class TrainingMonitor(Component):
         if adam:
             config = {k: v for k, v in config.model_dump(by_alias=True, exclude_unset=True).items() if k != "optimizer"}
         activations, why_not = self._activations()
+        dp = engine.dp  # the ranks on this node (all of them, when nodes are not known)
+        per_node = dp.node_of.count(dp.node_of[dp.rank]) if dp.node_of is not None else self.shards
         table = estimate_memory(engine.module, self.shards, dtype=engine.config.precision, config=config,
-                                gpus_per_node=self.shards, activations=activations, nvme=nvme, **formats)
+                                gpus_per_node=per_node, activations=activations, nvme=nvme, **formats)
         this = table.row(zc.stage, offload)
         formats_table = estimate_memory(engine.module, self.shards, stage=zc.stage, offload=offload,
-                                        dtype=engine.config.precision, config=config, gpus_per_node=self.shards,
+                                        dtype=engine.config.precision, config=config, gpus_per_node=per_node,
                                         state_formats=True, nvme=nvme, **formats) if adam else []  # this one first
         on_cpu = engine.device.type != "cuda"  # one memory: the host's bytes are in the peak too
         predicted = this.peak_bytes + (this.host_bytes if on_cpu else 0)

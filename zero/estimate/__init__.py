@@ -72,8 +72,8 @@ buckets being filled or reduced, three when backward produces gradients in about
 order the parameters were registered (the usual case; a model that runs its layers in another order
 can hold a staging buffer for every bucket at once, up to a full gradient); stage 3 the gathered
 parameters (`stage3_max_live_parameters`, at least one unit), one all-gather output and two units'
-gradient sends (plus, with `offload_param`, a shard staged onto the device), sized by the largest
-unit: planned for a model, `largest_layer` (DeepSpeed's `largest_layer_params`) for a count.
+gradient sends (plus a shard staged onto the device with `offload_param`, and ZeRO++'s temporaries),
+sized by the largest unit: planned for a model, `largest_layer` (`largest_layer_params`) for a count.
 """
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from zero.estimate.comm import collective_temporaries
+from zero.estimate.comm import Gathered, collective_temporaries
 from zero.estimate.units import format_bytes, human_count
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -473,12 +473,14 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
 
             units, kept = plan_units(model, s3.persistence_threshold, s3.unit_elements, s3.persistence_budget)
             persistent = sum(_numel(q) for q in kept if q.requires_grad)
+            gathers = Gathered.of_units(s3, units, kept, _numel)  # what the gathers carry
             sizes = [sum(_numel(q) for q in ps if q.requires_grad) for _, ps in units] + [persistent]
             largest_unit = max(sizes[:-1], default=0)
             adam_sizes = [sum(adam_numel(q) for q in ps if q.requires_grad) for _, ps in units + [("", kept)]]
             slots = [math.ceil(u / n) for u in adam_sizes if u]  # Adam's slots: each unit's shard, in order
         else:
             persistent = persistent_given or 0
+            gathers = Gathered.of_count(s3, psi - persistent, largest_unit, persistent)
     # the shards, and the persistent parameters kept whole on the device (one rank: the shard itself,
     # unless the shards are offloaded)
     params = p * (psi / n + (persistent if n > 1 or offload_param else 0)) if stage == 3 else p * psi
@@ -538,10 +540,9 @@ def _estimate(psi: int, model, n: int, stage: int, offload: str, dtype: str, con
             secondary = p * (psi - persistent) / s3.hpz
             buffers += secondary
             in_backward += secondary
-        # gathers in flight: the one waited for, the prefetched ones (see [Note: prefetch and reuse])
-        flight = largest_unit + (max(largest_unit, s3.prefetch_elements) if s3.prefetch_elements > 0 else 0)
-        buffers += collective_temporaries(s3, largest_unit, max(1, min(psi - persistent, flight)), n,
-                                          s3.hpz if s3.hpz > 1 else node, p, r)
+        # ZeRO++'s and the two-hop gather's temporaries (see [Note: prefetch and reuse] for the gathers in flight)
+        local = node if node < n or s3.hpz < 2 else s3.hpz  # ranks per node (hpZ's group: inside one)
+        buffers += collective_temporaries(s3, gathers, n, local, p, r, largest_unit)
     # OneBitAdam (stages 0-2) and ZeroOneAdam (stage 0), several ranks: a worker error per element, a
     # server error per owned element at stage 0; ZeroOneAdam also keeps u and the anchor (8 bytes each)
     errors = 4 * (psi + (psi / n if stage == 0 else 0)) if onebit and n > 1 and stage < 3 else 0

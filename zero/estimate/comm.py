@@ -25,6 +25,7 @@ The gradient norm's all-reduce (a few bytes) is left out.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 
 def cross_node_bytes(stage: int, world: int, local: int, accumulation: int, psi: int, psi_units: int = 0,
@@ -66,29 +67,78 @@ def cross_node_bytes(stage: int, world: int, local: int, accumulation: int, psi:
     return (r + p) * psi * share
 
 
-def collective_temporaries(s3, unit: int, flight: int, n: int, local: int, p: int, r: int) -> int:
+@dataclass(frozen=True)
+class Gathered:
+    """What stage 3's all-gathers carry, for `collective_temporaries`: the elements of the units qwZ
+    quantizes and of the exact ones (frozen parameters too), the largest unit's, the persistent
+    elements (refreshed after a step), and `pad`, the parameters (each rounds its shard up)."""
+
+    quantized: int
+    exact: int
+    largest: int
+    persistent: int = 0
+    pad: int = 0
+
+    @classmethod
+    def of_units(cls, s3, units: list, kept: list, numel) -> Gathered:
+        """From `units` and `kept` as zero.stages.planning.plan_units gives them; `numel(p)`: a
+        parameter's elements."""
+        sizes = {True: 0, False: 0}
+        for _, ps in units:
+            sizes[bool(s3.quantize_weights or s3.quantize_frozen_weights and all(not q.requires_grad for q in ps))] += \
+                sum(numel(q) for q in ps)
+        return cls(sizes[True], sizes[False], max((sum(numel(q) for q in ps) for _, ps in units), default=0),
+                   sum(numel(q) for q in kept), sum(len(ps) for _, ps in units) + len(kept))
+
+    @classmethod
+    def of_count(cls, s3, elements: int, largest: int, persistent: int) -> Gathered:
+        """For a parameter count: `elements` in units of at most `largest`; with qwZ for frozen
+        weights only, either kind may be all of them."""
+        return cls(elements if s3.quantize_weights or s3.quantize_frozen_weights else 0,
+                   0 if s3.quantize_weights else elements, largest, persistent)
+
+
+def collective_temporaries(s3, gathered: Gathered, n: int, local: int, p: int, r: int, reduce_unit: int) -> int:
     """Stage 3's temporaries of ZeRO++'s quantized collectives and the two-hop gather (zero/zeropp),
-    in bytes at most, what `memory_report()["collective_temporaries_peak"]` measures: the gathers of
-    `flight` elements in flight at once (the largest unit `unit` and what stage3_prefetch_bucket_size
-    fetches ahead) beside one quantized reduce-scatter of the largest unit, over `n` ranks with
-    `local` of them per node, p and r the parameters' and reduced gradients' bytes per element.
-    - qwZ: the int8 messages from every rank and its own, about F (1 + 1/n) bytes for F elements;
-    - the two-hop gather: the parts from across nodes and from the node, p F (1 + 1/L);
-    - qgZ: the parts in (place, node) order, the first hop's int8 sends and receipts, and the fp32
-      sums of a node's parts, about r U + 2 U + 8 U / L.
+    in bytes at most: what `memory_report()["collective_temporaries_peak"]` measures. Over `n` ranks,
+    `local` of them per node, with p and r the parameters' and reduced gradients' bytes per element:
+    - the gathers in flight at once: F elements, the largest unit (the one waited for) and what
+      stage3_prefetch_bucket_size fetches ahead, as many of the dearer kind as there are: qwZ's
+      int8 messages from every rank and its own (about 1.016 F (1 + 1/n) bytes), the two-hop
+      gather's parts from across nodes and from the node (p F (1 + 1/L));
+    - or, apart from forward and backward, the two-hop refresh of the persistent elements;
+    - beside them (in backward; with hpZ, backward's gathers hold none) one qgZ reduce-scatter of
+      `reduce_unit` elements (U): its parts in (place, node) order, its first hop's int8 sends and
+      receipts, and fp32 sums, casts and reorders of a node's parts: about r U + 2 U + 12 U / L.
     `s3`: the Stage3Options (which of them are on)."""
     from zero.ops.quant import message_bytes
 
-    if n < 2 or unit < 1:
+    if n < 2:
         return 0
-    local, part = max(1, min(local, n)), math.ceil(flight / n)  # a rank's part of the gathers
-    units = math.ceil(flight / unit)  # each unit's parts round up to whole words and blocks
-    gathers = [0]
-    if s3.quantize_weights or s3.quantize_frozen_weights:
-        gathers.append((n + 1) * (message_bytes(part) + 8 * units))
-    if s3.hierarchical_gather and local < n and not s3.quantize_weights:
-        gathers.append(p * (part + units) * (n + n // local))
-    part = math.ceil(unit / n)
-    reduce = r * unit + 2 * local * message_bytes(part * (n // local)) + 8 * part * (n // local) \
-        if s3.quantize_gradients else 0
-    return max(gathers) + reduce
+    local = max(1, min(local, n))
+    two_hop = s3.hierarchical_gather and local < n
+    ahead = max(gathered.largest, s3.prefetch_elements) if s3.prefetch_elements > 0 else 0
+    flight = min(gathered.quantized + gathered.exact, gathered.largest + ahead)
+
+    def part(elements: int) -> int:  # a rank's part of gathers of `elements`
+        return math.ceil(elements / n) + gathered.pad if elements > 0 else 0
+
+    def qwz(elements: int) -> int:
+        return (n + 1) * message_bytes(part(elements)) if elements > 0 else 0
+
+    def hop(elements: int) -> int:
+        return p * part(elements) * (n + n // local) if two_hop else 0
+
+    exact_first = p * (n + n // local) > 1.02 * (n + 1) and two_hop  # the dearer kind fills the flight first
+    if exact_first:
+        e = min(flight, gathered.exact)
+        gather = hop(e) + qwz(min(flight - e, gathered.quantized))
+    else:
+        q = min(flight, gathered.quantized)
+        gather = qwz(q) + hop(min(flight - q, gathered.exact))
+    gather = max(gather, hop(gathered.persistent))
+    part_, nodes = math.ceil(reduce_unit / n), n // local
+    reduce = r * reduce_unit + 2 * local * message_bytes(part_ * nodes) + 12 * part_ * nodes \
+        if s3.quantize_gradients and reduce_unit > 0 else 0
+    # with hpZ, backward gathers the secondary shards (exact, no temporaries) while it reduces
+    return max(gather, reduce) if s3.hpz > 1 else gather + reduce

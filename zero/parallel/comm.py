@@ -88,17 +88,24 @@ class Done:
 class Then:
     """A collective's handle (or None) whose `wait` also runs `then` once after it: a follow-up
     collective (the replicas' all-reduce) or the decoding of what arrived (ZeRO++). `then` and what
-    it holds are dropped once it ran."""
+    it holds are dropped once it ran. `failed` (optional) runs instead when the wait raises (the
+    follow-up's temporaries given back), before the error goes on."""
 
-    def __init__(self, work, then):
-        self.work, self.then = work, then
+    def __init__(self, work, then, failed=None):
+        self.work, self.then, self.failed = work, then, failed
 
     def wait(self, timeout=None) -> None:
         if self.then is None:
             return
         if self.work is not None:
-            self.work.wait()
-        then, self.then, self.work = self.then, None, None
+            try:
+                self.work.wait()
+            except BaseException:
+                failed, self.then, self.failed = self.failed, None, None
+                if failed is not None:
+                    failed()
+                raise
+        then, self.then, self.work, self.failed = self.then, None, None, None
         then()
 
     def is_completed(self) -> bool:

@@ -228,6 +228,9 @@ class Stage3Runtime:
         stopped = len(ahead)
         for k, idx in enumerate(ahead):
             unit = self.units[idx]
+            if unit.state is ShardedState.GATHERING:  # in flight already: its elements are in the budget
+                budget += unit.full_numel
+                continue
             if unit.state is not ShardedState.SHARDED:
                 continue
             # the next unit is always fetched ahead (one larger than the budget would otherwise

@@ -21,6 +21,8 @@ compute with is rounded.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from zero.ops.fallback import run_native
@@ -55,6 +57,15 @@ class Held:
         if self.gauge is not None:
             self.gauge.sub(self.bytes)
             self.bytes = 0
+
+    @contextlib.contextmanager
+    def on_error(self):
+        """All given back if the block raises (a collective that did not start, memory that ran out)."""
+        try:
+            yield
+        except BaseException:
+            self.done()
+            raise
 
 
 def _codes_bytes(n: int) -> int:

@@ -23,14 +23,17 @@ def all_gather_quantized(comm: Comm, full: torch.Tensor, mine: torch.Tensor, asy
     messages = torch.empty(world, message_bytes(n), dtype=torch.uint8, device=mine.device)
     held = Held(gauge)
     held.hold(message, messages)
-    work = comm.all_gather(messages.view(-1), message, async_op=True, label=LABEL)
+    with held.on_error():
+        work = comm.all_gather(messages.view(-1), message, async_op=True, label=LABEL)
     out = full.view(-1)[: world * n]
 
     def decode() -> None:  # the messages' memory goes with the handle
-        dequantize(messages, n, out)
-        held.done()
+        try:
+            dequantize(messages, n, out)
+        finally:
+            held.done()
 
-    handle = Then(work, decode)
+    handle = Then(work, decode, held.done)
     if async_op:
         return handle
     handle.wait()

@@ -86,12 +86,13 @@ class TwoHop:
         across = torch.empty(nodes * n, dtype=mine.dtype, device=mine.device)
         held = Held(self.gauge)
         held.hold(across)
-        work = self.across.all_gather(across, mine.contiguous(), async_op=True, label=GATHER_ACROSS) \
-            if self.across is not None else None
+        with held.on_error():
+            work = self.across.all_gather(across, mine.contiguous(), async_op=True, label=GATHER_ACROSS) \
+                if self.across is not None else None
         if work is None:
             across.copy_(mine.reshape(-1))
         out = full.view(-1)[: self.comm.world_size * n].view(self.comm.world_size, n)
-        handle = Then(work, lambda: self._inside_node(across, out, held))
+        handle = Then(work, lambda: self._inside_node(across, out, held), held.done)
         if async_op:
             return handle
         handle.wait()
@@ -100,14 +101,16 @@ class TwoHop:
     def _inside_node(self, across: torch.Tensor, out: torch.Tensor, held: Held) -> None:
         """The gather's second hop, once the first arrived: the node's ranks share what each got
         across nodes, and every part goes to its rank's row of `out`."""
-        both = across
-        if self.in_node is not None:
-            both = torch.empty(self.local * across.numel(), dtype=across.dtype, device=across.device)
-            held.hold(both)
-            self.in_node.all_gather(both, across, label=GATHER_NODE)
-        # row (place, g): the part of the g-th rank at that place, which goes to its comm rank
-        self._gathered.put(out, both.view(self.local * self.nodes, out.shape[1]))
-        held.done()
+        try:
+            both = across
+            if self.in_node is not None:
+                both = torch.empty(self.local * across.numel(), dtype=across.dtype, device=across.device)
+                held.hold(both)
+                self.in_node.all_gather(both, across, label=GATHER_NODE)
+            # row (place, g): the part of the g-th rank at that place, which goes to its comm rank
+            self._gathered.put(out, both.view(self.local * self.nodes, out.shape[1]))
+        finally:
+            held.done()
 
     def side_comms(self) -> list[Comm]:
         """Its groups, whose counts join the comm report."""
@@ -119,19 +122,26 @@ class TwoHop:
         order) over the ranks into `mine` (this rank's part, n elements; may be a view of `buf`)."""
         n, nodes, local = mine.numel(), self.nodes, self.local
         held = Held(self.gauge)
-        # the parts owned at each place of each node: (place, node, n)
-        by_place = self._by_place.take(buf.view(self.comm.world_size, n)).view(local, nodes * n)
-        if not self._by_place.identity:
-            held.hold(by_place)
-        if self.in_node is None:
-            partial = by_place[0].float().view(nodes, n)
-        else:
-            partial = _sum_messages(self.in_node, by_place, NODE, held).view(nodes, n)
-        if self.across is None:
-            mine.copy_(partial[0])
-        else:  # row g to the g-th rank of the group across nodes
-            mine.copy_(_sum_messages(self.across, self._across_order.take(partial), ACROSS, held))
-        held.done()
+        try:
+            # the parts owned at each place of each node: (place, node, n)
+            by_place = self._by_place.take(buf.view(self.comm.world_size, n)).view(local, nodes * n)
+            if not self._by_place.identity:
+                held.hold(by_place)
+            if self.in_node is None:
+                partial = by_place[0].float().view(nodes, n)
+                if partial.data_ptr() != by_place.data_ptr():
+                    held.hold(partial)
+            else:
+                partial = _sum_messages(self.in_node, by_place, NODE, held).view(nodes, n)
+            if self.across is None:
+                mine.copy_(partial[0])
+            else:  # row g to the g-th rank of the group across nodes
+                rows = self._across_order.take(partial)
+                if not self._across_order.identity:
+                    held.hold(rows)
+                mine.copy_(_sum_messages(self.across, rows, ACROSS, held))
+        finally:
+            held.done()
 
 
 class _Rows:
