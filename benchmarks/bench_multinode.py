@@ -3,7 +3,6 @@ the comm report's byte ledger, beside the formula's number, and the loss against
 
     python benchmarks/bench_multinode.py            # 2 nodes x 2 ranks on this host, 3 steps
     python benchmarks/bench_multinode.py --steps 300 --write   # results/multinode.md
-    python benchmarks/bench_multinode.py --steps 300 --write --fp32-loss   # results/multinode_fp32.md
 
 Two torchrun agents on this host (`--nnodes 2 --node-rank 0/1`, a localhost rendezvous) are two
 nodes of 2 ranks each, as zero sees them (zero/parallel/nodes.py). The demo GPT in bf16 trains with
@@ -84,7 +83,7 @@ def _batches(rank: int, world: int):
         yield x[2 * rank : 2 * rank + 2]
 
 
-def worker(out: str, steps: int, precision: str = "bf16", only: tuple[str, ...] = ()) -> None:
+def worker(out: str, steps: int) -> None:
     """On every rank of the 2 x 2 world: each layout, each accumulation; rank 0 writes the results."""
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -97,13 +96,11 @@ def worker(out: str, steps: int, precision: str = "bf16", only: tuple[str, ...] 
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
     for name, (stage, keys) in LAYOUTS.items():
-        if only and name not in only:
-            continue
-        for accumulation in (1, 4) if precision == "bf16" else (1,):
+        for accumulation in (1, 4):
             torch.manual_seed(0)
             model = GPT(GPTConfig(vocab_size=VOCAB, block_size=64, n_layer=4, n_head=4, n_embd=128))
             config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accumulation,
-                      **({"bf16": {"enabled": True}} if precision == "bf16" else {}),
+                      "bf16": {"enabled": True},
                       "optimizer": {"type": "AdamW", "params": {"lr": LR}},
                       "zero_optimization": {"stage": stage, **keys, "reduce_bucket_size": 1 << 22,
                                             "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
@@ -132,7 +129,7 @@ def worker(out: str, steps: int, precision: str = "bf16", only: tuple[str, ...] 
             shards = engine.comm.world_size
 
             def estimated(zc: dict):
-                return estimate_memory(engine.module, shards, dtype=precision, gpus_per_node=min(shards, 2),
+                return estimate_memory(engine.module, shards, dtype="bf16", gpus_per_node=min(shards, 2),
                                        config={"zero_optimization": zc}).row(stage, "none")
 
             estimate = estimated(config["zero_optimization"])
@@ -142,7 +139,6 @@ def worker(out: str, steps: int, precision: str = "bf16", only: tuple[str, ...] 
             gathered = sum(u.full_numel for u in getattr(storage, "units", []) if not u.persistent)
             psi = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters())
             results.append({"layout": name, "stage": stage, "keys": keys, "accumulation": accumulation,
-                            "precision": precision,
                             "steps": run, "bytes": mine[0].item() / world, "cross": mine[1].item() / world,
                             "loss": loss.item() / world, "first_loss": losses[0], "psi": psi, "psi_units": gathered,
                             "nodes": engine.comm.node_of, "world": world, "states": memory[0].item(),
@@ -159,24 +155,20 @@ def formula(r: dict) -> float:
     from zero.estimate.comm import cross_node_bytes
 
     keys = r["keys"]
-    width = 2 if r.get("precision", "bf16") == "bf16" else 4
+    width = 2  # bf16
     return cross_node_bytes(r["stage"], r["world"], 2, r["accumulation"], r["psi"], r["psi_units"], p=width, r=width,
                             g=width if r["accumulation"] == 1 else None,
                             hybrid=keys.get("mics_shard_size", -1) > 0, hpz=keys.get("zero_hpz_partition_size", 1) > 1,
                             qwz=keys.get("zero_quantized_weights", False), qgz=keys.get("zero_quantized_gradients", False))
 
 
-LOSS_LAYOUTS = ("ZeRO-3 (flat)", "stage 2 (flat)", "HSDP: ZeRO-3 sharded in a node", "ZeRO++ hpZ + qwZ",
-                "ZeRO++ hpZ + qwZ + qgZ")  # --fp32-loss: exact layouts that agree, and the quantized ones
-
-
-def launch(steps: int, precision: str = "bf16", only: tuple[str, ...] = ()) -> list[dict]:
+def launch(steps: int) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tempfile.mktemp(suffix=".json")
     code = f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import bench_multinode; " \
-           f"bench_multinode.worker({out!r}, {steps}, {precision!r}, {only!r})"
+           f"bench_multinode.worker({out!r}, {steps})"
     script = tempfile.mktemp(suffix=".py")
     Path(script).write_text(code)
     agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(k),
@@ -239,24 +231,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--write", action="store_true", help="write results/multinode.md and .json")
-    parser.add_argument("--fp32-loss", action="store_true",
-                        help="the loss of the quantized layouts against exact ones in fp32, where the exact layouts agree "
-                             "to round-off (results/multinode_fp32.md): bf16's reduction orders make exact layouts "
-                             "differ by more than the 0.5%% target")
     args = parser.parse_args()
-    if args.fp32_loss:
-        results = launch(args.steps, "fp32", LOSS_LAYOUTS)
-        text = report(results, args.steps).replace("in bf16 on", "in fp32 on").replace(
-            " (accumulation 4 ran 3 steps, for its bytes)", " (accumulation 1 only)")
-    else:
-        results = launch(args.steps)
-        text = report(results, args.steps)
+    results = launch(args.steps)
+    text = report(results, args.steps)
     print(text)
     if args.write:
         RESULTS.mkdir(exist_ok=True)
-        name = "multinode_fp32" if args.fp32_loss else "multinode"
-        (RESULTS / f"{name}.md").write_text(text)
-        (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=1))
+        (RESULTS / "multinode.md").write_text(text)
+        (RESULTS / "multinode.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
