@@ -211,7 +211,7 @@ def report(results: list[dict], steps: int) -> str:
     if len(losses) > 1:
         base = flat3[1]["loss"]
         lines += ["", f"Loss after {steps} steps: the exact layouts (no quantized collective) lie within "
-                  f"{100 * (max(exact) - min(exact)) / base:.2f}% of each other ({min(exact):.4f} to {max(exact):.4f}); "
+                  f"{100 * (max(exact) - min(exact)) / base:.3f}% of each other ({min(exact):.4f} to {max(exact):.4f}); "
                   + (", ".join(f"{r['layout']} is {100 * (r['loss'] - base) / base:+.2f}%" for r in quantized)
                      + " from flat ZeRO-3 (target: within 0.5%)." if quantized else "")]
     lines += ["", "Memory per rank (accumulation 1; the largest rank's `memory_report()` against zero.estimate_memory "
