@@ -59,13 +59,14 @@ def _table() -> torch.Tensor:
     return torch.randint(0, VOCAB, (VOCAB, CHOICES), generator=torch.Generator().manual_seed(7))
 
 
-def loss_floor(world: int, steps: int) -> float:
-    """The cross-entropy of the true successor probabilities on the first `steps` micro-steps' data: no
-    model does better (below ln 4, as a token's 4 drawn successors may repeat)."""
+def loss_floor(world: int, steps: int, last: int = 50) -> float:
+    """The cross-entropy of the true successor probabilities on the data of the last `last` of `steps`
+    micro-steps (the loss's window): no model does better (below ln 4, as a token's 4 drawn successors
+    may repeat)."""
     table, data = _table(), [_batches(r, world) for r in range(world)]
     p = torch.zeros(VOCAB, VOCAB).index_put_((torch.arange(VOCAB).repeat_interleave(CHOICES), table.flatten()),
                                             torch.full((VOCAB * CHOICES,), 1 / CHOICES), accumulate=True)
-    x = torch.cat([torch.cat([next(d) for d in data]) for _ in range(steps)])
+    x = torch.cat([torch.cat([next(d) for d in data]) for _ in range(steps)][-last:])
     return -p[x[:, :-1], x[:, 1:]].log().mean().item()
 
 
@@ -89,7 +90,6 @@ def worker(out: str, steps: int) -> None:
     import torch.nn.functional as F
 
     import zero
-    from zero.estimate import estimate_memory
     from zero.models import GPT, GPTConfig
 
     dist.init_process_group("gloo")
@@ -127,14 +127,9 @@ def worker(out: str, steps: int) -> None:
                                    report.get("collective_temporaries_peak", 0)], dtype=torch.float64)
             dist.all_reduce(memory, op=dist.ReduceOp.MAX)
             shards = engine.comm.world_size
-
-            def estimated(zc: dict):
-                return estimate_memory(engine.module, shards, dtype="bf16", gpus_per_node=min(shards, 2),
-                                       config={"zero_optimization": zc}).row(stage, "none")
-
-            estimate = estimated(config["zero_optimization"])
-            exact = estimated({k: v for k, v in config["zero_optimization"].items()
-                               if not k.startswith(("zero_quantized", "mics_hierarchical"))})
+            estimate = _estimated(engine.module, shards, stage, config["zero_optimization"])
+            exact = _estimated(engine.module, shards, stage, {k: v for k, v in config["zero_optimization"].items()
+                                                              if not k.startswith(("zero_quantized", "mics_hierarchical"))})
             storage = engine.optimizer.storage
             gathered = sum(u.full_numel for u in getattr(storage, "units", []) if not u.persistent)
             psi = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters())
@@ -149,6 +144,14 @@ def worker(out: str, steps: int) -> None:
     if rank == 0:
         Path(out).write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
+
+
+def _estimated(module, shards: int, stage: int, zc: dict):
+    """zero.estimate_memory's row for a layout: its shard group of `shards` ranks, 2 per node."""
+    from zero.estimate import estimate_memory
+
+    return estimate_memory(module, shards, dtype="bf16", gpus_per_node=min(shards, 2),
+                           config={"zero_optimization": zc}).row(stage, "none")
 
 
 def formula(r: dict) -> float:
@@ -190,7 +193,7 @@ def report(results: list[dict], steps: int) -> str:
     lines = ["# Past one node: bytes across nodes per optimizer step (benchmarks/bench_multinode.py)", "",
              f"2 nodes x 2 ranks (two torchrun agents on one host, gloo), the demo GPT ({results[0]['psi']:,} "
              f"parameters, 4 layers x 128) in bf16 on a learnable token walk (loss floor "
-             f"{loss_floor(results[0]['world'], steps):.3f} over these steps), AdamW at lr {LR:g}, "
+             f"{loss_floor(results[0]['world'], steps):.3f} on the last 50 steps' data), AdamW at lr {LR:g}, "
              f"{time.strftime('%Y-%m-%d')}. Per rank and optimizer step, from the comm report's byte ledger; the "
              f"formula's number beside it (see the module's docstring). Loss: the mean of the last 50 of {steps} "
              f"steps at accumulation 1, over the ranks, and its difference from flat ZeRO-3's (accumulation 4 ran "

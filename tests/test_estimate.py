@@ -57,7 +57,7 @@ def test_estimates_equal_the_formulas_for_every_stage_and_offload():
                           config={"zero_optimization": {"zero_quantized_weights": True}})[0]
     flight = 1_000_000 + 50_000_000  # the unit waited for, and stage3_prefetch_bucket_size ahead
     # qwZ's int8 messages (a scale per 256) from the 8 ranks and its own, for the gathers in flight
-    assert qwz.buffers - small.buffers == pytest.approx(flight * (1 + 4 / 256) * (n + 1) / n, rel=1e-6)
+    assert qwz.buffers - small.buffers == pytest.approx(flight * (1 + 4 / 256) * (n + 1) / n, rel=1e-5)
 
 
 @pytest.mark.parametrize("kwargs,error,says", [

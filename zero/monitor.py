@@ -249,8 +249,8 @@ class TrainingMonitor(Component):
         if adam:
             config = {k: v for k, v in config.model_dump(by_alias=True, exclude_unset=True).items() if k != "optimizer"}
         activations, why_not = self._activations()
-        dp = engine.dp  # the ranks on this node (all of them, when nodes are not known)
-        per_node = dp.node_of.count(dp.node_of[dp.rank]) if dp.node_of is not None else self.shards
+        group = engine.comm  # the shard group's ranks on this node (all of them, when nodes are not known)
+        per_node = group.node_of.count(group.node_of[group.rank]) if group.node_of is not None else self.shards
         table = estimate_memory(engine.module, self.shards, dtype=engine.config.precision, config=config,
                                 gpus_per_node=per_node, activations=activations, nvme=nvme, **formats)
         this = table.row(zc.stage, offload)

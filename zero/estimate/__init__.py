@@ -72,8 +72,8 @@ buckets being filled or reduced, three when backward produces gradients in about
 order the parameters were registered (the usual case; a model that runs its layers in another order
 can hold a staging buffer for every bucket at once, up to a full gradient); stage 3 the gathered
 parameters (`stage3_max_live_parameters`, at least one unit), one all-gather output and two units'
-gradient sends (plus a shard staged onto the device with `offload_param`, and ZeRO++'s temporaries),
-sized by the largest unit: planned for a model, `largest_layer` (`largest_layer_params`) for a count.
+gradient sends (plus a shard staged onto the device with `offload_param`), sized by the largest unit
+(planned for a model, `largest_layer` for a count), and ZeRO++'s temporaries (the gathers in flight).
 """
 from __future__ import annotations
 

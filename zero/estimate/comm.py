@@ -71,13 +71,15 @@ def cross_node_bytes(stage: int, world: int, local: int, accumulation: int, psi:
 class Gathered:
     """What stage 3's all-gathers carry, for `collective_temporaries`: the elements of the units qwZ
     quantizes and of the exact ones (frozen parameters too), the largest unit's, the persistent
-    elements (refreshed after a step), and `pad`, the parameters (each rounds its shard up)."""
+    elements (refreshed after a step), `pad`, the parameters (each rounds its shard up), and the
+    number of units."""
 
     quantized: int
     exact: int
     largest: int
     persistent: int = 0
     pad: int = 0
+    units: int = 1
 
     @classmethod
     def of_units(cls, s3, units: list, kept: list, numel) -> Gathered:
@@ -88,7 +90,7 @@ class Gathered:
             sizes[bool(s3.quantize_weights or s3.quantize_frozen_weights and all(not q.requires_grad for q in ps))] += \
                 sum(numel(q) for q in ps)
         return cls(sizes[True], sizes[False], max((sum(numel(q) for q in ps) for _, ps in units), default=0),
-                   sum(numel(q) for q in kept), sum(len(ps) for _, ps in units) + len(kept))
+                   sum(numel(q) for q in kept), sum(len(ps) for _, ps in units) + len(kept), max(1, len(units)))
 
     @classmethod
     def of_count(cls, s3, elements: int, largest: int, persistent: int) -> Gathered:
@@ -107,7 +109,7 @@ def collective_temporaries(s3, gathered: Gathered, n: int, local: int, p: int, r
       int8 messages from every rank and its own (about 1.016 F (1 + 1/n) bytes), the two-hop
       gather's parts from across nodes and from the node (p F (1 + 1/L));
     - or, apart from forward and backward, the two-hop refresh of the persistent elements;
-    - beside them (in backward; with hpZ, backward's gathers hold none) one qgZ reduce-scatter of
+    - beside them (in backward, which may gather too) one qgZ reduce-scatter of
       `reduce_unit` elements (U): its parts in (place, node) order, its first hop's int8 sends and
       receipts, and fp32 sums, casts and reorders of a node's parts: about r U + 2 U + 12 U / L.
     `s3`: the Stage3Options (which of them are on)."""
@@ -124,7 +126,8 @@ def collective_temporaries(s3, gathered: Gathered, n: int, local: int, p: int, r
         return math.ceil(elements / n) + gathered.pad if elements > 0 else 0
 
     def qwz(elements: int) -> int:
-        return (n + 1) * message_bytes(part(elements)) if elements > 0 else 0
+        # (each unit's message rounds up to whole words and blocks: 7 bytes at most)
+        return (n + 1) * (message_bytes(part(elements)) + 7 * gathered.units) if elements > 0 else 0
 
     def hop(elements: int) -> int:
         return p * part(elements) * (n + n // local) if two_hop else 0
@@ -140,5 +143,6 @@ def collective_temporaries(s3, gathered: Gathered, n: int, local: int, p: int, r
     part_, nodes = math.ceil(reduce_unit / n), n // local
     reduce = r * reduce_unit + 2 * local * message_bytes(part_ * nodes) + 12 * part_ * nodes \
         if s3.quantize_gradients and reduce_unit > 0 else 0
-    # with hpZ, backward gathers the secondary shards (exact, no temporaries) while it reduces
-    return max(gather, reduce) if s3.hpz > 1 else gather + reduce
+    # (with hpZ too: a backward that recomputes a forward run without grad, as activation
+    # checkpointing does, gathers from the primary shards while it reduces)
+    return gather + reduce

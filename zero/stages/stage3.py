@@ -226,10 +226,12 @@ class Stage3Runtime:
         budget = 0
         ahead = self.traces[self._pass][self._pos :]
         stopped = len(ahead)
+        counted = set()
         for k, idx in enumerate(ahead):
             unit = self.units[idx]
             if unit.state is ShardedState.GATHERING:  # in flight already: its elements are in the budget
-                budget += unit.full_numel
+                budget += unit.full_numel if idx not in counted else 0
+                counted.add(idx)
                 continue
             if unit.state is not ShardedState.SHARDED:
                 continue
