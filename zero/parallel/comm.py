@@ -84,7 +84,6 @@ class Done:
         return True
 
 
-
 class Then:
     """A collective's handle (or None) whose `wait` also runs `then` once after it: a follow-up
     collective (the replicas' all-reduce) or the decoding of what arrived (ZeRO++). `then` and what

@@ -226,12 +226,13 @@ class Stage3Runtime:
         budget = 0
         ahead = self.traces[self._pass][self._pos :]
         stopped = len(ahead)
-        counted = set()
+        in_flight = set()  # (a unit may come more than once ahead)
         for k, idx in enumerate(ahead):
             unit = self.units[idx]
             if unit.state is ShardedState.GATHERING:  # in flight already: its elements are in the budget
-                budget += unit.full_numel if idx not in counted else 0
-                counted.add(idx)
+                if idx not in in_flight:
+                    in_flight.add(idx)
+                    budget += unit.full_numel
                 continue
             if unit.state is not ShardedState.SHARDED:
                 continue

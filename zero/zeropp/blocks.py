@@ -41,17 +41,20 @@ class Held:
     def __init__(self, gauge) -> None:
         self.gauge, self.bytes = gauge, 0
 
-    def hold(self, *tensors: torch.Tensor) -> None:
-        if self.gauge is not None:
-            nbytes = sum(t.numel() * t.element_size() for t in tensors)
-            self.bytes += nbytes
-            self.gauge.add(nbytes)
+    def hold(self, *tensors: torch.Tensor, of: torch.Tensor | None = None) -> None:
+        """Count `tensors`; with `of`, only those that are not views of it (a reorder or a cast
+        that changed nothing made no new memory)."""
+        if of is not None:
+            tensors = tuple(t for t in tensors if t.untyped_storage().data_ptr() != of.untyped_storage().data_ptr())
+        self._add(sum(t.numel() * t.element_size() for t in tensors))
 
     def drop(self, *tensors: torch.Tensor) -> None:
+        self._add(-sum(t.numel() * t.element_size() for t in tensors))
+
+    def _add(self, nbytes: int) -> None:
         if self.gauge is not None:
-            nbytes = sum(t.numel() * t.element_size() for t in tensors)
-            self.bytes -= nbytes
-            self.gauge.sub(nbytes)
+            self.bytes += nbytes
+            self.gauge.add(nbytes) if nbytes >= 0 else self.gauge.sub(-nbytes)
 
     def done(self) -> None:
         if self.gauge is not None:

@@ -125,20 +125,17 @@ class TwoHop:
         try:
             # the parts owned at each place of each node: (place, node, n)
             by_place = self._by_place.take(buf.view(self.comm.world_size, n)).view(local, nodes * n)
-            if not self._by_place.identity:
-                held.hold(by_place)
+            held.hold(by_place, of=buf)
             if self.in_node is None:
                 partial = by_place[0].float().view(nodes, n)
-                if partial.data_ptr() != by_place.data_ptr():
-                    held.hold(partial)
+                held.hold(partial, of=by_place)
             else:
                 partial = _sum_messages(self.in_node, by_place, NODE, held).view(nodes, n)
             if self.across is None:
                 mine.copy_(partial[0])
             else:  # row g to the g-th rank of the group across nodes
                 rows = self._across_order.take(partial)
-                if not self._across_order.identity:
-                    held.hold(rows)
+                held.hold(rows, of=partial)
                 mine.copy_(_sum_messages(self.across, rows, ACROSS, held))
         finally:
             held.done()
